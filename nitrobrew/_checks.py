@@ -1,0 +1,158 @@
+"""Argument checks and small helpers shared by every loss family.
+
+Every public loss validates its inputs here, before any kernel runs, so bad input raises a
+clear error instead of crashing inside a kernel or returning a silently wrong number.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Sequence
+
+import torch
+
+REDUCTIONS = ("mean", "sum", "none")
+BACKENDS = ("auto", "torch", "triton")
+
+
+def check_reduction(reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def check_temperature(temperature: float) -> None:
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def check_unit_interval(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+
+
+def check_chunk(name: str, value: Optional[int]) -> None:
+    if value is not None and (not isinstance(value, int) or value <= 0):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
+    present = {k: t for k, t in tensors.items() if t is not None}
+    devices = {k: t.device for k, t in present.items()}
+    if len(set(devices.values())) > 1:
+        desc = ", ".join(f"{k} on {d}" for k, d in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {desc}")
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+def check_same_dtype(**tensors: Optional[torch.Tensor]) -> None:
+    present = {k: t for k, t in tensors.items() if t is not None}
+    dtypes = {k: t.dtype for k, t in present.items()}
+    if len(set(dtypes.values())) > 1:
+        desc = ", ".join(f"{k}: {d}" for k, d in dtypes.items())
+        raise TypeError(f"tensors must share one dtype (cast them first), got {desc}")
+
+
+def check_labels(labels: Optional[torch.Tensor], lead_shape: Sequence[int]) -> None:
+    if labels is None:
+        return
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    if tuple(labels.shape) != tuple(lead_shape):
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal the leading shape of the hidden "
+            f"states {tuple(lead_shape)}"
+        )
+
+
+def check_ids_in_range(name: str, ids: torch.Tensor, upper: int, ignore_index: Optional[int] = None) -> None:
+    """Raise if any id (other than ignore_index) is outside [0, upper). One small device sync."""
+    if ids.numel() == 0 or torch.compiler.is_compiling():
+        return
+    valid = ids if ignore_index is None else ids[ids != ignore_index]
+    if valid.numel() == 0:
+        return
+    lo, hi = int(valid.min()), int(valid.max())
+    if lo < 0 or hi >= upper:
+        raise ValueError(f"{name} must lie in [0, {upper}) (or equal ignore_index), found values in [{lo}, {hi}]")
+
+
+def row_weights(
+    labels: Optional[torch.Tensor], ignore_index: int, n_rows: int, device: torch.device
+) -> torch.Tensor:
+    """float32 [n_rows] mask: 1 where the row counts, 0 where its label is ignore_index."""
+    if labels is None:
+        return torch.ones(n_rows, device=device, dtype=torch.float32)
+    return (labels.reshape(-1) != ignore_index).to(torch.float32)
+
+
+def reduce_rows(per_row: torch.Tensor, mask: torch.Tensor, reduction: str, lead_shape) -> torch.Tensor:
+    """Apply a reduction to per-row values that are already 0 at ignored rows.
+
+    "mean" divides by the number of counted rows; with none counted the result is 0 (not NaN).
+    """
+    if reduction == "none":
+        return per_row.reshape(lead_shape)
+    total = per_row.sum()
+    if reduction == "sum":
+        return total
+    return total / mask.sum().clamp_min(1.0)
+
+
+def reduction_scale(mask: torch.Tensor, reduction: str) -> torch.Tensor:
+    """d loss / d row_value for "mean" and "sum", as a float32 scalar tensor (0 if no row counts)."""
+    if reduction == "sum":
+        return torch.ones((), device=mask.device, dtype=torch.float32)
+    return 1.0 / mask.sum().clamp_min(1.0)
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map "auto" to a concrete backend; validate that "triton" can run on this device."""
+    check_backend(backend)
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        if device.type == "cuda" and triton_available():
+            return "triton"
+        if device.type == "cuda":
+            _warn_once("triton is not installed: nitrobrew falls back to its PyTorch implementation")
+        return "torch"
+    if not triton_available():
+        raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
+    if device.type != "cuda" and not interpreter_enabled():
+        raise RuntimeError(
+            "backend='triton' on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before importing nitrobrew"
+        )
+    return "triton"
+
+
+_WARNED: set = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        import warnings
+
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)

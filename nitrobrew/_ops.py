@@ -1,0 +1,54 @@
+"""Tensor operations shared by the loss families."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 stays float64, everything else computes in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _has_mm_out_dtype() -> bool:
+    try:
+        a = torch.zeros(1, 1, dtype=torch.bfloat16, device="meta")
+        torch.mm(a, a, out_dtype=torch.float32)
+        return True
+    except Exception:
+        return False
+
+
+_MM_OUT_DTYPE = _has_mm_out_dtype()
+
+
+def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """a @ b with `acc` accumulation and output, without rounding the product to a's dtype.
+
+    On CUDA, bf16/fp16 operands go through the tensor cores with an fp32 output (cuBLAS); on
+    other devices, or where torch lacks ``out_dtype``, the operands are upcast first.
+    """
+    if a.dtype == acc and b.dtype == acc:
+        return a @ b
+    if (
+        _MM_OUT_DTYPE
+        and a.is_cuda
+        and acc == torch.float32
+        and a.dtype in (torch.bfloat16, torch.float16)
+        and a.dtype == b.dtype
+        and a.dim() == 2
+        and b.dim() == 2
+    ):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.to(acc) @ b.to(acc)
+
+
+def linear_logits(
+    x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], acc: torch.dtype
+) -> torch.Tensor:
+    """x @ w.T (+ b) accumulated and returned in `acc`."""
+    z = mm_acc(x, w.t(), acc)
+    if b is not None:
+        z = z + b.to(acc)
+    return z

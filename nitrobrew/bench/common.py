@@ -1,0 +1,165 @@
+"""Timing, memory and reporting helpers shared by every benchmark mode (design §8 protocol)."""
+from __future__ import annotations
+
+import csv
+import gc
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .._memory import TensorMemoryTracker
+
+
+@dataclass
+class Row:
+    """One measured method at one problem size."""
+
+    mode: str
+    method: str
+    size: Dict[str, int]
+    ms: Optional[float] = None
+    peak_mib: Optional[float] = None
+    rel_err: Optional[float] = None
+    note: str = ""
+    extra: Dict[str, float] = field(default_factory=dict)
+
+
+def environment() -> Dict[str, str]:
+    """Device, versions and commit, recorded with every result table."""
+    info = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception:
+        info["triton"] = "absent"
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True, timeout=5).stdout.strip() or "unknown"
+    except Exception:
+        info["commit"] = "unknown"
+    return info
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, warmup: int = 2, reps: int = 5) -> float:
+    """Median wall time of fn() in ms: CUDA events on GPU, perf_counter on CPU, after warm-up."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_mib(fn: Callable[[], object], device: torch.device) -> float:
+    """Peak memory above what was allocated before the call (inputs and their grads live), MiB."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    with TensorMemoryTracker() as tracker:
+        fn()
+    return tracker.peak / 2**20
+
+
+def is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def print_table(rows: List[Row], columns: List[str]) -> str:
+    """Fixed-width table of rows; returns the text it printed."""
+    lines = []
+    header = columns + ["method", "ms", "peak MiB", "rel err", "note"]
+    body = []
+    for r in rows:
+        body.append([str(r.size.get(c, "")) for c in columns] + [
+            r.method,
+            "-" if r.ms is None else f"{r.ms:.2f}",
+            "-" if r.peak_mib is None else f"{r.peak_mib:.1f}",
+            "-" if r.rel_err is None else f"{r.rel_err:.1e}",
+            r.note,
+        ])
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
+    fmt = "  ".join("{:<%d}" % w for w in widths)
+    lines.append(fmt.format(*header))
+    lines.append(fmt.format(*("-" * w for w in widths)))
+    lines.extend(fmt.format(*b) for b in body)
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def write_csv(path: str, rows: List[Row], env: Dict[str, str]) -> None:
+    size_keys = sorted({k for r in rows for k in r.size})
+    extra_keys = sorted({k for r in rows for k in r.extra})
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["mode", "method", *size_keys, "ms", "peak_mib", "rel_err", *extra_keys, "note",
+                    *sorted(env)])
+        for r in rows:
+            w.writerow([r.mode, r.method, *(r.size.get(k, "") for k in size_keys), r.ms, r.peak_mib,
+                        r.rel_err, *(r.extra.get(k, "") for k in extra_keys), r.note,
+                        *(env[k] for k in sorted(env))])
+
+
+def plot(path: str, rows: List[Row], x_key: str, title: str) -> Optional[str]:
+    """Time and peak memory against x_key per method, as one PNG (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install nitrobrew[plot])")
+        return None
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for method in dict.fromkeys(r.method for r in rows):
+        pts = sorted((r.size[x_key], r.ms, r.peak_mib) for r in rows if r.method == method and r.ms is not None)
+        if not pts:
+            continue
+        xs = [p[0] for p in pts]
+        ax_t.plot(xs, [p[1] for p in pts], marker="o", label=method)
+        ax_m.plot(xs, [max(p[2] or 0.0, 1e-3) for p in pts], marker="o", label=method)
+    for ax, label in ((ax_t, "fwd+bwd time (ms)"), (ax_m, "peak memory above inputs (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(x_key)
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))

@@ -1,0 +1,50 @@
+"""The `nitrobrew` console script.
+
+Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args)``;
+modules are imported only when their command runs (optional extras stay optional).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+# command -> (module, one-line help)
+COMMANDS = {
+    "bench": ("nitrobrew.bench.hidden", "benchmark the hidden-state losses against baselines"),
+    "bench-attention": ("nitrobrew.bench.attention", "benchmark attention_kl against baselines"),
+    "bench-topk": ("nitrobrew.bench.topk", "benchmark topk_kl against baselines"),
+    "demo": ("nitrobrew.demo.cli", "distill a small model end to end and report"),
+    "topk-extract": ("nitrobrew.topk.extract", "store a teacher's top-k log-probs over a corpus"),
+}
+# `nitrobrew bench attention` is spelled as a mode of bench, too.
+BENCH_MODES = {"hidden": "bench", "attention": "bench-attention", "topk": "bench-topk"}
+
+
+def _normalize(argv: List[str]) -> List[str]:
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCH_MODES:
+        return [BENCH_MODES[argv[1]], *argv[2:]]
+    return argv
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = _normalize(list(sys.argv[1:] if argv is None else argv))
+    parser = argparse.ArgumentParser(prog="nitrobrew", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        p.set_defaults(_module=module)
+        if argv and argv[0] == name:
+            try:
+                importlib.import_module(module).add_arguments(p)
+            except ModuleNotFoundError as err:
+                if err.name and err.name.startswith("nitrobrew"):
+                    parser.error(f"command {name!r} is not available in this build ({err})")
+                raise
+    args = parser.parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

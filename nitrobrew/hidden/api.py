@@ -1,0 +1,201 @@
+"""Public hidden-state distillation losses: validation, backend dispatch, reduction."""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import _checks as ck
+from .. import divergences as dv
+from .config import LossConfig
+
+
+class DistillOutput(NamedTuple):
+    """loss (differentiable) and its two terms, reduced the same way (detached, for logging)."""
+
+    loss: torch.Tensor
+    kd: torch.Tensor
+    ce: torch.Tensor
+
+
+def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction, chunk_V,
+              kd_weight, ce_weight, ignore_index, backend) -> int:
+    """Check everything before any kernel runs; return the vocabulary size to use."""
+    for name, t in (("xs", xs), ("xt", xt), ("ws", ws), ("wt", wt)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        ck.check_float(name, t)
+    ck.check_same_device(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels)
+    ck.check_same_dtype(xs=xs, ws=ws, bs=bs)
+    ck.check_same_dtype(xt=xt, wt=wt, bt=bt)
+    if xs.dim() < 1 or xt.dim() < 1 or xs.shape[:-1] != xt.shape[:-1]:
+        raise ValueError(
+            f"xs {tuple(xs.shape)} and xt {tuple(xt.shape)} must share their leading shape "
+            "(one teacher row per student row)"
+        )
+    if ws.dim() != 2 or wt.dim() != 2:
+        raise ValueError(f"ws and wt must be 2-D [V, D] heads, got {tuple(ws.shape)} and {tuple(wt.shape)}")
+    if ws.shape[1] != xs.shape[-1]:
+        raise ValueError(f"student hidden size {xs.shape[-1]} does not match ws {tuple(ws.shape)}")
+    if wt.shape[1] != xt.shape[-1]:
+        raise ValueError(f"teacher hidden size {xt.shape[-1]} does not match wt {tuple(wt.shape)}")
+    for name, b, w in (("bs", bs, ws), ("bt", bt, wt)):
+        if b is not None and tuple(b.shape) != (w.shape[0],):
+            raise ValueError(f"{name} must have shape ({w.shape[0]},), got {tuple(b.shape)}")
+    if vocab_size is None:
+        if ws.shape[0] != wt.shape[0]:
+            raise ValueError(
+                f"student vocab {ws.shape[0]} != teacher vocab {wt.shape[0]}: pass vocab_size=N to "
+                "compare the first N entries of both heads (never zero-pad a head)"
+            )
+        vocab_size = ws.shape[0]
+    elif not (isinstance(vocab_size, int) and 0 < vocab_size <= min(ws.shape[0], wt.shape[0])):
+        raise ValueError(
+            f"vocab_size must be an int in [1, {min(ws.shape[0], wt.shape[0])}], got {vocab_size!r}"
+        )
+    ck.check_temperature(temperature)
+    ck.check_reduction(reduction)
+    ck.check_chunk("chunk_V", chunk_V)
+    ck.check_backend(backend)
+    ck.check_labels(labels, xs.shape[:-1])
+    for name, wgt in (("kd_weight", kd_weight), ("ce_weight", ce_weight)):
+        if not (isinstance(wgt, (int, float)) and math.isfinite(wgt)):
+            raise ValueError(f"{name} must be a finite number, got {wgt!r}")
+    if ce_weight != 0:
+        if labels is None:
+            raise ValueError("ce_weight != 0 needs labels (the hard targets of each row)")
+        ck.check_ids_in_range("labels", labels, vocab_size, ignore_index)
+    return vocab_size
+
+
+def hidden_loss(
+    xs: torch.Tensor,
+    xt: torch.Tensor,
+    ws: torch.Tensor,
+    wt: torch.Tensor,
+    *,
+    divergence: str = "forward_kl",
+    beta: float = 0.5,
+    alpha: float = 0.1,
+    labels: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    chunk_V: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    bs: Optional[torch.Tensor] = None,
+    bt: Optional[torch.Tensor] = None,
+    kd_weight: float = 1.0,
+    ce_weight: float = 0.0,
+    scale_t2: bool = False,
+    backend: str = "auto",
+    mode: Optional[str] = None,
+    memory_budget: Optional[int] = None,
+    return_parts: bool = False,
+):
+    """Divergence between teacher and student next-token distributions, from hidden states.
+
+    See the per-divergence functions (``forward_kl`` ...) for the meaning of each option.
+    """
+    if divergence == "jsd":
+        ck.check_unit_interval("beta", beta)
+    if divergence in ("skew_kl", "skew_reverse_kl"):
+        ck.check_unit_interval("alpha", alpha)
+    name, param = dv.canonical(divergence, beta if divergence == "jsd" else alpha)
+    V = _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction, chunk_V,
+                  kd_weight, ce_weight, ignore_index, backend)
+    impl = ck.resolve_backend(backend, xs.device)
+
+    lead = xs.shape[:-1]
+    x_s = xs.reshape(-1, xs.shape[-1])
+    x_t = xt.reshape(-1, xt.shape[-1])
+    flat_labels = None if labels is None else labels.reshape(-1)
+    mask = ck.row_weights(flat_labels, ignore_index, x_s.shape[0], xs.device)
+    ce_labels = None
+    if ce_weight != 0:
+        ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1))
+    if V != ws.shape[0] or V != wt.shape[0]:
+        ws, wt = ws[:V], wt[:V]
+        bs = None if bs is None else bs[:V]
+        bt = None if bt is None else bt[:V]
+    cfg = LossConfig(
+        divergence=name,
+        param=param,
+        temperature=float(temperature),
+        kd_weight=float(kd_weight) * (temperature**2 if scale_t2 else 1.0),
+        ce_weight=float(ce_weight),
+        chunk_V=chunk_V,
+    )
+    rows = _dispatch(impl, mode, memory_budget)(x_s, x_t, ws, wt, bs, bt, ce_labels, mask, cfg)
+    total, kd, ce = (ck.reduce_rows(r, mask, reduction, lead) for r in rows)
+    if return_parts:
+        return DistillOutput(total, kd, ce)
+    return total
+
+
+def _dispatch(impl: str, mode: Optional[str], memory_budget: Optional[int]):
+    if impl == "triton":
+        from .triton_dispatch import triton_rows
+
+        return lambda *a: triton_rows(*a, mode=mode, memory_budget=memory_budget)
+    from .chunked import chunked_rows
+
+    return chunked_rows
+
+
+_COMMON_DOC = """
+    Args:
+        xs: student hidden states [..., Ds] (gradient flows here).
+        xt: teacher hidden states [..., Dt], same leading shape (treated as constant).
+        ws: student LM head [V, Ds] (gradient flows here). wt: teacher LM head [V, Dt].
+        labels: optional int tensor of the leading shape; rows equal to ``ignore_index`` do
+            not count. Also the targets of the hard-label cross-entropy when ``ce_weight != 0``.
+        temperature: logits are divided by it; the value is the divergence of the tempered
+            distributions (no silent T^2; ``scale_t2=True`` multiplies the divergence by T^2).
+        reduction: "mean" over counted rows, "sum", or "none" (float32 per row, 0 at ignored rows).
+        chunk_V: vocab chunk size (None = automatic). On CUDA with the Triton backend, giving
+            it selects the constant-memory kernels.
+        vocab_size: use the first ``vocab_size`` rows of both heads (padded heads); without it
+            differing vocab sizes raise.
+        bs, bt: optional logit biases [V].
+        kd_weight, ce_weight: loss = kd_weight * divergence + ce_weight * CE(labels) with the
+            CE at temperature 1, computed in the same pass.
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "torch" or "triton".
+        mode, memory_budget: Triton only: "fast" (token-chunked, default) or
+            "constant_memory"; memory_budget in bytes for the fast mode's logit slabs.
+        return_parts: return ``DistillOutput(loss, kd, ce)`` instead of the loss alone.
+
+    Returns:
+        float32 loss (a scalar, or the leading shape with reduction="none").
+"""
+
+
+def _make_loss(divergence: str, summary: str, extra: str = ""):
+    def loss(xs, xt, ws, wt, **kwargs):
+        return hidden_loss(xs, xt, ws, wt, divergence=divergence, **kwargs)
+
+    params = [p for p in inspect.signature(hidden_loss).parameters.values() if p.name != "divergence"]
+    if divergence != "jsd":
+        params = [p for p in params if p.name != "beta"]
+    if divergence not in ("skew_kl", "skew_reverse_kl"):
+        params = [p for p in params if p.name != "alpha"]
+    loss.__signature__ = inspect.Signature(params)
+    loss.__name__ = loss.__qualname__ = divergence
+    loss.__doc__ = summary + "\n" + extra + _COMMON_DOC
+    return loss
+
+
+forward_kl = _make_loss("forward_kl", "KL(teacher || student): mean-seeking.")
+reverse_kl = _make_loss("reverse_kl", "KL(student || teacher): mode-seeking.")
+jsd = _make_loss(
+    "jsd",
+    "Generalized Jensen-Shannon divergence with M = beta p + (1 - beta) q:",
+    "    beta KL(p||M) + (1 - beta) KL(q||M); beta=0 is exactly forward_kl, beta=1 reverse_kl.\n",
+)
+tvd = _make_loss("tvd", "Total variation distance 1/2 sum |p - q|.")
+skew_kl = _make_loss("skew_kl", "Skew KL: KL(p || alpha p + (1 - alpha) q), alpha default 0.1.")
+skew_reverse_kl = _make_loss(
+    "skew_reverse_kl", "Skew reverse KL: KL(q || alpha q + (1 - alpha) p), alpha default 0.1."
+)

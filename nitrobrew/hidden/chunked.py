@@ -1,0 +1,249 @@
+"""Vocab-chunked hidden-state losses in plain PyTorch (any device, any float dtype).
+
+Forward: one online pass over vocab chunks keeps per-row log-sum-exp state (and, for the two KL
+directions, the divergence itself: design §2); other divergences take a second pass once the
+log-sum-exps are known. Backward recomputes each chunk's logits, forms the gradient chunk and
+feeds it straight into dX and dW. Working memory is O(rows * chunk_V), never O(rows * V).
+
+The pieces (``Online``, ``chunk_logits``, ``first_pass``, ``second_pass``, ``grad_chunk``) are
+public to the package so that the vocab-parallel wrapper can combine per-rank partial states.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+from .. import divergences as dv
+from .._ops import compute_dtype, linear_logits
+from .config import LossConfig, auto_chunk_v
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class Online:
+    """Running max m, rescaled sum l = sum e^(x - m), and optional accumulator a = sum e^(x - m) d."""
+
+    m: Tensor
+    l: Tensor
+    a: Optional[Tensor] = None
+
+    @staticmethod
+    def empty(n: int, acc: torch.dtype, device, with_acc: bool = False) -> "Online":
+        m = torch.full((n,), float("-inf"), dtype=acc, device=device)
+        zero = torch.zeros(n, dtype=acc, device=device)
+        return Online(m, zero, zero.clone() if with_acc else None)
+
+    def update(self, x: Tensor, d: Optional[Tensor] = None) -> None:
+        m_new = torch.maximum(self.m, x.amax(-1))
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        scale = torch.exp(self.m - safe)  # 0 while both are -inf
+        e = torch.exp(x - safe[:, None])
+        self.l = self.l * scale + e.sum(-1)
+        if self.a is not None:
+            self.a = self.a * scale + torch.where(e > 0, e * d, torch.zeros_like(d)).sum(-1)
+        self.m = m_new
+
+    def rescale_to(self, m_new: Tensor) -> None:
+        """Express l and a relative to a larger max (used when merging partial states)."""
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        scale = torch.exp(self.m - safe)
+        self.l = self.l * scale
+        if self.a is not None:
+            self.a = self.a * scale
+        self.m = m_new
+
+    def lse(self) -> Tensor:
+        return self.m + self.l.log()
+
+
+@dataclass
+class RowStats:
+    """What the backward needs per row (all [N], compute dtype)."""
+
+    lse_s: Tensor
+    lse_t: Tensor
+    lse_z: Optional[Tensor]  # student log-sum-exp at temperature 1 (hard-label CE)
+    sum_u: Tensor            # sum_j dD/dlog q_j
+    kd: Tensor               # divergence per row
+    ce: Optional[Tensor]     # cross-entropy per row
+
+
+def vocab_chunks(vocab: int, chunk: int) -> Iterator[Tuple[int, int]]:
+    for lo in range(0, vocab, chunk):
+        yield lo, min(lo + chunk, vocab)
+
+
+def chunk_logits(x: Tensor, w: Tensor, b: Optional[Tensor], lo: int, hi: int, acc) -> Tensor:
+    return linear_logits(x, w[lo:hi], None if b is None else b[lo:hi], acc)
+
+
+def gather_label_logit(z: Tensor, labels: Optional[Tensor], lo: int, hi: int) -> Tensor:
+    """z[row, label - lo] where the label falls in [lo, hi), else 0."""
+    if labels is None:
+        return torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
+    inside = (labels >= lo) & (labels < hi)
+    col = torch.where(inside, labels - lo, torch.zeros_like(labels))
+    picked = z.gather(1, col[:, None]).squeeze(1)
+    return torch.where(inside, picked, torch.zeros_like(picked))
+
+
+@dataclass
+class FirstPass:
+    s: Online
+    t: Online
+    z: Optional[Online]      # raw student logits, only when CE is on and T != 1
+    z_label: Tensor          # raw student logit at the label (0 where no label)
+
+
+def first_pass(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, lo: int, hi: int, chunk: int) -> FirstPass:
+    """Online statistics over the rows [lo, hi) of the heads, in chunks (labels index those rows)."""
+    acc = compute_dtype(xs.dtype)
+    n, dev = xs.shape[0], xs.device
+    one_pass = cfg.divergence in dv.ONE_PASS
+    st = FirstPass(
+        s=Online.empty(n, acc, dev, with_acc=one_pass and cfg.divergence == "reverse_kl"),
+        t=Online.empty(n, acc, dev, with_acc=one_pass and cfg.divergence == "forward_kl"),
+        z=Online.empty(n, acc, dev) if cfg.with_ce and cfg.temperature != 1.0 else None,
+        z_label=torch.zeros(n, dtype=acc, device=dev),
+    )
+    for c0 in range(lo, hi, chunk):
+        c1 = min(c0 + chunk, hi)
+        z = chunk_logits(xs, ws, bs, c0, c1, acc)
+        s = z / cfg.temperature
+        t = chunk_logits(xt, wt, bt, c0, c1, acc) / cfg.temperature
+        st.s.update(s, s - t if st.s.a is not None else None)
+        st.t.update(t, t - s if st.t.a is not None else None)
+        if st.z is not None:
+            st.z.update(z)
+        if cfg.with_ce:
+            st.z_label += gather_label_logit(z, labels, c0, c1)
+    return st
+
+
+def second_pass(xs, xt, ws, wt, bs, bt, cfg: LossConfig, lse_s, lse_t, lo, hi, chunk) -> Tuple[Tensor, Tensor]:
+    """sum_j phi_j and sum_j u_j over [lo, hi), given the final log-sum-exps."""
+    acc = compute_dtype(xs.dtype)
+    phi_sum = torch.zeros_like(lse_s)
+    u_sum = torch.zeros_like(lse_s)
+    for c0 in range(lo, hi, chunk):
+        c1 = min(c0 + chunk, hi)
+        lq = chunk_logits(xs, ws, bs, c0, c1, acc) / cfg.temperature - lse_s[:, None]
+        lp = chunk_logits(xt, wt, bt, c0, c1, acc) / cfg.temperature - lse_t[:, None]
+        phi, u = dv.elementwise(cfg.divergence, lp, lq, cfg.param)
+        phi_sum += phi.sum(-1)
+        u_sum += u.sum(-1)
+    return phi_sum, u_sum
+
+
+def finish_stats(fp: FirstPass, cfg: LossConfig, sums: Optional[Tuple[Tensor, Tensor]]) -> RowStats:
+    """Turn (globally merged) first-pass state and second-pass sums into RowStats."""
+    lse_s, lse_t = fp.s.lse(), fp.t.lse()
+    if cfg.divergence == "forward_kl":
+        kd = fp.t.a / fp.t.l - lse_t + lse_s
+        sum_u = torch.full_like(kd, -1.0)
+    elif cfg.divergence == "reverse_kl":
+        kd = fp.s.a / fp.s.l - lse_s + lse_t
+        sum_u = kd + 1.0
+    else:
+        kd, sum_u = sums
+    lse_z = None
+    ce = None
+    if cfg.with_ce:
+        lse_z = fp.z.lse() if fp.z is not None else lse_s
+        ce = lse_z - fp.z_label
+    return RowStats(lse_s, lse_t, lse_z, sum_u, kd, ce)
+
+
+def grad_chunk(z, t, labels, st: RowStats, cfg: LossConfig, kd_scale, ce_scale, lo: int) -> Tensor:
+    """d loss / d raw student logits for one chunk: z raw student logits, t tempered teacher logits.
+
+    kd_scale and ce_scale are per-row multipliers (upstream gradient, weights, row mask).
+    """
+    lq = z / cfg.temperature - st.lse_s[:, None]
+    lp = t - st.lse_t[:, None]
+    _, u = dv.elementwise(cfg.divergence, lp, lq, cfg.param)
+    g = dv.student_logit_grad(u, lq, st.sum_u[:, None]) * (kd_scale / cfg.temperature)[:, None]
+    if cfg.with_ce:
+        g = g + torch.exp(z - st.lse_z[:, None]) * ce_scale[:, None]
+        if labels is not None:
+            inside = (labels >= lo) & (labels < lo + z.shape[1])
+            col = torch.where(inside, labels - lo, torch.zeros_like(labels))
+            g.scatter_add_(1, col[:, None], torch.where(inside, -ce_scale, torch.zeros_like(ce_scale))[:, None])
+    return g
+
+
+def row_scales(grad_rows: Tensor, mask: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor]:
+    g = grad_rows * mask
+    return g * cfg.kd_weight, g * cfg.ce_weight
+
+
+def combine_rows(st: RowStats, mask: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor, Tensor]:
+    """Per-row (total, kd, ce) as float32, 0 at ignored rows."""
+    kd = torch.where(mask > 0, st.kd, torch.zeros_like(st.kd)).float()
+    ce = torch.zeros_like(kd) if st.ce is None else torch.where(mask > 0, st.ce, torch.zeros_like(st.ce)).float()
+    return cfg.kd_weight * kd + cfg.ce_weight * ce, kd, ce
+
+
+def compute_stats(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, chunk: int) -> RowStats:
+    V = ws.shape[0]
+    fp = first_pass(xs, xt, ws, wt, bs, bt, labels, cfg, 0, V, chunk)
+    sums = None
+    if cfg.divergence not in dv.ONE_PASS:
+        sums = second_pass(xs, xt, ws, wt, bs, bt, cfg, fp.s.lse(), fp.t.lse(), 0, V, chunk)
+    return finish_stats(fp, cfg, sums)
+
+
+def backward_chunks(xs, xt, ws, wt, bs, bt, labels, st, cfg, kd_scale, ce_scale, chunk, lo=0, need_w=True):
+    """Recompute chunk logits and accumulate (dX [acc], dW, db) over the local vocab."""
+    acc = compute_dtype(xs.dtype)
+    V = ws.shape[0]
+    dx = torch.zeros(xs.shape, dtype=acc, device=xs.device)
+    dw = torch.empty_like(ws) if need_w else None
+    db = torch.empty_like(bs) if (bs is not None and need_w) else None
+    xs_acc = xs.to(acc)
+    for c0, c1 in vocab_chunks(V, chunk):
+        z = chunk_logits(xs, ws, bs, c0, c1, acc)
+        t = chunk_logits(xt, wt, bt, c0, c1, acc) / cfg.temperature
+        g = grad_chunk(z, t, None if labels is None else labels - lo, st, cfg, kd_scale, ce_scale, c0)
+        dx += g @ ws[c0:c1].to(acc)
+        if dw is not None:
+            dw[c0:c1] = (g.t() @ xs_acc).to(ws.dtype)
+        if db is not None:
+            db[c0:c1] = g.sum(0).to(bs.dtype)
+    return dx, dw, db
+
+
+class ChunkedDistill(torch.autograd.Function):
+    """Per-row (total, kd, ce) losses; gradients to xs, ws and bs (the teacher is constant)."""
+
+    @staticmethod
+    def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig):
+        chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0])
+        st = compute_stats(xs, xt, ws, wt, bs, bt, labels, cfg, chunk)
+        total, kd, ce = combine_rows(st, mask, cfg)
+        ctx.save_for_backward(xs, xt, ws, wt, bs, bt, labels, mask)
+        ctx.stats, ctx.cfg, ctx.chunk = st, cfg, chunk
+        ctx.mark_non_differentiable(kd, ce)
+        return total, kd, ce
+
+    @staticmethod
+    def backward(ctx, grad_total, _gkd, _gce):
+        xs, xt, ws, wt, bs, bt, labels, mask = ctx.saved_tensors
+        cfg = ctx.cfg
+        kd_scale, ce_scale = row_scales(grad_total.to(ctx.stats.lse_s.dtype), mask.to(ctx.stats.lse_s.dtype), cfg)
+        dx, dw, db = backward_chunks(
+            xs, xt, ws, wt, bs, bt, labels, ctx.stats, cfg, kd_scale, ce_scale, ctx.chunk,
+            need_w=ctx.needs_input_grad[2] or ctx.needs_input_grad[4],
+        )
+        dx = dx.to(xs.dtype) if ctx.needs_input_grad[0] else None
+        dw = dw if ctx.needs_input_grad[2] else None
+        db = db if ctx.needs_input_grad[4] else None
+        return dx, None, dw, None, db, None, None, None, None
+
+
+def chunked_rows(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig):
+    """Entry used by the public API: flattened inputs, returns per-row (total, kd, ce)."""
+    return ChunkedDistill.apply(xs, xt, ws, wt, bs, bt, labels, mask, cfg)

@@ -1,0 +1,27 @@
+"""Settings of one hidden-state loss call, shared by every backend."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    divergence: str          # canonical name (see nitrobrew.divergences)
+    param: float             # beta for jsd, alpha for the skew losses, unused otherwise
+    temperature: float
+    kd_weight: float         # multiplies the divergence (T^2 already folded in when asked for)
+    ce_weight: float         # multiplies the hard-label cross-entropy at temperature 1
+    chunk_V: Optional[int]   # vocab chunk; None = automatic
+
+    @property
+    def with_ce(self) -> bool:
+        return self.ce_weight != 0.0
+
+
+def auto_chunk_v(n_rows: int, vocab: int, budget_elems: int = 1 << 24) -> int:
+    """A power-of-two vocab chunk with rows * chunk near `budget_elems` (64 MiB of fp32)."""
+    chunk = 256
+    while chunk * 2 * max(n_rows, 1) <= budget_elems and chunk < vocab:
+        chunk *= 2
+    return min(chunk, vocab)
