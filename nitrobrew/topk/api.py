@@ -1,0 +1,183 @@
+"""Public top-k KD loss: validation, backend dispatch, reduction."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import _checks as ck
+from .. import divergences as dv
+from ..hidden.api import DistillOutput
+from .rowmath import TopKConfig
+
+NORMALIZE = ("full", "topk")
+
+
+def _validate(xs, ws, ids, lp, bs, labels, normalize, divergence, tail, temperature, teacher_temperature,
+              reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend) -> None:
+    """Every check before any kernel runs."""
+    for name, t in (("xs", xs), ("ws", ws), ("topk_ids", ids), ("topk_logprobs", lp)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    ck.check_float("xs", xs)
+    ck.check_float("ws", ws)
+    ck.check_float("topk_logprobs", lp)
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids must be an integer tensor, got {ids.dtype}")
+    ck.check_same_device(xs=xs, ws=ws, bs=bs, topk_ids=ids, topk_logprobs=lp, labels=labels)
+    ck.check_same_dtype(xs=xs, ws=ws, bs=bs)
+    if xs.dim() < 1:
+        raise ValueError("xs must have a hidden dimension [..., D]")
+    if ws.dim() != 2 or ws.shape[1] != xs.shape[-1]:
+        raise ValueError(f"ws must be a [V, D] head with D = {xs.shape[-1]} (xs {tuple(xs.shape)}), "
+                         f"got {tuple(ws.shape)}")
+    if bs is not None and tuple(bs.shape) != (ws.shape[0],):
+        raise ValueError(f"bs must have shape ({ws.shape[0]},), got {tuple(bs.shape)}")
+    if tuple(ids.shape) != tuple(lp.shape):
+        raise ValueError(f"topk_ids {tuple(ids.shape)} and topk_logprobs {tuple(lp.shape)} must have the same shape")
+    if ids.dim() < 1 or ids.shape[-1] < 1:
+        raise ValueError(f"topk_ids must be [..., K] with K >= 1, got {tuple(ids.shape)}")
+    if tuple(ids.shape[:-1]) != tuple(xs.shape[:-1]):
+        raise ValueError(
+            f"topk_ids/topk_logprobs leading shape {tuple(ids.shape[:-1])} must equal xs's leading shape "
+            f"{tuple(xs.shape[:-1])} (one stored teacher row per student position)"
+        )
+    if normalize not in NORMALIZE:
+        raise ValueError(f"normalize must be one of {NORMALIZE}, got {normalize!r}")
+    if tail and normalize != "full":
+        raise ValueError("tail=True needs normalize='full': renormalized over the K ids, the student has no tail")
+    if divergence != "forward_kl" and normalize == "full" and not tail:
+        raise ValueError(
+            f"{divergence} over the top-k support compares distributions: use normalize='topk' (both sides "
+            "renormalized over the K ids) or normalize='full' with tail=True (K ids + one tail bucket)"
+        )
+    ck.check_temperature(temperature)
+    if teacher_temperature is not None:
+        ck.check_temperature(teacher_temperature)
+        if teacher_temperature != temperature:
+            raise ValueError(
+                f"the stored log-probs were taken at temperature {teacher_temperature} but the student is "
+                f"tempered at {temperature}: stored top-k log-probs cannot be re-tempered exactly; extract "
+                "them again at the distillation temperature (or pass the same value)"
+            )
+    ck.check_reduction(reduction)
+    ck.check_chunk("chunk_V", chunk_V)
+    ck.check_backend(backend)
+    ck.check_labels(labels, xs.shape[:-1])
+    for name, wgt in (("kd_weight", kd_weight), ("ce_weight", ce_weight)):
+        if not (isinstance(wgt, (int, float)) and math.isfinite(wgt)):
+            raise ValueError(f"{name} must be a finite number, got {wgt!r}")
+    if ce_weight != 0:
+        if normalize != "full":
+            raise ValueError("ce_weight != 0 needs normalize='full': the hard-label CE needs the student's "
+                             "log-sum-exp over the whole vocabulary")
+        if labels is None:
+            raise ValueError("ce_weight != 0 needs labels (the hard targets of each row)")
+        ck.check_ids_in_range("labels", labels, ws.shape[0], ignore_index)
+    if lp.numel() and not torch.compiler.is_compiling():
+        bad = torch.isnan(lp) | (lp == float("inf"))
+        if bool(bad.any()):
+            raise ValueError("topk_logprobs holds NaN or +inf; padding entries must be -inf")
+        ck.check_ids_in_range("topk_ids (at entries whose log-prob is finite)", ids[torch.isfinite(lp)], ws.shape[0])
+
+
+def topk_kl(
+    xs: torch.Tensor,
+    ws: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    *,
+    normalize: str = "full",
+    divergence: str = "forward_kl",
+    beta: float = 0.5,
+    alpha: float = 0.1,
+    tail: bool = False,
+    labels: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    teacher_temperature: Optional[float] = None,
+    reduction: str = "mean",
+    bs: Optional[torch.Tensor] = None,
+    kd_weight: float = 1.0,
+    ce_weight: float = 0.0,
+    scale_t2: bool = False,
+    chunk_V: Optional[int] = None,
+    backend: str = "auto",
+    return_parts: bool = False,
+):
+    """Distill from a teacher's stored top-k next-token log-probs, from the student's hidden states.
+
+    Per row: ``D = sum_k p_k (log p_k - log q_k)`` (forward_kl) with ``p_k = exp(topk_logprobs)``
+    as stored and ``q`` the student's tempered softmax at the K ids.
+
+    Args:
+        xs: student hidden states [..., D] (gradient flows here).
+        ws: student LM head [V, D] (gradient flows here). bs: optional bias [V] (gradient too).
+        topk_ids: [..., K] integer ids in [0, V) (same leading shape as xs); entries whose
+            log-prob is -inf are padding and may hold any id.
+        topk_logprobs: [..., K] the teacher's log-probs as stored; -inf marks padding entries,
+            which contribute nothing. Ids must be distinct within a row.
+        normalize: "full": log q_k = s_k - logsumexp over the whole vocabulary (one streaming pass
+            over ws, never materialized); "topk": the student renormalized over the K ids (only
+            those K rows of ws are read: no vocab-wide matmul).
+        divergence: "forward_kl" (default; the teacher as stored), or "reverse_kl", "jsd" (beta),
+            "tvd", "skew_kl", "skew_reverse_kl" (alpha), which compare distributions: with
+            normalize="topk" both sides are renormalized over the valid ids; with
+            normalize="full" they need tail=True.
+        tail: add one bucket holding the mass outside the top-k on both sides (teacher
+            1 - sum p_k, student 1 - sum q_k, in log space); needs normalize="full".
+        labels, ignore_index: rows whose label is ignore_index do not count; the labels are also
+            the targets of the hard-label CE.
+        temperature: divides the student's logits. The teacher's log-probs are used as stored:
+            they already carry the temperature they were extracted at (the store records it).
+            Pass it as ``teacher_temperature`` to have a mismatch raise.
+        reduction: "mean" over counted rows, "sum", or "none" (per row, 0 at ignored rows).
+        kd_weight, ce_weight: loss = kd_weight * D [* T^2 with scale_t2] + ce_weight * CE(labels)
+            with the CE at temperature 1 over the full vocabulary (needs normalize="full").
+        chunk_V: vocab chunk of the PyTorch backend (None = automatic).
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "torch" or "triton".
+        return_parts: return ``DistillOutput(loss, kd, ce)`` (kd and ce detached, reduced the same way).
+
+    Returns:
+        float32 loss (float64 for float64 inputs): a scalar, or the leading shape for "none".
+    """
+    if divergence == "jsd":
+        ck.check_unit_interval("beta", beta)
+    if divergence in ("skew_kl", "skew_reverse_kl"):
+        ck.check_unit_interval("alpha", alpha)
+    name, param = dv.canonical(divergence, beta if divergence == "jsd" else alpha)
+    _validate(xs, ws, topk_ids, topk_logprobs, bs, labels, normalize, divergence, tail, temperature,
+              teacher_temperature, reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend)
+    impl = ck.resolve_backend(backend, xs.device)
+
+    lead = xs.shape[:-1]
+    K = topk_ids.shape[-1]
+    x = xs.reshape(-1, xs.shape[-1])
+    lp = topk_logprobs.reshape(-1, K)
+    ids = torch.where(torch.isfinite(lp), topk_ids.reshape(-1, K).long(), torch.zeros((), dtype=torch.long,
+                                                                                      device=lp.device))
+    flat_labels = None if labels is None else labels.reshape(-1)
+    mask = ck.row_weights(flat_labels, ignore_index, x.shape[0], xs.device)
+    ce_labels = None
+    if ce_weight != 0:
+        ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1)).long()
+    cfg = TopKConfig(
+        divergence=name,
+        param=param,
+        normalize=normalize,
+        tail=bool(tail),
+        temperature=float(temperature),
+        kd_weight=float(kd_weight) * (temperature**2 if scale_t2 else 1.0),
+        ce_weight=float(ce_weight),
+        chunk_V=chunk_V,
+    )
+    if impl == "triton":
+        from .triton_dispatch import triton_rows as rows_fn
+    else:
+        from .chunked import chunked_rows as rows_fn
+    rows = rows_fn(x, ws, bs, ids, lp, ce_labels, mask, cfg)
+    total, kd, ce = (ck.reduce_rows(r, mask, reduction, lead) for r in rows)
+    if return_parts:
+        return DistillOutput(total, kd, ce)
+    return total

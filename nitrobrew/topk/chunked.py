@@ -1,0 +1,263 @@
+"""Top-k KD in plain PyTorch (any device, any float dtype).
+
+normalize="full": one online pass over vocab chunks keeps the student's per-row (m, l) state
+(``nitrobrew.hidden.chunked.Online``) and picks the logits at the stored ids out of each chunk as
+it goes by; the backward recomputes each chunk, adds the K sparse coefficients of the rows whose
+ids fall in it, and feeds the chunk's gradient into dX and dW. Working memory O(rows * chunk +
+rows * K); the [rows, V] logits never exist.
+
+normalize="topk": no vocab-wide work at all: the K logits of a row are gathered from the K rows
+of ``ws`` (in row blocks of bounded size), and the gradients scatter back to those rows.
+
+Vocab-parallel pieces: ``vocab_pass`` computes a vocab range's statistics (the student's online
+state, the logits at the ids that fall in the range, the label logit); ``merge_states`` combines
+per-range states; ``finish`` turns merged statistics into losses and gradient coefficients;
+``backward_range`` accumulates a range's gradient. A wrapper that holds rows [lo, hi) of the head
+on each rank calls them with ``lo`` and reduces (m, l), the id logits and dX over ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from .._ops import compute_dtype
+from ..hidden.chunked import Online, chunk_logits, gather_label_logit, vocab_chunks
+from ..hidden.config import auto_chunk_v
+from .rowmath import RowResult, TopKConfig, topk_rows
+
+Tensor = torch.Tensor
+GATHER_BUDGET = 1 << 22  # elements of gathered [rows, K, D] (or [entries, D]) held at once
+
+
+@dataclass
+class Entries:
+    """The valid (row, id) entries of a batch sorted by id, so a vocab range is one slice."""
+
+    ids: Tensor   # [E] int64, sorted
+    rows: Tensor  # [E] int64
+    flat: Tensor  # [E] int64, row * K + k
+    size: int     # N * K
+
+    @staticmethod
+    def build(ids: Tensor, valid: Tensor) -> "Entries":
+        K = ids.shape[1]
+        flat = torch.nonzero(valid.reshape(-1), as_tuple=False).squeeze(1)
+        idv = ids.reshape(-1)[flat].long()
+        order = torch.argsort(idv, stable=True)
+        flat = flat[order]
+        return Entries(idv[order], torch.div(flat, K, rounding_mode="floor"), flat, ids.numel())
+
+    def span(self, lo: int, hi: int) -> Tuple[int, int]:
+        bounds = torch.searchsorted(self.ids, torch.tensor([lo, hi], device=self.ids.device))
+        return int(bounds[0]), int(bounds[1])
+
+
+@dataclass
+class VocabStats:
+    """Statistics of one vocab range (merge ranges with ``merge_states`` / by summing z_ids)."""
+
+    s: Optional[Online]   # tempered student logits
+    z: Optional[Online]   # raw logits (hard-label CE at T != 1), else None
+    z_ids: Tensor         # [N*K] raw logits at the stored ids inside the range, 0 elsewhere
+    z_label: Tensor       # [N] raw logit at the label inside the range, 0 elsewhere
+
+
+def merge_states(states: List[Online]) -> Online:
+    """Combine online states of disjoint vocab ranges (max first, then rescaled sums)."""
+    m = states[0].m
+    for st in states[1:]:
+        m = torch.maximum(m, st.m)
+    total = torch.zeros_like(states[0].l)
+    for st in states:
+        part = Online(st.m.clone(), st.l.clone())
+        part.rescale_to(m)
+        total = total + part.l
+    return Online(m, total)
+
+
+def vocab_pass(xs, ws, bs, labels, entries: Entries, cfg: TopKConfig, lo: int = 0,
+               chunk: Optional[int] = None) -> VocabStats:
+    """Online statistics over the head rows ``ws`` = global vocab [lo, lo + ws.shape[0]).
+
+    labels (global ids, -1 where none) give the CE label logit when cfg.with_ce.
+    """
+    acc = compute_dtype(xs.dtype)
+    n, dev = xs.shape[0], xs.device
+    V = ws.shape[0]
+    chunk = chunk or cfg.chunk_V or auto_chunk_v(n, V)
+    st = VocabStats(
+        s=Online.empty(n, acc, dev),
+        z=Online.empty(n, acc, dev) if cfg.with_ce and cfg.temperature != 1.0 else None,
+        z_ids=torch.zeros(entries.size, dtype=acc, device=dev),
+        z_label=torch.zeros(n, dtype=acc, device=dev),
+    )
+    local_labels = None if labels is None else labels - lo
+    for c0, c1 in vocab_chunks(V, chunk):
+        z = chunk_logits(xs, ws, bs, c0, c1, acc)
+        st.s.update(z / cfg.temperature)
+        if st.z is not None:
+            st.z.update(z)
+        a, b = entries.span(lo + c0, lo + c1)
+        if b > a:
+            st.z_ids[entries.flat[a:b]] = z[entries.rows[a:b], entries.ids[a:b] - lo - c0]
+        if cfg.with_ce and local_labels is not None:
+            st.z_label += gather_label_logit(z, local_labels, c0, c1)
+    return st
+
+
+def gather_logits(xs: Tensor, ws: Tensor, bs: Optional[Tensor], ids: Tensor) -> Tensor:
+    """Raw logits x_n . w_{ids[n, k]} (+ b) as [N, K] in the compute dtype, no vocab-wide work."""
+    acc = compute_dtype(xs.dtype)
+    N, K = ids.shape
+    D = xs.shape[1]
+    out = torch.empty(N, K, dtype=acc, device=xs.device)
+    step = max(1, GATHER_BUDGET // max(K * D, 1))
+    for r0 in range(0, N, step):
+        r1 = min(r0 + step, N)
+        w = ws[ids[r0:r1]].to(acc)  # [r, K, D]
+        out[r0:r1] = torch.einsum("rd,rkd->rk", xs[r0:r1].to(acc), w)
+    if bs is not None:
+        out += bs.to(acc)[ids]
+    return out
+
+
+def finish(z_ids: Tensor, lp: Tensor, valid: Tensor, s_state: Optional[Online], z_state: Optional[Online],
+           z_label: Tensor, cfg: TopKConfig) -> Tuple[RowResult, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """Losses and gradient coefficients from (merged) statistics.
+
+    Returns (rows, lse_s, lse_z, ce): lse_s is the tempered student's full log-sum-exp (None for
+    normalize="topk"), lse_z the raw one used by the CE (None without CE), ce the per-row CE.
+    """
+    N, K = lp.shape
+    s = z_ids.view(N, K) / cfg.temperature
+    lse_s = s_state.lse() if s_state is not None else None
+    res = topk_rows(s, lp, valid, lse_s if cfg.full else None, cfg)
+    lse_z = ce = None
+    if cfg.with_ce:
+        lse_z = z_state.lse() if z_state is not None else lse_s
+        ce = lse_z - z_label
+    return res, lse_s, lse_z, ce
+
+
+def backward_range(xs, ws, bs, labels, entries: Entries, coef: Tensor, lse_s: Tensor, dense: Tensor,
+                   lse_z: Optional[Tensor], ce_scale: Optional[Tensor], cfg: TopKConfig, lo: int = 0,
+                   chunk: Optional[int] = None, need_w: bool = True):
+    """Gradient of a vocab range w.r.t. the raw logits, fed into (dX [acc], dW, db).
+
+    coef: [N*K] d loss / d raw logit at each stored id (0 at invalid entries); dense: [N]
+    multiplier of the tempered softmax q_j (already divided by T); ce_scale: [N] CE weight per row
+    (softmax of the raw logits minus the label's one-hot). dW/db cover this range only.
+    """
+    acc = compute_dtype(xs.dtype)
+    V = ws.shape[0]
+    chunk = chunk or cfg.chunk_V or auto_chunk_v(xs.shape[0], V)
+    dx = torch.zeros(xs.shape, dtype=acc, device=xs.device)
+    dw = torch.empty_like(ws) if need_w else None
+    db = torch.empty_like(bs) if (bs is not None and need_w) else None
+    xs_acc = xs.to(acc)
+    local_labels = None if labels is None else labels - lo
+    for c0, c1 in vocab_chunks(V, chunk):
+        z = chunk_logits(xs, ws, bs, c0, c1, acc)
+        g = dense[:, None] * torch.exp(z / cfg.temperature - lse_s[:, None])
+        if ce_scale is not None:
+            g += ce_scale[:, None] * torch.exp(z - lse_z[:, None])
+            if local_labels is not None:
+                inside = (local_labels >= c0) & (local_labels < c1)
+                col = torch.where(inside, local_labels - c0, torch.zeros_like(local_labels))
+                g.scatter_add_(1, col[:, None], torch.where(inside, -ce_scale, torch.zeros_like(ce_scale))[:, None])
+        a, b = entries.span(lo + c0, lo + c1)
+        if b > a:
+            g.index_put_((entries.rows[a:b], entries.ids[a:b] - lo - c0), coef[entries.flat[a:b]], accumulate=True)
+        dx += g @ ws[c0:c1].to(acc)
+        if dw is not None:
+            dw[c0:c1] = (g.t() @ xs_acc).to(ws.dtype)
+        if db is not None:
+            db[c0:c1] = g.sum(0).to(bs.dtype)
+    return dx, dw, db
+
+
+def sparse_grads(xs, ws, bs, ids: Tensor, entries: Entries, coef: Tensor, need_w: bool = True):
+    """Gradients of normalize="topk": dX_n = sum_k c_nk w_{id_nk}; dW[v] = sum c x over v's entries."""
+    acc = compute_dtype(xs.dtype)
+    N, K = ids.shape
+    D = xs.shape[1]
+    c = coef.view(N, K)
+    dx = torch.empty(N, D, dtype=acc, device=xs.device)
+    step = max(1, GATHER_BUDGET // max(K * D, 1))
+    for r0 in range(0, N, step):
+        r1 = min(r0 + step, N)
+        dx[r0:r1] = torch.einsum("rk,rkd->rd", c[r0:r1], ws[ids[r0:r1]].to(acc))
+    dw = db = None
+    if need_w:
+        dw_acc = torch.zeros(ws.shape, dtype=acc, device=ws.device)
+        ce = coef[entries.flat]
+        estep = max(1, GATHER_BUDGET // max(D, 1))
+        for e0 in range(0, entries.ids.numel(), estep):
+            e1 = min(e0 + estep, entries.ids.numel())
+            dw_acc.index_add_(0, entries.ids[e0:e1], ce[e0:e1, None] * xs[entries.rows[e0:e1]].to(acc))
+        dw = dw_acc.to(ws.dtype)
+        if bs is not None:
+            db = torch.zeros(bs.shape, dtype=acc, device=bs.device).index_add_(0, entries.ids, ce).to(bs.dtype)
+    return dx, dw, db
+
+
+def row_coefficients(grad_rows: Tensor, mask: Tensor, res: RowResult, cfg: TopKConfig):
+    """Per-entry coefficients (raw-logit units) and per-row dense / CE multipliers for a backward."""
+    g = grad_rows.to(res.kd.dtype) * mask.to(res.kd.dtype)
+    kd_scale = g * (cfg.kd_weight / cfg.temperature)
+    coef = (res.sparse * kd_scale[:, None]).reshape(-1)
+    dense = None if res.dense is None else res.dense * kd_scale
+    ce_scale = g * cfg.ce_weight if cfg.with_ce else None
+    return coef, dense, ce_scale
+
+
+def combine_rows(res: RowResult, ce: Optional[Tensor], mask: Tensor, cfg: TopKConfig):
+    """Per-row (total, kd, ce) as float32 (float64 for float64 inputs), 0 at ignored rows."""
+    out = torch.float64 if res.kd.dtype == torch.float64 else torch.float32
+    kd = torch.where(mask > 0, res.kd, torch.zeros_like(res.kd)).to(out)
+    ce = torch.zeros_like(kd) if ce is None else torch.where(mask > 0, ce, torch.zeros_like(ce)).to(out)
+    return cfg.kd_weight * kd + cfg.ce_weight * ce, kd, ce
+
+
+class ChunkedTopK(torch.autograd.Function):
+    """Per-row (total, kd, ce); gradients to xs, ws and bs (the stored teacher is constant)."""
+
+    @staticmethod
+    def forward(ctx, xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig):
+        valid = torch.isfinite(lp)
+        entries = Entries.build(ids, valid)
+        lpc = lp.to(compute_dtype(xs.dtype))
+        if cfg.full:
+            st = vocab_pass(xs, ws, bs, labels, entries, cfg)
+            res, lse_s, lse_z, ce = finish(st.z_ids, lpc, valid, st.s, st.z, st.z_label, cfg)
+        else:
+            z_ids = gather_logits(xs, ws, bs, ids).reshape(-1)
+            res, lse_s, lse_z, ce = finish(z_ids, lpc, valid, None, None, None, cfg)
+        total, kd, ce_rows = combine_rows(res, ce, mask, cfg)
+        ctx.save_for_backward(xs, ws, bs, ids, labels, mask)
+        ctx.res, ctx.lse_s, ctx.lse_z, ctx.entries, ctx.cfg = res, lse_s, lse_z, entries, cfg
+        ctx.mark_non_differentiable(kd, ce_rows)
+        return total, kd, ce_rows
+
+    @staticmethod
+    def backward(ctx, grad_total, _gkd, _gce):
+        xs, ws, bs, ids, labels, mask = ctx.saved_tensors
+        cfg = ctx.cfg
+        coef, dense, ce_scale = row_coefficients(grad_total, mask, ctx.res, cfg)
+        need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        if cfg.full:
+            dx, dw, db = backward_range(xs, ws, bs, labels, ctx.entries, coef, ctx.lse_s, dense, ctx.lse_z,
+                                        ce_scale, cfg, need_w=need_w)
+        else:
+            dx, dw, db = sparse_grads(xs, ws, bs, ids, ctx.entries, coef, need_w=need_w)
+        dx = dx.to(xs.dtype) if ctx.needs_input_grad[0] else None
+        dw = dw if ctx.needs_input_grad[1] else None
+        db = db if ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None, None, None, None
+
+
+def chunked_rows(xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig):
+    """Entry used by the public API: flattened inputs, returns per-row (total, kd, ce)."""
+    return ChunkedTopK.apply(xs, ws, bs, ids, lp, labels, mask, cfg)

@@ -1,0 +1,237 @@
+"""Triton kernels of top-k KD.
+
+normalize="full" (vocab-wide, in the manner of cut-cross-entropy; memory O(rows * K)):
+- ``_lse_kernel``: one program per (row block, vocab tile), grouped for L2 reuse; the logit
+  tile is accumulated in fp32 from bf16/fp16/fp32 operands, its log-sum-exp (tempered, and raw
+  for the hard-label CE) is merged into the per-row result under a per-row-block lock.
+- ``_full_bwd_kernel``: recomputes each logit tile, forms the gradient tile (dense part
+  ``dense_n * q_nj`` + CE part, plus the sparse coefficients of the stored ids that fall in the
+  tile, listed per tile in CSR form) and feeds it into dX and dW through locked read-add-write
+  of fp32 accumulators (or of the gradients themselves in their dtype, as CCE does).
+
+normalize="topk" and the ids of "full" (bandwidth-bound, no vocab-wide work):
+- ``_gather_kernel``: s_nk = x_n . w_{id_nk} (+ b).
+- ``_gather_dx_kernel``: dX_n = sum_k c_nk w_{id_nk}.
+- ``_scatter_dw_kernel``: dW_v = sum over v's entries of c x_row (entries sorted by id, CSR by
+  vocab row; every row of dW written once, zeros included: no atomics, no memset).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gather_kernel(X, W, B, IDS, OUT, K, D, V_LOCAL, LO, stride_xn, stride_wv, stride_in, stride_on,
+                   HAS_BIAS: tl.constexpr, ACC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = offs_k < K
+    ids = tl.load(IDS + n * stride_in + offs_k, mask=kmask, other=0).to(tl.int64) - LO
+    inside = kmask & (ids >= 0) & (ids < V_LOCAL)
+    ids = tl.where(inside, ids, 0)
+    acc = tl.zeros([BLOCK_K], dtype=ACC)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        dmask = offs_d < D
+        x = tl.load(X + n * stride_xn + offs_d, mask=dmask, other=0.0).to(ACC)
+        w = tl.load(W + ids[:, None] * stride_wv + offs_d[None, :], mask=inside[:, None] & dmask[None, :],
+                    other=0.0).to(ACC)
+        acc += tl.sum(w * x[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(B + ids, mask=inside, other=0.0).to(ACC)
+    acc = tl.where(inside, acc, 0.0)
+    tl.store(OUT + n * stride_on + offs_k, acc, mask=kmask)
+
+
+@triton.jit
+def _gather_dx_kernel(W, C, IDS, DX, K, D, stride_wv, stride_cn, stride_in, stride_dn,
+                      ACC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    acc = tl.zeros([BLOCK_D], dtype=ACC)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        ids = tl.load(IDS + n * stride_in + offs_k, mask=kmask, other=0).to(tl.int64)
+        c = tl.load(C + n * stride_cn + offs_k, mask=kmask, other=0.0).to(ACC)
+        w = tl.load(W + ids[:, None] * stride_wv + offs_d[None, :], mask=kmask[:, None] & dmask[None, :],
+                    other=0.0).to(ACC)
+        acc += tl.sum(w * c[:, None], axis=0)
+    tl.store(DX + n * stride_dn + offs_d, acc, mask=dmask)
+
+
+@triton.jit
+def _scatter_dw_kernel(X, COEF, ROWS, OFFS, DW, V, D, stride_xn, stride_wv,
+                       ACC: tl.constexpr, ROWS_PER_PROG: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    for i in range(ROWS_PER_PROG):
+        v = tl.program_id(0) * ROWS_PER_PROG + i
+        if v < V:
+            start = tl.load(OFFS + v)
+            end = tl.load(OFFS + v + 1)
+            acc = tl.zeros([BLOCK_D], dtype=ACC)
+            for e0 in range(start, end, BLOCK_E):
+                offs_e = e0 + tl.arange(0, BLOCK_E)
+                emask = offs_e < end
+                rows = tl.load(ROWS + offs_e, mask=emask, other=0).to(tl.int64)
+                c = tl.load(COEF + offs_e, mask=emask, other=0.0).to(ACC)
+                x = tl.load(X + rows[:, None] * stride_xn + offs_d[None, :], mask=emask[:, None] & dmask[None, :],
+                            other=0.0).to(ACC)
+                acc += tl.sum(x * c[:, None], axis=0)
+            tl.store(DW + v.to(tl.int64) * stride_wv + offs_d, acc.to(DW.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _tile_ids(N, V, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, GROUP_B: tl.constexpr):
+    """Grouped ordering of (row block, vocab tile) programs: GROUP_B row blocks share vocab tiles."""
+    pid = tl.program_id(0)
+    num_pid_b = tl.cdiv(N, BLOCK_B)
+    num_pid_v = tl.cdiv(V, BLOCK_V)
+    num_pid_in_group = GROUP_B * num_pid_v
+    group_id = pid // num_pid_in_group
+    first_pid_b = group_id * GROUP_B
+    group_size_b = min(num_pid_b - first_pid_b, GROUP_B)
+    pid_b = first_pid_b + ((pid % num_pid_in_group) % group_size_b)
+    pid_v = (pid % num_pid_in_group) // group_size_b
+    return pid_b, pid_v
+
+
+@triton.jit
+def _logit_tile(X, W, B, offs_b, offs_v, D, stride_xn, stride_wv,
+                HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+                BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    x_ptrs = X + (offs_b[:, None].to(tl.int64) * stride_xn + offs_d[None, :])
+    w_ptrs = W + (offs_v[None, :].to(tl.int64) * stride_wv + offs_d[:, None])
+    acc = tl.zeros((BLOCK_B, BLOCK_V), dtype=tl.float32)
+    for d in range(0, tl.cdiv(D, BLOCK_D)):
+        if EVEN_D:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=offs_d[None, :] < D - d * BLOCK_D, other=0.0)
+            w = tl.load(w_ptrs, mask=offs_d[:, None] < D - d * BLOCK_D, other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
+        x_ptrs += BLOCK_D
+        w_ptrs += BLOCK_D
+    if HAS_BIAS:
+        acc += tl.load(B + offs_v).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _logaddexp(a, b):
+    mx = tl.maximum(a, b)
+    mn = tl.minimum(a, b)
+    safe = tl.where(mx == float("-inf"), 0.0, mx)
+    return safe + tl.log(tl.exp(mx - safe) + tl.exp(mn - safe))
+
+
+@triton.jit
+def _lse_kernel(X, W, B, LSE_S, LSE_Z, LOCKS, N, V, D, inv_t, stride_xn, stride_wv,
+                HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, DOT_PREC: tl.constexpr,
+                BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_B: tl.constexpr,
+                EVEN_D: tl.constexpr):
+    pid_b, pid_v = _tile_ids(N, V, BLOCK_B, BLOCK_V, GROUP_B)
+    rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    z = _logit_tile(X, W, B, rows % N, cols % V, D, stride_xn, stride_wv, HAS_BIAS, DOT_PREC,
+                    BLOCK_B, BLOCK_V, BLOCK_D, EVEN_D)
+    z = tl.where((cols < V)[None, :], z, float("-inf"))
+    s = z * inv_t
+    m = tl.max(s, axis=1)
+    lse = m + tl.log(tl.sum(tl.exp(s - m[:, None]), axis=1))
+    if HAS_Z:
+        mz = tl.max(z, axis=1)
+        lse_z = mz + tl.log(tl.sum(tl.exp(z - mz[:, None]), axis=1))
+    rmask = rows < N
+    lock = LOCKS + pid_b
+    while tl.atomic_cas(lock, 0, 1) == 1:
+        pass
+    tl.debug_barrier()
+    old = tl.load(LSE_S + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+    tl.store(LSE_S + rows, _logaddexp(old, lse), mask=rmask)
+    if HAS_Z:
+        old_z = tl.load(LSE_Z + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+        tl.store(LSE_Z + rows, _logaddexp(old_z, lse_z), mask=rmask)
+    tl.debug_barrier()
+    tl.atomic_xchg(lock, 0)
+
+
+@triton.jit
+def _locked_add(ptrs, val, mask, lock):
+    while tl.atomic_cas(lock, 0, 1) == 1:
+        pass
+    tl.debug_barrier()
+    cur = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    tl.store(ptrs, (cur.to(tl.float32) + val).to(ptrs.dtype.element_ty), mask=mask, cache_modifier=".cg")
+    tl.debug_barrier()
+    tl.atomic_xchg(lock, 0)
+
+
+@triton.jit
+def _full_bwd_kernel(X, W, B, LSE_S, LSE_Z, DENSE, CE, OFFS, E_ROWS, E_COLS, E_COEF,
+                     DX, DW, DB, LOCKS_X, LOCKS_W, N, V, D, inv_t, stride_xn, stride_wv, stride_dxn, stride_dwv,
+                     n_dchunks,
+                     HAS_BIAS: tl.constexpr, HAS_CE: tl.constexpr, NEED_W: tl.constexpr, DOT_PREC: tl.constexpr,
+                     BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, MM_BLOCK_D: tl.constexpr,
+                     GROUP_B: tl.constexpr, EVEN_D: tl.constexpr):
+    pid_b, pid_v = _tile_ids(N, V, BLOCK_B, BLOCK_V, GROUP_B)
+    ar_b = tl.arange(0, BLOCK_B)
+    ar_v = tl.arange(0, BLOCK_V)
+    rows = pid_b * BLOCK_B + ar_b
+    cols = pid_v * BLOCK_V + ar_v
+    rmask = rows < N
+    vmask = cols < V
+    rows_c = rows % N
+    cols_c = cols % V
+    z = _logit_tile(X, W, B, rows_c, cols_c, D, stride_xn, stride_wv, HAS_BIAS, DOT_PREC,
+                    BLOCK_B, BLOCK_V, BLOCK_D, EVEN_D)
+    lse_s = tl.load(LSE_S + rows_c)
+    dense = tl.load(DENSE + rows_c)
+    g = dense[:, None] * tl.exp(z * inv_t - lse_s[:, None])
+    if HAS_CE:
+        lse_z = tl.load(LSE_Z + rows_c)
+        ce = tl.load(CE + rows_c)
+        g += ce[:, None] * tl.exp(z - lse_z[:, None])
+    # sparse entries of this tile (stored ids and CE labels), CSR by tile
+    tile = pid_b * tl.cdiv(V, BLOCK_V) + pid_v
+    start = tl.load(OFFS + tile)
+    end = tl.load(OFFS + tile + 1)
+    for e in range(start, end):
+        r = tl.load(E_ROWS + e) - pid_b * BLOCK_B
+        c = tl.load(E_COLS + e) - pid_v * BLOCK_V
+        cf = tl.load(E_COEF + e)
+        g += tl.where((ar_b[:, None] == r) & (ar_v[None, :] == c), cf, 0.0)
+    g = tl.where(rmask[:, None] & vmask[None, :], g, 0.0)
+    if HAS_BIAS:
+        if NEED_W:
+            tl.atomic_add(DB + cols, tl.sum(g, axis=0), mask=vmask)
+    gd = g.to(X.dtype.element_ty)
+    offs_md = tl.arange(0, MM_BLOCK_D)
+    # dX[rows] += g @ W[cols]
+    w_ptrs = W + cols_c[:, None].to(tl.int64) * stride_wv + offs_md[None, :]
+    dx_ptrs = DX + rows_c[:, None].to(tl.int64) * stride_dxn + offs_md[None, :]
+    for d in range(0, tl.cdiv(D, MM_BLOCK_D)):
+        dm = offs_md[None, :] < D - d * MM_BLOCK_D
+        w = tl.load(w_ptrs, mask=vmask[:, None] & dm, other=0.0)
+        part = tl.dot(gd, w, input_precision=DOT_PREC)
+        _locked_add(dx_ptrs, part, rmask[:, None] & dm, LOCKS_X + pid_b * n_dchunks + d)
+        w_ptrs += MM_BLOCK_D
+        dx_ptrs += MM_BLOCK_D
+    if NEED_W:
+        # dW[cols] += g^T @ X[rows]
+        gt = tl.trans(gd)
+        x_ptrs = X + rows_c[:, None].to(tl.int64) * stride_xn + offs_md[None, :]
+        dw_ptrs = DW + cols_c[:, None].to(tl.int64) * stride_dwv + offs_md[None, :]
+        for d in range(0, tl.cdiv(D, MM_BLOCK_D)):
+            dm = offs_md[None, :] < D - d * MM_BLOCK_D
+            x = tl.load(x_ptrs, mask=rmask[:, None] & dm, other=0.0)
+            part = tl.dot(gt, x, input_precision=DOT_PREC)
+            _locked_add(dw_ptrs, part, vmask[:, None] & dm, LOCKS_W + pid_v * n_dchunks + d)
+            x_ptrs += MM_BLOCK_D
+            dw_ptrs += MM_BLOCK_D
