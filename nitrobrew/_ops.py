@@ -47,8 +47,8 @@ def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 def linear_logits(
     x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], acc: torch.dtype
 ) -> torch.Tensor:
-    """x @ w.T (+ b) accumulated and returned in `acc`."""
+    """x @ w.T (+ b) accumulated and returned in `acc` (not for use under autograd)."""
     z = mm_acc(x, w.t(), acc)
     if b is not None:
-        z = z + b.to(acc)
+        z.add_(b.to(acc))  # z is a fresh product: add in place, no second slab
     return z

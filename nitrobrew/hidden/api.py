@@ -20,6 +20,10 @@ class DistillOutput(NamedTuple):
     ce: torch.Tensor
 
 
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"  # no torch.distributed import on the single-process path
+
+
 def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction, chunk_V,
               kd_weight, ce_weight, ignore_index, backend) -> int:
     """Check everything before any kernel runs; return the vocabulary size to use."""
@@ -94,11 +98,21 @@ def hidden_loss(
     mode: Optional[str] = None,
     memory_budget: Optional[int] = None,
     return_parts: bool = False,
+    process_group=None,
 ):
     """Divergence between teacher and student next-token distributions, from hidden states.
 
     See the per-divergence functions (``forward_kl`` ...) for the meaning of each option.
     """
+    if process_group is not None or _is_dtensor(ws) or _is_dtensor(wt):
+        from ..parallel.hidden import parallel_hidden_loss
+
+        return parallel_hidden_loss(
+            xs, xt, ws, wt, process_group=process_group, divergence=divergence, beta=beta, alpha=alpha,
+            labels=labels, ignore_index=ignore_index, temperature=temperature, reduction=reduction,
+            chunk_V=chunk_V, vocab_size=vocab_size, bs=bs, bt=bt, kd_weight=kd_weight, ce_weight=ce_weight,
+            scale_t2=scale_t2, backend=backend, mode=mode, memory_budget=memory_budget, return_parts=return_parts,
+        )
     if divergence == "jsd":
         ck.check_unit_interval("beta", beta)
     if divergence in ("skew_kl", "skew_reverse_kl"):
@@ -128,21 +142,20 @@ def hidden_loss(
         ce_weight=float(ce_weight),
         chunk_V=chunk_V,
     )
-    rows = _dispatch(impl, mode, memory_budget)(x_s, x_t, ws, wt, bs, bt, ce_labels, mask, cfg)
-    total, kd, ce = (ck.reduce_rows(r, mask, reduction, lead) for r in rows)
+    if impl == "triton" and xs.dtype != torch.float64:
+        # the Triton path reduces inside its autograd Function (it forms gradients in the forward)
+        from .triton_dispatch import triton_distill
+
+        out = triton_distill(x_s, x_t, ws, wt, bs, bt, ce_labels, mask, cfg, reduction, mode, memory_budget)
+    else:  # float64 inputs always take the PyTorch path: the Triton kernels compute in float32
+        from .chunked import chunked_rows
+
+        rows = chunked_rows(x_s, x_t, ws, wt, bs, bt, ce_labels, mask, cfg)
+        out = tuple(ck.reduce_rows(r, mask, reduction, lead) for r in rows)
+    total, kd, ce = (r.reshape(lead) for r in out) if reduction == "none" else out
     if return_parts:
         return DistillOutput(total, kd, ce)
     return total
-
-
-def _dispatch(impl: str, mode: Optional[str], memory_budget: Optional[int]):
-    if impl == "triton":
-        from .triton_dispatch import triton_rows
-
-        return lambda *a: triton_rows(*a, mode=mode, memory_budget=memory_budget)
-    from .chunked import chunked_rows
-
-    return chunked_rows
 
 
 _COMMON_DOC = """
@@ -166,9 +179,15 @@ _COMMON_DOC = """
         mode, memory_budget: Triton only: "fast" (token-chunked, default) or
             "constant_memory"; memory_budget in bytes for the fast mode's logit slabs.
         return_parts: return ``DistillOutput(loss, kd, ce)`` instead of the loss alone.
+        process_group: vocab-parallel (tensor-parallel) heads: ws, wt (bs, bt) hold this rank's
+            contiguous block of the vocabulary, xs/xt/labels (global ids) the same rows on every
+            rank; the result is the full-vocabulary loss on every rank, communicating per-row
+            statistics only (PyTorch path). DTensor heads sharded Shard(0) need no group.
+            See docs/parallel.md.
 
     Returns:
-        float32 loss (a scalar, or the leading shape with reduction="none").
+        the loss in float32 (float64 for float64 inputs): a scalar, or the leading shape with
+        reduction="none".
 """
 
 

@@ -1,0 +1,232 @@
+"""Triton backend of the hidden-state losses: two modes over one set of row kernels.
+
+fast (default): token-chunked. For C rows, both [C, V] logit slabs come from cuBLAS with fp32
+  output; the row kernels compute the statistics and write the gradient slab (bf16, over the
+  teacher slab's bytes); then dX = G W and dW += G^T X. With a scalar reduction the gradient is
+  formed in the forward pass (the slabs are already there), so fwd+bwd costs the four GEMMs of
+  the floor plus the row passes. C follows `memory_budget` (default 1 GiB of slabs).
+constant_memory (chunk_V given): rows in blocks of R, vocab in chunks of chunk_V; slabs are
+  [R, chunk_V], the forward keeps per-row statistics only, the backward recomputes each slab.
+  Memory O(R * chunk_V + R * D), independent of V; two extra GEMMs (the recompute).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import _checks as ck
+from .. import divergences as dv
+from .._ops import linear_logits, mm_acc
+from . import triton_rows as tr
+from .chunked import FirstPass, Online, RowStats, combine_rows, finish_stats, row_scales, vocab_chunks
+from .config import LossConfig
+
+F32 = torch.float32
+DEFAULT_FAST_BUDGET = 1 << 30       # bytes of fp32 logit slabs in the fast mode
+DEFAULT_CONST_BUDGET = 48 << 20     # bytes of slabs + dX block in the constant-memory mode
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str
+    row_chunk: int
+    vocab_chunk: int
+    reduction: str
+    dw_fp32: bool
+
+
+def make_plan(n: int, v: int, ds: int, dtype, mode, chunk_V, memory_budget, reduction) -> Plan:
+    if mode is None:
+        mode = "constant_memory" if chunk_V is not None else "fast"
+    if mode not in ("fast", "constant_memory"):
+        raise ValueError(f"mode must be 'fast' or 'constant_memory', got {mode!r}")
+    if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+    if mode == "fast":
+        budget = memory_budget or DEFAULT_FAST_BUDGET
+        rows = _round_rows(budget // (8 * v))
+        # fp32 dW accumulation when it fits in the budget beside the slabs, else the head's dtype
+        dw_fp32 = dtype == F32 or (v * ds * 4 + min(rows, n) * v * 8 <= budget)
+        return Plan(mode, max(1, min(rows, max(n, 1))), v, reduction, dw_fp32)
+    vc = min(chunk_V or 4096, v)
+    budget = memory_budget or DEFAULT_CONST_BUDGET
+    rows = _round_rows(budget // (8 * vc + 4 * ds))
+    return Plan(mode, max(1, min(rows, max(n, 1))), vc, reduction, dtype == F32)
+
+
+def _round_rows(rows: int) -> int:
+    return rows - rows % 64 if rows >= 128 else max(rows, 1)
+
+
+def _slabs(xs, xt, ws, wt, bs, bt, v0, v1, cfg):
+    z = linear_logits(xs, ws[v0:v1], None if bs is None else bs[v0:v1], F32)
+    t = linear_logits(xt, wt[v0:v1], None if bt is None else bt[v0:v1], F32)
+    return z, t
+
+
+def _first_pass_from_state(st: torch.Tensor, cfg: LossConfig) -> FirstPass:
+    acc = st[:, tr.ACC]
+    return FirstPass(
+        s=Online(st[:, tr.M_S], st[:, tr.L_S], acc if cfg.divergence == "reverse_kl" else None),
+        t=Online(st[:, tr.M_T], st[:, tr.L_T], acc if cfg.divergence == "forward_kl" else None),
+        z=Online(st[:, tr.M_Z], st[:, tr.L_Z]) if cfg.with_ce and cfg.temperature != 1.0 else None,
+        z_label=st[:, tr.Z_LABEL],
+    )
+
+
+def block_stats(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, vchunk: int):
+    """RowStats of a block of rows, streaming the vocab; also returns the slabs if there was one."""
+    V = ws.shape[0]
+    st = tr.new_state(xs.shape[0], xs.device)
+    slabs = None
+    for v0, v1 in vocab_chunks(V, vchunk):
+        slabs = _slabs(xs, xt, ws, wt, bs, bt, v0, v1, cfg)
+        tr.launch_stats(*slabs, st, labels, v0, cfg, 1)
+    fp = _first_pass_from_state(st, cfg)
+    sums = None
+    if cfg.divergence not in dv.ONE_PASS:
+        st2 = torch.zeros_like(st)
+        st2[:, tr.M_S], st2[:, tr.M_T] = fp.s.lse(), fp.t.lse()
+        for v0, v1 in vocab_chunks(V, vchunk):
+            if vchunk < V:
+                slabs = _slabs(xs, xt, ws, wt, bs, bt, v0, v1, cfg)
+            tr.launch_stats(*slabs, st2, None, v0, cfg, 2)
+        sums = (st2[:, tr.PHI_SUM], st2[:, tr.U_SUM])
+    return finish_stats(fp, cfg, sums), (slabs if vchunk >= V else None)
+
+
+def _grad_buffer(z: torch.Tensor, t: torch.Tensor, dtype) -> torch.Tensor:
+    """Where the gradient slab goes: over z for fp32 inputs, over t's bytes for 16-bit ones."""
+    if dtype == F32:
+        return z
+    return t.view(dtype)[:, : t.shape[1]]
+
+
+def _rowvals(rs: RowStats) -> torch.Tensor:
+    lse_z = rs.lse_z if rs.lse_z is not None else rs.lse_s
+    return torch.stack([rs.lse_s, rs.lse_t, lse_z, rs.sum_u], dim=1).to(F32).contiguous()
+
+
+def block_grads(xs, xt, ws, wt, bs, bt, labels, rs, kd_scale, ce_scale, cfg, vchunk, dx_out, dw, db, slabs=None):
+    """Gradient of a block of rows: writes dx_out (its rows), accumulates dw and db."""
+    V = ws.shape[0]
+    rowvals = _rowvals(rs)
+    dx_acc = None if vchunk >= V else torch.zeros(xs.shape, dtype=F32, device=xs.device)
+    for v0, v1 in vocab_chunks(V, vchunk):
+        z, t = slabs if slabs is not None else _slabs(xs, xt, ws, wt, bs, bt, v0, v1, cfg)
+        g = _grad_buffer(z, t, xs.dtype)
+        tr.launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, v0, cfg)
+        if dx_out is not None:
+            if dx_acc is None:
+                dx_out.copy_(mm_acc(g, ws[v0:v1], xs.dtype))
+            else:
+                dx_acc += mm_acc(g, ws[v0:v1], F32)
+        if dw is not None:
+            if dw.dtype == g.dtype:
+                dw[v0:v1].addmm_(g.t(), xs)
+            else:
+                dw[v0:v1] += mm_acc(g.t(), xs, dw.dtype)
+        if db is not None:
+            db[v0:v1] += g.sum(0, dtype=F32)
+        del z, t, g
+    if dx_acc is not None and dx_out is not None:
+        dx_out.copy_(dx_acc)
+
+
+class TritonDistill(torch.autograd.Function):
+    """Reduced (total, kd, ce); gradients to xs, ws, bs."""
+
+    @staticmethod
+    def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool):
+        n, V = xs.shape[0], ws.shape[0]
+        precompute = need_grad and plan.mode == "fast" and plan.reduction != "none"
+        grads = _alloc_grads(xs, ws, bs, plan) if precompute else None
+        red = ck.reduction_scale(mask, plan.reduction) if precompute else None
+        stats = []
+        for r0 in range(0, n, plan.row_chunk):
+            r1 = min(r0 + plan.row_chunk, n)
+            lab = None if labels is None else labels[r0:r1]
+            rs, slabs = block_stats(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, lab, cfg, plan.vocab_chunk)
+            stats.append(rs)
+            if precompute:
+                kd_scale, ce_scale = row_scales(red.expand(r1 - r0), mask[r0:r1], cfg)
+                block_grads(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, lab, rs, kd_scale, ce_scale, cfg,
+                            plan.vocab_chunk, grads[0][r0:r1], grads[1], grads[2], slabs)
+            del slabs
+        rs = _concat_stats(stats, xs)
+        rows = combine_rows(rs, mask, cfg)
+        out = tuple(ck.reduce_rows(r, mask, plan.reduction, (n,)) for r in rows)
+        ctx.cfg, ctx.plan, ctx.precompute = cfg, plan, precompute
+        if precompute:
+            ctx.grads = _finish_grads(grads, xs, ws, bs)
+            ctx.save_for_backward()
+        else:
+            ctx.stats = rs
+            ctx.save_for_backward(xs, xt, ws, wt, bs, bt, labels, mask)
+        ctx.mark_non_differentiable(out[1], out[2])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_total, _gkd, _gce):
+        need = ctx.needs_input_grad
+        if ctx.precompute:
+            dx, dw, db = (None if g is None else g * grad_total.to(g.dtype) for g in ctx.grads)
+        else:
+            dx, dw, db = _deferred_grads(ctx, grad_total)
+        return (dx if need[0] else None, None, dw if need[2] else None, None,
+                db if need[4] else None, None, None, None, None, None, None)
+
+
+def _alloc_grads(xs, ws, bs, plan: Plan):
+    dx = torch.empty_like(xs)
+    dw = torch.zeros(ws.shape, dtype=F32 if plan.dw_fp32 else ws.dtype, device=ws.device)
+    db = None if bs is None else torch.zeros(bs.shape, dtype=F32, device=bs.device)
+    return dx, dw, db
+
+
+def _finish_grads(grads, xs, ws, bs):
+    dx, dw, db = grads
+    return dx, dw.to(ws.dtype), None if db is None else db.to(bs.dtype)
+
+
+def _concat_stats(stats, xs) -> RowStats:
+    if len(stats) == 1:
+        return stats[0]
+    cat = lambda name: None if getattr(stats[0], name) is None else torch.cat([getattr(s, name) for s in stats])
+    return RowStats(*(cat(k) for k in ("lse_s", "lse_t", "lse_z", "sum_u", "kd", "ce")))
+
+
+def _deferred_grads(ctx, grad_total):
+    xs, xt, ws, wt, bs, bt, labels, mask = ctx.saved_tensors
+    cfg, plan, rs = ctx.cfg, ctx.plan, ctx.stats
+    n = xs.shape[0]
+    if plan.reduction == "none":
+        upstream = grad_total.to(F32)
+    else:
+        upstream = (ck.reduction_scale(mask, plan.reduction) * grad_total.to(F32)).expand(n)
+    kd_scale, ce_scale = row_scales(upstream, mask, cfg)
+    dx, dw, db = _alloc_grads(xs, ws, bs, plan)
+    for r0 in range(0, n, plan.row_chunk):
+        r1 = min(r0 + plan.row_chunk, n)
+        sub = RowStats(*(None if v is None else v[r0:r1] for v in (rs.lse_s, rs.lse_t, rs.lse_z, rs.sum_u, rs.kd, rs.ce)))
+        block_grads(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, None if labels is None else labels[r0:r1], sub,
+                    kd_scale[r0:r1].contiguous(), ce_scale[r0:r1].contiguous(), cfg, plan.vocab_chunk,
+                    dx[r0:r1], dw, db)
+    return _finish_grads((dx, dw, db), xs, ws, bs)
+
+
+def triton_distill(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, reduction: str,
+                   mode: Optional[str] = None, memory_budget: Optional[int] = None):
+    """Reduced (total, kd, ce) over flattened rows with the Triton row kernels."""
+    if xs.dtype == torch.float64:
+        raise TypeError("the Triton backend computes in float32; use backend='torch' for float64 inputs")
+    if xt.dtype != xs.dtype:
+        xt, wt = xt.to(xs.dtype), wt.to(xs.dtype)
+        bt = None if bt is None else bt.to(xs.dtype)
+    plan = make_plan(xs.shape[0], ws.shape[0], ws.shape[1], xs.dtype, mode, cfg.chunk_V, memory_budget, reduction)
+    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xs, ws, bs))
+    xs, xt, ws, wt = (t.contiguous() for t in (xs, xt, ws, wt))
+    labels = None if labels is None else labels.contiguous()
+    return TritonDistill.apply(xs, xt, ws, wt, bs, bt, labels, mask, cfg, plan, need_grad)

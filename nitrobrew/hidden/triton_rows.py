@@ -1,0 +1,247 @@
+"""Triton row kernels over fp32 logit slabs: online statistics, divergence sums, gradient.
+
+A slab holds raw student logits z and raw teacher logits t for R rows and a run of vocab
+columns (the whole vocabulary in the fast mode, a vocab chunk in the constant-memory mode).
+Each program owns one row and walks its columns in BLOCK_V tiles, so a row's state is updated
+by one program only, and slabs can be processed chunk after chunk with the state carried in a
+small [R, NSTATE] fp32 tensor. The divergence math is the one of nitrobrew.divergences, in Triton,
+selected by the constexpr DIVERGENCE (ids from divergences.DIVERGENCE_IDS).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import divergences as dv
+from .config import LossConfig
+
+# Columns of the per-row state tensor.
+M_S, L_S, M_T, L_T, ACC, M_Z, L_Z, Z_LABEL, PHI_SUM, U_SUM = range(10)
+NSTATE = 10
+# Columns of the per-row finished values the gradient kernel reads.
+LSE_S, LSE_T, LSE_Z, SUM_U = range(4)
+
+FORWARD_KL, REVERSE_KL, JSD, SKEW_KL, SKEW_REVERSE_KL, TVD = (dv.DIVERGENCE_IDS[k] for k in (
+    "forward_kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd"))
+
+
+@triton.jit
+def _xmul(w, x):
+    # w * x, 0 where w == 0 (0 * inf would be NaN)
+    return tl.where(w > 0, w * x, 0.0)
+
+
+@triton.jit
+def _logaddexp(a, b):
+    mx = tl.maximum(a, b)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    return mx_safe + tl.log(tl.exp(a - mx_safe) + tl.exp(b - mx_safe))
+
+
+@triton.jit
+def phi_u(lp, lq, param, log_a, log_1ma, DIVERGENCE: tl.constexpr):
+    """(phi, u = dphi/dlog q) per entry; mirrors nitrobrew.divergences."""
+    if DIVERGENCE == 0:  # forward KL
+        p = tl.exp(lp)
+        phi = _xmul(p, lp - lq)
+        u = -p
+    elif DIVERGENCE == 1:  # reverse KL
+        q = tl.exp(lq)
+        phi = _xmul(q, lq - lp)
+        u = _xmul(q, lq - lp + 1.0)
+    elif DIVERGENCE == 2:  # jsd(beta = param)
+        p = tl.exp(lp)
+        q = tl.exp(lq)
+        lm = _logaddexp(lp + log_a, lq + log_1ma)
+        phi = param * _xmul(p, lp - lm) + (1.0 - param) * _xmul(q, lq - lm)
+        u = (1.0 - param) * _xmul(q, lq - lm)
+    elif DIVERGENCE == 3:  # skew KL(p || a p + (1-a) q)
+        p = tl.exp(lp)
+        lr = _logaddexp(lp + log_a, lq + log_1ma)
+        phi = _xmul(p, lp - lr)
+        e = lp + log_1ma + lq - lr
+        u = -tl.exp(tl.where(e == e, e, float("-inf")))
+    elif DIVERGENCE == 4:  # skew reverse KL(q || a q + (1-a) p)
+        q = tl.exp(lq)
+        lr = _logaddexp(lq + log_a, lp + log_1ma)
+        e = lq + log_a - lr
+        share = tl.exp(tl.where(e == e, e, float("-inf")))
+        phi = _xmul(q, lq - lr)
+        u = _xmul(q, lq - lr + 1.0 - share)
+    else:  # tvd
+        p = tl.exp(lp)
+        q = tl.exp(lq)
+        phi = 0.5 * tl.abs(p - q)
+        u = tl.where(q > p, 0.5 * q, tl.where(q < p, -0.5 * q, 0.0))
+    return phi, u
+
+
+@triton.jit
+def _online(m, l, x, valid):
+    """Online (max, rescaled sum) update with one tile x; returns new m, l and e = exp(x - m_new)."""
+    m_new = tl.maximum(m, tl.max(tl.where(valid, x, float("-inf")), axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    scale = tl.exp(m - m_safe)
+    e = tl.where(valid, tl.exp(x - m_safe), 0.0)
+    return m_new, l * scale + tl.sum(e, axis=0), e, scale
+
+
+@triton.jit
+def stats_kernel(
+    z_ptr, t_ptr, stride_z, stride_t, state_ptr, labels_ptr,
+    n_cols, col_offset, inv_temp, param, log_a, log_1ma,
+    DIVERGENCE: tl.constexpr, PASS: tl.constexpr, RAW_LSE: tl.constexpr, HAS_LABELS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """PASS 1: online log-sum-exps (+ the one-pass KL accumulator, CE pieces).
+    PASS 2: sum of phi and of u given the final log-sum-exps (stored in M_S/M_T as lse)."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * stride_z
+    t_row = t_ptr + row * stride_t
+    st = state_ptr + row * 10
+    cols = tl.arange(0, BLOCK_V)
+    if PASS == 1:
+        m_s = tl.load(st + 0)
+        l_s = tl.load(st + 1)
+        m_t = tl.load(st + 2)
+        l_t = tl.load(st + 3)
+        acc = tl.load(st + 4)
+        m_z = tl.load(st + 5)
+        l_z = tl.load(st + 6)
+        z_lab = tl.load(st + 7)
+        label = -1
+        if HAS_LABELS:
+            label = tl.load(labels_ptr + row).to(tl.int32) - col_offset
+        for start in range(0, n_cols, BLOCK_V):
+            idx = start + cols
+            valid = idx < n_cols
+            z = tl.load(z_row + idx, mask=valid, other=float("-inf"))
+            t = tl.load(t_row + idx, mask=valid, other=float("-inf")) * inv_temp
+            s = z * inv_temp
+            m_s_new, l_s, e_s, sc_s = _online(m_s, l_s, s, valid)
+            m_t_new, l_t, e_t, sc_t = _online(m_t, l_t, t, valid)
+            if DIVERGENCE == 0:
+                acc = acc * sc_t + tl.sum(tl.where(e_t > 0, e_t * (t - s), 0.0), axis=0)
+            elif DIVERGENCE == 1:
+                acc = acc * sc_s + tl.sum(tl.where(e_s > 0, e_s * (s - t), 0.0), axis=0)
+            m_s = m_s_new
+            m_t = m_t_new
+            if RAW_LSE:
+                m_z, l_z, _e, _sc = _online(m_z, l_z, z, valid)
+            if HAS_LABELS:
+                z_lab += tl.sum(tl.where(valid & (idx == label), z, 0.0), axis=0)
+        tl.store(st + 0, m_s)
+        tl.store(st + 1, l_s)
+        tl.store(st + 2, m_t)
+        tl.store(st + 3, l_t)
+        tl.store(st + 4, acc)
+        tl.store(st + 5, m_z)
+        tl.store(st + 6, l_z)
+        tl.store(st + 7, z_lab)
+    else:
+        lse_s = tl.load(st + 0)
+        lse_t = tl.load(st + 2)
+        phi_sum = tl.load(st + 8)
+        u_sum = tl.load(st + 9)
+        for start in range(0, n_cols, BLOCK_V):
+            idx = start + cols
+            valid = idx < n_cols
+            lq = tl.load(z_row + idx, mask=valid, other=0.0) * inv_temp - lse_s
+            lp = tl.load(t_row + idx, mask=valid, other=0.0) * inv_temp - lse_t
+            phi, u = phi_u(lp, lq, param, log_a, log_1ma, DIVERGENCE)
+            phi_sum += tl.sum(tl.where(valid, phi, 0.0), axis=0)
+            u_sum += tl.sum(tl.where(valid, u, 0.0), axis=0)
+        tl.store(st + 8, phi_sum)
+        tl.store(st + 9, u_sum)
+
+
+@triton.jit
+def grad_kernel(
+    z_ptr, t_ptr, g_ptr, stride_z, stride_t, stride_g, rowvals_ptr, kd_scale_ptr, ce_scale_ptr,
+    labels_ptr, n_cols, col_offset, inv_temp, param, log_a, log_1ma,
+    DIVERGENCE: tl.constexpr, WITH_CE: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """g = kd_scale/T * (u - q * sum_u) + ce_scale * (softmax(z) - onehot(label)), per entry.
+
+    g may alias the t slab (a 16-bit g written over fp32 t of the same row): each tile is loaded
+    before it is stored, and a tile's store only reaches columns this row has already loaded.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * stride_z
+    t_row = t_ptr + row * stride_t
+    g_row = g_ptr + row * stride_g
+    lse_s = tl.load(rowvals_ptr + row * 4 + 0)
+    lse_t = tl.load(rowvals_ptr + row * 4 + 1)
+    lse_z = tl.load(rowvals_ptr + row * 4 + 2)
+    sum_u = tl.load(rowvals_ptr + row * 4 + 3)
+    kd_scale = tl.load(kd_scale_ptr + row) * inv_temp
+    ce_scale = 0.0
+    label = -1
+    if WITH_CE:
+        ce_scale = tl.load(ce_scale_ptr + row)
+        label = tl.load(labels_ptr + row).to(tl.int32) - col_offset
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, n_cols, BLOCK_V):
+        idx = start + cols
+        valid = idx < n_cols
+        z = tl.load(z_row + idx, mask=valid, other=0.0)
+        t = tl.load(t_row + idx, mask=valid, other=0.0)
+        lq = z * inv_temp - lse_s
+        lp = t * inv_temp - lse_t
+        _phi, u = phi_u(lp, lq, param, log_a, log_1ma, DIVERGENCE)
+        # an ignored row (scale 0) gets exactly 0, even where its divergence is infinite
+        g = tl.where(kd_scale != 0.0, (u - tl.exp(lq) * sum_u) * kd_scale, 0.0)
+        if WITH_CE:
+            ce_g = (tl.exp(z - lse_z) - tl.where(idx == label, 1.0, 0.0)) * ce_scale
+            g += tl.where(ce_scale != 0.0, ce_g, 0.0)
+        tl.store(g_row + idx, g.to(g_ptr.dtype.element_ty), mask=valid)
+
+
+def _math_args(cfg: LossConfig):
+    a = cfg.param
+    log_a = math.log(a) if a > 0 else float("-inf")
+    log_1ma = math.log(1.0 - a) if a < 1 else float("-inf")
+    return 1.0 / cfg.temperature, a, log_a, log_1ma
+
+
+BLOCK_V = 1024
+
+
+def new_state(n: int, device) -> torch.Tensor:
+    st = torch.zeros(n, NSTATE, dtype=torch.float32, device=device)
+    st[:, [M_S, M_T, M_Z]] = float("-inf")
+    return st
+
+
+def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no: int) -> None:
+    """Update `state` rows with the slab (z, t) [R, C]; labels are global ids (or None)."""
+    rows, n_cols = z.shape
+    if rows == 0:
+        return
+    inv_temp, a, log_a, log_1ma = _math_args(cfg)
+    has_labels = cfg.with_ce and labels is not None and pass_no == 1
+    stats_kernel[(rows,)](
+        z, t, z.stride(0), t.stride(0), state, labels if has_labels else state,
+        n_cols, col_offset, inv_temp, a, log_a, log_1ma,
+        DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence], PASS=pass_no,
+        RAW_LSE=cfg.with_ce and cfg.temperature != 1.0, HAS_LABELS=has_labels,
+        BLOCK_V=min(BLOCK_V, triton.next_power_of_2(max(n_cols, 16))),
+    )
+
+
+def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, cfg: LossConfig) -> None:
+    rows, n_cols = z.shape
+    if rows == 0:
+        return
+    inv_temp, a, log_a, log_1ma = _math_args(cfg)
+    with_ce = cfg.with_ce and labels is not None
+    grad_kernel[(rows,)](
+        z, t, g, z.stride(0), t.stride(0), g.stride(0), rowvals, kd_scale,
+        ce_scale if with_ce else kd_scale, labels if with_ce else kd_scale,
+        n_cols, col_offset, inv_temp, a, log_a, log_1ma,
+        DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence], WITH_CE=with_ce,
+        BLOCK_V=min(BLOCK_V, triton.next_power_of_2(max(n_cols, 16))),
+    )
