@@ -67,8 +67,9 @@ def _dot_prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # bf16/fp16 operands ignore it
 
 
-def _acc(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
+def _dot_f32(dtype: torch.dtype) -> bool:
+    # Triton's interpreter computes bf16 tl.dot wrongly (garbage, triton 3.x): upcast there only
+    return _interpreting() and dtype == torch.bfloat16
 
 
 def gather_logits(xs: Tensor, ws: Tensor, bs: Optional[Tensor], ids: Tensor, lo: int = 0) -> Tensor:
@@ -137,7 +138,7 @@ def lse_range(xs: Tensor, ws: Tensor, bs: Optional[Tensor], temperature: float,
         xs.stride(0), ws.stride(0),
         HAS_BIAS=bs is not None, HAS_Z=with_raw, DOT_PREC=_dot_prec(xs.dtype),
         BLOCK_B=c.block_b, BLOCK_V=c.block_v, BLOCK_D=c.block_d, GROUP_B=c.group_b,
-        EVEN_D=D % c.block_d == 0, num_warps=c.num_warps, num_stages=c.num_stages,
+        EVEN_D=D % c.block_d == 0, DOT_F32=_dot_f32(xs.dtype), num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return lse_s, (lse_z if with_raw else None)
 
@@ -174,7 +175,8 @@ def full_backward_range(xs, ws, bs, lse_s, lse_z, dense, ce_scale, e_rows, e_col
             xs.stride(0), ws.stride(0), dx.stride(0), dw.stride(0), n_dch,
             HAS_BIAS=bs is not None, HAS_CE=has_ce, NEED_W=need_w, DOT_PREC=_dot_prec(xs.dtype),
             BLOCK_B=c.block_b, BLOCK_V=c.block_v, BLOCK_D=c.block_d, MM_BLOCK_D=c.mm_block_d,
-            GROUP_B=c.group_b, EVEN_D=D % c.block_d == 0, num_warps=c.num_warps, num_stages=c.num_stages,
+            GROUP_B=c.group_b, EVEN_D=D % c.block_d == 0, DOT_F32=_dot_f32(xs.dtype),
+            num_warps=c.num_warps, num_stages=c.num_stages,
         )
     return dx, (dw if need_w else None), (db if (bs is not None and need_w) else None)
 

@@ -103,7 +103,7 @@ def _tile_ids(N, V, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, GROUP_B: tl.co
 @triton.jit
 def _logit_tile(X, W, B, offs_b, offs_v, D, stride_xn, stride_wv,
                 HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
-                BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+                BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DOT_F32: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     x_ptrs = X + (offs_b[:, None].to(tl.int64) * stride_xn + offs_d[None, :])
     w_ptrs = W + (offs_v[None, :].to(tl.int64) * stride_wv + offs_d[:, None])
@@ -115,6 +115,9 @@ def _logit_tile(X, W, B, offs_b, offs_v, D, stride_xn, stride_wv,
         else:
             x = tl.load(x_ptrs, mask=offs_d[None, :] < D - d * BLOCK_D, other=0.0)
             w = tl.load(w_ptrs, mask=offs_d[:, None] < D - d * BLOCK_D, other=0.0)
+        if DOT_F32:  # Triton's interpreter computes bf16 dots wrongly: upcast there
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
         acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
         x_ptrs += BLOCK_D
         w_ptrs += BLOCK_D
@@ -135,12 +138,12 @@ def _logaddexp(a, b):
 def _lse_kernel(X, W, B, LSE_S, LSE_Z, LOCKS, N, V, D, inv_t, stride_xn, stride_wv,
                 HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, DOT_PREC: tl.constexpr,
                 BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_B: tl.constexpr,
-                EVEN_D: tl.constexpr):
+                EVEN_D: tl.constexpr, DOT_F32: tl.constexpr):
     pid_b, pid_v = _tile_ids(N, V, BLOCK_B, BLOCK_V, GROUP_B)
     rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     z = _logit_tile(X, W, B, rows % N, cols % V, D, stride_xn, stride_wv, HAS_BIAS, DOT_PREC,
-                    BLOCK_B, BLOCK_V, BLOCK_D, EVEN_D)
+                    BLOCK_B, BLOCK_V, BLOCK_D, EVEN_D, DOT_F32)
     z = tl.where((cols < V)[None, :], z, float("-inf"))
     s = z * inv_t
     m = tl.max(s, axis=1)
@@ -179,7 +182,7 @@ def _full_bwd_kernel(X, W, B, LSE_S, LSE_Z, DENSE, CE, OFFS, E_ROWS, E_COLS, E_C
                      n_dchunks,
                      HAS_BIAS: tl.constexpr, HAS_CE: tl.constexpr, NEED_W: tl.constexpr, DOT_PREC: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, MM_BLOCK_D: tl.constexpr,
-                     GROUP_B: tl.constexpr, EVEN_D: tl.constexpr):
+                     GROUP_B: tl.constexpr, EVEN_D: tl.constexpr, DOT_F32: tl.constexpr):
     pid_b, pid_v = _tile_ids(N, V, BLOCK_B, BLOCK_V, GROUP_B)
     ar_b = tl.arange(0, BLOCK_B)
     ar_v = tl.arange(0, BLOCK_V)
@@ -190,7 +193,7 @@ def _full_bwd_kernel(X, W, B, LSE_S, LSE_Z, DENSE, CE, OFFS, E_ROWS, E_COLS, E_C
     rows_c = rows % N
     cols_c = cols % V
     z = _logit_tile(X, W, B, rows_c, cols_c, D, stride_xn, stride_wv, HAS_BIAS, DOT_PREC,
-                    BLOCK_B, BLOCK_V, BLOCK_D, EVEN_D)
+                    BLOCK_B, BLOCK_V, BLOCK_D, EVEN_D, DOT_F32)
     lse_s = tl.load(LSE_S + rows_c)
     dense = tl.load(DENSE + rows_c)
     g = dense[:, None] * tl.exp(z * inv_t - lse_s[:, None])
@@ -212,6 +215,8 @@ def _full_bwd_kernel(X, W, B, LSE_S, LSE_Z, DENSE, CE, OFFS, E_ROWS, E_COLS, E_C
         if NEED_W:
             tl.atomic_add(DB + cols, tl.sum(g, axis=0), mask=vmask)
     gd = g.to(X.dtype.element_ty)
+    if DOT_F32:
+        gd = gd.to(tl.float32)
     offs_md = tl.arange(0, MM_BLOCK_D)
     # dX[rows] += g @ W[cols]
     w_ptrs = W + cols_c[:, None].to(tl.int64) * stride_wv + offs_md[None, :]
@@ -219,6 +224,8 @@ def _full_bwd_kernel(X, W, B, LSE_S, LSE_Z, DENSE, CE, OFFS, E_ROWS, E_COLS, E_C
     for d in range(0, tl.cdiv(D, MM_BLOCK_D)):
         dm = offs_md[None, :] < D - d * MM_BLOCK_D
         w = tl.load(w_ptrs, mask=vmask[:, None] & dm, other=0.0)
+        if DOT_F32:
+            w = w.to(tl.float32)
         part = tl.dot(gd, w, input_precision=DOT_PREC)
         _locked_add(dx_ptrs, part, rmask[:, None] & dm, LOCKS_X + pid_b * n_dchunks + d)
         w_ptrs += MM_BLOCK_D
@@ -231,6 +238,8 @@ def _full_bwd_kernel(X, W, B, LSE_S, LSE_Z, DENSE, CE, OFFS, E_ROWS, E_COLS, E_C
         for d in range(0, tl.cdiv(D, MM_BLOCK_D)):
             dm = offs_md[None, :] < D - d * MM_BLOCK_D
             x = tl.load(x_ptrs, mask=rmask[:, None] & dm, other=0.0)
+            if DOT_F32:
+                x = x.to(tl.float32)
             part = tl.dot(gt, x, input_precision=DOT_PREC)
             _locked_add(dw_ptrs, part, vmask[:, None] & dm, LOCKS_W + pid_v * n_dchunks + d)
             x_ptrs += MM_BLOCK_D
