@@ -4,7 +4,7 @@ fast (default): token-chunked. For C rows, both [C, V] logit slabs come from cuB
   output; the row kernels compute the statistics and write the gradient slab (bf16, over the
   teacher slab's bytes); then dX = G W and dW += G^T X. With a scalar reduction the gradient is
   formed in the forward pass (the slabs are already there), so fwd+bwd costs the four GEMMs of
-  the floor plus the row passes. C follows `memory_budget` (default 1 GiB of slabs).
+  the floor plus the row passes. C follows `memory_budget` (default 896 MiB of slabs).
 constant_memory (chunk_V given): rows in blocks of R, vocab in chunks of chunk_V; slabs are
   [R, chunk_V], the forward keeps per-row statistics only, the backward recomputes each slab.
   Memory O(R * chunk_V + R * D), independent of V; two extra GEMMs (the recompute).
@@ -24,7 +24,7 @@ from .chunked import FirstPass, Online, RowStats, combine_rows, finish_stats, ro
 from .config import LossConfig
 
 F32 = torch.float32
-DEFAULT_FAST_BUDGET = 1 << 30       # bytes of fp32 logit slabs in the fast mode
+DEFAULT_FAST_BUDGET = 896 << 20     # bytes of fp32 logit slabs in the fast mode (peak stays under 1 GiB)
 DEFAULT_CONST_BUDGET = 48 << 20     # bytes of slabs + dX block in the constant-memory mode
 
 
@@ -120,7 +120,7 @@ def block_grads(xs, xt, ws, wt, bs, bt, labels, rs, kd_scale, ce_scale, cfg, vch
         tr.launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, v0, cfg)
         if dx_out is not None:
             if dx_acc is None:
-                dx_out.copy_(mm_acc(g, ws[v0:v1], xs.dtype))
+                torch.mm(g, ws[v0:v1], out=dx_out)  # g has the heads' dtype: cuBLAS, fp32 accumulate
             else:
                 dx_acc += mm_acc(g, ws[v0:v1], F32)
         if dw is not None:
@@ -172,11 +172,21 @@ class TritonDistill(torch.autograd.Function):
     def backward(ctx, grad_total, _gkd, _gce):
         need = ctx.needs_input_grad
         if ctx.precompute:
-            dx, dw, db = (None if g is None else g * grad_total.to(g.dtype) for g in ctx.grads)
+            dx, dw, db = ctx.grads
+            if not _is_one(grad_total):
+                dx, dw, db = (None if g is None else g * grad_total.to(g.dtype) for g in ctx.grads)
         else:
             dx, dw, db = _deferred_grads(ctx, grad_total)
         return (dx if need[0] else None, None, dw if need[2] else None, None,
                 db if need[4] else None, None, None, None, None, None, None)
+
+
+def _is_one(grad: torch.Tensor) -> bool:
+    """True when the upstream gradient is exactly 1 (loss.backward()): skips a pass over dW.
+    Reading it syncs, so under graph capture or compilation the multiply is always done."""
+    if torch.compiler.is_compiling() or (grad.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    return bool(grad == 1)
 
 
 def _alloc_grads(xs, ws, bs, plan: Plan):
