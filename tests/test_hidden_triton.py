@@ -1,0 +1,94 @@
+"""The Triton backend of the hidden-state losses, run by Triton's interpreter on CPU tensors.
+
+Small, odd shapes: vocab sizes that are not multiples of the block, several row chunks (a tiny
+memory_budget), vocab chunks that do not divide V, ignored rows, bf16, extreme temperatures.
+Both modes (fast, constant_memory) against the float64 reference.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hidden_cases import DIVERGENCES, TOLERANCES, Tol, check_against_reference, make_case, run_loss
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="needs TRITON_INTERPRET=1 on CPU"
+)
+
+V = 301  # prime: never a multiple of a block or of a chunk
+MODES = {
+    # fast with a budget of 5 rows of slabs: 3 row chunks for 13 rows
+    "fast": dict(mode="fast", memory_budget=8 * V * 5),
+    # constant memory: 4 vocab chunks of 80 (the last 61 wide) and 2-row blocks
+    "constant_memory": dict(chunk_V=80, memory_budget=2 * (8 * 80 + 4 * 24)),
+}
+# The gradient slab is rounded to the inputs' dtype before the dX/dW products (as cuBLAS needs
+# bf16 operands): elementwise bf16 gradient error is then a few 2^-9 of the largest entry.
+BF16_GRAD = Tol(3e-2, 6e-3, 1e-5)
+
+
+def _tol(dtype):
+    value, grad = TOLERANCES[dtype]
+    return (value, BF16_GRAD) if dtype == torch.bfloat16 else (value, grad)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_every_divergence_both_modes(divergence, mode):
+    check_against_reference("triton", torch.float32, divergence=divergence, shape=(13,), ds=24, dt=17,
+                            vocab=V, labels="some", temperature=1.7, **MODES[mode])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("divergence,reduction,temperature", [
+    ("forward_kl", "none", 0.05), ("reverse_kl", "sum", 20.0), ("jsd", "none", 1.0),
+    ("skew_reverse_kl", "mean", 0.3), ("tvd", "none", 3.0),
+])
+def test_bf16_reductions_temperatures(divergence, reduction, temperature, mode):
+    check_against_reference("triton", torch.bfloat16, divergence=divergence, shape=(2, 5), ds=24, dt=24,
+                            vocab=V, labels="some", reduction=reduction, temperature=temperature,
+                            tol=_tol(torch.bfloat16), **MODES[mode])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fused_ce_bias_padded_heads(mode):
+    check_against_reference("triton", torch.float32, divergence="jsd", shape=(11,), ds=24, dt=24, vocab=V,
+                            pad_s=3, pad_t=9, bias=True, labels="some", temperature=2.5, beta=0.3,
+                            kd_weight=0.6, ce_weight=0.4, scale_t2=True, **MODES[mode])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_close_student_bf16(mode):
+    # student = teacher + small noise: where bf16-rounded logits would give wrong gradients
+    check_against_reference("triton", torch.bfloat16, divergence="forward_kl", shape=(9,), ds=24, vocab=V,
+                            close=True, tol=_tol(torch.bfloat16), **MODES[mode])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_all_rows_ignored_is_zero(mode):
+    chk = check_against_reference("triton", torch.float32, divergence="reverse_kl", shape=(6,), ds=24,
+                                  vocab=V, labels="all", ce_weight=1.0, **MODES[mode])
+    assert chk.loss.item() == 0.0
+    assert all((g == 0).all() for g in chk.grads)
+
+
+def test_triton_matches_torch_backend_exactly_enough():
+    case = make_case(shape=(8,), ds=24, vocab=V, labels="some", seed=3)
+    a = run_loss(case, "skew_kl", "triton", reduction="none", **MODES["fast"])
+    b = run_loss(case, "skew_kl", "torch", reduction="none", chunk_V=64)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_mode_and_budget_raise():
+    case = make_case(shape=(4,), ds=8, vocab=V)
+    with pytest.raises(ValueError, match="mode must be"):
+        run_loss(case, "forward_kl", "triton", mode="fastest")
+    with pytest.raises(ValueError, match="memory_budget must be"):
+        run_loss(case, "forward_kl", "triton", memory_budget=-1)
+
+
+def test_float64_inputs_take_the_float64_path():
+    chk = check_against_reference("triton", torch.float64, divergence="tvd", shape=(5,), ds=8, vocab=V)
+    assert chk.loss.dtype == torch.float64
