@@ -109,8 +109,10 @@ def _rowvals(rs: RowStats) -> torch.Tensor:
     return torch.stack([rs.lse_s, rs.lse_t, lse_z, rs.sum_u], dim=1).to(F32).contiguous()
 
 
-def block_grads(xs, xt, ws, wt, bs, bt, labels, rs, kd_scale, ce_scale, cfg, vchunk, dx_out, dw, db, slabs=None):
-    """Gradient of a block of rows: writes dx_out (its rows), accumulates dw and db."""
+def block_grads(xs, xt, ws, wt, bs, bt, labels, rs, kd_scale, ce_scale, cfg, vchunk, dx_out, dw, db,
+                first_rows: bool, slabs=None):
+    """Gradient of a block of rows: writes dx_out (its rows), accumulates dw (written by the
+    first block of rows) and db."""
     V = ws.shape[0]
     rowvals = _rowvals(rs)
     dx_acc = None if vchunk >= V else torch.zeros(xs.shape, dtype=F32, device=xs.device)
@@ -124,15 +126,22 @@ def block_grads(xs, xt, ws, wt, bs, bt, labels, rs, kd_scale, ce_scale, cfg, vch
             else:
                 dx_acc += mm_acc(g, ws[v0:v1], F32)
         if dw is not None:
-            if dw.dtype == g.dtype:
-                dw[v0:v1].addmm_(g.t(), xs)
-            else:
-                dw[v0:v1] += mm_acc(g.t(), xs, dw.dtype)
+            _accumulate_dw(dw[v0:v1], g, xs, first_rows)
         if db is not None:
             db[v0:v1] += g.sum(0, dtype=F32)
         del z, t, g
     if dx_acc is not None and dx_out is not None:
         dx_out.copy_(dx_acc)
+
+
+def _accumulate_dw(dw: torch.Tensor, g: torch.Tensor, xs: torch.Tensor, first: bool) -> None:
+    """dw += g^T xs; the first block writes dw instead (no zero-fill pass over the head)."""
+    if dw.dtype == g.dtype:
+        torch.mm(g.t(), xs, out=dw) if first else dw.addmm_(g.t(), xs)
+    elif first:
+        dw.copy_(mm_acc(g.t(), xs, dw.dtype))
+    else:
+        dw += mm_acc(g.t(), xs, dw.dtype)
 
 
 class TritonDistill(torch.autograd.Function):
@@ -153,7 +162,7 @@ class TritonDistill(torch.autograd.Function):
             if precompute:
                 kd_scale, ce_scale = row_scales(red.expand(r1 - r0), mask[r0:r1], cfg)
                 block_grads(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, lab, rs, kd_scale, ce_scale, cfg,
-                            plan.vocab_chunk, grads[0][r0:r1], grads[1], grads[2], slabs)
+                            plan.vocab_chunk, grads[0][r0:r1], grads[1], grads[2], r0 == 0, slabs)
             del slabs
         rs = _concat_stats(stats, xs)
         rows = combine_rows(rs, mask, cfg)
@@ -172,9 +181,11 @@ class TritonDistill(torch.autograd.Function):
     def backward(ctx, grad_total, _gkd, _gce):
         need = ctx.needs_input_grad
         if ctx.precompute:
+            # drop the context's reference so autograd can take the buffers as .grad without a copy
             dx, dw, db = ctx.grads
+            ctx.grads = None
             if not _is_one(grad_total):
-                dx, dw, db = (None if g is None else g * grad_total.to(g.dtype) for g in ctx.grads)
+                dx, dw, db = (None if g is None else g * grad_total.to(g.dtype) for g in (dx, dw, db))
         else:
             dx, dw, db = _deferred_grads(ctx, grad_total)
         return (dx if need[0] else None, None, dw if need[2] else None, None,
@@ -191,7 +202,7 @@ def _is_one(grad: torch.Tensor) -> bool:
 
 def _alloc_grads(xs, ws, bs, plan: Plan):
     dx = torch.empty_like(xs)
-    dw = torch.zeros(ws.shape, dtype=F32 if plan.dw_fp32 else ws.dtype, device=ws.device)
+    dw = torch.empty(ws.shape, dtype=F32 if plan.dw_fp32 else ws.dtype, device=ws.device)
     db = None if bs is None else torch.zeros(bs.shape, dtype=F32, device=bs.device)
     return dx, dw, db
 
@@ -223,7 +234,7 @@ def _deferred_grads(ctx, grad_total):
         sub = RowStats(*(None if v is None else v[r0:r1] for v in (rs.lse_s, rs.lse_t, rs.lse_z, rs.sum_u, rs.kd, rs.ce)))
         block_grads(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, None if labels is None else labels[r0:r1], sub,
                     kd_scale[r0:r1].contiguous(), ce_scale[r0:r1].contiguous(), cfg, plan.vocab_chunk,
-                    dx[r0:r1], dw, db)
+                    dx[r0:r1], dw, db, r0 == 0)
     return _finish_grads((dx, dw, db), xs, ws, bs)
 
 

@@ -29,6 +29,12 @@ FORWARD_KL, REVERSE_KL, JSD, SKEW_KL, SKEW_REVERSE_KL, TVD = (dv.DIVERGENCE_IDS[
 
 
 @triton.jit
+def _f32(x):
+    # scalar arguments arrive as fp64 under torch.compile; keep every loop-carried value fp32
+    return tl.cast(x, tl.float32)
+
+
+@triton.jit
 def _xmul(w, x):
     # w * x, 0 where w == 0 (0 * inf would be NaN)
     return tl.where(w > 0, w * x, 0.0)
@@ -98,6 +104,7 @@ def stats_kernel(
 ):
     """PASS 1: online log-sum-exps (+ the one-pass KL accumulator, CE pieces).
     PASS 2: sum of phi and of u given the final log-sum-exps (stored in M_S/M_T as lse)."""
+    inv_temp, param, log_a, log_1ma = _f32(inv_temp), _f32(param), _f32(log_a), _f32(log_1ma)
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     t_row = t_ptr + row * stride_t
@@ -169,6 +176,7 @@ def grad_kernel(
     g may alias the t slab (a 16-bit g written over fp32 t of the same row): each tile is loaded
     before it is stored, and a tile's store only reaches columns this row has already loaded.
     """
+    inv_temp, param, log_a, log_1ma = _f32(inv_temp), _f32(param), _f32(log_a), _f32(log_1ma)
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     t_row = t_ptr + row * stride_t
