@@ -47,7 +47,7 @@ def streaming_topk(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], k: in
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     R = hidden.shape[0]
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    chunk = chunk or max(auto_chunk_v(R, V), k)
+    chunk = chunk or max(auto_chunk_v(R, V, budget_elems=1 << 26), k)  # <= 256 MiB of fp32 logits
     best_v = torch.full((R, k), float("-inf"), dtype=acc, device=hidden.device)
     best_i = torch.zeros((R, k), dtype=torch.int64, device=hidden.device)
     state = Online.empty(R, acc, hidden.device)

@@ -1,0 +1,309 @@
+"""`nitrobrew bench topk`: topk_kl against cut-cross-entropy and the GEMM floor; extraction speed.
+
+For each N in --seq-lens (V = --vocab, D = --d-model) and K in --ks, one process, the same
+inputs for every method (design §8), fwd+bwd with gradients to xs and ws:
+
+  gemm floor        the three bare GEMMs one exact vocab-wide loss needs (logits, dX = G ws,
+                    dW = G^T xs), materialized, cuBLAS; independent of K
+  cce               cut-cross-entropy linear_cross_entropy(xs, ws, random labels), its defaults;
+                    the same vocab-wide work as normalize="full"; independent of K
+  full              topk_kl(normalize="full"), fp32 accumulation of dX/dW (the default)
+  full native-acc   the same with dX/dW accumulated in the input dtype, as CCE does
+  topk              topk_kl(normalize="topk"): K gathered rows of ws, no vocab-wide matmul
+  torch full/topk   the PyTorch backend (the CPU methods)
+
+Teacher top-k: ids and log-probs of a teacher whose head is the student's plus noise (streaming
+top-k, no [N, V] tensor), so ids are realistic rather than uniform. x cce = ms / cce's ms at the
+same N; full_over_topk = full's ms / topk's ms; GB/s = the bytes the top-k kernels move (the K rows of ws
+twice, xs rows once per stored entry for dW, dW and dX written once) / time, against a measured
+device-to-device copy. err = largest relative error (loss, dX, dW) on the first --ref-rows rows
+against the float64 reference (at the first N only).
+
+--extract measures `topk-extract`'s core on a random Qwen2-style model: tokens/s of the
+teacher's own forward with logits (model(input_ids).logits) vs the decoder + streaming top-k,
+and the peak memory of each.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+import traceback
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .._ops import mm_acc
+from .common import Row, environment, is_oom, peak_mib, plot, print_table, rel_err, time_ms, write_csv
+
+GPU_DEFAULTS = dict(vocab=152064, seq_lens=[4096, 16384], d_model=3584, ks=[64, 256], dtype="bfloat16",
+                    reps=5, warmup=2)
+CPU_DEFAULTS = dict(vocab=4096, seq_lens=[128, 512], d_model=128, ks=[8, 32], dtype="float32", reps=3, warmup=1)
+METHODS = ("floor", "cce", "full", "full-native", "topk", "torch-full", "torch-topk")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__.split("\n\n")[0]
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size V")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=None, metavar="N", help="rows (tokens) N")
+    p.add_argument("--d-model", type=int, default=None, help="student hidden size D")
+    p.add_argument("--ks", type=int, nargs="+", default=None, metavar="K", help="stored entries per row")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES))
+    p.add_argument("--methods", nargs="+", default=None, choices=METHODS,
+                   help="default: all but the torch ones on GPU; torch-full torch-topk on CPU")
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--ref-rows", type=int, default=128, help="rows of the float64 accuracy check (0: skip)")
+    p.add_argument("--extract", action="store_true", help="also measure the extraction throughput")
+    p.add_argument("--csv", default=None, metavar="PATH")
+    p.add_argument("--plot", default=None, metavar="PATH", help="PNG of time and memory vs N (needs matplotlib)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _settings(args):
+    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if args.device == "auto" else args.device))
+    d = GPU_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
+    pick = lambda name: getattr(args, name) if getattr(args, name) is not None else d[name]  # noqa: E731
+    methods = args.methods or (["floor", "cce", "full", "full-native", "topk"] if dev.type == "cuda"
+                               else ["torch-full", "torch-topk"])
+    return dev, pick("vocab"), pick("seq_lens"), pick("d_model"), pick("ks"), DTYPES[pick("dtype")], \
+        pick("reps"), pick("warmup"), methods
+
+
+def make_inputs(N: int, V: int, D: int, K: int, dtype, dev, seed: int = 0):
+    """Student hidden/head (logit std ~3), a noisy-copy teacher's top-k (streaming, no [N, V])."""
+    from ..topk.extract import streaming_topk
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    xs = torch.randn(N, D, generator=g, device=dev, dtype=torch.float32)
+    ws = torch.randn(V, D, generator=g, device=dev, dtype=torch.float32) * (3.0 / D**0.5)
+    wt = ws + torch.randn(V, D, generator=g, device=dev, dtype=torch.float32) * (1.0 / D**0.5)
+    ids, lp = streaming_topk(xs.to(dtype), wt.to(dtype), None, K)
+    del wt
+    labels = torch.randint(0, V, (N,), generator=g, device=dev)
+    return xs.to(dtype), ws.to(dtype), ids, lp, labels
+
+
+def _fwd_bwd(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], xs, ws):
+    def step():
+        x = xs.detach().requires_grad_()
+        w = ws.detach().requires_grad_()
+        loss = fn(x, w)
+        loss.backward()
+        return loss, x.grad, w.grad
+    return step
+
+
+def _floor(xs, ws):
+    """logits (fp32 out), G (input dtype), dX = G ws, dW = G^T xs."""
+    def step():
+        z = mm_acc(xs, ws.t(), torch.float32)
+        g = z.to(xs.dtype)
+        del z
+        dx = g @ ws
+        dw = g.t() @ xs
+        return dx, dw
+    return step
+
+
+def _method_fn(method: str, ids, lp, labels):
+    from ..topk import topk_kl
+    from ..topk import triton_dispatch as td
+
+    if method == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+
+        return lambda x, w: linear_cross_entropy(x, w, labels)
+    norm = "topk" if method.endswith("topk") else "full"
+    backend = "torch" if method.startswith("torch") else "triton"
+
+    def fn(x, w):
+        if method == "full-native":
+            old, td.GRAD_ACCUM = td.GRAD_ACCUM, "native"
+            try:
+                return topk_kl(x, w, ids, lp, normalize=norm, backend=backend)
+            finally:
+                td.GRAD_ACCUM = old
+        return topk_kl(x, w, ids, lp, normalize=norm, backend=backend)
+    return fn
+
+
+def _accuracy(method, xs, ws, ids, lp, labels, rows: int) -> Optional[float]:
+    """Largest relative error (loss, dX, dW) on the first `rows` rows against float64."""
+    if rows <= 0 or method == "floor":
+        return None
+    from ..topk import reference_topk_loss
+
+    x, i, p, lab = xs[:rows], ids[:rows], lp[:rows], labels[:rows]
+    loss, dx, dw = _fwd_bwd(_method_fn(method, i, p, lab), x, ws)()
+    x64 = x.detach().double().requires_grad_()
+    w64 = ws.detach().double().requires_grad_()
+    if method == "cce":
+        ref = torch.nn.functional.cross_entropy(x64 @ w64.t(), lab)
+    else:
+        ref = reference_topk_loss(x64, w64, i, p, normalize="topk" if method.endswith("topk") else "full")
+    ref.backward()
+    errs = [abs(float(loss) - float(ref)) / max(abs(float(ref)), 1e-30), rel_err(dx, x64.grad), rel_err(dw, w64.grad)]
+    del x64, w64
+    return max(errs)
+
+
+def copy_bandwidth(dev) -> Optional[float]:
+    """Device-to-device copy, GB/s counting bytes read plus written."""
+    if dev.type != "cuda":
+        return None
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    ms = time_ms(lambda: b.copy_(a), dev, warmup=3, reps=10)
+    del a, b
+    return 2 * (1 << 30) / (ms * 1e-3) / 1e9
+
+
+def topk_bytes(N, V, D, K, esize) -> int:
+    return 2 * N * K * D * esize + N * K * D * esize + V * D * esize + 3 * N * D * esize + N * K * 16
+
+
+def run_loss(args, env: Dict[str, str]) -> List[Row]:
+    dev, V, seq_lens, D, ks, dtype, reps, warmup, methods = _settings(args)
+    rows: List[Row] = []
+    bw = copy_bandwidth(dev)
+    if bw:
+        print(f"device-to-device copy: {bw:.0f} GB/s")
+    for N in seq_lens:
+        base: Dict[str, float] = {}
+        for K in ks:
+            xs, ws, ids, lp, labels = make_inputs(N, V, D, K, dtype, dev, args.seed)
+            for method in methods:
+                if method in ("floor", "cce") and K != ks[0]:
+                    continue  # independent of K: measured once per N
+                label = method if method in ("floor", "cce") else f"{method} K={K}"
+                size = {"N": N, "K": K if method not in ("floor", "cce") else 0, "V": V, "D": D}
+                row = Row("topk", label, size)
+                try:
+                    step = _floor(xs, ws) if method == "floor" else _fwd_bwd(_method_fn(method, ids, lp, labels), xs, ws)
+                    row.ms = time_ms(step, dev, warmup=warmup, reps=reps)
+                    row.peak_mib = peak_mib(step, dev)
+                    if N == seq_lens[0]:  # the accuracy check does not depend on N
+                        row.rel_err = _accuracy(method, xs, ws, ids, lp, labels, args.ref_rows)
+                except Exception as err:  # one failing method must not stop the others
+                    row.note = ("OOM" if is_oom(err) else f"error: {type(err).__name__}: {err}")[:160]
+                    if not is_oom(err):
+                        traceback.print_exc()
+                gc.collect()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                if row.ms is not None:
+                    base[label] = row.ms
+                    if "cce" in base and method not in ("floor", "cce"):
+                        row.extra["x_cce"] = row.ms / base["cce"]
+                    if "floor" in base and method != "floor":
+                        row.extra["x_floor"] = row.ms / base["floor"]
+                    if method.endswith("topk"):
+                        full = base.get(label.replace("topk", "full"))
+                        if full:
+                            row.extra["full_over_topk"] = full / row.ms
+                        gbps = topk_bytes(N, V, D, K, xs.element_size()) / (row.ms * 1e-3) / 1e9
+                        row.extra["GBps"] = gbps
+                        if bw:
+                            row.extra["bw_frac"] = gbps / bw
+                rows.append(row)
+                print(f"  {label} N={N}: {row.ms} ms, {row.peak_mib} MiB, err {row.rel_err} {row.note}", flush=True)
+                if args.csv:  # written as it goes: a run cut short keeps what it measured
+                    write_csv(args.csv, rows, env)
+            del xs, ws, ids, lp, labels
+    for r in rows:
+        r.note = " ".join([r.note] + [f"{k}={v:.3g}" for k, v in r.extra.items()]).strip()
+    if bw:
+        for r in rows:
+            r.extra["copy_GBps"] = bw
+    return rows
+
+
+def run_extract(args) -> List[Row]:
+    """Teacher forward with logits vs decoder + streaming top-k, on a random Qwen2-style model."""
+    import transformers
+
+    from ..topk.extract import teacher_from_hf, teacher_topk
+
+    dev, V, _, _, ks, dtype, reps, warmup, _ = _settings(args)
+    gpu = dev.type == "cuda"
+    cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=1024 if gpu else 64, intermediate_size=2816 if gpu else 128,
+                                   num_hidden_layers=8 if gpu else 2, num_attention_heads=16 if gpu else 4,
+                                   num_key_value_heads=4 if gpu else 2, max_position_embeddings=4096,
+                                   tie_word_embeddings=False)
+    B, L = (16, 1024) if gpu else (4, 64)
+    with torch.device(dev):
+        model = transformers.Qwen2ForCausalLM(cfg).to(dtype).eval()
+    teacher = teacher_from_hf(model, name="random-qwen2")
+    ids = torch.randint(0, V, (B, L), device=dev)
+    mask = torch.ones_like(ids)
+    seqs = ids.tolist()
+    tokens = B * L
+    rows = []
+    params = sum(p.numel() for p in model.parameters())
+    size = {"N": tokens, "K": ks[0], "V": V, "D": cfg.hidden_size}
+
+    @torch.no_grad()
+    def with_logits():
+        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    @torch.no_grad()
+    def hidden_only():
+        return teacher.hidden_fn(ids, mask)
+
+    def extract():
+        return teacher_topk(teacher, seqs, ks[0], 1.0, batch_tokens=tokens)
+
+    for name, fn in (("teacher forward + logits", with_logits), ("teacher forward (hidden only)", hidden_only),
+                     (f"extract top-{ks[0]} (hidden + streaming top-k)", extract)):
+        row = Row("extract", name, dict(size))
+        try:
+            row.ms = time_ms(fn, dev, warmup=1, reps=max(2, reps // 2))
+            row.peak_mib = peak_mib(fn, dev)
+            row.extra["tokens_per_s"] = tokens / (row.ms * 1e-3)
+        except Exception as err:
+            row.note = ("OOM" if is_oom(err) else f"error: {type(err).__name__}: {err}")[:160]
+            traceback.print_exc()
+        rows.append(row)
+    ref = rows[0].ms
+    for r in rows:
+        if r.ms and ref:
+            r.extra["x_forward_with_logits"] = r.ms / ref
+        r.note = " ".join([r.note, f"params={params / 1e6:.0f}M"] +
+                          [f"{k}={v:.4g}" for k, v in r.extra.items()]).strip()
+    # alignment spot check: stored rows equal the top-k of the model's own logits
+    with torch.no_grad():
+        logits = model(input_ids=ids[:1, :64], use_cache=False).logits[0, :-1].float()
+    lp_ref, id_ref = torch.log_softmax(logits, -1).topk(ks[0], -1)
+    got_i, got_lp = teacher_topk(teacher, [seqs[0][:64]], ks[0])
+    agree = float((got_i[0].to(dev) == id_ref).float().mean())
+    err = float((got_lp[0].to(dev) - lp_ref).abs().max())
+    rows[-1].note += f" alignment: ids agree {agree:.4f}, max |dlogprob| {err:.2e}"
+    del model, teacher
+    return rows
+
+
+def run(args) -> int:
+    t0 = time.time()
+    env = environment()
+    print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    if args.csv:
+        os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+    rows = run_loss(args, env)
+    print_table(rows, ["N", "K", "V", "D"])
+    if args.extract:
+        ext = run_extract(args)
+        print_table(ext, ["N", "K", "V", "D"])
+        rows += ext
+    if args.csv:
+        write_csv(args.csv, rows, env)
+        print(f"wrote {args.csv}")
+    if args.plot:
+        plot(args.plot, [r for r in rows if r.mode == "topk"], "N",
+             f"topk_kl fwd+bwd, V={rows[0].size['V']}, D={rows[0].size['D']} ({env['device']})")
+    print(f"bench topk: {time.time() - t0:.1f} s")
+    return 0
