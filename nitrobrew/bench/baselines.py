@@ -168,6 +168,13 @@ def liger_chunked(xs, xt, ws, wt, labels, temperature: float = 1.0, compiled: bo
     """LigerFusedLinearJSDLoss at beta=0 (forward KL(p||q)), distillation term only."""
     mod = _import("liger_kernel.chunked_loss.jsd_loss")
     key = ("liger_chunked", temperature, compiled, chunk_size)
+    shape = (tuple(xs.shape), tuple(xt.shape))
+    if compiled and _MODULES.get("liger_chunked_shape") not in (None, shape):
+        # Liger's compiled chunk step keeps graphs specialized to the first problem size and
+        # fails on the next one; start each size from a clean dynamo cache.
+        torch._dynamo.reset()
+        _MODULES.pop(key, None)
+    _MODULES["liger_chunked_shape"] = shape
     if key not in _MODULES:
         _MODULES[key] = mod.LigerFusedLinearJSDLoss(
             weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, ignore_index=-100,

@@ -590,6 +590,10 @@ def _time_loss(row: Row, fn, d: Data, div: str, T: float, device, warmup: int, r
     d.ws.grad = torch.zeros_like(d.ws)
 
     def step():
+        # The gradients are released and produced afresh by the call: peak memory above the
+        # inputs and their (allocated) gradients counts only what the method needs besides them.
+        d.xs.grad = None
+        d.ws.grad = None
         fn(d.xs, d.xt, d.ws, d.wt, d.labels, div, T).backward()
 
     _measure(row, step, device, warmup, reps)
