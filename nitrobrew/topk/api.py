@@ -15,8 +15,8 @@ NORMALIZE = ("full", "topk")
 
 
 def _validate(xs, ws, ids, lp, bs, labels, normalize, divergence, tail, temperature, teacher_temperature,
-              reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend) -> None:
-    """Every check before any kernel runs."""
+              reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend, id_ranges: bool = True) -> None:
+    """Every check before any kernel runs (id_ranges=False: the vocab-parallel path checks ids globally)."""
     for name, t in (("xs", xs), ("ws", ws), ("topk_ids", ids), ("topk_logprobs", lp)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -74,12 +74,15 @@ def _validate(xs, ws, ids, lp, bs, labels, normalize, divergence, tail, temperat
                              "log-sum-exp over the whole vocabulary")
         if labels is None:
             raise ValueError("ce_weight != 0 needs labels (the hard targets of each row)")
-        ck.check_ids_in_range("labels", labels, ws.shape[0], ignore_index)
+        if id_ranges:
+            ck.check_ids_in_range("labels", labels, ws.shape[0], ignore_index)
     if lp.numel() and not torch.compiler.is_compiling():
         bad = torch.isnan(lp) | (lp == float("inf"))
         if bool(bad.any()):
             raise ValueError("topk_logprobs holds NaN or +inf; padding entries must be -inf")
-        ck.check_ids_in_range("topk_ids (at entries whose log-prob is finite)", ids[torch.isfinite(lp)], ws.shape[0])
+        if id_ranges:
+            ck.check_ids_in_range("topk_ids (at entries whose log-prob is finite)", ids[torch.isfinite(lp)],
+                                  ws.shape[0])
 
 
 def topk_kl(
@@ -105,6 +108,7 @@ def topk_kl(
     chunk_V: Optional[int] = None,
     backend: str = "auto",
     return_parts: bool = False,
+    process_group=None,
 ):
     """Distill from a teacher's stored top-k next-token log-probs, from the student's hidden states.
 
@@ -138,10 +142,22 @@ def topk_kl(
         chunk_V: vocab chunk of the PyTorch backend (None = automatic).
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "torch" or "triton".
         return_parts: return ``DistillOutput(loss, kd, ce)`` (kd and ce detached, reduced the same way).
+        process_group: vocab-parallel head (normalize="full" only): ws (bs) hold this rank's contiguous
+            block of the vocabulary, the other inputs are the same on every rank and ids are global;
+            the loss over the whole vocabulary comes out on every rank (PyTorch path; docs/parallel.md).
 
     Returns:
         float32 loss (float64 for float64 inputs): a scalar, or the leading shape for "none".
     """
+    if process_group is not None or type(ws).__name__ == "DTensor":
+        from ..parallel.topk import parallel_topk_kl
+
+        return parallel_topk_kl(
+            xs, ws, topk_ids, topk_logprobs, process_group=process_group, normalize=normalize, divergence=divergence,
+            beta=beta, alpha=alpha, tail=tail, labels=labels, ignore_index=ignore_index, temperature=temperature,
+            teacher_temperature=teacher_temperature, reduction=reduction, bs=bs, kd_weight=kd_weight,
+            ce_weight=ce_weight, scale_t2=scale_t2, chunk_V=chunk_V, backend=backend, return_parts=return_parts,
+        )
     if divergence == "jsd":
         ck.check_unit_interval("beta", beta)
     if divergence in ("skew_kl", "skew_reverse_kl"):

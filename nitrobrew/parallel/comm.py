@@ -1,0 +1,176 @@
+"""Collectives used by the vocab-parallel losses, with a byte counter.
+
+Every collective nitrobrew issues goes through ``all_reduce`` here so that ``count_comm()`` can
+report exactly what one call communicated. Bytes are *payload* bytes: the size of the buffer this
+rank hands to the collective (the "size" column of nccl-tests). A ring all-reduce moves about
+``2 (P - 1) / P`` times that over each rank's links.
+"""
+from __future__ import annotations
+
+import contextlib
+import zlib
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class CommStats:
+    """What the collectives issued inside a ``count_comm()`` block sent (per rank)."""
+
+    bytes: int = 0
+    calls: int = 0
+    by_op: Dict[str, int] = field(default_factory=dict)  # tag -> bytes
+
+    def add(self, tag: str, nbytes: int) -> None:
+        self.bytes += nbytes
+        self.calls += 1
+        self.by_op[tag] = self.by_op.get(tag, 0) + nbytes
+
+
+_ACTIVE: List[CommStats] = []
+
+
+@contextlib.contextmanager
+def count_comm() -> Iterator[CommStats]:
+    """Count the payload bytes of nitrobrew's collectives (forward and backward) in this block.
+
+    >>> with count_comm() as c:
+    ...     loss = nitrobrew.forward_kl(xs, xt, ws_shard, wt_shard, process_group=tp)
+    ...     loss.backward()
+    >>> c.bytes, c.calls, c.by_op
+    """
+    stats = CommStats()
+    _ACTIVE.append(stats)
+    try:
+        yield stats
+    finally:
+        _ACTIVE.remove(stats)
+
+
+def _record(tag: str, t: Tensor) -> None:
+    n = t.numel() * t.element_size()
+    for s in _ACTIVE:
+        s.add(tag, n)
+
+
+def all_reduce(t: Tensor, op: str, group, tag: str) -> Tensor:
+    """In-place all-reduce of a contiguous tensor ("sum" or "max"); returns t."""
+    _record(tag, t)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+    return t
+
+
+def group_rank_world(group) -> tuple:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def fingerprint(*parts) -> int:
+    """A 31-bit checksum of options that must agree on every rank (process independent)."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def exchange_rows(values, group, device, tag: str = "layout") -> List[List[int]]:
+    """All-gather a few int64 per rank (returned as a [world][k] list, in group rank order).
+
+    Written as a SUM all-reduce of a [world, k] buffer whose row r only rank r fills: one small
+    collective that every backend (gloo, nccl, mpi) supports for int64. One host sync.
+    """
+    rank, world = group_rank_world(group)
+    row = torch.as_tensor(values, dtype=torch.int64).to(device)
+    buf = torch.zeros(world, row.numel(), dtype=torch.int64, device=device)
+    buf[rank] = row
+    all_reduce(buf, "sum", group, tag)
+    return buf.tolist()
+
+
+def offsets_from_sizes(sizes: Sequence[int]) -> List[int]:
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+def ranks_of(group) -> Optional[tuple]:
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except Exception:
+        return None
+
+
+def checked_exchange(group, device, fields: Sequence[str], local):
+    """Run ``local()`` -> (result, int values for ``fields``) on every rank and exchange the values.
+
+    A rank whose ``local()`` raises (bad input) still takes part in the one exchange, flagged, so
+    that every rank raises together instead of leaving the others waiting in a collective: the
+    failing rank re-raises its own error, the others a ValueError naming it. Returns (result,
+    {field: [value of rank 0, rank 1, ...]}) in group rank order.
+    """
+    err: Optional[BaseException] = None
+    result = None
+    row = torch.zeros(len(fields) + 1, dtype=torch.int64, device=device)
+    try:
+        result, values = local()
+        row[:-1] = torch.as_tensor(values, dtype=torch.int64).to(device)
+    except (TypeError, ValueError, RuntimeError, NotImplementedError) as e:
+        err = e
+        row.zero_()
+        row[-1] = 1
+    table = exchange_rows(row, group, device)
+    bad = [r for r, t in enumerate(table) if t[-1]]
+    if bad:
+        if err is not None:
+            raise err
+        raise ValueError(
+            f"nitrobrew vocab-parallel loss: rank(s) {bad} of the process group rejected their inputs (see the "
+            "error raised there); every rank raises so that none is left waiting in a collective"
+        )
+    return result, {f: [t[i] for t in table] for i, f in enumerate(fields)}
+
+
+def comm_device(t, group):
+    """Where the exchange buffers live: t's device, or the current CUDA device for NCCL."""
+    nccl = "nccl" in str(dist.get_backend(group))
+    if isinstance(t, torch.Tensor) and not (nccl and t.device.type == "cpu"):
+        return t.device
+    if nccl:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def require_initialized() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("process_group= needs torch.distributed to be initialized (init_process_group)")
+
+
+def ids_summary(ids: Optional[Tensor], valid: Optional[Tensor], upper_check: bool) -> Tensor:
+    """int64 [min, max, hash] of integer ids (min/max over the valid ones when upper_check).
+
+    The hash (position-weighted, process independent) lets ranks verify they hold the same rows.
+    """
+    if ids is None:
+        return torch.tensor([0, -1, 0], dtype=torch.int64)
+    dev = ids.device
+    flat = ids.reshape(-1).long()
+    keep = torch.ones_like(flat, dtype=torch.bool) if valid is None else valid.reshape(-1)
+    pos = torch.arange(flat.numel(), device=dev, dtype=torch.int64) % 1021 + 1
+    h = (torch.where(keep, flat % 1000003 + 1, torch.zeros_like(flat)) * pos).sum()
+    big = torch.iinfo(torch.int64).max
+    if upper_check and flat.numel():
+        lo = torch.where(keep, flat, torch.full_like(flat, big)).min()
+        hi = torch.where(keep, flat, torch.full_like(flat, -1)).max()
+        lo = torch.where(lo == big, torch.zeros_like(lo), lo)
+    else:
+        lo = torch.zeros((), dtype=torch.int64, device=dev)
+        hi = torch.full((), -1, dtype=torch.int64, device=dev)
+    return torch.stack([lo, hi, h])
+
+
+def same_everywhere(table: dict, field: str, msg: str) -> None:
+    if len(set(table[field])) > 1:
+        raise ValueError(f"nitrobrew vocab-parallel loss: {msg} (per rank: {table[field]})")

@@ -1,0 +1,308 @@
+"""Vocab-parallel (tensor-parallel LM head) hidden-state losses (design §5).
+
+Each rank of the process group holds a contiguous block of the vocabulary (rank r the r-th block,
+in group rank order; blocks may be uneven or empty) of both heads, and the *same* rows xs, xt,
+labels. The forward runs the single-process online pass (``chunked.first_pass``) on the local
+block, then merges the per-row states across ranks exactly as the online update merges chunks:
+
+    all-reduce MAX of the running maxima -> rescale -> all-reduce SUM of the rescaled sums,
+    accumulators and label logits [-> second pass on the local block -> all-reduce SUM of
+    (sum phi, sum u) for the divergences that need the final log-sum-exps]
+
+and the backward runs ``chunked.backward_chunks`` on the local block and all-reduces dX once.
+Communication is O(rows) in the forward and O(rows * Ds) in the backward, never O(rows * V);
+``nitrobrew.parallel.comm_bytes`` gives the exact count.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+
+from .. import _checks as ck
+from .. import divergences as dv
+from .._ops import compute_dtype
+from ..hidden.chunked import (RowStats, backward_chunks, combine_rows, finish_stats, first_pass, row_scales,
+                              second_pass)
+from ..hidden.config import LossConfig, auto_chunk_v
+from .comm import (all_reduce, checked_exchange, comm_device, fingerprint, group_rank_world, ids_summary,
+                   offsets_from_sizes, require_initialized, same_everywhere)
+from .dtensor import unwrap
+
+Tensor = torch.Tensor
+
+# int64 fields every rank sends before any kernel runs (+ an error flag: one small all-reduce of
+# 8 * world * 10 bytes).
+LAYOUT_FIELDS = ("ws_rows", "wt_rows", "rows", "ds", "dt", "options", "label_min", "label_max", "label_hash")
+
+
+class VocabLayout:
+    """Where this rank's block sits in the global vocabulary."""
+
+    def __init__(self, rank: int, world: int, sizes: List[int], vocab: int):
+        self.rank, self.world, self.sizes, self.vocab = rank, world, list(sizes), vocab
+        self.offsets = offsets_from_sizes(sizes)
+        self.offset = self.offsets[rank]
+        # rows of the local block that lie below the global vocab_size
+        self.used = max(0, min(sizes[rank], vocab - self.offset))
+
+    def __repr__(self) -> str:
+        return f"VocabLayout(rank={self.rank}, offset={self.offset}, used={self.used}, sizes={self.sizes}, vocab={self.vocab})"
+
+
+# ----------------------------------------------------------------------------------------------
+# merged statistics and the autograd Function
+
+
+def parallel_stats(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, chunk: int, group) -> RowStats:
+    """RowStats over the global vocabulary from this rank's block [0, ws.shape[0]) (labels local ids)."""
+    V = ws.shape[0]
+    fp = first_pass(xs, xt, ws, wt, bs, bt, labels, cfg, 0, V, chunk)
+    states = [fp.s, fp.t] + ([fp.z] if fp.z is not None else [])
+    m = all_reduce(torch.stack([o.m for o in states]), "max", group, "fwd_max")
+    for o, m_global in zip(states, m):
+        o.rescale_to(m_global)
+    with_acc = [o for o in states if o.a is not None]
+    parts = [o.l for o in states] + [o.a for o in with_acc] + ([fp.z_label] if cfg.with_ce else [])
+    total = all_reduce(torch.stack(parts), "sum", group, "fwd_sum")
+    it = iter(total)
+    for o in states:
+        o.l = next(it)
+    for o in with_acc:
+        o.a = next(it)
+    if cfg.with_ce:
+        fp.z_label = next(it)
+    sums = None
+    if cfg.divergence not in dv.ONE_PASS:
+        phi, u = second_pass(xs, xt, ws, wt, bs, bt, cfg, fp.s.lse(), fp.t.lse(), 0, V, chunk)
+        both = all_reduce(torch.stack([phi, u]), "sum", group, "fwd_second_pass")
+        sums = (both[0], both[1])
+    return finish_stats(fp, cfg, sums)
+
+
+class VocabParallelDistill(torch.autograd.Function):
+    """Per-row (total, kd, ce) over the global vocabulary; gradients to xs (full), ws and bs (local)."""
+
+    @staticmethod
+    def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, group):
+        V = ws.shape[0]
+        chunk = max(1, cfg.chunk_V or auto_chunk_v(xs.shape[0], max(V, 1)))
+        st = parallel_stats(xs, xt, ws, wt, bs, bt, labels, cfg, chunk, group)
+        total, kd, ce = combine_rows(st, mask, cfg)
+        ctx.save_for_backward(xs, xt, ws, wt, bs, bt, labels, mask)
+        ctx.stats, ctx.cfg, ctx.chunk, ctx.group = st, cfg, chunk, group
+        ctx.mark_non_differentiable(kd, ce)
+        return total, kd, ce
+
+    @staticmethod
+    def backward(ctx, grad_total, _gkd, _gce):
+        xs, xt, ws, wt, bs, bt, labels, mask = ctx.saved_tensors
+        cfg, acc = ctx.cfg, ctx.stats.lse_s.dtype
+        kd_scale, ce_scale = row_scales(grad_total.to(acc), mask.to(acc), cfg)
+        dx, dw, db = backward_chunks(
+            xs, xt, ws, wt, bs, bt, labels, ctx.stats, cfg, kd_scale, ce_scale, ctx.chunk,
+            need_w=ctx.needs_input_grad[2] or ctx.needs_input_grad[4],
+        )
+        if ctx.needs_input_grad[0]:
+            dx = all_reduce(dx, "sum", ctx.group, "bwd_dx").to(xs.dtype)
+        else:
+            dx = None
+        dw = dw if ctx.needs_input_grad[2] else None
+        db = db if ctx.needs_input_grad[4] else None
+        return dx, None, dw, None, db, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# validation: every rank reaches the same verdict (no rank left waiting in a collective)
+
+
+def _local_checks(xs, xt, ws, wt, bs, bt, labels, divergence, beta, alpha, temperature, reduction, chunk_V,
+                  vocab_size, kd_weight, ce_weight, backend) -> Tuple[str, float]:
+    """Checks that need nothing from other ranks; returns the canonical (divergence, param)."""
+    for name, t in (("xs", xs), ("xt", xt), ("ws", ws), ("wt", wt), ("bs", bs), ("bt", bt)):
+        if t is None and name in ("bs", "bt"):
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        ck.check_float(name, t)
+    ck.check_same_device(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels)
+    ck.check_same_dtype(xs=xs, ws=ws, bs=bs)
+    ck.check_same_dtype(xt=xt, wt=wt, bt=bt)
+    if xs.dim() < 1 or xt.dim() < 1 or xs.shape[:-1] != xt.shape[:-1]:
+        raise ValueError(
+            f"xs {tuple(xs.shape)} and xt {tuple(xt.shape)} must share their leading shape "
+            "(one teacher row per student row)"
+        )
+    if ws.dim() != 2 or wt.dim() != 2:
+        raise ValueError(f"ws and wt must be 2-D [V_local, D] head shards, got {tuple(ws.shape)} and {tuple(wt.shape)}")
+    if ws.shape[1] != xs.shape[-1]:
+        raise ValueError(f"student hidden size {xs.shape[-1]} does not match ws {tuple(ws.shape)}")
+    if wt.shape[1] != xt.shape[-1]:
+        raise ValueError(f"teacher hidden size {xt.shape[-1]} does not match wt {tuple(wt.shape)}")
+    for name, b, w in (("bs", bs, ws), ("bt", bt, wt)):
+        if b is not None and tuple(b.shape) != (w.shape[0],):
+            raise ValueError(f"{name} must have the shape of this rank's block ({w.shape[0]},), got {tuple(b.shape)}")
+    if divergence == "jsd":
+        ck.check_unit_interval("beta", beta)
+    if divergence in ("skew_kl", "skew_reverse_kl"):
+        ck.check_unit_interval("alpha", alpha)
+    name, param = dv.canonical(divergence, beta if divergence == "jsd" else alpha)
+    ck.check_temperature(temperature)
+    ck.check_reduction(reduction)
+    ck.check_chunk("chunk_V", chunk_V)
+    ck.check_backend(backend)
+    if backend == "triton":
+        raise ValueError(
+            "process_group= (vocab-parallel) runs nitrobrew's PyTorch chunked path; the Triton kernels are "
+            "single-process for now: pass backend='auto' or backend='torch'"
+        )
+    ck.check_labels(labels, xs.shape[:-1])
+    for wname, wgt in (("kd_weight", kd_weight), ("ce_weight", ce_weight)):
+        if not (isinstance(wgt, (int, float)) and math.isfinite(wgt)):
+            raise ValueError(f"{wname} must be a finite number, got {wgt!r}")
+    if ce_weight != 0 and labels is None:
+        raise ValueError("ce_weight != 0 needs labels (the hard targets of each row)")
+    if vocab_size is not None and not (isinstance(vocab_size, int) and not isinstance(vocab_size, bool)
+                                       and vocab_size > 0):
+        raise ValueError(f"vocab_size must be a positive int (a global vocabulary size), got {vocab_size!r}")
+    return name, param
+
+
+def _check_layout(table: dict, vocab_size: Optional[int], world: int) -> Tuple[List[int], int]:
+    """Student/teacher blocks must cover the same global ids on every rank; returns (sizes, V)."""
+    s_sizes, t_sizes = table["ws_rows"], table["wt_rows"]
+    Vs, Vt = sum(s_sizes), sum(t_sizes)
+    if vocab_size is None:
+        if Vs != Vt:
+            _fail(f"student vocab {Vs} != teacher vocab {Vt} (summed over the shards): pass vocab_size=N to "
+                  "compare global ids [0, N) of both heads (never zero-pad a head)")
+        V = Vs
+    else:
+        if vocab_size > min(Vs, Vt):
+            _fail(f"vocab_size must be an int in [1, {min(Vs, Vt)}] (global ids; student {Vs}, teacher {Vt}), "
+                  f"got {vocab_size}")
+        V = vocab_size
+    s_off, t_off = offsets_from_sizes(s_sizes), offsets_from_sizes(t_sizes)
+    for r in range(world):
+        s_rng = (min(s_off[r], V), min(s_off[r] + s_sizes[r], V))
+        t_rng = (min(t_off[r], V), min(t_off[r] + t_sizes[r], V))
+        if s_rng != t_rng:
+            _fail(
+                f"the student and teacher heads must be split the same way over the vocabulary: rank {r} holds "
+                f"student ids [{s_rng[0]}, {s_rng[1]}) but teacher ids [{t_rng[0]}, {t_rng[1]}) (rows per rank: "
+                f"student {s_sizes}, teacher {t_sizes}). Shard both heads with one partition, e.g. pad the "
+                "smaller head's rows to the larger size before sharding and pass vocab_size=N"
+            )
+    return s_sizes, V
+
+
+def _fail(msg: str):
+    raise ValueError(f"nitrobrew vocab-parallel loss: {msg}")
+
+
+def check_rows_agree(table: dict) -> None:
+    """Every rank of the group must hold the same rows and call with the same options."""
+    for field, what in (("rows", "number of rows (tokens)"), ("ds", "student hidden size"),
+                        ("dt", "teacher hidden size"), ("k", "number of stored ids per row")):
+        if field in table:
+            same_everywhere(table, field, f"every rank of the group must hold the same rows; {what} differs")
+    same_everywhere(table, "options", "ranks called the loss with different options (divergence, beta/alpha, "
+                    "temperature, weights, reduction, vocab_size, ignore_index, dtype, requires_grad of xs or "
+                    "presence of biases/labels)")
+    for field in ("label_hash", "ids_hash"):
+        if field in table:
+            same_everywhere(table, field, f"ranks hold different {'labels' if field == 'label_hash' else 'top-k ids'}: "
+                            "every rank of the vocab-parallel group needs the same rows (split the batch over a "
+                            "separate data-parallel group)")
+
+
+def check_label_range(table: dict, V: int, what: str = "labels", lo_f="label_min", hi_f="label_max") -> None:
+    lo, hi = min(table[lo_f]), max(table[hi_f])
+    if hi >= 0 and (lo < 0 or hi >= V):
+        _fail(f"{what} must lie in [0, {V}) (global ids{', or equal ignore_index' if what == 'labels' else ''}), "
+              f"found values in [{lo}, {hi}]")
+
+
+def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabLayout, str, float]:
+    """Validate on every rank, exchange shard sizes (one all-reduce of 8 * world * 11 bytes) and agree."""
+    require_initialized()
+    rank, world = group_rank_world(group)
+
+    def local():
+        name, param = _local_checks(xs, xt, ws, wt, bs, bt, labels, opts["divergence"], opts["beta"], opts["alpha"],
+                                    opts["temperature"], opts["reduction"], opts["chunk_V"], opts["vocab_size"],
+                                    opts["kd_weight"], opts["ce_weight"], opts["backend"])
+        acc = compute_dtype(xs.dtype)
+        options = fingerprint(name, param, float(opts["temperature"]), float(opts["kd_weight"]),
+                              float(opts["ce_weight"]), bool(opts["scale_t2"]), opts["reduction"], opts["vocab_size"],
+                              opts["ignore_index"], str(acc), bool(xs.requires_grad), bs is None, bt is None,
+                              labels is None)
+        valid = None if labels is None else labels != opts["ignore_index"]
+        head = torch.tensor([ws.shape[0], wt.shape[0], math.prod(xs.shape[:-1]), xs.shape[-1], xt.shape[-1], options])
+        lab = ids_summary(labels, valid, opts["ce_weight"] != 0)
+        return (name, param), torch.cat([head.to(lab.device), lab])
+
+    (name, param), table = checked_exchange(group, comm_device(xs, group), LAYOUT_FIELDS, local)
+    check_rows_agree(table)
+    sizes, V = _check_layout(table, opts["vocab_size"], world)
+    if opts["ce_weight"] != 0:
+        check_label_range(table, V)
+    return VocabLayout(rank, world, sizes, V), name, param
+
+
+# ----------------------------------------------------------------------------------------------
+# entry point used by nitrobrew.hidden.api.hidden_loss(process_group=...)
+
+
+def parallel_hidden_loss(xs, xt, ws, wt, *, process_group=None, divergence="forward_kl", beta=0.5, alpha=0.1,
+                         labels=None, ignore_index=-100, temperature=1.0, reduction="mean", chunk_V=None,
+                         vocab_size=None, bs=None, bt=None, kd_weight=1.0, ce_weight=0.0, scale_t2=False,
+                         backend="auto", mode=None, memory_budget=None, return_parts=False):
+    """``hidden_loss`` over a vocabulary split across the ranks of ``process_group``.
+
+    ws, wt (and bs, bt) hold this rank's contiguous block of the vocabulary (rank r of the group the
+    r-th block; uneven or empty blocks are fine; DTensors sharded Shard(0) are unwrapped); xs, xt and
+    labels are the same on every rank; labels are global ids. The result is the loss over the
+    full vocabulary, identical on every rank; xs gets the full gradient, ws/bs their block's.
+    ``vocab_size=N`` uses global ids [0, N): each rank drops the rows of its block at ids >= N.
+    ``mode`` and ``memory_budget`` (Triton options) are ignored: this path is PyTorch-only.
+    """
+    from ..hidden.api import DistillOutput, hidden_loss
+
+    xs, xt, ws, wt, bs, bt, labels, group = unwrap(xs, xt, ws, wt, bs, bt, labels, process_group)
+    opts = dict(divergence=divergence, beta=beta, alpha=alpha, ignore_index=ignore_index, temperature=temperature,
+                reduction=reduction, chunk_V=chunk_V, vocab_size=vocab_size, kd_weight=kd_weight,
+                ce_weight=ce_weight, scale_t2=scale_t2, backend=backend)
+    if group is None:  # replicated DTensors: an ordinary single-process call on the local tensors
+        return hidden_loss(xs, xt, ws, wt, labels=labels, bs=bs, bt=bt, mode=mode, memory_budget=memory_budget,
+                           return_parts=return_parts, **opts)
+    layout, name, param = negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts)
+
+    lead = xs.shape[:-1]
+    x_s = xs.reshape(-1, xs.shape[-1])
+    x_t = xt.reshape(-1, xt.shape[-1])
+    flat_labels = None if labels is None else labels.reshape(-1)
+    mask = ck.row_weights(flat_labels, ignore_index, x_s.shape[0], xs.device)
+    local_labels = None
+    if ce_weight != 0:
+        # global -> local ids; rows whose label lives on another rank (or is ignored) fall outside [0, used)
+        local_labels = torch.where(mask > 0, flat_labels - layout.offset, torch.full_like(flat_labels, -1))
+    u = layout.used
+    if u != ws.shape[0] or u != wt.shape[0]:
+        ws, wt = ws[:u], wt[:u]
+        bs = None if bs is None else bs[:u]
+        bt = None if bt is None else bt[:u]
+    cfg = LossConfig(
+        divergence=name,
+        param=param,
+        temperature=float(temperature),
+        kd_weight=float(kd_weight) * (temperature**2 if scale_t2 else 1.0),
+        ce_weight=float(ce_weight),
+        chunk_V=chunk_V,
+    )
+    rows = VocabParallelDistill.apply(x_s, x_t, ws, wt, bs, bt, local_labels, mask, cfg, group)
+    total, kd, ce = (ck.reduce_rows(r, mask, reduction, lead) for r in rows)
+    if return_parts:
+        return DistillOutput(total, kd, ce)
+    return total
