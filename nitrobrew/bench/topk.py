@@ -58,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--ref-rows", type=int, default=128, help="rows of the float64 accuracy check (0: skip)")
     p.add_argument("--extract", action="store_true", help="also measure the extraction throughput")
+    p.add_argument("--extract-only", action="store_true", help="measure the extraction throughput alone")
     p.add_argument("--csv", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH", help="PNG of time and memory vs N (needs matplotlib)")
     p.add_argument("--seed", type=int, default=0)
@@ -293,16 +294,17 @@ def run(args) -> int:
     print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     if args.csv:
         os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
-    rows = run_loss(args, env)
-    print_table(rows, ["N", "K", "V", "D"])
-    if args.extract:
+    rows = [] if args.extract_only else run_loss(args, env)
+    if rows:
+        print_table(rows, ["N", "K", "V", "D"])
+    if args.extract or args.extract_only:
         ext = run_extract(args)
         print_table(ext, ["N", "K", "V", "D"])
         rows += ext
     if args.csv:
         write_csv(args.csv, rows, env)
         print(f"wrote {args.csv}")
-    if args.plot:
+    if args.plot and any(r.mode == "topk" for r in rows):
         plot(args.plot, [r for r in rows if r.mode == "topk"], "N",
              f"topk_kl fwd+bwd, V={rows[0].size['V']}, D={rows[0].size['D']} ({env['device']})")
     print(f"bench topk: {time.time() - t0:.1f} s")
