@@ -269,8 +269,6 @@ def dtensor_case(r, world, group):
 
 def ddp_case(r, world):
     """DDP over gloo, batch split unevenly, sum + global count == single-process mean on the full batch."""
-    import copy
-
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model, ref_model, batch = _student_and_batch(world)
@@ -287,7 +285,6 @@ def ddp_case(r, world):
     assert_close(global_mean(loss_sum, count), ref, Tol(1e-5, 1e-6), "DDP logged global mean")
     for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
         assert_close(p.grad, q.grad, Tol(1e-4, 1e-5), f"DDP grad {n}")
-    del copy
 
 
 def fsdp2_case(r, world):
