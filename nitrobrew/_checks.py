@@ -13,6 +13,17 @@ import torch
 
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("auto", "torch", "triton")
+MODES = ("fast", "constant_memory")
+
+
+def is_int(value) -> bool:
+    """A Python int that is not a bool (True would silently mean 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """A Python int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_reduction(reduction: str) -> None:
@@ -26,22 +37,30 @@ def check_backend(backend: str) -> None:
 
 
 def check_temperature(temperature: float) -> None:
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+    if not (is_number(temperature) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
 def check_unit_interval(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+    if not (is_number(value) and 0.0 <= value <= 1.0):
         raise ValueError(f"{name} must be in [0, 1], got {value!r}")
 
 
 def check_chunk(name: str, value: Optional[int]) -> None:
-    if value is not None and (not isinstance(value, int) or value <= 0):
+    if value is not None and (not is_int(value) or value <= 0):
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
+def check_mode(mode: Optional[str], memory_budget: Optional[int]) -> None:
+    """Triton options, validated on every backend so that a typo fails on CPU too."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"mode must be None or one of {MODES}, got {mode!r}")
+    if memory_budget is not None and (not is_int(memory_budget) or memory_budget <= 0):
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+
+
 def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
-    present = {k: t for k, t in tensors.items() if t is not None}
+    present = {k: t for k, t in tensors.items() if isinstance(t, torch.Tensor)}  # others: checked elsewhere
     devices = {k: t.device for k, t in present.items()}
     if len(set(devices.values())) > 1:
         desc = ", ".join(f"{k} on {d}" for k, d in devices.items())
@@ -64,8 +83,10 @@ def check_same_dtype(**tensors: Optional[torch.Tensor]) -> None:
 def check_labels(labels: Optional[torch.Tensor], lead_shape: Sequence[int]) -> None:
     if labels is None:
         return
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels must be an integer tensor (int64 or int32), got {labels.dtype}")
     if tuple(labels.shape) != tuple(lead_shape):
         raise ValueError(
             f"labels shape {tuple(labels.shape)} must equal the leading shape of the hidden "
@@ -77,6 +98,8 @@ def check_ids_in_range(name: str, ids: torch.Tensor, upper: int, ignore_index: O
     """Raise if any id (other than ignore_index) is outside [0, upper). One small device sync."""
     if ids.numel() == 0 or torch.compiler.is_compiling():
         return
+    if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # reading the range would sync inside a CUDA graph capture
     valid = ids if ignore_index is None else ids[ids != ignore_index]
     if valid.numel() == 0:
         return
