@@ -12,6 +12,8 @@ inputs for every method (design §8), fwd+bwd with gradients to xs and ws:
   topk              topk_kl(normalize="topk"): K gathered rows of ws, no vocab-wide matmul
   torch full/topk   the PyTorch backend (the CPU methods)
 
+peak MiB = peak allocated during one fwd+bwd above what was allocated before it; each step makes
+its gradients anew, so it includes dX and dW (above_grads_mib subtracts them).
 Teacher top-k: ids and log-probs of a teacher whose head is the student's plus noise (streaming
 top-k, no [N, V] tensor), so ids are realistic rather than uniform. x cce = ms / cce's ms at the
 same N; full_over_topk = full's ms / topk's ms; GB/s = the bytes the top-k kernels move (the K rows of ws
@@ -89,13 +91,17 @@ def make_inputs(N: int, V: int, D: int, K: int, dtype, dev, seed: int = 0):
     return xs.to(dtype), ws.to(dtype), ids, lp, labels
 
 
-def _fwd_bwd(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], xs, ws):
+def _fwd_bwd(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], xs, ws, accum: str = "fp32"):
+    """One fwd+bwd; the gradients are new tensors each call (counted in the peak: see grads_mib)."""
+    from ..topk import triton_dispatch as td
+
     def step():
         x = xs.detach().requires_grad_()
         w = ws.detach().requires_grad_()
-        loss = fn(x, w)
-        loss.backward()
-        return loss, x.grad, w.grad
+        with td.grad_accumulation(accum):  # read by the backward: it must cover loss.backward()
+            loss = fn(x, w)
+            loss.backward()
+        return loss.detach(), x.grad, w.grad
     return step
 
 
@@ -113,7 +119,6 @@ def _floor(xs, ws):
 
 def _method_fn(method: str, ids, lp, labels):
     from ..topk import topk_kl
-    from ..topk import triton_dispatch as td
 
     if method == "cce":
         from cut_cross_entropy import linear_cross_entropy
@@ -121,16 +126,13 @@ def _method_fn(method: str, ids, lp, labels):
         return lambda x, w: linear_cross_entropy(x, w, labels)
     norm = "topk" if method.endswith("topk") else "full"
     backend = "torch" if method.startswith("torch") else "triton"
+    return lambda x, w: topk_kl(x, w, ids, lp, normalize=norm, backend=backend)
 
-    def fn(x, w):
-        if method == "full-native":
-            old, td.GRAD_ACCUM = td.GRAD_ACCUM, "native"
-            try:
-                return topk_kl(x, w, ids, lp, normalize=norm, backend=backend)
-            finally:
-                td.GRAD_ACCUM = old
-        return topk_kl(x, w, ids, lp, normalize=norm, backend=backend)
-    return fn
+
+def _step(method: str, xs, ws, ids, lp, labels):
+    if method == "floor":
+        return _floor(xs, ws)
+    return _fwd_bwd(_method_fn(method, ids, lp, labels), xs, ws, "native" if method == "full-native" else "fp32")
 
 
 def _accuracy(method, xs, ws, ids, lp, labels, rows: int) -> Optional[float]:
@@ -140,7 +142,7 @@ def _accuracy(method, xs, ws, ids, lp, labels, rows: int) -> Optional[float]:
     from ..topk import reference_topk_loss
 
     x, i, p, lab = xs[:rows], ids[:rows], lp[:rows], labels[:rows]
-    loss, dx, dw = _fwd_bwd(_method_fn(method, i, p, lab), x, ws)()
+    loss, dx, dw = _step(method, x, ws, i, p, lab)()
     x64 = x.detach().double().requires_grad_()
     w64 = ws.detach().double().requires_grad_()
     if method == "cce":
@@ -185,9 +187,12 @@ def run_loss(args, env: Dict[str, str]) -> List[Row]:
                 size = {"N": N, "K": K if method not in ("floor", "cce") else 0, "V": V, "D": D}
                 row = Row("topk", label, size)
                 try:
-                    step = _floor(xs, ws) if method == "floor" else _fwd_bwd(_method_fn(method, ids, lp, labels), xs, ws)
+                    step = _step(method, xs, ws, ids, lp, labels)
                     row.ms = time_ms(step, dev, warmup=warmup, reps=reps)
                     row.peak_mib = peak_mib(step, dev)
+                    if method != "floor":  # the step allocates dX and dW anew: report the peak above them too
+                        grads = (xs.numel() + ws.numel()) * xs.element_size() / 2**20
+                        row.extra["above_grads_mib"] = row.peak_mib - grads
                     if N == seq_lens[0]:  # the accuracy check does not depend on N
                         row.rel_err = _accuracy(method, xs, ws, ids, lp, labels, args.ref_rows)
                 except Exception as err:  # one failing method must not stop the others

@@ -32,11 +32,40 @@ Tensor = torch.Tensor
 
 # ----------------------------------------------------------------------------- the streaming top-k
 
+GROUP = 16  # vocab entries per group of the grouped top-k
+
+
+def _chunk_candidates(z: Tensor, thresh: Tensor, k: int):
+    """The entries of chunk z [R, C] that can still enter a running top-k whose k-th best is thresh.
+
+    Exact: the k largest entries of z lie in the k groups (of GROUP consecutive entries) with the
+    largest maxima, and a group whose maximum is <= thresh holds nothing that beats the running
+    top-k. So only min(k, groups above thresh) groups are gathered (one host sync per chunk for
+    that count); torch.topk then runs on those few groups instead of the whole chunk.
+    Returns (values [R, c], column indices [R, c]) or None when no row can improve.
+    """
+    R, C = z.shape
+    pad = (-C) % GROUP
+    if pad:
+        z = torch.nn.functional.pad(z, (0, pad), value=float("-inf"))
+    groups = z.view(R, -1, GROUP)
+    gmax = groups.amax(-1)
+    need = int((gmax > thresh[:, None]).sum(1).max())
+    if need == 0:
+        return None
+    kk = min(k, need, gmax.shape[1])
+    gi = gmax.topk(kk, dim=1).indices                                   # [R, kk]
+    vals = groups.gather(1, gi[:, :, None].expand(-1, -1, GROUP)).reshape(R, kk * GROUP)
+    cols = (gi[:, :, None] * GROUP + torch.arange(GROUP, device=z.device)).reshape(R, kk * GROUP)
+    return vals, cols
+
+
 def streaming_topk(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], k: int, temperature: float = 1.0,
                    vocab_size: Optional[int] = None, chunk: Optional[int] = None):
     """Top-k ids (int64) and log-probs (fp32) of softmax((hidden @ weight[:V].T + b) / T), [R, k] each.
 
-    One pass over vocab chunks: running top-k merge + online log-sum-exp; memory O(R * (chunk + k)).
+    One pass over vocab chunks: online log-sum-exp plus a running top-k, merged with each chunk's
+    candidates (see ``_chunk_candidates``); memory O(R * (chunk + k)), never [R, V].
     """
     V = weight.shape[0] if vocab_size is None else int(vocab_size)
     if not 0 < V <= weight.shape[0]:
@@ -47,7 +76,7 @@ def streaming_topk(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], k: in
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     R = hidden.shape[0]
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    chunk = chunk or max(auto_chunk_v(R, V, budget_elems=1 << 26), k)  # <= 256 MiB of fp32 logits
+    chunk = chunk or max(auto_chunk_v(R, V, budget_elems=1 << 27), k)  # <= 512 MiB of fp32 logits
     best_v = torch.full((R, k), float("-inf"), dtype=acc, device=hidden.device)
     best_i = torch.zeros((R, k), dtype=torch.int64, device=hidden.device)
     state = Online.empty(R, acc, hidden.device)
@@ -56,7 +85,10 @@ def streaming_topk(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], k: in
         if temperature != 1.0:
             z = z / temperature
         state.update(z)
-        v, i = z.topk(min(k, c1 - c0), dim=1)
+        cand = _chunk_candidates(z, best_v[:, -1], k)
+        if cand is None:
+            continue
+        v, i = cand
         best_v, pos = torch.cat([best_v, v], 1).topk(k, dim=1)
         best_i = torch.cat([best_i, i + c0], 1).gather(1, pos)
     return best_i, (best_v - state.lse()[:, None]).to(torch.float32)

@@ -11,6 +11,7 @@ elsewhere: sum them over ranks) and ``full_backward_range`` (local dW, partial d
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -30,6 +31,19 @@ Tensor = torch.Tensor
 # workspace). "native": locked adds straight into gradients of the input dtype, as CCE does
 # (no workspace, bf16 rounding at every partial sum). A benchmark knob, not an API.
 GRAD_ACCUM = "fp32"
+
+
+@contextlib.contextmanager
+def grad_accumulation(mode: str):
+    """Set GRAD_ACCUM for a region; it is read when the backward runs, so wrap the backward too."""
+    global GRAD_ACCUM
+    if mode not in ("fp32", "native"):
+        raise ValueError(f"grad accumulation must be 'fp32' or 'native', got {mode!r}")
+    old, GRAD_ACCUM = GRAD_ACCUM, mode
+    try:
+        yield
+    finally:
+        GRAD_ACCUM = old
 
 
 @dataclass(frozen=True)
