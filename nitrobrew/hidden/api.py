@@ -25,9 +25,11 @@ def _is_dtensor(t) -> bool:
 
 
 def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction, chunk_V,
-              kd_weight, ce_weight, ignore_index, backend) -> int:
+              kd_weight, ce_weight, ignore_index, backend, mode, memory_budget) -> int:
     """Check everything before any kernel runs; return the vocabulary size to use."""
-    for name, t in (("xs", xs), ("xt", xt), ("ws", ws), ("wt", wt)):
+    for name, t in (("xs", xs), ("xt", xt), ("ws", ws), ("wt", wt), ("bs", bs), ("bt", bt)):
+        if t is None and name in ("bs", "bt"):
+            continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         ck.check_float(name, t)
@@ -55,7 +57,7 @@ def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction
                 "compare the first N entries of both heads (never zero-pad a head)"
             )
         vocab_size = ws.shape[0]
-    elif not (isinstance(vocab_size, int) and 0 < vocab_size <= min(ws.shape[0], wt.shape[0])):
+    elif not (ck.is_int(vocab_size) and 0 < vocab_size <= min(ws.shape[0], wt.shape[0])):
         raise ValueError(
             f"vocab_size must be an int in [1, {min(ws.shape[0], wt.shape[0])}], got {vocab_size!r}"
         )
@@ -63,6 +65,7 @@ def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction
     ck.check_reduction(reduction)
     ck.check_chunk("chunk_V", chunk_V)
     ck.check_backend(backend)
+    ck.check_mode(mode, memory_budget)
     ck.check_labels(labels, xs.shape[:-1])
     for name, wgt in (("kd_weight", kd_weight), ("ce_weight", ce_weight)):
         if not (isinstance(wgt, (int, float)) and math.isfinite(wgt)):
@@ -119,7 +122,7 @@ def hidden_loss(
         ck.check_unit_interval("alpha", alpha)
     name, param = dv.canonical(divergence, beta if divergence == "jsd" else alpha)
     V = _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction, chunk_V,
-                  kd_weight, ce_weight, ignore_index, backend)
+                  kd_weight, ce_weight, ignore_index, backend, mode, memory_budget)
     impl = ck.resolve_backend(backend, xs.device)
 
     lead = xs.shape[:-1]
@@ -193,6 +196,7 @@ _COMMON_DOC = """
 
 def _make_loss(divergence: str, summary: str, extra: str = ""):
     def loss(xs, xt, ws, wt, **kwargs):
+        loss.__signature__.bind(xs, xt, ws, wt, **kwargs)  # e.g. beta= given to forward_kl: TypeError
         return hidden_loss(xs, xt, ws, wt, divergence=divergence, **kwargs)
 
     params = [p for p in inspect.signature(hidden_loss).parameters.values() if p.name != "divergence"]

@@ -181,9 +181,10 @@ def row_scales(grad_rows: Tensor, mask: Tensor, cfg: LossConfig) -> Tuple[Tensor
 
 
 def combine_rows(st: RowStats, mask: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor, Tensor]:
-    """Per-row (total, kd, ce) as float32, 0 at ignored rows."""
-    kd = torch.where(mask > 0, st.kd, torch.zeros_like(st.kd)).float()
-    ce = torch.zeros_like(kd) if st.ce is None else torch.where(mask > 0, st.ce, torch.zeros_like(st.ce)).float()
+    """Per-row (total, kd, ce) in the compute dtype (float32; float64 for float64 inputs), 0 at
+    ignored rows."""
+    kd = torch.where(mask > 0, st.kd, torch.zeros_like(st.kd))
+    ce = torch.zeros_like(kd) if st.ce is None else torch.where(mask > 0, st.ce, torch.zeros_like(st.ce))
     return cfg.kd_weight * kd + cfg.ce_weight * ce, kd, ce
 
 
