@@ -224,3 +224,35 @@ def test_padding_ids_are_ignored_even_out_of_range():
     a = topk_kl(xs, ws, ids, lp, backend="torch")
     b = topk_kl(xs, ws, ids2, lp, backend="torch")
     torch.testing.assert_close(a, b)
+
+
+try:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+except ImportError:  # pragma: no cover
+    given = None
+
+if given is not None:
+    @settings(max_examples=12, deadline=None)
+    @given(n=st.integers(1, 9), d=st.integers(1, 12), v=st.integers(2, 40), k=st.integers(1, 6),
+           lead2=st.booleans(), combo=st.sampled_from(list(combos())), temperature=st.floats(0.3, 3.0),
+           reduction=st.sampled_from(["mean", "sum", "none"]), seed=st.integers(0, 2**16))
+    def test_property_shapes_and_options(n, d, v, k, lead2, combo, temperature, reduction, seed):
+        div, norm, tail = combo
+        k = min(k, v)
+        g = torch.Generator().manual_seed(seed)
+        xs = torch.randn(n, d, generator=g, dtype=torch.float64)
+        ws = torch.randn(v, d, generator=g, dtype=torch.float64) * 2
+        lp, ids = torch.log_softmax(torch.randn(n, v, generator=g, dtype=torch.float64) * 4, -1).topk(k, -1)
+        lp[torch.rand(n, k, generator=g) < 0.2] = float("-inf")
+        lead = (1, n) if lead2 else (n,)
+        xs, ids, lp = xs.reshape(*lead, d).requires_grad_(), ids.reshape(*lead, k), lp.reshape(*lead, k)
+        ws.requires_grad_()
+        kw = dict(normalize=norm, divergence=div, tail=tail, temperature=temperature, reduction=reduction)
+        out = topk_kl(xs, ws, ids, lp, backend="torch", chunk_V=7, beta=0.4, alpha=0.3, **kw)
+        ref = reference_topk_loss(xs, ws, ids, lp, param=0.4 if div == "jsd" else 0.3, **kw)
+        assert out.shape == ref.shape == (lead if reduction == "none" else ())
+        torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+        up = torch.ones_like(ref)
+        for a, b in zip(torch.autograd.grad(out, [xs, ws], up), torch.autograd.grad(ref, [xs, ws], up)):
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)

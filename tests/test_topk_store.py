@@ -231,3 +231,39 @@ def test_load_sequences_errors_and_formats(tmp_path):
     with pa.OSFile(str(tmp_path / "d.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as wr:
         wr.write_table(table)
     assert load_sequences(str(tmp_path / "d.arrow")) == [[1, 2, 3], [4, 5]]
+
+
+def test_writer_reader_and_extract_errors(tmp_path):
+    from nitrobrew.topk.store import TopKWriter
+
+    kw = dict(model="m", k=2, temperature=1.0, vocab_size=10, head_rows=10, num_sequences=3)
+    with pytest.raises(ValueError, match="logprob_dtype must be one of"):
+        TopKWriter(str(tmp_path / "a"), logprob_dtype="int8", **kw)
+    with pytest.raises(ValueError, match="sequences_per_shard must be a positive int"):
+        TopKWriter(str(tmp_path / "a"), sequences_per_shard=0, **kw)
+    w = TopKWriter(str(tmp_path / "b"), sequences_per_shard=2, **kw)
+    with pytest.raises(ValueError, match=r"shard 0 holds sequences \[0, 2\)"):
+        w.write_shard(0, [torch.arange(3)], [torch.zeros(2, 2)], [torch.zeros(2, 2)])
+    with pytest.raises(ValueError, match=r"top-k blocks must be \(2, 2\)"):
+        w.write_shard(0, [torch.arange(3), torch.arange(2)], [torch.zeros(3, 2), torch.zeros(1, 2)],
+                      [torch.zeros(3, 2), torch.zeros(1, 2)])
+    with pytest.raises(StoreError, match=r"shards \[0, 1\] are not written"):
+        w.finish()
+    with pytest.raises(StoreError, match="manifest.json is missing"):
+        TopKStore(str(tmp_path / "nowhere"))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "manifest.json").write_text('{"format": "other"}')
+    with pytest.raises(StoreError, match="not a nitrobrew-topk manifest"):
+        TopKStore(str(tmp_path / "c"))
+    # the extraction refuses tokens outside the teacher's vocabulary and logit transforms
+    teacher = Teacher(lambda ids, mask: torch.zeros(*ids.shape, 4), torch.randn(10, 4), None, "t", 10)
+    with pytest.raises(ValueError, match=r"token ids outside \[0, 10\)"):
+        extract_topk(teacher, [[1, 2, 30]], str(tmp_path / "d"), k=2)
+    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(NotImplementedError, match="final_logit_softcapping"):
+        teacher_from_hf(model)
+    with pytest.raises(ValueError, match="empty batch"):
+        TopKCollator()([])

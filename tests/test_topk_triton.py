@@ -113,3 +113,19 @@ def test_vocab_range_pieces_merge_to_the_whole():
     z = sum(td.gather_logits(x, w[lo:hi].contiguous(), b[lo:hi].contiguous(), safe, lo=lo)
             for lo, hi in zip(cuts, cuts[1:]))
     torch.testing.assert_close(torch.where(valid, z, 0).reshape(-1), whole.z_ids, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_memory_has_no_vocab_wide_rows_tensor():
+    """No [rows, V] tensor: the largest allocation is the (fp32) dW accumulator [V, D]."""
+    from nitrobrew._memory import TensorMemoryTracker
+
+    g = torch.Generator().manual_seed(5)
+    n, d, v = 24, 8, 130
+    xs = torch.randn(n, d, generator=g).requires_grad_()
+    ws = torch.randn(v, d, generator=g).requires_grad_()
+    lp, ids = torch.log_softmax(torch.randn(n, v, generator=g) * 3, -1).topk(K, -1)
+    for norm in ("full", "topk"):
+        with TensorMemoryTracker() as tr:
+            out = topk_kl(xs, ws, ids, lp, normalize=norm, backend="triton")
+            out.backward()
+        assert tr.largest <= v * d * 4 < n * v * 4, (norm, tr.largest_shape)

@@ -150,7 +150,8 @@ def _accuracy(method, xs, ws, ids, lp, labels, rows: int) -> Optional[float]:
     else:
         ref = reference_topk_loss(x64, w64, i, p, normalize="topk" if method.endswith("topk") else "full")
     ref.backward()
-    errs = [abs(float(loss) - float(ref)) / max(abs(float(ref)), 1e-30), rel_err(dx, x64.grad), rel_err(dw, w64.grad)]
+    r = float(ref.detach())
+    errs = [abs(float(loss) - r) / max(abs(r), 1e-30), rel_err(dx, x64.grad), rel_err(dw, w64.grad)]
     del x64, w64
     return max(errs)
 

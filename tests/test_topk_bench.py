@@ -1,0 +1,31 @@
+"""`nitrobrew bench topk` at CPU sizes: runs, writes its CSV, and its methods agree with float64."""
+import csv
+
+import pytest
+
+from nitrobrew.cli import main as cli_main
+
+
+def test_bench_topk_cpu(tmp_path, capsys):
+    out = tmp_path / "topk.csv"
+    assert cli_main(["bench", "topk", "--vocab", "300", "--seq-lens", "16", "32", "--d-model", "16", "--ks", "4",
+                     "--reps", "1", "--warmup", "0", "--ref-rows", "8", "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(open(out)))
+    assert {r["method"] for r in rows} == {"torch-full K=4", "torch-topk K=4"}
+    assert {int(r["N"]) for r in rows} == {16, 32}
+    for r in rows:
+        assert float(r["ms"]) > 0 and float(r["peak_mib"]) >= 0
+        if r["N"] == "16":
+            assert float(r["rel_err"]) < 1e-4
+    assert "torch-topk K=4" in capsys.readouterr().out
+
+
+def test_bench_topk_extract_only(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "e.csv"
+    assert cli_main(["bench", "topk", "--extract-only", "--vocab", "300", "--ks", "4", "--reps", "2",
+                     "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(open(out)))
+    assert [r["method"] for r in rows][0] == "teacher forward + logits"
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+    assert "ids agree 1.0000" in rows[-1]["note"]
