@@ -18,12 +18,14 @@ on each rank calls them with ``lo`` and reduces (m, l), the id logits and dX ove
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import List, Optional, Tuple
 
 import torch
 
 from .._ops import compute_dtype
-from ..hidden.chunked import Online, chunk_logits, gather_label_logit, vocab_chunks
+from ..hidden.chunked import Online, chunk_logits, gather_label_logit, row_scales, vocab_chunks
+from ..hidden.chunked import combine_rows as hidden_combine_rows
 from ..hidden.config import auto_chunk_v
 from .rowmath import RowResult, TopKConfig, topk_rows
 
@@ -205,20 +207,17 @@ def sparse_grads(xs, ws, bs, ids: Tensor, entries: Entries, coef: Tensor, need_w
 
 def row_coefficients(grad_rows: Tensor, mask: Tensor, res: RowResult, cfg: TopKConfig):
     """Per-entry coefficients (raw-logit units) and per-row dense / CE multipliers for a backward."""
-    g = grad_rows.to(res.kd.dtype) * mask.to(res.kd.dtype)
-    kd_scale = g * (cfg.kd_weight / cfg.temperature)
+    dt = res.kd.dtype
+    kd_scale, ce_scale = row_scales(grad_rows.to(dt), mask.to(dt), cfg)
+    kd_scale = kd_scale / cfg.temperature
     coef = (res.sparse * kd_scale[:, None]).reshape(-1)
     dense = None if res.dense is None else res.dense * kd_scale
-    ce_scale = g * cfg.ce_weight if cfg.with_ce else None
-    return coef, dense, ce_scale
+    return coef, dense, (ce_scale if cfg.with_ce else None)
 
 
 def combine_rows(res: RowResult, ce: Optional[Tensor], mask: Tensor, cfg: TopKConfig):
-    """Per-row (total, kd, ce) as float32 (float64 for float64 inputs), 0 at ignored rows."""
-    out = torch.float64 if res.kd.dtype == torch.float64 else torch.float32
-    kd = torch.where(mask > 0, res.kd, torch.zeros_like(res.kd)).to(out)
-    ce = torch.zeros_like(kd) if ce is None else torch.where(mask > 0, ce, torch.zeros_like(ce)).to(out)
-    return cfg.kd_weight * kd + cfg.ce_weight * ce, kd, ce
+    """Per-row (total, kd, ce) in the compute dtype, 0 at ignored rows (the hidden losses' rule)."""
+    return hidden_combine_rows(SimpleNamespace(kd=res.kd, ce=ce), mask, cfg)
 
 
 class ChunkedTopK(torch.autograd.Function):
