@@ -1,0 +1,199 @@
+"""Autograd Function and launchers around the Triton attention-KL kernels."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from .._checks import interpreter_enabled
+from .common import AttnSpec
+from .triton_bwd import attn_kl_bwd_dk_kernel, attn_kl_bwd_dq_kernel
+from .triton_fwd import DEFAULT_CONFIGS, LOG2E, attn_kl_fwd_kernel, next_pow2_dim
+
+
+@dataclass
+class _SideT:
+    q: torch.Tensor
+    k: torch.Tensor
+    scale: float  # natural units (alpha / T)
+
+    @property
+    def G(self) -> int:
+        return self.q.shape[1] // self.k.shape[1]
+
+    @property
+    def D(self) -> int:
+        return self.q.shape[-1]
+
+    @property
+    def BD(self) -> int:
+        return next_pow2_dim(self.D)
+
+    @property
+    def prec(self) -> str:
+        if self.q.dtype == torch.float32:
+            return "ieee"
+        if self.q.dtype == torch.bfloat16 and interpreter_enabled():
+            return "upcast"
+        return "tf32"  # ignored for 16-bit inputs
+
+
+def _last_contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def resolve_config(kind: str, user: Optional[dict], device: torch.device, max_bd: int, fp32: bool = False,
+                   grouped: bool = False):
+    """(BM, BN, num_warps, num_stages) for one kernel: user override, interpreter, or a default
+    chosen for Hopper (register spills checked with ptxas for sm_90; see docs/attention.md)."""
+    if user and kind in user:
+        return tuple(user[kind])
+    if device.type != "cuda" or interpreter_enabled():
+        return DEFAULT_CONFIGS["interp"]
+    if fp32 or max_bd > 128:  # fp32 dots run on FMA units; big head dims: small tiles avoid spills
+        return DEFAULT_CONFIGS["small"]
+    if kind == "dk" and grouped:  # the head loop of grouped-query attention costs registers
+        return DEFAULT_CONFIGS["dk_grouped"]
+    return DEFAULT_CONFIGS[kind]
+
+
+def _kpm_args(kpm: Optional[torch.Tensor], fallback: torch.Tensor):
+    if kpm is None:
+        return fallback, 0, False
+    k = kpm.to(torch.uint8).contiguous()
+    return k, k.stride(0), True
+
+
+def triton_forward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lse_x=None, lse_y=None, cfg=None):
+    """Launch the forward kernel. Returns (kl natural [B,H,Nq], lse_x, lse_y in log2 units), float32."""
+    B, H, Nq, _ = X.q.shape
+    Nk = X.k.shape[2]
+    dev = X.q.device
+    kl = torch.empty((B, H, Nq), dtype=torch.float32, device=dev)
+    lsx, lsy = torch.empty_like(kl), torch.empty_like(kl)
+    fp32 = torch.float32 in (X.q.dtype, Y.q.dtype)
+    BM, BN, warps, stages = resolve_config("fwd", cfg, dev, max(X.BD, Y.BD), fp32)
+    kpm_t, s_kpm, has_kpm = _kpm_args(kpm, kl)
+
+    def fixed(lse):
+        if lse is None:
+            return kl, False
+        lse = lse.to(torch.float32)
+        return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).contiguous(), True
+
+    lx_in, x_fixed = fixed(lse_x)
+    ly_in, y_fixed = fixed(lse_y)
+    grid = (triton.cdiv(Nq, BM), B * H)
+    attn_kl_fwd_kernel[grid](
+        X.q, X.k, Y.q, Y.k, lx_in, ly_in, kpm_t, kl, lsx, lsy,
+        X.q.stride(0), X.q.stride(1), X.q.stride(2), X.k.stride(0), X.k.stride(1), X.k.stride(2),
+        Y.q.stride(0), Y.q.stride(1), Y.q.stride(2), Y.k.stride(0), Y.k.stride(1), Y.k.stride(2),
+        s_kpm,
+        H, Nq, Nk, X.G, Y.G, X.scale * LOG2E, Y.scale * LOG2E, spec.causal_offset if spec.is_causal else 0,
+        DX=X.D, DY=Y.D, BDX=X.BD, BDY=Y.BD, BM=BM, BN=BN,
+        CAUSAL=spec.is_causal, HAS_KPM=has_kpm, X_FIXED=x_fixed, Y_FIXED=y_fixed,
+        EVEN_M=Nq % BM == 0, EVEN_N=Nk % BN == 0, PREC_X=X.prec, PREC_Y=Y.prec,
+        num_warps=warps, num_stages=stages,
+    )
+    return kl, lsx, lsy
+
+
+def triton_backward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lsx, lsy, kl, g, need, cfg=None):
+    """need = dict(qx=bool, kx=bool, qy=bool, ky=bool). Returns dict of gradients (or None)."""
+    B, H, Nq, _ = X.q.shape
+    Nk = X.k.shape[2]
+    dev = X.q.device
+    out = {name: None for name in ("qx", "kx", "qy", "ky")}
+    kpm_t, s_kpm, has_kpm = _kpm_args(kpm, kl)
+    off = spec.causal_offset if spec.is_causal else 0
+    max_bd = max(X.BD, Y.BD)
+    fp32 = torch.float32 in (X.q.dtype, Y.q.dtype)
+    if need["qx"] or need["qy"]:
+        BM, BN, warps, stages = resolve_config("dq", cfg, dev, max_bd, fp32)
+        dqx = torch.empty_like(X.q) if need["qx"] else kl
+        dqy = torch.empty_like(Y.q) if need["qy"] else kl
+        sx3 = dqx.stride()[:3] if need["qx"] else (0, 0, 0)
+        sy3 = dqy.stride()[:3] if need["qy"] else (0, 0, 0)
+        attn_kl_bwd_dq_kernel[(triton.cdiv(Nq, BM), B * H)](
+            X.q, X.k, Y.q, Y.k, kpm_t, lsx, lsy, kl, g, dqx, dqy,
+            X.q.stride(0), X.q.stride(1), X.q.stride(2), X.k.stride(0), X.k.stride(1), X.k.stride(2),
+            Y.q.stride(0), Y.q.stride(1), Y.q.stride(2), Y.k.stride(0), Y.k.stride(1), Y.k.stride(2),
+            *sx3, *sy3, s_kpm,
+            H, Nq, Nk, X.G, Y.G, X.scale * LOG2E, Y.scale * LOG2E, X.scale, Y.scale, off,
+            DX=X.D, DY=Y.D, BDX=X.BD, BDY=Y.BD, BM=BM, BN=BN,
+            CAUSAL=spec.is_causal, HAS_KPM=has_kpm, EVEN_M=Nq % BM == 0, EVEN_N=Nk % BN == 0,
+            NEED_X=need["qx"], NEED_Y=need["qy"], PREC_X=X.prec, PREC_Y=Y.prec,
+            num_warps=warps, num_stages=stages,
+        )
+        out["qx"] = dqx if need["qx"] else None
+        out["qy"] = dqy if need["qy"] else None
+
+    def dk_launch(A: _SideT, Bs: _SideT, lsa, lsb, a_is_x: bool, also_b: bool):
+        BM, BN, warps, stages = resolve_config("dk", cfg, dev, max_bd, fp32, A.G > 1)
+        Hkva = A.k.shape[1]
+        dka = torch.empty_like(A.k)
+        dkb = torch.empty_like(Bs.k) if also_b else kl
+        sb3 = dkb.stride()[:3] if also_b else (0, 0, 0)
+        attn_kl_bwd_dk_kernel[(triton.cdiv(Nk, BN), B * Hkva)](
+            A.q, A.k, Bs.q, Bs.k, kpm_t, lsa, lsb, kl, g, dka, dkb,
+            A.q.stride(0), A.q.stride(1), A.q.stride(2), A.k.stride(0), A.k.stride(1), A.k.stride(2),
+            Bs.q.stride(0), Bs.q.stride(1), Bs.q.stride(2), Bs.k.stride(0), Bs.k.stride(1), Bs.k.stride(2),
+            *dka.stride()[:3], *sb3, s_kpm,
+            H, Hkva, Nq, Nk, A.G, Bs.G, A.scale * LOG2E, Bs.scale * LOG2E, A.scale, Bs.scale, off,
+            DA=A.D, DB=Bs.D, BDA=A.BD, BDB=Bs.BD, BM=BM, BN=BN,
+            CAUSAL=spec.is_causal, HAS_KPM=has_kpm, EVEN_M=Nq % BM == 0, EVEN_N=Nk % BN == 0,
+            A_IS_X=a_is_x, ALSO_B=also_b, PREC_A=A.prec, PREC_B=Bs.prec, GROUPED=A.G > 1,
+            num_warps=warps, num_stages=stages,
+        )
+        return dka, (dkb if also_b else None)
+
+    if need["kx"] and need["ky"] and X.G == Y.G:
+        out["kx"], out["ky"] = dk_launch(X, Y, lsx, lsy, True, True)
+    else:
+        if need["kx"]:
+            out["kx"], _ = dk_launch(X, Y, lsx, lsy, True, False)
+        if need["ky"]:
+            out["ky"], _ = dk_launch(Y, X, lsy, lsx, False, False)
+    return out
+
+
+class TritonAttentionKL(torch.autograd.Function):
+    """Per-row KL [B, H, Nq] float32 (0 at rows with no visible key)."""
+
+    @staticmethod
+    def forward(ctx, q_s, k_s, q_t, k_t, lse_t, kpm, spec: AttnSpec, cfg):
+        q_s, k_s, q_t, k_t = (_last_contig(t) for t in (q_s, k_s, q_t, k_t))
+        S = _SideT(q_s, k_s, spec.scale_s)
+        T = _SideT(q_t, k_t, spec.scale_t)
+        if spec.teacher_is_x:
+            kl, lsx, lsy = triton_forward(T, S, kpm, spec, lse_x=lse_t, cfg=cfg)
+        else:
+            kl, lsx, lsy = triton_forward(S, T, kpm, spec, lse_y=lse_t, cfg=cfg)
+        ctx.save_for_backward(q_s, k_s, q_t, k_t, kpm, lsx, lsy, kl)
+        ctx.spec, ctx.cfg = spec, cfg
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        q_s, k_s, q_t, k_t, kpm, lsx, lsy, kl = ctx.saved_tensors
+        spec = ctx.spec
+        n = ctx.needs_input_grad
+        S = _SideT(q_s, k_s, spec.scale_s)
+        T = _SideT(q_t, k_t, spec.scale_t)
+        g = grad_rows.to(torch.float32).contiguous()
+        if spec.teacher_is_x:
+            X, Y, need = T, S, dict(qx=n[2], kx=n[3], qy=n[0], ky=n[1])
+        else:
+            X, Y, need = S, T, dict(qx=n[0], kx=n[1], qy=n[2], ky=n[3])
+        out = triton_backward(X, Y, kpm, spec, lsx, lsy, kl, g, need, ctx.cfg)
+        if spec.teacher_is_x:
+            dq_t, dk_t, dq_s, dk_s = out["qx"], out["kx"], out["qy"], out["ky"]
+        else:
+            dq_s, dk_s, dq_t, dk_t = out["qx"], out["kx"], out["qy"], out["ky"]
+        return dq_s, dk_s, dq_t, dk_t, None, None, None, None
+
+
+def triton_rows(q_s, k_s, q_t, k_t, lse_t, kpm, spec: AttnSpec, cfg: Optional[dict] = None):
+    return TritonAttentionKL.apply(q_s, k_s, q_t, k_t, lse_t, kpm, spec, cfg)

@@ -1,0 +1,185 @@
+"""Triton forward of attention KL: one pass over key tiles, per-row statistics out.
+
+Program = (query block of BM rows, batch * head). It keeps both query tiles (x side and y side,
+their own head dims) and streams the two key tiles of each key block: two score products
+``x = q_x k_x^T``, ``y = q_y k_y^T`` with fp32 accumulation, in log2 units (the scale folds in
+log2(e), exponentials are exp2). Per row it carries the centred online state of design §3:
+running maxima m_x, m_y, sums l_x, l_y and
+
+    c = sum_j 2^{x_j - m_x} ((x_j - m_x) - (y_j - m_y))          (log2 units)
+
+and writes KL = ln2 (c / l_x - log2 l_x + log2 l_y) plus both log-sum-exps (log2 units) for the
+backward. Causal programs skip key blocks above the diagonal and mask only the blocks that cut it
+(two loops: unmasked, then masked). A fixed log-sum-exp (``lse_t``) replaces that side's running
+max (no row max, no rescale); the result still normalizes by l. Masked entries use -inf in the
+exponent only; the centred difference uses the raw (finite) scores, so no 0 * inf appears.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel; "interp" is used by Triton's CPU
+# interpreter (small tiles keep the tests fast and exercise many blocks and edges).
+DEFAULT_CONFIGS = {
+    "fwd": (128, 64, 8, 2),
+    "dq": (128, 64, 8, 2),
+    "dk": (64, 128, 8, 2),
+    "dk_grouped": (32, 64, 4, 2),   # GQA: the loop over query heads sharing a kv head
+    "small": (32, 32, 4, 2),        # fp32 inputs (FMA dots) or head dims > 128
+    "interp": (16, 16, 1, 1),
+}
+
+
+@triton.jit
+def dot(a, b, PREC: tl.constexpr):
+    """tl.dot with fp32 accumulation. PREC "upcast" (Triton's CPU interpreter with bf16 inputs,
+    whose bf16 dot is wrong) multiplies the exactly upcast operands instead: same math."""
+    if PREC == "upcast":
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=PREC)
+    return out
+
+
+@triton.jit
+def load_tile(ptr, offs_r, offs_d, stride_r, n_rows, D: tl.constexpr, BD: tl.constexpr, EVEN_R: tl.constexpr):
+    """A [rows, BD] tile of a row-major matrix with contiguous last dim (zero-filled outside)."""
+    ptrs = ptr + offs_r[:, None] * stride_r + offs_d[None, :]
+    if EVEN_R and BD == D:
+        t = tl.load(ptrs)
+    elif EVEN_R:
+        t = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+    else:
+        t = tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < D), other=0.0)
+    return t
+
+
+@triton.jit
+def _valid(offs_m, offs_n, KPMb, Nk, causal_offset, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+           HAS_KPM: tl.constexpr):
+    """Visible (row, key) pairs of a tile: key in range, causal, and kept by the padding mask."""
+    if MASKED:
+        valid = offs_n[None, :] < Nk
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+        if HAS_KPM:
+            keep = tl.load(KPMb + offs_n, mask=offs_n < Nk, other=0)
+            valid = valid & (keep[None, :] != 0)
+    else:
+        keep = tl.load(KPMb + offs_n, mask=offs_n < Nk, other=0)
+        valid = keep[None, :] != 0
+    return valid
+
+
+@triton.jit
+def _fwd_tile(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, start_n, offs_m, offs_n0, offs_dx, offs_dy,
+              mx, my, lx, ly, c, Nk, scale_x, scale_y, causal_offset,
+              DX: tl.constexpr, DY: tl.constexpr, BDX: tl.constexpr, BDY: tl.constexpr,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+              X_FIXED: tl.constexpr, Y_FIXED: tl.constexpr, EVEN_N: tl.constexpr, PREC_X: tl.constexpr, PREC_Y: tl.constexpr):
+    offs_n = start_n + offs_n0
+    even = EVEN_N or not MASKED
+    kx = load_tile(KXb, offs_n, offs_dx, s_kx_n, Nk, DX, BDX, even)
+    ky = load_tile(KYb, offs_n, offs_dy, s_ky_n, Nk, DY, BDY, even)
+    sx = dot(qx, tl.trans(kx), PREC_X) * scale_x
+    sy = dot(qy, tl.trans(ky), PREC_Y) * scale_y
+    if MASKED or HAS_KPM:
+        valid = _valid(offs_m, offs_n, KPMb, Nk, causal_offset, MASKED, CAUSAL, HAS_KPM)
+        sxm = tl.where(valid, sx, float("-inf"))
+        sym = tl.where(valid, sy, float("-inf"))
+    else:
+        sxm = sx
+        sym = sy
+    if X_FIXED:
+        mx_new = mx
+    else:
+        mx_new = tl.maximum(mx, tl.max(sxm, 1))
+    if Y_FIXED:
+        my_new = my
+    else:
+        my_new = tl.maximum(my, tl.max(sym, 1))
+    px = tl.exp2(sxm - mx_new[:, None])
+    py = tl.exp2(sym - my_new[:, None])
+    d = (sx - mx_new[:, None]) - (sy - my_new[:, None])
+    ax = tl.exp2(mx - mx_new)
+    ay = tl.exp2(my - my_new)
+    c = ax * (c + lx * ((mx - mx_new) - (my - my_new))) + tl.sum(px * d, 1)
+    lx = lx * ax + tl.sum(px, 1)
+    ly = ly * ay + tl.sum(py, 1)
+    return mx_new, my_new, lx, ly, c
+
+
+@triton.jit
+def attn_kl_fwd_kernel(
+    QX, KX, QY, KY, LSEX_IN, LSEY_IN, KPM, KL_OUT, LSEX_OUT, LSEY_OUT,
+    s_qx_b, s_qx_h, s_qx_m, s_kx_b, s_kx_h, s_kx_n,
+    s_qy_b, s_qy_h, s_qy_m, s_ky_b, s_ky_h, s_ky_n,
+    s_kpm_b,
+    H, Nq, Nk, GX, GY, scale_x, scale_y, causal_offset,
+    DX: tl.constexpr, DY: tl.constexpr, BDX: tl.constexpr, BDY: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, X_FIXED: tl.constexpr, Y_FIXED: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PREC_X: tl.constexpr, PREC_Y: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)   # longest causal rows first
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    start_m = pid_m * BM
+    offs_m = start_m + tl.arange(0, BM)
+    offs_n0 = tl.arange(0, BN)
+    offs_dx = tl.arange(0, BDX)
+    offs_dy = tl.arange(0, BDY)
+    b64 = b.to(tl.int64)
+    qx = load_tile(QX + b64 * s_qx_b + h.to(tl.int64) * s_qx_h, offs_m, offs_dx, s_qx_m, Nq, DX, BDX, EVEN_M)
+    qy = load_tile(QY + b64 * s_qy_b + h.to(tl.int64) * s_qy_h, offs_m, offs_dy, s_qy_m, Nq, DY, BDY, EVEN_M)
+    KXb = KX + b64 * s_kx_b + (h // GX).to(tl.int64) * s_kx_h
+    KYb = KY + b64 * s_ky_b + (h // GY).to(tl.int64) * s_ky_h
+    KPMb = KPM + b64 * s_kpm_b
+    row = pid_bh.to(tl.int64) * Nq + offs_m
+    row_ok = offs_m < Nq
+    if X_FIXED:
+        mx = tl.load(LSEX_IN + row, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    else:
+        mx = tl.full([BM], -1.0e30, tl.float32)
+    if Y_FIXED:
+        my = tl.load(LSEY_IN + row, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    else:
+        my = tl.full([BM], -1.0e30, tl.float32)
+    lx = tl.zeros([BM], tl.float32)
+    ly = tl.zeros([BM], tl.float32)
+    c = tl.zeros([BM], tl.float32)
+
+    if CAUSAL:
+        hi = tl.minimum(Nk, start_m + BM + causal_offset)
+        full_hi = tl.minimum(Nk, start_m + 1 + causal_offset)
+    else:
+        hi = Nk
+        full_hi = Nk
+    if not EVEN_N:
+        full_hi = tl.minimum(full_hi, (Nk // BN) * BN)
+    n_full = (tl.maximum(full_hi, 0) // BN) * BN
+    for start_n in range(0, n_full, BN):
+        mx, my, lx, ly, c = _fwd_tile(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, start_n, offs_m, offs_n0,
+                                      offs_dx, offs_dy, mx, my, lx, ly, c, Nk, scale_x, scale_y, causal_offset,
+                                      DX, DY, BDX, BDY, False, CAUSAL, HAS_KPM, X_FIXED, Y_FIXED, EVEN_N, PREC_X, PREC_Y)
+    for start_n in range(n_full, hi, BN):
+        mx, my, lx, ly, c = _fwd_tile(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, start_n, offs_m, offs_n0,
+                                      offs_dx, offs_dy, mx, my, lx, ly, c, Nk, scale_x, scale_y, causal_offset,
+                                      DX, DY, BDX, BDY, True, CAUSAL, HAS_KPM, X_FIXED, Y_FIXED, EVEN_N, PREC_X, PREC_Y)
+
+    ok = (lx > 0) & (ly > 0)
+    lxs = tl.where(ok, lx, 1.0)
+    lys = tl.where(ok, ly, 1.0)
+    kl2 = c / lxs - tl.log2(lxs) + tl.log2(lys)
+    tl.store(KL_OUT + row, tl.where(ok, kl2 * 0.6931471805599453, 0.0), mask=row_ok)
+    tl.store(LSEX_OUT + row, tl.where(ok, mx + tl.log2(lxs), 0.0), mask=row_ok)
+    tl.store(LSEY_OUT + row, tl.where(ok, my + tl.log2(lys), 0.0), mask=row_ok)
+
+
+def next_pow2_dim(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
