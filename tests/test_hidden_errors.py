@@ -102,6 +102,7 @@ BAD = [
     ("kd-weight-nan", dict(kd_weight=math.nan), ValueError, "kd_weight must be a finite number, got nan"),
     ("ce-weight-inf", dict(ce_weight=math.inf), ValueError, "ce_weight must be a finite number, got inf"),
     ("ce-weight-str", dict(ce_weight="0.5"), ValueError, "ce_weight must be a finite number, got '0.5'"),
+    ("kd-weight-bool", dict(kd_weight=True), ValueError, "kd_weight must be a finite number, got True"),
 ]
 
 
@@ -169,3 +170,13 @@ def test_every_function_validates(divergence):
         call(LOSS_FNS[divergence], temperature=-1.0)
     with pytest.raises(ValueError, match="must share their leading shape"):
         call(LOSS_FNS[divergence], xt=torch.randn(5, 10))
+
+
+@pytest.mark.parametrize("cls, options, pattern", [
+    (nb.JSDLoss, dict(alpha=0.3), r"JSDLoss got unexpected options \['alpha'\]"),
+    (nb.ForwardKLLoss, dict(divergence="jsd"), r"ForwardKLLoss got unexpected options \['divergence'\]"),
+    (nb.SkewKLLoss, dict(beta=0.5, temprature=2.0), r"got unexpected options \['beta', 'temprature'\]"),
+])
+def test_module_rejects_options_of_other_losses(cls, options, pattern):
+    with pytest.raises(TypeError, match=pattern):
+        cls(**options)

@@ -68,7 +68,7 @@ def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction
     ck.check_mode(mode, memory_budget)
     ck.check_labels(labels, xs.shape[:-1])
     for name, wgt in (("kd_weight", kd_weight), ("ce_weight", ce_weight)):
-        if not (isinstance(wgt, (int, float)) and math.isfinite(wgt)):
+        if not (ck.is_number(wgt) and math.isfinite(wgt)):
             raise ValueError(f"{name} must be a finite number, got {wgt!r}")
     if ce_weight != 0:
         if labels is None:
@@ -181,7 +181,9 @@ _COMMON_DOC = """
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "torch" or "triton".
         mode, memory_budget: Triton only: "fast" (token-chunked, default) or
             "constant_memory"; memory_budget in bytes for the fast mode's logit slabs.
-        return_parts: return ``DistillOutput(loss, kd, ce)`` instead of the loss alone.
+        return_parts: return ``DistillOutput(loss, kd, ce)`` instead of the loss alone: ``kd``
+            is the divergence and ``ce`` the cross-entropy, each reduced like the loss and
+            without weights (detached), so loss = kd_weight * [T^2] * kd + ce_weight * ce.
         process_group: vocab-parallel (tensor-parallel) heads: ws, wt (bs, bt) hold this rank's
             contiguous block of the vocabulary, xs/xt/labels (global ids) the same rows on every
             rank; the result is the full-vocabulary loss on every rank, communicating per-row

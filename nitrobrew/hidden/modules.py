@@ -1,8 +1,11 @@
 """nn.Module wrappers for people who configure losses as modules."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
+from . import api
 from .api import hidden_loss
 
 
@@ -13,7 +16,11 @@ class DistillLoss(torch.nn.Module):
 
     def __init__(self, **options):
         super().__init__()
-        options.pop("divergence", None)
+        # the options of this divergence's function only: e.g. JSDLoss(alpha=...) is a TypeError
+        allowed = set(inspect.signature(getattr(api, self.divergence)).parameters) - {"xs", "xt", "ws", "wt"}
+        unknown = sorted(set(options) - allowed)
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unexpected options {unknown}")
         self.options = options
 
     def forward(self, xs, xt, ws, wt, labels=None, **overrides):

@@ -38,12 +38,9 @@ class Plan:
 
 
 def make_plan(n: int, v: int, ds: int, dtype, mode, chunk_V, memory_budget, reduction) -> Plan:
+    # mode and memory_budget were validated by the public API (nitrobrew._checks.check_mode)
     if mode is None:
         mode = "constant_memory" if chunk_V is not None else "fast"
-    if mode not in ("fast", "constant_memory"):
-        raise ValueError(f"mode must be 'fast' or 'constant_memory', got {mode!r}")
-    if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
-        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
     if mode == "fast":
         budget = memory_budget or DEFAULT_FAST_BUDGET
         rows = _round_rows(budget // (8 * v))
