@@ -22,12 +22,13 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel; "interp" is used by Triton's CPU
-# interpreter (small tiles keep the tests fast and exercise many blocks and edges).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel. fwd/dq/dk: the best of the H200 sweep
+# (benchmarks/results/attention/attention.md). "interp" is used by Triton's CPU interpreter
+# (small tiles keep the tests fast and exercise many blocks and edges).
 DEFAULT_CONFIGS = {
-    "fwd": (128, 64, 8, 2),
-    "dq": (128, 64, 8, 2),
-    "dk": (64, 128, 8, 2),
+    "fwd": (128, 64, 8, 3),
+    "dq": (128, 64, 8, 3),
+    "dk": (32, 64, 4, 3),
     "dk_grouped": (32, 64, 4, 2),   # GQA: the loop over query heads sharing a kv head
     "small": (32, 32, 4, 2),        # fp32 inputs (FMA dots) or head dims > 128
     "interp": (16, 16, 1, 1),
