@@ -80,12 +80,14 @@ def _parallel_call(case, divergence, sizes, group, r, up, *, x_grad=True, **opts
     return out, loss, dict(zip(names, grads)), c
 
 
-def check_case(r, group, world, divergence, sizes, *, dtype=torch.float32, case_kw=None, x_grad=True, **opts):
-    """Vocab-parallel vs single process (same dtype) and vs the float64 reference."""
+def check_case(r, group, world, divergence, sizes, *, dtype=torch.float32, case_kw=None, x_grad=True,
+               backend="auto", **opts):
+    """Vocab-parallel (on `backend`) vs single process (same dtype, PyTorch path) and vs float64."""
     case = make_case(dtype=dtype, **(case_kw or {}))
     ref64, ref_leaves = run_reference(case, divergence, **opts)
     up = upstream_grad(ref64, 0)
-    out, loss, grads, comm = _parallel_call(case, divergence, sizes, group, r, up, x_grad=x_grad, **opts)
+    out, loss, grads, comm = _parallel_call(case, divergence, sizes, group, r, up, x_grad=x_grad,
+                                            backend=backend, **opts)
     sl = _block(sizes, r)
     # single process over the whole vocabulary
     sp = run_loss(case, divergence, "torch", **opts)
@@ -190,6 +192,19 @@ def vocab_cases(r, world, group):
         ("more rows than chunk", lambda: check_case(r, group, world, "skew_kl", s0, ce_weight=1.0, chunk_V=2,
                                                     case_kw=dict(shape=(33,), labels="some", vocab=37))),
     ]
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        # each rank runs the Triton row kernels on its block (the path CUDA takes), interpreted
+        extra += [
+            ("triton: forward_kl + ce, bias", lambda: check_case(
+                r, group, world, "forward_kl", s0, backend="triton", ce_weight=0.5, temperature=1.5,
+                case_kw=dict(labels="some", bias=True))),
+            ("triton: jsd, constant-memory plan", lambda: check_case(
+                r, group, world, "jsd", s1, backend="triton", chunk_V=5, reduction="none",
+                case_kw=dict(labels="some"))),
+            ("triton: tvd, a rank left empty by vocab_size", lambda: check_case(
+                r, group, world, "tvd", [36, 4] if world == 2 else [30, 6, 4], backend="triton", ce_weight=0.4,
+                case_kw=dict(pad_s=3, pad_t=3, labels="some"))),
+        ]
     cases += extra
     cases += error_cases(r, world, group)
     cases.append(("DTensor heads Shard(0)", lambda: dtensor_case(r, world, group)))
@@ -227,8 +242,6 @@ def error_cases(r, world, group):
             r, lambda: call(labels=shifted), ValueError, "different labels")),
         ("error: ranks use different options", lambda: expect_error(
             r, lambda: call(temperature=1.0 + r), ValueError, "different options")),
-        ("error: backend='triton'", lambda: expect_error(
-            r, lambda: call(backend="triton"), ValueError, "PyTorch chunked path")),
         ("error: vocab_size above the global vocabulary", lambda: expect_error(
             r, lambda: call(vocab_size=38), ValueError, "vocab_size must be an int in [1, 37]")),
         ("after errors the group still works", lambda: check_case(r, group, world, "forward_kl", sizes)),

@@ -217,6 +217,23 @@ def backward_chunks(xs, xt, ws, wt, bs, bt, labels, st, cfg, kd_scale, ce_scale,
     return dx, dw, db
 
 
+class TorchLocal:
+    """``first_pass`` / ``second_pass`` / ``backward`` over a (local) head in vocab chunks: the pieces a
+    wrapper (vocab-parallel) merges across ranks. ``triton_dispatch.TritonLocal`` has the same interface."""
+
+    def __init__(self, xs, ws, cfg: LossConfig, memory_budget=None):
+        self.chunk = max(1, cfg.chunk_V or auto_chunk_v(xs.shape[0], max(ws.shape[0], 1)))
+
+    def first_pass(self, xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig) -> FirstPass:
+        return first_pass(xs, xt, ws, wt, bs, bt, labels, cfg, 0, ws.shape[0], self.chunk)
+
+    def second_pass(self, xs, xt, ws, wt, bs, bt, cfg: LossConfig, lse_s, lse_t):
+        return second_pass(xs, xt, ws, wt, bs, bt, cfg, lse_s, lse_t, 0, ws.shape[0], self.chunk)
+
+    def backward(self, xs, xt, ws, wt, bs, bt, labels, st: RowStats, cfg: LossConfig, kd_scale, ce_scale, need_w=True):
+        return backward_chunks(xs, xt, ws, wt, bs, bt, labels, st, cfg, kd_scale, ce_scale, self.chunk, need_w=need_w)
+
+
 class ChunkedDistill(torch.autograd.Function):
     """Per-row (total, kd, ce) losses; gradients to xs, ws and bs (the teacher is constant)."""
 

@@ -38,6 +38,7 @@ class Plan:
 
 
 def make_plan(n: int, v: int, ds: int, dtype, mode, chunk_V, memory_budget, reduction) -> Plan:
+    v = max(v, 1)  # an empty vocabulary shard (vocab-parallel) still gets a valid plan
     # mode and memory_budget were validated by the public API (nitrobrew._checks.check_mode)
     if mode is None:
         mode = "constant_memory" if chunk_V is not None else "fast"
@@ -118,8 +119,10 @@ def block_grads(xs, xt, ws, wt, bs, bt, labels, rs, kd_scale, ce_scale, cfg, vch
         g = _grad_buffer(z, t, xs.dtype)
         tr.launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, v0, cfg)
         if dx_out is not None:
-            if dx_acc is None:
+            if dx_acc is None and dx_out.dtype == g.dtype:
                 torch.mm(g, ws[v0:v1], out=dx_out)  # g has the heads' dtype: cuBLAS, fp32 accumulate
+            elif dx_acc is None:
+                dx_out.copy_(mm_acc(g, ws[v0:v1], dx_out.dtype))
             else:
                 dx_acc += mm_acc(g, ws[v0:v1], F32)
         if dw is not None:
@@ -248,3 +251,46 @@ def triton_distill(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, reduct
     xs, xt, ws, wt = (t.contiguous() for t in (xs, xt, ws, wt))
     labels = None if labels is None else labels.contiguous()
     return TritonDistill.apply(xs, xt, ws, wt, bs, bt, labels, mask, cfg, plan, need_grad)
+
+
+class TritonLocal:
+    """``first_pass`` / ``second_pass`` / ``backward`` over a (local) head with the Triton row kernels:
+    the interface of ``chunked.TorchLocal``, so that the vocab-parallel wrapper merges their states."""
+
+    def __init__(self, xs, ws, cfg: LossConfig, memory_budget: Optional[int] = None):
+        self.plan = make_plan(xs.shape[0], ws.shape[0], ws.shape[1], xs.dtype, None, cfg.chunk_V,
+                              memory_budget, "none")
+
+    def _row_blocks(self, n: int):
+        for r0 in range(0, n, self.plan.row_chunk):
+            yield r0, min(r0 + self.plan.row_chunk, n)
+
+    def first_pass(self, xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig) -> FirstPass:
+        st = tr.new_state(xs.shape[0], xs.device)
+        for r0, r1 in self._row_blocks(xs.shape[0]):
+            for v0, v1 in vocab_chunks(ws.shape[0], self.plan.vocab_chunk):
+                z, t = _slabs(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, v0, v1, cfg)
+                tr.launch_stats(z, t, st[r0:r1], None if labels is None else labels[r0:r1], v0, cfg, 1)
+        return _first_pass_from_state(st, cfg)
+
+    def second_pass(self, xs, xt, ws, wt, bs, bt, cfg: LossConfig, lse_s, lse_t):
+        st = torch.zeros(xs.shape[0], tr.NSTATE, dtype=F32, device=xs.device)
+        st[:, tr.M_S], st[:, tr.M_T] = lse_s, lse_t
+        for r0, r1 in self._row_blocks(xs.shape[0]):
+            for v0, v1 in vocab_chunks(ws.shape[0], self.plan.vocab_chunk):
+                z, t = _slabs(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, v0, v1, cfg)
+                tr.launch_stats(z, t, st[r0:r1], None, v0, cfg, 2)
+        return st[:, tr.PHI_SUM], st[:, tr.U_SUM]
+
+    def backward(self, xs, xt, ws, wt, bs, bt, labels, rs: RowStats, cfg: LossConfig, kd_scale, ce_scale, need_w=True):
+        """(dX in fp32 over the local vocabulary, dW, db)."""
+        dx = torch.zeros(xs.shape, dtype=F32, device=xs.device)
+        dw = torch.empty_like(ws) if need_w else None
+        db = torch.zeros(bs.shape, dtype=F32, device=bs.device) if (need_w and bs is not None) else None
+        for r0, r1 in self._row_blocks(xs.shape[0]):
+            sub = RowStats(*(None if v is None else v[r0:r1] for v in
+                             (rs.lse_s, rs.lse_t, rs.lse_z, rs.sum_u, rs.kd, rs.ce)))
+            block_grads(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, None if labels is None else labels[r0:r1], sub,
+                        kd_scale[r0:r1].float().contiguous(), ce_scale[r0:r1].float().contiguous(), cfg,
+                        self.plan.vocab_chunk, dx[r0:r1], dw, db, r0 == 0)
+        return dx, dw, None if db is None else db.to(bs.dtype)

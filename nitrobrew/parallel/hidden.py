@@ -23,9 +23,8 @@ import torch
 from .. import _checks as ck
 from .. import divergences as dv
 from .._ops import compute_dtype
-from ..hidden.chunked import (RowStats, backward_chunks, combine_rows, finish_stats, first_pass, row_scales,
-                              second_pass)
-from ..hidden.config import LossConfig, auto_chunk_v
+from ..hidden.chunked import RowStats, TorchLocal, combine_rows, finish_stats, row_scales
+from ..hidden.config import LossConfig
 from .comm import (all_reduce, checked_exchange, comm_device, fingerprint, group_rank_world, ids_summary,
                    offsets_from_sizes, require_initialized, same_everywhere)
 from .dtensor import unwrap
@@ -55,10 +54,19 @@ class VocabLayout:
 # merged statistics and the autograd Function
 
 
-def parallel_stats(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, chunk: int, group) -> RowStats:
+def local_impl(xs, ws, cfg: LossConfig, backend: str, memory_budget=None):
+    """The single-process pieces this rank runs on its block: the Triton row kernels where the
+    single-process loss would use them (CUDA, or backend="triton"), else the PyTorch chunks."""
+    if xs.dtype != torch.float64 and ck.resolve_backend(backend, xs.device) == "triton":
+        from ..hidden.triton_dispatch import TritonLocal
+
+        return TritonLocal(xs, ws, cfg, memory_budget)
+    return TorchLocal(xs, ws, cfg)
+
+
+def parallel_stats(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, local, group) -> RowStats:
     """RowStats over the global vocabulary from this rank's block [0, ws.shape[0]) (labels local ids)."""
-    V = ws.shape[0]
-    fp = first_pass(xs, xt, ws, wt, bs, bt, labels, cfg, 0, V, chunk)
+    fp = local.first_pass(xs, xt, ws, wt, bs, bt, labels, cfg)
     states = [fp.s, fp.t] + ([fp.z] if fp.z is not None else [])
     m = all_reduce(torch.stack([o.m for o in states]), "max", group, "fwd_max")
     for o, m_global in zip(states, m):
@@ -75,7 +83,7 @@ def parallel_stats(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, chunk: int, 
         fp.z_label = next(it)
     sums = None
     if cfg.divergence not in dv.ONE_PASS:
-        phi, u = second_pass(xs, xt, ws, wt, bs, bt, cfg, fp.s.lse(), fp.t.lse(), 0, V, chunk)
+        phi, u = local.second_pass(xs, xt, ws, wt, bs, bt, cfg, fp.s.lse(), fp.t.lse())
         both = all_reduce(torch.stack([phi, u]), "sum", group, "fwd_second_pass")
         sums = (both[0], both[1])
     return finish_stats(fp, cfg, sums)
@@ -85,13 +93,11 @@ class VocabParallelDistill(torch.autograd.Function):
     """Per-row (total, kd, ce) over the global vocabulary; gradients to xs (full), ws and bs (local)."""
 
     @staticmethod
-    def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, group):
-        V = ws.shape[0]
-        chunk = max(1, cfg.chunk_V or auto_chunk_v(xs.shape[0], max(V, 1)))
-        st = parallel_stats(xs, xt, ws, wt, bs, bt, labels, cfg, chunk, group)
+    def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, group, local):
+        st = parallel_stats(xs, xt, ws, wt, bs, bt, labels, cfg, local, group)
         total, kd, ce = combine_rows(st, mask, cfg)
         ctx.save_for_backward(xs, xt, ws, wt, bs, bt, labels, mask)
-        ctx.stats, ctx.cfg, ctx.chunk, ctx.group = st, cfg, chunk, group
+        ctx.stats, ctx.cfg, ctx.local, ctx.group = st, cfg, local, group
         ctx.mark_non_differentiable(kd, ce)
         return total, kd, ce
 
@@ -100,8 +106,8 @@ class VocabParallelDistill(torch.autograd.Function):
         xs, xt, ws, wt, bs, bt, labels, mask = ctx.saved_tensors
         cfg, acc = ctx.cfg, ctx.stats.lse_s.dtype
         kd_scale, ce_scale = row_scales(grad_total.to(acc), mask.to(acc), cfg)
-        dx, dw, db = backward_chunks(
-            xs, xt, ws, wt, bs, bt, labels, ctx.stats, cfg, kd_scale, ce_scale, ctx.chunk,
+        dx, dw, db = ctx.local.backward(
+            xs, xt, ws, wt, bs, bt, labels, ctx.stats, cfg, kd_scale, ce_scale,
             need_w=ctx.needs_input_grad[2] or ctx.needs_input_grad[4],
         )
         if ctx.needs_input_grad[0]:
@@ -110,7 +116,7 @@ class VocabParallelDistill(torch.autograd.Function):
             dx = None
         dw = dw if ctx.needs_input_grad[2] else None
         db = db if ctx.needs_input_grad[4] else None
-        return dx, None, dw, None, db, None, None, None, None, None
+        return dx, None, dw, None, db, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,11 +158,6 @@ def _local_checks(xs, xt, ws, wt, bs, bt, labels, divergence, beta, alpha, tempe
     ck.check_reduction(reduction)
     ck.check_chunk("chunk_V", chunk_V)
     ck.check_backend(backend)
-    if backend == "triton":
-        raise ValueError(
-            "process_group= (vocab-parallel) runs nitrobrew's PyTorch chunked path; the Triton kernels are "
-            "single-process for now: pass backend='auto' or backend='torch'"
-        )
     ck.check_labels(labels, xs.shape[:-1])
     for wname, wgt in (("kd_weight", kd_weight), ("ce_weight", ce_weight)):
         if not (isinstance(wgt, (int, float)) and math.isfinite(wgt)):
@@ -266,7 +267,9 @@ def parallel_hidden_loss(xs, xt, ws, wt, *, process_group=None, divergence="forw
     labels are the same on every rank; labels are global ids. The result is the loss over the
     full vocabulary, identical on every rank; xs gets the full gradient, ws/bs their block's.
     ``vocab_size=N`` uses global ids [0, N): each rank drops the rows of its block at ids >= N.
-    ``mode`` and ``memory_budget`` (Triton options) are ignored: this path is PyTorch-only.
+    Each rank runs the Triton row kernels on its block where the single-process loss would (CUDA,
+    or ``backend="triton"``; ``chunk_V`` then selects the constant-memory plan and ``memory_budget``
+    sizes the slabs), else the PyTorch chunked path; ``mode`` is not used.
     """
     from ..hidden.api import DistillOutput, hidden_loss
 
@@ -301,7 +304,11 @@ def parallel_hidden_loss(xs, xt, ws, wt, *, process_group=None, divergence="forw
         ce_weight=float(ce_weight),
         chunk_V=chunk_V,
     )
-    rows = VocabParallelDistill.apply(x_s, x_t, ws, wt, bs, bt, local_labels, mask, cfg, group)
+    local = local_impl(x_s, ws, cfg, backend, memory_budget)
+    if not isinstance(local, TorchLocal) and x_t.dtype != x_s.dtype:  # the row kernels take one dtype
+        x_t, wt = x_t.to(x_s.dtype), wt.to(x_s.dtype)
+        bt = None if bt is None else bt.to(x_s.dtype)
+    rows = VocabParallelDistill.apply(x_s, x_t, ws, wt, bs, bt, local_labels, mask, cfg, group, local)
     total, kd, ce = (ck.reduce_rows(r, mask, reduction, lead) for r in rows)
     if return_parts:
         return DistillOutput(total, kd, ce)
