@@ -234,7 +234,7 @@ def error_cases(r, world, group):
             r, lambda: call(labels=bad_label, ce_weight=0.5), ValueError, "labels must lie in [0, 37)")),
         ("error: one rank's bias has the wrong shape", lambda: expect_error(
             r, lambda: call(bs=torch.zeros(sizes[r] + (1 if r == 1 else 0))), ValueError,
-            "bs must have the shape" if r == 1 else "rank(s) [1]")),
+            "bs must have shape" if r == 1 else "rank(s) [1]")),
         ("error: one rank passes a non-tensor", lambda: expect_error(
             r, lambda: call(ws=[1.0] if r == world - 1 else None), TypeError if r == world - 1 else ValueError,
             "must be a torch.Tensor" if r == world - 1 else f"rank(s) [{world - 1}]")),

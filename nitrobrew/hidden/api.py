@@ -24,9 +24,9 @@ def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor"  # no torch.distributed import on the single-process path
 
 
-def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction, chunk_V,
-              kd_weight, ce_weight, ignore_index, backend, mode, memory_budget) -> int:
-    """Check everything before any kernel runs; return the vocabulary size to use."""
+def check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels, heads: str = "[V, D] heads") -> None:
+    """Types, devices, dtypes and shapes of the tensors of a hidden-state loss (also used by the
+    vocab-parallel path, whose heads are "[V_local, D] head shards")."""
     for name, t in (("xs", xs), ("xt", xt), ("ws", ws), ("wt", wt), ("bs", bs), ("bt", bt)):
         if t is None and name in ("bs", "bt"):
             continue
@@ -42,7 +42,7 @@ def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction
             "(one teacher row per student row)"
         )
     if ws.dim() != 2 or wt.dim() != 2:
-        raise ValueError(f"ws and wt must be 2-D [V, D] heads, got {tuple(ws.shape)} and {tuple(wt.shape)}")
+        raise ValueError(f"ws and wt must be 2-D {heads}, got {tuple(ws.shape)} and {tuple(wt.shape)}")
     if ws.shape[1] != xs.shape[-1]:
         raise ValueError(f"student hidden size {xs.shape[-1]} does not match ws {tuple(ws.shape)}")
     if wt.shape[1] != xt.shape[-1]:
@@ -50,6 +50,26 @@ def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction
     for name, b, w in (("bs", bs, ws), ("bt", bt, wt)):
         if b is not None and tuple(b.shape) != (w.shape[0],):
             raise ValueError(f"{name} must have shape ({w.shape[0]},), got {tuple(b.shape)}")
+    ck.check_labels(labels, xs.shape[:-1])
+
+
+def check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels) -> None:
+    """The scalar options every hidden-state loss shares."""
+    ck.check_temperature(temperature)
+    ck.check_reduction(reduction)
+    ck.check_chunk("chunk_V", chunk_V)
+    ck.check_backend(backend)
+    for name, wgt in (("kd_weight", kd_weight), ("ce_weight", ce_weight)):
+        if not (ck.is_number(wgt) and math.isfinite(wgt)):
+            raise ValueError(f"{name} must be a finite number, got {wgt!r}")
+    if ce_weight != 0 and labels is None:
+        raise ValueError("ce_weight != 0 needs labels (the hard targets of each row)")
+
+
+def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction, chunk_V,
+              kd_weight, ce_weight, ignore_index, backend, mode, memory_budget) -> int:
+    """Check everything before any kernel runs; return the vocabulary size to use."""
+    check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels)
     if vocab_size is None:
         if ws.shape[0] != wt.shape[0]:
             raise ValueError(
@@ -61,18 +81,9 @@ def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction
         raise ValueError(
             f"vocab_size must be an int in [1, {min(ws.shape[0], wt.shape[0])}], got {vocab_size!r}"
         )
-    ck.check_temperature(temperature)
-    ck.check_reduction(reduction)
-    ck.check_chunk("chunk_V", chunk_V)
-    ck.check_backend(backend)
+    check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels)
     ck.check_mode(mode, memory_budget)
-    ck.check_labels(labels, xs.shape[:-1])
-    for name, wgt in (("kd_weight", kd_weight), ("ce_weight", ce_weight)):
-        if not (ck.is_number(wgt) and math.isfinite(wgt)):
-            raise ValueError(f"{name} must be a finite number, got {wgt!r}")
     if ce_weight != 0:
-        if labels is None:
-            raise ValueError("ce_weight != 0 needs labels (the hard targets of each row)")
         ck.check_ids_in_range("labels", labels, vocab_size, ignore_index)
     return vocab_size
 

@@ -126,46 +126,16 @@ class VocabParallelDistill(torch.autograd.Function):
 def _local_checks(xs, xt, ws, wt, bs, bt, labels, divergence, beta, alpha, temperature, reduction, chunk_V,
                   vocab_size, kd_weight, ce_weight, backend) -> Tuple[str, float]:
     """Checks that need nothing from other ranks; returns the canonical (divergence, param)."""
-    for name, t in (("xs", xs), ("xt", xt), ("ws", ws), ("wt", wt), ("bs", bs), ("bt", bt)):
-        if t is None and name in ("bs", "bt"):
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        ck.check_float(name, t)
-    ck.check_same_device(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels)
-    ck.check_same_dtype(xs=xs, ws=ws, bs=bs)
-    ck.check_same_dtype(xt=xt, wt=wt, bt=bt)
-    if xs.dim() < 1 or xt.dim() < 1 or xs.shape[:-1] != xt.shape[:-1]:
-        raise ValueError(
-            f"xs {tuple(xs.shape)} and xt {tuple(xt.shape)} must share their leading shape "
-            "(one teacher row per student row)"
-        )
-    if ws.dim() != 2 or wt.dim() != 2:
-        raise ValueError(f"ws and wt must be 2-D [V_local, D] head shards, got {tuple(ws.shape)} and {tuple(wt.shape)}")
-    if ws.shape[1] != xs.shape[-1]:
-        raise ValueError(f"student hidden size {xs.shape[-1]} does not match ws {tuple(ws.shape)}")
-    if wt.shape[1] != xt.shape[-1]:
-        raise ValueError(f"teacher hidden size {xt.shape[-1]} does not match wt {tuple(wt.shape)}")
-    for name, b, w in (("bs", bs, ws), ("bt", bt, wt)):
-        if b is not None and tuple(b.shape) != (w.shape[0],):
-            raise ValueError(f"{name} must have the shape of this rank's block ({w.shape[0]},), got {tuple(b.shape)}")
+    from ..hidden.api import check_hidden_tensors, check_loss_options
+
+    check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels, heads="[V_local, D] head shards")
     if divergence == "jsd":
         ck.check_unit_interval("beta", beta)
     if divergence in ("skew_kl", "skew_reverse_kl"):
         ck.check_unit_interval("alpha", alpha)
     name, param = dv.canonical(divergence, beta if divergence == "jsd" else alpha)
-    ck.check_temperature(temperature)
-    ck.check_reduction(reduction)
-    ck.check_chunk("chunk_V", chunk_V)
-    ck.check_backend(backend)
-    ck.check_labels(labels, xs.shape[:-1])
-    for wname, wgt in (("kd_weight", kd_weight), ("ce_weight", ce_weight)):
-        if not (isinstance(wgt, (int, float)) and math.isfinite(wgt)):
-            raise ValueError(f"{wname} must be a finite number, got {wgt!r}")
-    if ce_weight != 0 and labels is None:
-        raise ValueError("ce_weight != 0 needs labels (the hard targets of each row)")
-    if vocab_size is not None and not (isinstance(vocab_size, int) and not isinstance(vocab_size, bool)
-                                       and vocab_size > 0):
+    check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels)
+    if vocab_size is not None and not (ck.is_int(vocab_size) and vocab_size > 0):
         raise ValueError(f"vocab_size must be a positive int (a global vocabulary size), got {vocab_size!r}")
     return name, param
 
