@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import dot, load_tile
+from .triton_fwd import _valid, dot, load_tile
 
 
 @triton.jit
@@ -43,22 +43,6 @@ def _valid_t(offs_m, offs_n, KPMb, Nk, causal_offset, MASKED: tl.constexpr, CAUS
     else:
         keep = tl.load(KPMb + offs_n, mask=offs_n < Nk, other=0)
         valid = keep[:, None] != 0
-    return valid
-
-
-@triton.jit
-def _valid(offs_m, offs_n, KPMb, Nk, causal_offset, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-           HAS_KPM: tl.constexpr):
-    if MASKED:
-        valid = offs_n[None, :] < Nk
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-        if HAS_KPM:
-            keep = tl.load(KPMb + offs_n, mask=offs_n < Nk, other=0)
-            valid = valid & (keep[None, :] != 0)
-    else:
-        keep = tl.load(KPMb + offs_n, mask=offs_n < Nk, other=0)
-        valid = keep[None, :] != 0
     return valid
 
 

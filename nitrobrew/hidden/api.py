@@ -66,6 +66,23 @@ def check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_w
         raise ValueError("ce_weight != 0 needs labels (the hard targets of each row)")
 
 
+def prepare_rows(xs, xt, ws, wt, bs, bt, labels, ignore_index, ce_weight, used: int, label_offset: int = 0):
+    """Rows flattened to [N, D], the row mask, the CE targets as ids into the heads' rows (-1 where a
+    row has none here), and the heads cut to their first `used` rows."""
+    x_s = xs.reshape(-1, xs.shape[-1])
+    x_t = xt.reshape(-1, xt.shape[-1])
+    flat_labels = None if labels is None else labels.reshape(-1)
+    mask = ck.row_weights(flat_labels, ignore_index, x_s.shape[0], xs.device)
+    ce_labels = None
+    if ce_weight != 0:
+        ce_labels = torch.where(mask > 0, flat_labels - label_offset, torch.full_like(flat_labels, -1))
+    if used != ws.shape[0] or used != wt.shape[0]:
+        ws, wt = ws[:used], wt[:used]
+        bs = None if bs is None else bs[:used]
+        bt = None if bt is None else bt[:used]
+    return x_s, x_t, ws, wt, bs, bt, ce_labels, mask
+
+
 def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction, chunk_V,
               kd_weight, ce_weight, ignore_index, backend, mode, memory_budget) -> int:
     """Check everything before any kernel runs; return the vocabulary size to use."""
@@ -137,25 +154,9 @@ def hidden_loss(
     impl = ck.resolve_backend(backend, xs.device)
 
     lead = xs.shape[:-1]
-    x_s = xs.reshape(-1, xs.shape[-1])
-    x_t = xt.reshape(-1, xt.shape[-1])
-    flat_labels = None if labels is None else labels.reshape(-1)
-    mask = ck.row_weights(flat_labels, ignore_index, x_s.shape[0], xs.device)
-    ce_labels = None
-    if ce_weight != 0:
-        ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1))
-    if V != ws.shape[0] or V != wt.shape[0]:
-        ws, wt = ws[:V], wt[:V]
-        bs = None if bs is None else bs[:V]
-        bt = None if bt is None else bt[:V]
-    cfg = LossConfig(
-        divergence=name,
-        param=param,
-        temperature=float(temperature),
-        kd_weight=float(kd_weight) * (temperature**2 if scale_t2 else 1.0),
-        ce_weight=float(ce_weight),
-        chunk_V=chunk_V,
-    )
+    x_s, x_t, ws, wt, bs, bt, ce_labels, mask = prepare_rows(xs, xt, ws, wt, bs, bt, labels, ignore_index,
+                                                            ce_weight, V)
+    cfg = LossConfig.build(name, param, temperature, kd_weight, ce_weight, scale_t2, chunk_V)
     if impl == "triton" and xs.dtype != torch.float64:
         # the Triton path reduces inside its autograd Function (it forms gradients in the forward)
         from .triton_dispatch import triton_distill

@@ -14,6 +14,12 @@ class LossConfig:
     ce_weight: float         # multiplies the hard-label cross-entropy at temperature 1
     chunk_V: Optional[int]   # vocab chunk; None = automatic
 
+    @classmethod
+    def build(cls, divergence, param, temperature, kd_weight, ce_weight, scale_t2, chunk_V) -> "LossConfig":
+        """From the public options: T^2 (scale_t2) is folded into kd_weight."""
+        return cls(divergence, param, float(temperature),
+                   float(kd_weight) * (temperature**2 if scale_t2 else 1.0), float(ce_weight), chunk_V)
+
     @property
     def with_ce(self) -> bool:
         return self.ce_weight != 0.0

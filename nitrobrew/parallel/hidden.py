@@ -241,7 +241,7 @@ def parallel_hidden_loss(xs, xt, ws, wt, *, process_group=None, divergence="forw
     or ``backend="triton"``; ``chunk_V`` then selects the constant-memory plan and ``memory_budget``
     sizes the slabs), else the PyTorch chunked path; ``mode`` is not used.
     """
-    from ..hidden.api import DistillOutput, hidden_loss
+    from ..hidden.api import DistillOutput, hidden_loss, prepare_rows
 
     xs, xt, ws, wt, bs, bt, labels, group = unwrap(xs, xt, ws, wt, bs, bt, labels, process_group)
     opts = dict(divergence=divergence, beta=beta, alpha=alpha, ignore_index=ignore_index, temperature=temperature,
@@ -253,27 +253,10 @@ def parallel_hidden_loss(xs, xt, ws, wt, *, process_group=None, divergence="forw
     layout, name, param = negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts)
 
     lead = xs.shape[:-1]
-    x_s = xs.reshape(-1, xs.shape[-1])
-    x_t = xt.reshape(-1, xt.shape[-1])
-    flat_labels = None if labels is None else labels.reshape(-1)
-    mask = ck.row_weights(flat_labels, ignore_index, x_s.shape[0], xs.device)
-    local_labels = None
-    if ce_weight != 0:
-        # global -> local ids; rows whose label lives on another rank (or is ignored) fall outside [0, used)
-        local_labels = torch.where(mask > 0, flat_labels - layout.offset, torch.full_like(flat_labels, -1))
-    u = layout.used
-    if u != ws.shape[0] or u != wt.shape[0]:
-        ws, wt = ws[:u], wt[:u]
-        bs = None if bs is None else bs[:u]
-        bt = None if bt is None else bt[:u]
-    cfg = LossConfig(
-        divergence=name,
-        param=param,
-        temperature=float(temperature),
-        kd_weight=float(kd_weight) * (temperature**2 if scale_t2 else 1.0),
-        ce_weight=float(ce_weight),
-        chunk_V=chunk_V,
-    )
+    # labels become ids into this rank's block: rows whose label lives on another rank fall outside
+    x_s, x_t, ws, wt, bs, bt, local_labels, mask = prepare_rows(xs, xt, ws, wt, bs, bt, labels, ignore_index,
+                                                               ce_weight, layout.used, layout.offset)
+    cfg = LossConfig.build(name, param, temperature, kd_weight, ce_weight, scale_t2, chunk_V)
     local = local_impl(x_s, ws, cfg, backend, memory_budget)
     if not isinstance(local, TorchLocal) and x_t.dtype != x_s.dtype:  # the row kernels take one dtype
         x_t, wt = x_t.to(x_s.dtype), wt.to(x_s.dtype)
