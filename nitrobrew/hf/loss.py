@@ -1,0 +1,161 @@
+"""One distillation loss for a batch of a causal LM: the piece the Trainer and plain loops share."""
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple, Optional, Union
+
+import torch
+from torch import nn
+
+from ..hidden.api import hidden_loss
+from .model import (IGNORE_INDEX, final_hidden_states, labels_from_inputs, lm_head, shift_labels)
+
+HIDDEN_DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
+DIVERGENCES = HIDDEN_DIVERGENCES + ("topk",)
+
+
+class LMDistillOutput(NamedTuple):
+    """loss (differentiable); the unweighted divergence kd and cross-entropy ce (detached),
+    normalized like the loss; n_tokens: the positions counted in this batch."""
+
+    loss: torch.Tensor
+    kd: torch.Tensor
+    ce: torch.Tensor
+    n_tokens: torch.Tensor
+
+
+def _no_autocast(device: torch.device):
+    # The loss casts its operands itself and accumulates in fp32; autocast must not re-cast them.
+    if device.type in ("cpu", "cuda"):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _rows(hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return hidden.reshape(-1, hidden.shape[-1])[keep]
+
+
+def _head_operands(model: nn.Module, like: torch.Tensor, rows: torch.Tensor):
+    """(hidden rows, head weight, bias) in one dtype, with a post-head logit scale folded in."""
+    head = lm_head(model)
+    w = head.weight.to(device=like.device, dtype=like.dtype)
+    b = None if head.bias is None else head.bias.to(device=like.device, dtype=like.dtype)
+    if head.scale != 1.0:
+        rows = rows * head.scale
+        b = None if b is None else b * head.scale
+    return rows, w, b
+
+
+def distill_loss(
+    student: nn.Module,
+    teacher: Optional[nn.Module],
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    labels: Optional[torch.Tensor] = None,
+    *,
+    targets: Optional[torch.Tensor] = None,
+    divergence: str = "forward_kl",
+    temperature: float = 1.0,
+    scale_t2: bool = False,
+    kd_weight: float = 1.0,
+    ce_weight: float = 0.0,
+    beta: float = 0.5,
+    alpha: float = 0.1,
+    vocab_size: Optional[int] = None,
+    num_items_in_batch: Optional[Union[int, torch.Tensor]] = None,
+    topk_ids: Optional[torch.Tensor] = None,
+    topk_logprobs: Optional[torch.Tensor] = None,
+    topk_normalize: str = "full",
+    topk_tail: bool = False,
+    teacher_temperature: Optional[float] = None,
+    chunk_V: Optional[int] = None,
+    backend: str = "auto",
+    through_forward: bool = False,
+) -> LMDistillOutput:
+    """Distillation loss of a student causal LM against a teacher (or stored top-k) on one batch.
+
+    ``loss = (kd_weight * D(teacher || student) + ce_weight * CE(labels)) summed over counted
+    positions / normalizer``. Position i's hidden state predicts token i+1 (labels are shifted
+    here, once); padding (``attention_mask == 0``) and labels equal to -100 do not count. No
+    [tokens, vocab] logits are formed: both models run to their final hidden states and the
+    divergence is computed chunk-wise from them and the LM heads (``nitrobrew.hidden_loss``).
+
+    Args:
+        student: a transformers causal LM (optionally PEFT-wrapped); gradients flow into it.
+        teacher: a causal LM sharing the student's tokenizer, run under ``torch.no_grad()`` (put
+            it in eval mode yourself). None with ``divergence="topk"``, or for CE only
+            (``kd_weight=0``).
+        input_ids, attention_mask, labels: the batch ([B, N]); labels default to the input ids
+            with -100 at padding, and are per token (not yet shifted), as HF collators make them.
+        targets: instead of labels, per-position targets already shifted (``targets[b, i]`` is
+            the token position i predicts, -100 where nothing counts), as
+            ``nitrobrew.topk.data.TopKCollator`` makes them under the name "labels".
+        divergence: one of forward_kl, reverse_kl, jsd (beta), tvd, skew_kl, skew_reverse_kl
+            (alpha), or "topk" (needs topk_ids / topk_logprobs).
+        temperature, scale_t2: logits / T for the divergence; ``scale_t2`` multiplies it by T^2.
+        kd_weight, ce_weight: weights of the divergence and of the hard-label CE (at T = 1).
+        vocab_size: compare the first vocab_size entries of both heads (padded heads).
+        num_items_in_batch: the normalizer: the number of counted positions in the whole
+            gradient-accumulation window (``count_targets`` summed over its micro-batches). None:
+            this batch's own count (a mean over this batch).
+        topk_ids, topk_logprobs: [B, N, K] stored teacher top-k per position (the row at position
+            i describes token i+1), for divergence="topk"; topk_normalize and topk_tail are
+            ``topk_kl``'s normalize and tail; teacher_temperature: the temperature the store
+            was extracted at (a mismatch with ``temperature`` raises).
+        chunk_V, backend: passed to the loss.
+        through_forward: run the student through its own forward (see ``final_hidden_states``).
+
+    Returns:
+        ``LMDistillOutput(loss, kd, ce, n_tokens)``.
+    """
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if divergence == "topk" and (topk_ids is None or topk_logprobs is None):
+        raise ValueError("divergence='topk' needs topk_ids and topk_logprobs (from a top-k store)")
+    if divergence != "topk" and teacher is None and kd_weight != 0:
+        raise ValueError(f"divergence={divergence!r} needs a teacher model (or kd_weight=0 for CE only)")
+    if targets is None:
+        target = shift_labels(labels_from_inputs(input_ids, attention_mask) if labels is None else labels,
+                              attention_mask)
+    elif labels is not None:
+        raise ValueError("pass labels (per token) or targets (already shifted), not both")
+    elif tuple(targets.shape) != tuple(input_ids.shape):
+        raise ValueError(f"targets {tuple(targets.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
+    else:
+        target = targets
+    keep = (target != IGNORE_INDEX).reshape(-1)
+    rows_labels = target.reshape(-1)[keep]
+    n_tokens = keep.sum()
+
+    hs = final_hidden_states(student, input_ids, attention_mask, through_forward=through_forward)
+    xs, ws, bs = _head_operands(student, hs, _rows(hs, keep))
+    options = dict(labels=rows_labels, temperature=temperature, scale_t2=scale_t2, kd_weight=kd_weight,
+                   ce_weight=ce_weight, beta=beta, alpha=alpha, reduction="sum", bs=bs, chunk_V=chunk_V,
+                   backend=backend, return_parts=True)
+    if divergence == "topk":
+        ids, lp = (t.to(xs.device).reshape(-1, t.shape[-1])[keep] for t in (topk_ids, topk_logprobs))
+        if vocab_size is not None:  # a padded student head: the first vocab_size rows are the vocabulary
+            options.update(bs=None if bs is None else bs[:vocab_size])
+            ws = ws[:vocab_size]
+        from ..topk import topk_kl
+
+        with _no_autocast(xs.device):
+            parts = topk_kl(xs, ws, ids, lp.float(), normalize=topk_normalize, tail=topk_tail,
+                            teacher_temperature=teacher_temperature, **options)
+    else:
+        if teacher is None:  # CE only: a constant (uniform) teacher of width 1, weighted 0
+            xt = xs.new_zeros(xs.shape[0], 1).detach()
+            wt, bt = ws.new_zeros(ws.shape[0], 1).detach(), None
+        else:
+            with torch.no_grad():
+                ht = final_hidden_states(teacher, input_ids, attention_mask).to(xs.device)
+                xt, wt, bt = _head_operands(teacher, ht, _rows(ht, keep))
+        with _no_autocast(xs.device):
+            parts = hidden_loss(xs, xt, ws, wt, divergence=divergence, vocab_size=vocab_size, bt=bt, **options)
+    if num_items_in_batch is None:
+        denom = n_tokens.clamp_min(1)
+    elif isinstance(num_items_in_batch, torch.Tensor):
+        denom = num_items_in_batch.to(parts.loss.device).clamp_min(1)
+    else:
+        denom = max(num_items_in_batch, 1)
+    return LMDistillOutput(parts.loss / denom, parts.kd / denom, parts.ce / denom, n_tokens)
