@@ -1,0 +1,73 @@
+"""`nitrobrew demo [lm|toy]`: distill a small causal LM end to end, or draw the toy pictures.
+
+    nitrobrew demo                     # about five minutes on 2 CPU cores; artifacts in runs/demo
+    nitrobrew demo --resume            # continue an interrupted run from its checkpoints
+    nitrobrew demo --device cuda --preset large
+    nitrobrew demo --student-steps 600 --teacher-hidden 192   # any DemoConfig field as a flag
+    nitrobrew demo toy                 # mode-seeking vs mean-seeking, and the rank picture
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+import torch
+
+from .lm import METHODS, PRESETS, DemoConfig
+
+_SKIP = ("methods",)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__.splitlines()[0]
+    p.add_argument("what", nargs="?", choices=["lm", "toy"], default="lm",
+                   help="lm (default): teacher, students, table and curves; toy: the divergence pictures")
+    p.add_argument("--out", default=None, help="artifact directory (default runs/demo, runs/demo-toy for toy)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                   help="sizes: tiny (seconds), default (about 5 min on 2 CPU cores), large (a GPU)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated students to train (default: all of {','.join(METHODS)})")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    sizes = p.add_argument_group("sizes (override the preset; any DemoConfig field)")
+    for f in fields(DemoConfig):
+        if f.name in _SKIP:
+            continue
+        sizes.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None,
+                           dest=f.name, metavar=type(f.default).__name__.upper())
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"--device {args.device}: CUDA is not available on this machine", file=sys.stderr)
+        return 2
+    if args.what == "toy":
+        from .toy import run_toy
+
+        run_toy(args.out or "runs/demo-toy", progress=not args.quiet)
+        return 0
+    from .lm import config_from, run_demo
+
+    overrides = {f.name: getattr(args, f.name) for f in fields(DemoConfig) if f.name not in _SKIP}
+    if args.methods:
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown:
+            print(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}", file=sys.stderr)
+            return 2
+        overrides["methods"] = methods
+    cfg = config_from(args.preset, **overrides)
+    out = args.out or "runs/demo"
+    try:
+        run_demo(cfg, out, device=args.device, resume=args.resume, progress=not args.quiet, plot=not args.no_plot)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: `nitrobrew demo --resume --out {out}` (same flags) continues from the last "
+              "checkpoint", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,373 @@
+"""`nitrobrew demo`: distill a small causal LM end to end on a language with a known source.
+
+1. Generate a corpus from a hidden Markov "language" (``source.HMMSource``) whose exact
+   next-token distribution is known, so every model's KL divergence to the truth is measurable.
+2. Train a teacher (a Llama-architecture transformers model) on hard labels.
+3. Extract the teacher's top-k log-probs over the corpus into a store (``nitrobrew.topk``).
+4. Train students (smaller, same initialization, same batches in the same order, same steps):
+   hard labels only, then forward KL, reverse KL and JSD from the live teacher's hidden states
+   (``nitrobrew.hf.distill_loss``), and forward KL from the stored top-k.
+5. Report held-out perplexity, KL to the source, accuracy, peak memory and time, as a markdown
+   table, a JSON file and a PNG of the curves.
+
+Every stage writes atomic safetensors checkpoints; ``--resume`` continues an interrupted run
+and ends exactly where an uninterrupted one ends (batches and learning rates are functions of
+the step; model and optimizer state are restored bit for bit).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..bench.common import environment, peak_mib
+from .checkpoint import atomic_write_text, load_checkpoint, save_checkpoint
+from .progress import Progress
+from .source import HMMSource
+
+METHODS = ("hard_labels", "forward_kl", "reverse_kl", "jsd", "topk")
+LABELS = {"hard_labels": "hard labels (CE)", "forward_kl": "forward KL", "reverse_kl": "reverse KL",
+          "jsd": "JSD (beta 0.5)", "topk": "top-k store, forward KL"}
+# Settings that may change between a run and its --resume (they add or drop whole stages).
+RESUMABLE_CHANGES = ("methods",)
+
+
+@dataclass
+class DemoConfig:
+    """Everything that decides the result (saved with the run; --resume needs the same)."""
+
+    vocab: int = 64
+    states: int = 16
+    seq_len: int = 64
+    train_sequences: int = 4096
+    test_sequences: int = 256
+    teacher_hidden: int = 128
+    teacher_layers: int = 4
+    teacher_steps: int = 600
+    student_hidden: int = 64
+    student_layers: int = 2
+    student_steps: int = 300
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup: int = 30
+    temperature: float = 1.0
+    topk: int = 16
+    topk_tail: bool = True
+    methods: Tuple[str, ...] = METHODS
+    eval_every: int = 25
+    checkpoint_every: int = 50
+    seed: int = 0
+
+
+PRESETS: Dict[str, Dict] = {
+    # seconds on a CPU: what the tests run
+    "tiny": dict(vocab=24, states=6, seq_len=16, train_sequences=128, test_sequences=16, teacher_hidden=32,
+                 teacher_layers=1, teacher_steps=12, student_hidden=16, student_layers=1, student_steps=8,
+                 batch_size=8, warmup=2, topk=6, eval_every=4, checkpoint_every=3),
+    "default": {},  # about five minutes on 2 CPU cores
+    # a GPU (or patience): a larger language, wider models, longer training
+    "large": dict(vocab=512, states=64, seq_len=128, train_sequences=65536, test_sequences=1024,
+                  teacher_hidden=512, teacher_layers=8, teacher_steps=4000, student_hidden=256,
+                  student_layers=4, student_steps=2000, batch_size=64, lr=1e-3, warmup=100, topk=32,
+                  eval_every=100, checkpoint_every=250),
+}
+
+
+class Interrupted(RuntimeError):
+    """Raised by the `stop_after` hook (tests use it to simulate a kill between checkpoints)."""
+
+
+# ------------------------------------------------------------------------------------ the pieces
+
+def require_transformers():
+    try:
+        import transformers  # noqa: F401
+    except ImportError as err:
+        raise SystemExit("the demo trains transformers models: pip install 'nitrobrew[hf]'") from err
+
+
+def make_model(cfg: DemoConfig, hidden: int, layers: int, seed: int, device: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=cfg.vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=max(hidden // 16, 1),
+                         num_key_value_heads=max(hidden // 16, 1), max_position_embeddings=cfg.seq_len,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(config).to(device)
+
+
+@dataclass
+class Data:
+    source: HMMSource
+    train: torch.Tensor        # [n, L] int64
+    test: torch.Tensor         # [m, L]
+    test_probs: torch.Tensor   # [m, L - 1, V] float64: the source's exact next-token distributions
+
+
+def make_data(cfg: DemoConfig) -> Data:
+    source = HMMSource.make(vocab=cfg.vocab, states=cfg.states, seed=cfg.seed)
+    train = source.sample(cfg.train_sequences, cfg.seq_len, seed=cfg.seed + 1)
+    test = source.sample(cfg.test_sequences, cfg.seq_len, seed=cfg.seed + 2)
+    return Data(source, train, test, source.next_token_probs(test))
+
+
+def batch_indices(cfg: DemoConfig, step: int) -> torch.Tensor:
+    """The training sequences of `step`: epoch-wise permutations, a pure function of the step."""
+    per_epoch = max(cfg.train_sequences // cfg.batch_size, 1)
+    epoch, i = divmod(step, per_epoch)
+    perm = torch.randperm(cfg.train_sequences, generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch))
+    return perm[i * cfg.batch_size:(i + 1) * cfg.batch_size]
+
+
+def lr_at(cfg: DemoConfig, step: int, steps: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(steps - cfg.warmup, 1)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def source_metrics(data: Data) -> Dict[str, float]:
+    P, nxt = data.test_probs, data.test[:, 1:]
+    logp = P.clamp_min(1e-300).log()
+    return {"kl": 0.0, "ppl": float((-logp.gather(-1, nxt[..., None])).mean().exp()),
+            "acc": float((P.argmax(-1) == nxt).double().mean()),
+            "entropy": float(-(P * logp).sum(-1).mean())}
+
+
+@torch.no_grad()
+def evaluate(model, data: Data, device: torch.device, batch: int = 64) -> Dict[str, float]:
+    """Held-out KL(source || model) per token, perplexity and top-1 accuracy on sampled text."""
+    was_training = model.training
+    model.eval()
+    kl = nll = correct = 0.0
+    for i in range(0, data.test.shape[0], batch):
+        ids = data.test[i:i + batch].to(device)
+        logq = model(input_ids=ids).logits[:, :-1].double().log_softmax(-1).cpu()
+        P, nxt = data.test_probs[i:i + batch], data.test[i:i + batch, 1:]
+        kl += float((P * (P.clamp_min(1e-300).log() - logq)).sum(-1).sum())
+        nll += float(-logq.gather(-1, nxt[..., None]).sum())
+        correct += float((logq.argmax(-1) == nxt).sum())
+    model.train(was_training)
+    n = data.test_probs.shape[0] * data.test_probs.shape[1]
+    return {"kl": kl / n, "ppl": math.exp(nll / n), "acc": correct / n}
+
+
+# -------------------------------------------------------------------------------- one training run
+
+class Runner:
+    """Runs stages with checkpoints, progress bars and the interruption hook."""
+
+    def __init__(self, cfg: DemoConfig, out: str, device: torch.device, resume: bool, progress: bool,
+                 stop_after: Optional[int] = None):
+        self.cfg, self.out, self.device = cfg, out, device
+        self.resume, self.progress = resume, progress
+        self.stop_after, self.steps_done = stop_after, 0
+        self.ckpt_dir = os.path.join(out, "checkpoints")
+        os.makedirs(self.ckpt_dir, exist_ok=True)
+
+    def ckpt(self, name: str) -> str:
+        return os.path.join(self.ckpt_dir, f"{name}.safetensors")
+
+    def train(self, name: str, model, steps: int, loss_fn: Callable[[torch.Tensor, int], torch.Tensor],
+              data: Data, desc: str) -> Dict:
+        """Train `model` for `steps` (resuming from its checkpoint); returns its record."""
+        cfg, device = self.cfg, self.device
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
+        path = self.ckpt(name)
+        record = {"step": 0, "done": False, "train_seconds": 0.0, "peak_mib": None, "curve": []}
+        if self.resume and os.path.exists(path):
+            record = load_checkpoint(path, model, opt, device=str(device))
+        if record["done"]:
+            if self.progress:
+                print(f"{desc}: done ({steps} steps, from its checkpoint)")
+            return record
+        if not record["curve"]:
+            record["curve"].append({"step": 0, **evaluate(model, data, device)})
+        model.train()
+        with Progress(steps, desc, initial=record["step"], enabled=self.progress) as bar:
+            for step in range(record["step"], steps):
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(cfg, step, steps)
+
+                def one_step():
+                    loss = loss_fn(batch_indices(cfg, step), step)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    return loss
+
+                if record["peak_mib"] is None and step >= 1:
+                    # Peak memory of one whole step above the resident weights and optimizer state
+                    # (step 0 allocates the optimizer state, so measure the next one). The tracked
+                    # step runs slower on the CPU: its time is not counted.
+                    holder = {}
+                    record["peak_mib"] = peak_mib(lambda: holder.setdefault("loss", one_step()), device)
+                    loss = holder["loss"]
+                else:
+                    t0 = time.perf_counter()
+                    loss = one_step()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    record["train_seconds"] += time.perf_counter() - t0
+                loss = float(loss.detach())
+                done = step + 1
+                if done % cfg.eval_every == 0 or done == steps:
+                    point = {"step": done, **evaluate(model, data, device)}
+                    record["curve"].append(point)
+                    bar.update(1, loss=loss, kl_to_source=point["kl"])
+                else:
+                    bar.update(1, loss=loss)
+                if done % cfg.checkpoint_every == 0 or done == steps:
+                    record["step"], record["done"] = done, done == steps
+                    save_checkpoint(path, model, opt, record)
+                self.steps_done += 1
+                if self.stop_after is not None and self.steps_done >= self.stop_after:
+                    raise Interrupted(f"stopped after {self.steps_done} steps (at step {done} of {name})")
+        return record
+
+
+# --------------------------------------------------------------------------------------- the demo
+
+def topk_available() -> bool:
+    try:
+        from ..topk import data as _d, extract as _e  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def extract_store(runner: Runner, teacher, data: Data) -> str:
+    """The teacher's top-k over the training corpus, as a nitrobrew.topk store (resumable)."""
+    from ..topk.extract import extract_topk, teacher_from_hf
+
+    cfg = runner.cfg
+    path = os.path.join(runner.out, "topk_store")
+    if not runner.resume and os.path.exists(path):
+        shutil.rmtree(path)
+    t0 = time.perf_counter()
+    seqs = data.train.tolist()
+    if runner.progress:
+        print(f"extracting the teacher's top-{cfg.topk} over {len(seqs)} sequences into {path}")
+    extract_topk(teacher_from_hf(teacher, name="nitrobrew-demo-teacher"), seqs, path, k=cfg.topk,
+                 temperature=cfg.temperature, sequences_per_shard=max(len(seqs) // 4, 1),
+                 source={"demo_config": _jsonable(cfg)}, resume=runner.resume)
+    if runner.progress:
+        print(f"  store written in {time.perf_counter() - t0:.1f} s")
+    return path
+
+
+def run_demo(cfg: DemoConfig, out: str, device: str = "cpu", resume: bool = False, progress: bool = True,
+             stop_after: Optional[int] = None, plot: bool = True) -> Dict:
+    """The whole demo; returns the results (also written to OUT/results.json)."""
+    require_transformers()
+    from ..hf import distill_loss
+
+    dev = torch.device(device)
+    methods = list(cfg.methods)
+    if "topk" in methods and not topk_available():
+        print("nitrobrew.topk is not available in this build: skipping the top-k student")
+        methods.remove("topk")
+    os.makedirs(out, exist_ok=True)
+    _check_or_save_config(cfg, out, resume)
+    runner = Runner(cfg, out, dev, resume, progress, stop_after)
+    t_start = time.perf_counter()
+
+    data = make_data(cfg)
+    train_dev = data.train.to(dev)
+    src = source_metrics(data)
+    if progress:
+        print(f"language: {cfg.vocab} words, {cfg.states} hidden states; {cfg.train_sequences} training "
+              f"sequences of {cfg.seq_len} tokens; source entropy {src['entropy']:.3f} nats/token "
+              f"(perplexity floor {src['ppl']:.2f})")
+
+    teacher = make_model(cfg, cfg.teacher_hidden, cfg.teacher_layers, cfg.seed + 10, dev)
+    params = {"teacher": _params(teacher)}
+    records = {"teacher": runner.train(
+        "teacher", teacher, cfg.teacher_steps,
+        lambda idx, step: distill_loss(teacher, None, train_dev[idx], kd_weight=0.0, ce_weight=1.0).loss,
+        data, f"teacher ({_params(teacher) / 1e6:.2f}M params)")}
+    teacher.eval().requires_grad_(False)
+
+    store = None
+    if "topk" in methods:
+        from ..topk.data import TopKCollator, TopKDataset
+
+        store = TopKDataset(extract_store(runner, teacher, data))
+        collate = TopKCollator()
+
+    for method in methods:
+        student = make_model(cfg, cfg.student_hidden, cfg.student_layers, cfg.seed + 20, dev)
+
+        def loss_fn(idx, step, method=method, student=student):
+            if method == "hard_labels":
+                return distill_loss(student, None, train_dev[idx], kd_weight=0.0, ce_weight=1.0).loss
+            if method == "topk":
+                b = collate([store[int(i)] for i in idx])
+                return distill_loss(student, None, b["input_ids"].to(dev), b["attention_mask"].to(dev),
+                                    targets=b["labels"].to(dev), divergence="topk",
+                                    topk_ids=b["topk_ids"].to(dev), topk_logprobs=b["topk_logprobs"].to(dev),
+                                    topk_tail=cfg.topk_tail, temperature=cfg.temperature,
+                                    teacher_temperature=store.temperature).loss
+            return distill_loss(student, teacher, train_dev[idx], divergence=method,
+                                temperature=cfg.temperature).loss
+
+        params[method] = _params(student)
+        records[method] = runner.train(method, student, cfg.student_steps, loss_fn, data,
+                                       f"student: {LABELS[method]} ({_params(student) / 1e6:.2f}M params)")
+
+    results = {"config": asdict(cfg), "source": src, "runs": {}, "environment": environment(),
+               "device": str(dev), "wall_seconds_this_session": time.perf_counter() - t_start}
+    for name, rec in records.items():
+        final = rec["curve"][-1]
+        results["runs"][name] = {"kl": final["kl"], "ppl": final["ppl"], "acc": final["acc"],
+                                 "peak_mib": rec["peak_mib"], "train_seconds": rec["train_seconds"],
+                                 "params": params[name], "curve": rec["curve"]}
+    from .report import write_report
+
+    write_report(results, out, plot=plot)
+    if progress:
+        print(f"demo finished in {time.perf_counter() - t_start:.0f} s (this session)")
+    return results
+
+
+def _params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _jsonable(cfg: DemoConfig) -> Dict:
+    return json.loads(json.dumps(asdict(cfg)))
+
+
+def _check_or_save_config(cfg: DemoConfig, out: str, resume: bool) -> None:
+    path = os.path.join(out, "config.json")
+    mine = _jsonable(cfg)
+    if resume and os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        diff = sorted(k for k in set(saved) | set(mine)
+                      if saved.get(k) != mine.get(k) and k not in RESUMABLE_CHANGES)
+        if diff:
+            raise SystemExit(f"--resume: the run in {out} was made with other settings ({', '.join(diff)}); "
+                             "use the same flags, or another --out")
+    if not resume:
+        shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)
+    atomic_write_text(path, json.dumps(mine, indent=1) + "\n")
+
+
+def config_from(preset: str, **overrides) -> DemoConfig:
+    values = dict(PRESETS[preset])
+    names = {f.name for f in fields(DemoConfig)}
+    values.update({k: v for k, v in overrides.items() if v is not None and k in names})
+    if "methods" in values:
+        values["methods"] = tuple(values["methods"])
+    return DemoConfig(**values)
+
+
