@@ -209,12 +209,17 @@ def backward_chunks(xs, xt, ws, wt, bs, bt, labels, st, cfg, kd_scale, ce_scale,
         z = chunk_logits(xs, ws, bs, c0, c1, acc)
         t = chunk_logits(xt, wt, bt, c0, c1, acc) / cfg.temperature
         g = grad_chunk(z, t, None if labels is None else labels - lo, st, cfg, kd_scale, ce_scale, c0)
-        dx += g @ ws[c0:c1].to(acc)
-        if dw is not None:
-            dw[c0:c1] = (g.t() @ xs_acc).to(ws.dtype)
-        if db is not None:
-            db[c0:c1] = g.sum(0).to(bs.dtype)
+        head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx, dw, db)
     return dx, dw, db
+
+
+def head_grads_from_chunk(g, xs_acc, ws, c0: int, c1: int, dx, dw, db) -> None:
+    """Feed the logit-gradient chunk g [N, c1 - c0] into dX (accumulated) and the chunk's dW, db rows."""
+    dx += g @ ws[c0:c1].to(g.dtype)
+    if dw is not None:
+        dw[c0:c1] = (g.t() @ xs_acc).to(dw.dtype)
+    if db is not None:
+        db[c0:c1] = g.sum(0).to(db.dtype)
 
 
 class TorchLocal:

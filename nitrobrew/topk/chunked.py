@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .._ops import compute_dtype
-from ..hidden.chunked import Online, chunk_logits, gather_label_logit, row_scales, vocab_chunks
+from ..hidden.chunked import Online, chunk_logits, gather_label_logit, head_grads_from_chunk, row_scales, vocab_chunks
 from ..hidden.chunked import combine_rows as hidden_combine_rows
 from ..hidden.config import auto_chunk_v
 from .rowmath import RowResult, TopKConfig, topk_rows
@@ -172,11 +172,7 @@ def backward_range(xs, ws, bs, labels, entries: Entries, coef: Tensor, lse_s: Te
         a, b = entries.span(lo + c0, lo + c1)
         if b > a:
             g.index_put_((entries.rows[a:b], entries.ids[a:b] - lo - c0), coef[entries.flat[a:b]], accumulate=True)
-        dx += g @ ws[c0:c1].to(acc)
-        if dw is not None:
-            dw[c0:c1] = (g.t() @ xs_acc).to(ws.dtype)
-        if db is not None:
-            db[c0:c1] = g.sum(0).to(bs.dtype)
+        head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx, dw, db)
     return dx, dw, db
 
 
