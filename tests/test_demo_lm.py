@@ -72,5 +72,10 @@ def test_cli(tmp_path, capsys):
     assert "student: JSD" in text and "student: forward KL" not in text
     assert json.load(open(os.path.join(out, "config.json")))["student_steps"] == 4
     assert main(["demo", "--methods", "bogus", "--out", out]) == 2
+    with pytest.raises(SystemExit):  # argparse: a boolean flag takes true/false, nothing else
+        main(["demo", "--topk-tail", "maybe", "--out", out])
+    assert main(["demo", "--preset", "tiny", "--out", out, "--quiet", "--no-plot", "--methods", "topk",
+                 "--topk-tail", "false", "--student-steps", "2"]) == 0
+    assert json.load(open(os.path.join(out, "config.json")))["topk_tail"] is False
     if not torch.cuda.is_available():
         assert main(["demo", "--device", "cuda", "--out", out]) == 2

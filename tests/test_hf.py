@@ -253,3 +253,15 @@ def test_peft_wrapped_student():
     lora_head = peft.get_peft_model(llama(seed=21), peft.LoraConfig(r=4, target_modules=["lm_head"]))
     with pytest.raises(TypeError, match="not a plain nn.Linear"):
         lm_head(lora_head)
+
+
+def test_plain_pytorch_example_runs():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "plain_pytorch.py")
+    spec = importlib.util.spec_from_file_location("plain_pytorch", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    kd = example.main(["--steps", "2", "--accum", "2", "--batch-size", "2", "--seq-len", "12"])
+    assert math.isfinite(kd) and kd > 0

@@ -37,8 +37,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for f in fields(DemoConfig):
         if f.name in _SKIP:
             continue
-        sizes.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None,
-                           dest=f.name, metavar=type(f.default).__name__.upper())
+        kind = type(f.default)
+        sizes.add_argument("--" + f.name.replace("_", "-"), type=_boolean if kind is bool else kind, default=None,
+                           dest=f.name, metavar=kind.__name__.upper())
+
+
+def _boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def run(args: argparse.Namespace) -> int:

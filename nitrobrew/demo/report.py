@@ -71,9 +71,11 @@ def plot_curves(results: Dict, path: str) -> Optional[str]:
     ax_kl.set_yscale("log")
     ax_kl.set_ylabel("KL(source || model), nats/token (held-out)")
     ax_ppl.set_ylabel("held-out perplexity")
-    first = [p["ppl"] for r in runs.values() for p in r["curve"][1:2]]
-    if first:
-        ax_ppl.set_ylim(src["ppl"] * 0.98, max(first) * 1.02)
+    # Zoom on the last two thirds of training, where the students separate.
+    late = [p["ppl"] for n, r in runs.items() if n != "teacher" for p in r["curve"]
+            if p["step"] >= cfg["student_steps"] / 3]
+    if late:
+        ax_ppl.set_ylim(src["ppl"] * 0.99, max(late) * 1.01)
     for ax in (ax_kl, ax_ppl):
         ax.set_xlabel("student step")
         ax.grid(True, which="both", alpha=0.3)
