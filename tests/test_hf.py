@@ -188,6 +188,7 @@ def test_each_term_and_normalizer():
     torch.testing.assert_close(both.loss, 0.7 * kd.loss + 0.2 * ce.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(both.kd, kd.kd)  # the parts are the unweighted terms
     torch.testing.assert_close(both.ce, ce.ce)
+    assert float(ce.kd) == 0.0  # CE only: the teacher is not run, no divergence reported
     ref_kd, n = reference(student, teacher, ids, mask, labels, "forward_kl")
     torch.testing.assert_close(kd.loss.double(), ref_kd.detach() / 40, rtol=1e-5, atol=1e-6)
 

@@ -82,9 +82,9 @@ def distill_loss(
 
     Args:
         student: a transformers causal LM (optionally PEFT-wrapped); gradients flow into it.
-        teacher: a causal LM sharing the student's tokenizer, run under ``torch.no_grad()`` (put
-            it in eval mode yourself). None with ``divergence="topk"``, or for CE only
-            (``kd_weight=0``).
+        teacher: a causal LM sharing the student's tokenizer, on the student's device, run under
+            ``torch.no_grad()`` (put it in eval mode yourself). None with ``divergence="topk"``,
+            or for CE only (``kd_weight=0``, where the teacher is not run at all).
         input_ids, attention_mask, labels: the batch ([B, N]); labels default to the input ids
             with -100 at padding, and are per token (not yet shifted), as HF collators make them.
         targets: instead of labels, per-position targets already shifted (``targets[b, i]`` is
@@ -143,7 +143,8 @@ def distill_loss(
             parts = topk_kl(xs, ws, ids, lp.float(), normalize=topk_normalize, tail=topk_tail,
                             teacher_temperature=teacher_temperature, **options)
     else:
-        if teacher is None:  # CE only: a constant (uniform) teacher of width 1, weighted 0
+        ce_only = teacher is None or kd_weight == 0
+        if ce_only:  # no teacher forward: a constant teacher of width 1, weighted 0
             xt = xs.new_zeros(xs.shape[0], 1).detach()
             wt, bt = ws.new_zeros(ws.shape[0], 1).detach(), None
         else:
@@ -152,6 +153,8 @@ def distill_loss(
                 xt, wt, bt = _head_operands(teacher, ht, _rows(ht, keep))
         with _no_autocast(xs.device):
             parts = hidden_loss(xs, xt, ws, wt, divergence=divergence, vocab_size=vocab_size, bt=bt, **options)
+        if ce_only:  # the divergence to the stand-in teacher means nothing: report 0
+            parts = parts._replace(kd=torch.zeros_like(parts.kd))
     if num_items_in_batch is None:
         denom = n_tokens.clamp_min(1)
     elif isinstance(num_items_in_batch, torch.Tensor):
