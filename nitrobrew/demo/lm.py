@@ -324,7 +324,8 @@ def run_demo(cfg: DemoConfig, out: str, device: str = "cpu", resume: bool = Fals
                                        f"student: {LABELS[method]} ({_params(student) / 1e6:.2f}M params)")
 
     results = {"config": asdict(cfg), "source": src, "runs": {}, "environment": environment(),
-               "device": str(dev), "wall_seconds_this_session": time.perf_counter() - t_start}
+               "device": str(dev), "threads": torch.get_num_threads(),
+               "wall_seconds_this_session": time.perf_counter() - t_start}
     for name, rec in records.items():
         final = rec["curve"][-1]
         results["runs"][name] = {"kl": final["kl"], "ppl": final["ppl"], "acc": final["acc"],
