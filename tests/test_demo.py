@@ -90,15 +90,15 @@ def test_interrupted_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "a.safetensors")
     save_checkpoint(path, model, None, {"step": 1})
 
-    def crash(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"partial")
+    def crash(fd):  # killed after the new bytes were written, before the rename
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ck, "save_file", crash)
+    monkeypatch.setattr(ck.os, "fsync", crash)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(path, model, None, {"step": 2})
+    monkeypatch.undo()
     assert read_record(path) == {"step": 1}
+    assert os.listdir(tmp_path) == ["a.safetensors"]  # the partial file was removed
 
 
 def test_progress_without_tqdm(monkeypatch, capsys):

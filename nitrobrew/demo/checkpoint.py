@@ -8,20 +8,27 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write `data` to a temporary file beside `path`, flush it to disk, rename it over `path`."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -51,11 +58,7 @@ def save_checkpoint(path: str, model: torch.nn.Module, optimizer: Optional[torch
         if ptr in seen:
             tensors[k] = v.clone()
         seen[ptr] = k
-    tmp = f"{path}.tmp{os.getpid()}"
-    save_file(tensors, tmp, metadata={"nitrobrew": json.dumps(meta)})
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_bytes(path, save(tensors, metadata={"nitrobrew": json.dumps(meta)}))
 
 
 def load_checkpoint(path: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
