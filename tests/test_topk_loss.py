@@ -1,5 +1,6 @@
 """topk_kl (PyTorch backend) against the float64 reference; options, reductions and errors."""
 import itertools
+import math
 
 import pytest
 import torch
@@ -172,6 +173,182 @@ def test_whole_vocab_top_k_is_the_exact_kl():
         torch.testing.assert_close(out, want)
 
 
+def test_whole_vocab_ids_drop_the_tail_bucket_like_the_reference():
+    """Where a row's valid ids cover the vocabulary the student has no tail: the bucket is dropped on
+    both sides (here the teacher's stored mass is 0.9, so keeping it would give an infinite KL)."""
+    g = torch.Generator().manual_seed(4)
+    N, D, V = 4, 6, 9
+    xs = torch.randn(N, D, generator=g, dtype=torch.float64, requires_grad=True)
+    ws = torch.randn(V, D, generator=g, dtype=torch.float64, requires_grad=True)
+    lp, ids = (torch.log_softmax(torch.randn(N, V, generator=g, dtype=torch.float64), -1) + math.log(0.9)).topk(V, -1)
+    lp[1, -2:] = float("-inf")  # this row keeps two outside ids: its tail counts
+    out = topk_kl(xs, ws, ids, lp, tail=True, reduction="none", backend="torch", chunk_V=4)
+    ref = reference_topk_loss(xs, ws, ids, lp, tail=True, reduction="none")
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    up = torch.rand(N, generator=g, dtype=torch.float64)
+    for a, b in zip(_grads((out * up).sum(), [xs, ws]), _grads((ref * up).sum(), [xs, ws])):
+        assert torch.isfinite(a).all() and _rel(a, b) < 1e-9
+
+
+# --- the student's tail when the top-k holds all but a sliver of its mass ---------------------------
+
+def old_tail_logprob(xs, ws, bs, ids, temperature=1.0):
+    """log(1 - sum_k q_k) in the working dtype, the formula that cancels (for the tests to show it)."""
+    s = (xs.detach().float() @ ws.detach().float().t() + (0 if bs is None else bs.detach().float())) / temperature
+    lq = s.gather(1, ids) - torch.logsumexp(s, -1, keepdim=True)
+    return log1mexp(torch.logsumexp(lq, -1)).double()
+
+
+def exact_tail_logprob(xs, ws, bs, ids, temperature=1.0):
+    """float64 logsumexp over the ids outside the top-k minus the full one."""
+    s = (xs.detach().double() @ ws.detach().double().t() + (0 if bs is None else bs.detach().double())) / temperature
+    outside = s.scatter(1, ids, float("-inf"))
+    return torch.logsumexp(outside, -1) - torch.logsumexp(s, -1)
+
+
+def saturated_case(N=7, D=12, V=41, K=5, dtype=torch.float32, first_hot=3, gap=23.0, seed=0):
+    """The student puts all but ~1e-9 of its mass (far below fp32 eps) on K clustered "hot" ids
+    [first_hot, first_hot + K), which are the teacher's top-k of every row (in a per-row order); the
+    teacher keeps 1-10% outside them. Cold logits sit ``gap`` below the hot ones (through the bias)."""
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(N, D, generator=g).to(dtype)
+    ws = (torch.randn(V, D, generator=g) * 0.3).to(dtype)
+    hot = torch.arange(first_hot, first_hot + K)
+    bs = torch.full((V,), -gap)
+    bs[hot] = 0.0
+    bs = bs.to(dtype)
+    ids = hot[torch.argsort(torch.rand(N, K, generator=g), -1)]
+    p_tail = 0.01 + 0.09 * torch.rand(N, 1, generator=g, dtype=torch.float64)
+    lp = torch.log_softmax(torch.randn(N, K, generator=g, dtype=torch.float64) * 2, -1) + torch.log1p(-p_tail)
+    return xs.requires_grad_(), ws.requires_grad_(), bs.requires_grad_(), ids, lp.float(), hot
+
+
+def check_saturated(xs, ws, bs, ids, hot, temperature=1.0):
+    """The regime holds (q_tail in [1e-12, 1e-7]) and the old formula is visibly wrong in it."""
+    exact = exact_tail_logprob(xs, ws, bs, ids, temperature)
+    assert ((exact > math.log(1e-12)) & (exact < math.log(1e-7))).all(), exact.exp()
+    old = old_tail_logprob(xs, ws, bs, ids, temperature)
+    assert not ((old - exact).abs() < 1.0).any(), (old, exact)  # -inf or off by > 1 nat (counts NaN too)
+    cold = torch.ones(ws.shape[0], dtype=torch.bool)
+    cold[hot] = False
+    return cold
+
+
+def _mp_logit_grad(s, k: int, lp_k: float, div: str, beta: float):
+    """d D / d s of one row with one stored id k and the tail bucket, in 60-digit arithmetic."""
+    mp = pytest.importorskip("mpmath")
+    mp.mp.dps = 60
+    beta = mp.mpf(beta)
+
+    def phi(a, b):  # a = log p, b = log q
+        p, q = mp.e**a, mp.e**b
+        if div == "forward_kl":
+            return p * (a - b)
+        if div == "reverse_kl":
+            return q * (b - a)
+        m = mp.log(beta * p + (1 - beta) * q)
+        return beta * p * (a - m) + (1 - beta) * q * (b - m)
+
+    lp = mp.mpf(lp_k)
+    lp_t = mp.log(1 - mp.e**lp)
+
+    def loss(*z):
+        L = mp.log(sum(mp.e**zj for zj in z))
+        rest = mp.log(sum(mp.e**zj for j, zj in enumerate(z) if j != k))
+        return phi(lp, z[k] - L) + phi(lp_t, rest - L)
+
+    s = [mp.mpf(float(v)) for v in s]
+    return torch.tensor([float(mp.diff(lambda t, j=j: loss(*(s[:j] + [t] + s[j + 1:])), s[j]))
+                         for j in range(len(s))], dtype=torch.float64)
+
+
+def test_tail_of_a_peaked_student_float64():
+    """q_tail ~ 1e-18, below even float64 eps (n=1, d=9, v=2, k=1, T=0.5: reference 2.2621). The
+    gradient, ~1e-16 here, is checked against 60-digit arithmetic: the reference's autograd (the
+    plain u_k - q_k sum u at q_k = 1 - 1e-18) loses it for jsd and reverse_kl."""
+    g = torch.Generator().manual_seed(0)
+    xs = torch.randn(1, 9, generator=g, dtype=torch.float64)
+    ws = torch.randn(2, 9, generator=g, dtype=torch.float64) * 2
+    lp, ids = torch.log_softmax(torch.randn(1, 2, generator=g, dtype=torch.float64) * 4, -1).topk(1, -1)
+    xs.requires_grad_()
+    ws.requires_grad_()
+    exact = exact_tail_logprob(xs, ws, None, ids, 0.5)
+    assert exact.item() < -40 and torch.isinf(old_tail_logprob(xs.double(), ws, None, ids, 0.5)).all()
+    s = (xs.detach() @ ws.detach().t())[0] / 0.5
+    for div in ("forward_kl", "jsd", "reverse_kl"):
+        kw = dict(tail=True, temperature=0.5, divergence=div)
+        out = topk_kl(xs, ws, ids, lp, backend="torch", chunk_V=1, beta=0.3, **kw)
+        ref = reference_topk_loss(xs, ws, ids, lp, param=0.3, **kw)
+        assert abs(out.item() - ref.item()) <= 1e-12 * max(1.0, abs(ref.item())), (div, out.item(), ref.item())
+        gx, gw = _grads(out, [xs, ws])
+        if div == "forward_kl":
+            assert ref.item() == pytest.approx(2.2621, abs=1e-4)
+            rx, rw = _grads(ref, [xs, ws])
+            assert _rel(gx, rx) < 1e-9 and _rel(gw, rw) < 1e-9
+        g_s = _mp_logit_grad(s, int(ids[0, 0]), float(lp[0, 0]), div, 0.3)
+        assert _rel(gx[0], g_s @ ws.detach() / 0.5) < 1e-9, div
+        assert _rel(gw, g_s[:, None] * xs.detach() / 0.5) < 1e-9, div
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("div,K", [("forward_kl", 5), ("jsd", 5), ("reverse_kl", 1), ("jsd", 1)])
+def test_tail_of_a_saturated_student_low_precision(dtype, div, K):
+    """K = 1: one id holds all but ~1e-9 of the student's mass, where the gradient's plain form
+    u_k - q_k sum u cancels to nothing for jsd and reverse_kl (it gave 100% error here)."""
+    xs, ws, bs, ids, lp, hot = saturated_case(dtype=dtype, K=K)
+    cold = check_saturated(xs, ws, bs, ids, hot)
+    kw = dict(tail=True, divergence=div, beta=0.3, bs=bs, reduction="none")
+    out = topk_kl(xs, ws, ids, lp, backend="torch", chunk_V=16, **kw)
+    ref = reference_topk_loss(xs, ws, ids, lp, param=0.3, **{k: v for k, v in kw.items() if k != "beta"})
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    up = torch.rand(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = _grads((out * up.float()).sum(), [xs, ws, bs])
+    want = _grads((ref * up).sum(), [xs, ws, bs])
+    tol = 1e-4 if dtype == torch.float32 else 1e-2  # bf16 gradients are rounded to bf16
+    for a, b in zip(grads, want):
+        assert a.dtype == dtype and _rel(a, b) < tol
+    # the tail's own gradient: the head rows and biases of the ids outside the top-k
+    assert _rel(grads[1][cold], want[1][cold]) < tol and _rel(grads[2][cold], want[2][cold]) < tol
+
+
+def test_tail_vocab_range_pieces_merge_to_the_whole():
+    """The pieces a vocab-parallel wrapper uses (vocab_pass per range, merge_states + summed id
+    logits, finish, backward_range per range, summed dX): the same losses and gradients as one call,
+    in the saturated regime."""
+    from nitrobrew.topk import chunked as tc
+    from nitrobrew.topk.rowmath import TopKConfig
+
+    xs, ws, bs, ids, lp, hot = saturated_case(V=45, K=6, first_hot=14)  # the hot ids straddle a cut
+    check_saturated(xs, ws, bs, ids, hot)
+    x, w, b = xs.detach(), ws.detach(), bs.detach()
+    N = x.shape[0]
+    labels = torch.randint(0, 45, (N,), generator=torch.Generator().manual_seed(2))
+    cfg = TopKConfig("forward_kl", 0.0, "full", True, 1.3, 1.0, 0.4)
+    valid = torch.isfinite(lp)
+    entries = tc.Entries.build(ids, valid)
+    cuts = [0, 17, 30, 45]
+    parts = [tc.vocab_pass(x, w[lo:hi], b[lo:hi], labels, entries, cfg, lo=lo, chunk=5)
+             for lo, hi in zip(cuts, cuts[1:])]
+    s_state, z_state = tc.merge_states([p.s for p in parts]), tc.merge_states([p.z for p in parts])
+    res, lse_s, lse_z, ce = tc.finish(sum(p.z_ids for p in parts), lp, valid, s_state, z_state,
+                                      sum(p.z_label for p in parts), cfg)
+    mask = torch.ones(N)
+    total = tc.combine_rows(res, ce, mask, cfg)[0]
+    want = reference_topk_loss(xs, ws, ids, lp, bs=bs, tail=True, temperature=1.3, labels=labels, ce_weight=0.4,
+                               reduction="none")
+    torch.testing.assert_close(total.double(), want, rtol=1e-5, atol=1e-6)
+    up = torch.rand(N, generator=torch.Generator().manual_seed(3))
+    coef, dense, ce_scale = tc.row_coefficients(up, mask, res, cfg)
+    pieces = [tc.backward_range(x, w[lo:hi], b[lo:hi], labels, entries, coef, lse_s, dense, lse_z, ce_scale, cfg,
+                                lo=lo, chunk=4) for lo, hi in zip(cuts, cuts[1:])]
+    gx = sum(p[0] for p in pieces)
+    gw = torch.cat([p[1] for p in pieces])
+    gb = torch.cat([p[2] for p in pieces])
+    rx, rw, rb = _grads((want * up.double()).sum(), [xs, ws, bs])
+    assert _rel(gx, rx) < 1e-4 and _rel(gw, rw) < 1e-4 and _rel(gb, rb) < 1e-4
+
+
 @pytest.mark.parametrize(
     "kwargs,exc,match",
     [
@@ -227,7 +404,7 @@ def test_padding_ids_are_ignored_even_out_of_range():
 
 
 try:
-    from hypothesis import given, settings
+    from hypothesis import example, given, settings
     from hypothesis import strategies as st
 except ImportError:  # pragma: no cover
     given = None
@@ -237,6 +414,9 @@ if given is not None:
     @given(n=st.integers(1, 9), d=st.integers(1, 12), v=st.integers(2, 40), k=st.integers(1, 6),
            lead2=st.booleans(), combo=st.sampled_from(list(combos())), temperature=st.floats(0.3, 3.0),
            reduction=st.sampled_from(["mean", "sum", "none"]), seed=st.integers(0, 2**16))
+    # a student whose tail mass (~1e-18) is below float64 eps: 1 - sum_k q_k used to cancel to 0
+    @example(n=1, d=9, v=2, k=1, lead2=False, combo=("forward_kl", "full", True), temperature=0.5,
+             reduction="mean", seed=0)
     def test_property_shapes_and_options(n, d, v, k, lead2, combo, temperature, reduction, seed):
         div, norm, tail = combo
         k = min(k, v)

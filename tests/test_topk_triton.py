@@ -1,4 +1,6 @@
 """Triton top-k kernels under the interpreter (TRITON_INTERPRET=1) at small odd shapes."""
+import math
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from nitrobrew.topk import reference_topk_loss, topk_kl  # noqa: E402
 from nitrobrew.topk import chunked as tc  # noqa: E402
 from nitrobrew.topk import triton_dispatch as td  # noqa: E402
 from nitrobrew.topk.rowmath import TopKConfig  # noqa: E402
+from test_topk_loss import check_saturated, saturated_case  # noqa: E402
 
 N, D, V, K = 13, 24, 53, 5
 
@@ -91,7 +94,7 @@ def test_triton_bf16_inputs():
 
 def test_vocab_range_pieces_merge_to_the_whole():
     """Per-range statistics (as a vocab-parallel wrapper computes them) merge to the full result,
-    for both backends' pieces."""
+    for both backends' pieces; with the tail, each range's state skips the rows' top-k ids."""
     xs, ws, bs, ids, lp, labels = make(seed=3)
     x, w, b = xs.detach(), ws.detach(), bs.detach()
     cfg = TopKConfig("forward_kl", 0.0, "full", True, 1.3, 1.0, 0.0)
@@ -104,8 +107,13 @@ def test_vocab_range_pieces_merge_to_the_whole():
     merged = tc.merge_states([p.s for p in parts])
     torch.testing.assert_close(merged.lse(), whole.s.lse())
     torch.testing.assert_close(sum(p.z_ids for p in parts), whole.z_ids)
+    s = (x.double() @ w.double().t() + b.double()) / 1.3
+    outside = torch.where(valid, safe, V)  # padding entries point past the vocabulary
+    outside = torch.cat([s, torch.zeros(N, 1, dtype=s.dtype)], 1).scatter(1, outside, float("-inf"))[:, :V]
+    torch.testing.assert_close(whole.s.lse().double(), torch.logsumexp(outside, -1), rtol=1e-6, atol=1e-6)
     # Triton pieces: lse per range as Online(lse, 1), logits at the ids of each range
-    tl_parts = [td.lse_range(x, w[lo:hi].contiguous(), b[lo:hi].contiguous(), 1.3, False)[0]
+    row_ids = td.RowIds.build(safe, valid)
+    tl_parts = [td.lse_range(x, w[lo:hi].contiguous(), b[lo:hi].contiguous(), 1.3, False, outside=row_ids, lo=lo)[0]
                 for lo, hi in zip(cuts, cuts[1:])]
     ones = torch.ones(N)
     merged_t = tc.merge_states([Online(p, ones) for p in tl_parts])
@@ -113,6 +121,85 @@ def test_vocab_range_pieces_merge_to_the_whole():
     z = sum(td.gather_logits(x, w[lo:hi].contiguous(), b[lo:hi].contiguous(), safe, lo=lo)
             for lo, hi in zip(cuts, cuts[1:]))
     torch.testing.assert_close(torch.where(valid, z, 0).reshape(-1), whole.z_ids, rtol=1e-5, atol=1e-5)
+
+
+def _triton_pieces(xs, ws, bs, ids, lp, labels, cfg, cuts):
+    """Loss rows and gradients of normalize="full" assembled from Triton range pieces (lse_range,
+    gather_logits, full_backward_range with lo), as a vocab-parallel wrapper would."""
+    x, w, b = xs.detach(), ws.detach(), bs.detach()
+    n = x.shape[0]
+    valid = torch.isfinite(lp)
+    row_ids = td.RowIds.build(ids, valid)
+    ranges = list(zip(cuts, cuts[1:]))
+    ones = torch.ones(n)
+    ids_g = torch.cat([ids, labels.clamp_min(0)[:, None]], 1)
+    lse = [td.lse_range(x, w[lo:hi].contiguous(), b[lo:hi].contiguous(), cfg.temperature, True,
+                        outside=row_ids if cfg.tail else None, lo=lo) for lo, hi in ranges]
+    z = sum(td.gather_logits(x, w[lo:hi].contiguous(), b[lo:hi].contiguous(), ids_g.contiguous(), lo=lo)
+            for lo, hi in ranges)
+    s_state = tc.merge_states([Online(p[0], ones) for p in lse])
+    z_state = tc.merge_states([Online(p[1], ones) for p in lse])
+    K = ids.shape[1]
+    res, lse_s, lse_z, ce = tc.finish(z[:, :K].reshape(-1), lp, valid, s_state, z_state, z[:, K], cfg)
+    mask = ones
+    total = tc.combine_rows(res, ce, mask, cfg)[0]
+    up = torch.rand(n, generator=torch.Generator().manual_seed(7))
+    coef, dense, ce_scale = tc.row_coefficients(up, mask, res, cfg)
+    pieces = [td.full_backward_range(x, w[lo:hi].contiguous(), b[lo:hi].contiguous(), lse_s, lse_z, dense,
+                                     ce_scale, labels, row_ids, coef, cfg.temperature, lo=lo) for lo, hi in ranges]
+    grads = (sum(p[0] for p in pieces), torch.cat([p[1] for p in pieces]), torch.cat([p[2] for p in pieces]))
+    return total, up, grads
+
+
+@pytest.mark.parametrize("dtype,K,div", [(torch.float32, 20, "forward_kl"), (torch.bfloat16, 20, "forward_kl"),
+                                         (torch.float32, 1, "reverse_kl")])
+def test_triton_tail_of_a_saturated_student(dtype, K, div):
+    """q_tail ~ 1e-9 (below fp32 eps): the old 1 - sum q_k is off by nats, the kernels' directly
+    accumulated tail is not. K = 20 > the interpreter's 16-wide tiles: whole tiles of a row's logits
+    are top-k ids (ids 0..19), and the vocab ranges cut through the hot ids. K = 1: one id holds all
+    but ~1e-9 of the mass (the gradient's rearranged form)."""
+    from nitrobrew.topk.rowmath import TopKConfig
+
+    xs, ws, bs, ids, lp, hot = saturated_case(N=13, D=24, V=53, K=K, dtype=dtype, first_hot=0)
+    cold = check_saturated(xs, ws, bs, ids, hot, 0.9)
+    labels = torch.randint(0, 53, (13,), generator=torch.Generator().manual_seed(1))
+    kw = dict(tail=True, divergence=div, temperature=0.9, bs=bs, labels=labels, ce_weight=0.3 if K > 1 else 0.0,
+              reduction="none")  # (the CE's O(1) gradient would hide an error at the dominant id)
+    out = topk_kl(xs, ws, ids, lp, backend="triton", **kw)
+    ref = reference_topk_loss(xs, ws, ids, lp, **kw)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=1e-6)
+    up = torch.rand(13, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    grads = torch.autograd.grad((out * up.float()).sum(), [xs, ws, bs])
+    want = torch.autograd.grad((ref * up).sum(), [xs, ws, bs], retain_graph=True)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for a, b in zip(grads, want):
+        assert a.dtype == dtype and _rel(a, b) < tol
+    assert _rel(grads[1][cold], want[1][cold]) < tol and _rel(grads[2][cold], want[2][cold]) < tol
+    if K == 20 and dtype == torch.float32:
+        cfg = TopKConfig("forward_kl", 0.0, "full", True, 0.9, 1.0, 0.3)
+        total, up, (gx, gw, gb) = _triton_pieces(xs, ws, bs, ids, lp, labels, cfg, [0, 7, 23, 40, 53])
+        torch.testing.assert_close(total.double(), ref, rtol=2e-5, atol=1e-6)
+        rx, rw, rb = torch.autograd.grad((ref * up.double()).sum(), [xs, ws, bs])
+        assert _rel(gx, rx) < 1e-4 and _rel(gw, rw) < 1e-4 and _rel(gb, rb) < 1e-4
+
+
+def test_triton_tail_with_many_ids_per_tile():
+    """K = 200 random ids of V = 263 per row (12-16 per 16-wide tile): the per-row id walk of both
+    kernels against the reference, padding entries included."""
+    g = torch.Generator().manual_seed(6)
+    n, d, v, k = 5, 19, 263, 200
+    xs = torch.randn(n, d, generator=g).requires_grad_()
+    ws = (torch.randn(v, d, generator=g) * 1.5).requires_grad_()
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(n)])
+    lp = torch.log_softmax(torch.randn(n, k, generator=g) * 3, -1) + math.log(0.8)
+    lp[1, 150:] = float("-inf")
+    ids[1, 150:] = 10**6
+    for div in ("forward_kl", "reverse_kl"):
+        out = topk_kl(xs, ws, ids, lp, tail=True, divergence=div, backend="triton")
+        ref = reference_topk_loss(xs, ws, ids, lp, tail=True, divergence=div)
+        torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=1e-6)
+        for a, b in zip(torch.autograd.grad(out, [xs, ws]), torch.autograd.grad(ref, [xs, ws])):
+            assert _rel(a, b) < 1e-4
 
 
 def test_triton_memory_has_no_vocab_wide_rows_tensor():

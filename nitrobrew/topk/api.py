@@ -129,8 +129,10 @@ def topk_kl(
             "tvd", "skew_kl", "skew_reverse_kl" (alpha), which compare distributions: with
             normalize="topk" both sides are renormalized over the valid ids; with
             normalize="full" they need tail=True.
-        tail: add one bucket holding the mass outside the top-k on both sides (teacher
-            1 - sum p_k, student 1 - sum q_k, in log space); needs normalize="full".
+        tail: add one bucket holding the mass outside the top-k on both sides: the teacher's
+            1 - sum p_k (from the stored log-probs), the student's summed over the other ids of
+            the vocabulary directly (exact however small); needs normalize="full". A row whose
+            valid ids cover the whole vocabulary has no bucket.
         labels, ignore_index: rows whose label is ignore_index do not count; the labels are also
             the targets of the hard-label CE.
         temperature: divides the student's logits. The teacher's log-probs are used as stored:

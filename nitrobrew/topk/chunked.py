@@ -6,6 +6,11 @@ it goes by; the backward recomputes each chunk, adds the K sparse coefficients o
 ids fall in it, and feeds the chunk's gradient into dX and dW. Working memory O(rows * chunk +
 rows * K); the [rows, V] logits never exist.
 
+With the tail bucket the online state runs over the entries OUTSIDE each row's valid top-k ids
+only (the chunk's logits at the row's ids are set to -inf before the exp): it is the student's
+tail mass itself, exact however small, never 1 - sum_k q_k. The full log-sum-exp is rebuilt from
+it and the K id logits (``rowmath.full_lse``).
+
 normalize="topk": no vocab-wide work at all: the K logits of a row are gathered from the K rows
 of ``ws`` (in row blocks of bounded size), and the gradients scatter back to those rows.
 
@@ -27,7 +32,7 @@ from .._ops import compute_dtype
 from ..hidden.chunked import Online, chunk_logits, gather_label_logit, head_grads_from_chunk, row_scales, vocab_chunks
 from ..hidden.chunked import combine_rows as hidden_combine_rows
 from ..hidden.config import auto_chunk_v
-from .rowmath import RowResult, TopKConfig, topk_rows
+from .rowmath import DenseCoef, RowResult, TopKConfig, full_lse, topk_rows
 
 Tensor = torch.Tensor
 GATHER_BUDGET = 1 << 22  # elements of gathered [rows, K, D] (or [entries, D]) held at once
@@ -60,7 +65,7 @@ class Entries:
 class VocabStats:
     """Statistics of one vocab range (merge ranges with ``merge_states`` / by summing z_ids)."""
 
-    s: Optional[Online]   # tempered student logits
+    s: Optional[Online]   # tempered student logits (with cfg.tail: only those outside the row's top-k ids)
     z: Optional[Online]   # raw logits (hard-label CE at T != 1), else None
     z_ids: Tensor         # [N*K] raw logits at the stored ids inside the range, 0 elsewhere
     z_label: Tensor       # [N] raw logit at the label inside the range, 0 elsewhere
@@ -79,11 +84,18 @@ def merge_states(states: List[Online]) -> Online:
     return Online(m, total)
 
 
+def without_ids(s: Tensor, entries: Entries, a: int, b: int, c0: int) -> Tensor:
+    """A copy of the chunk s (global columns from c0) with -inf at the entries [a, b) (a row's top-k ids)."""
+    return s.index_put((entries.rows[a:b], entries.ids[a:b] - c0), torch.tensor(float("-inf"), dtype=s.dtype,
+                                                                                device=s.device))
+
+
 def vocab_pass(xs, ws, bs, labels, entries: Entries, cfg: TopKConfig, lo: int = 0,
                chunk: Optional[int] = None) -> VocabStats:
     """Online statistics over the head rows ``ws`` = global vocab [lo, lo + ws.shape[0]).
 
-    labels (global ids, -1 where none) give the CE label logit when cfg.with_ce.
+    labels (global ids, -1 where none) give the CE label logit when cfg.with_ce. With cfg.tail the
+    tempered state skips each row's valid top-k ids (the student's tail, see the module notes).
     """
     acc = compute_dtype(xs.dtype)
     n, dev = xs.shape[0], xs.device
@@ -98,10 +110,11 @@ def vocab_pass(xs, ws, bs, labels, entries: Entries, cfg: TopKConfig, lo: int = 
     local_labels = None if labels is None else labels - lo
     for c0, c1 in vocab_chunks(V, chunk):
         z = chunk_logits(xs, ws, bs, c0, c1, acc)
-        st.s.update(z / cfg.temperature)
+        a, b = entries.span(lo + c0, lo + c1)
+        s = z / cfg.temperature
+        st.s.update(without_ids(s, entries, a, b, lo + c0) if cfg.tail and b > a else s)
         if st.z is not None:
             st.z.update(z)
-        a, b = entries.span(lo + c0, lo + c1)
         if b > a:
             st.z_ids[entries.flat[a:b]] = z[entries.rows[a:b], entries.ids[a:b] - lo - c0]
         if cfg.with_ce and local_labels is not None:
@@ -131,11 +144,16 @@ def finish(z_ids: Tensor, lp: Tensor, valid: Tensor, s_state: Optional[Online], 
 
     Returns (rows, lse_s, lse_z, ce): lse_s is the tempered student's full log-sum-exp (None for
     normalize="topk"), lse_z the raw one used by the CE (None without CE), ce the per-row CE.
+    With cfg.tail, s_state covers the entries outside each row's top-k ids (``vocab_pass``).
     """
     N, K = lp.shape
     s = z_ids.view(N, K) / cfg.temperature
-    lse_s = s_state.lse() if s_state is not None else None
-    res = topk_rows(s, lp, valid, lse_s if cfg.full else None, cfg)
+    lse_s = lse_tail = None
+    if s_state is not None:
+        lse_s = s_state.lse()
+        if cfg.tail:
+            lse_tail, lse_s = lse_s, full_lse(s, valid, lse_s)
+    res = topk_rows(s, lp, valid, lse_s if cfg.full else None, cfg, lse_tail)
     lse_z = ce = None
     if cfg.with_ce:
         lse_z = z_state.lse() if z_state is not None else lse_s
@@ -143,13 +161,14 @@ def finish(z_ids: Tensor, lp: Tensor, valid: Tensor, s_state: Optional[Online], 
     return res, lse_s, lse_z, ce
 
 
-def backward_range(xs, ws, bs, labels, entries: Entries, coef: Tensor, lse_s: Tensor, dense: Tensor,
+def backward_range(xs, ws, bs, labels, entries: Entries, coef: Tensor, lse_s: Tensor, dense: DenseCoef,
                    lse_z: Optional[Tensor], ce_scale: Optional[Tensor], cfg: TopKConfig, lo: int = 0,
                    chunk: Optional[int] = None, need_w: bool = True):
     """Gradient of a vocab range w.r.t. the raw logits, fed into (dX [acc], dW, db).
 
-    coef: [N*K] d loss / d raw logit at each stored id (0 at invalid entries); dense: [N]
-    multiplier of the tempered softmax q_j (already divided by T); ce_scale: [N] CE weight per row
+    coef: [N*K] d loss / d raw logit at each stored id (0 at invalid entries); dense: the per-row
+    multiplier of the tempered softmax q_j or, with the tail, of exp(s_j - lse_tail) at the
+    entries outside the row's top-k (already divided by T); ce_scale: [N] CE weight per row
     (softmax of the raw logits minus the label's one-hot). dW/db cover this range only.
     """
     acc = compute_dtype(xs.dtype)
@@ -160,16 +179,24 @@ def backward_range(xs, ws, bs, labels, entries: Entries, coef: Tensor, lse_s: Te
     db = torch.empty_like(bs) if (bs is not None and need_w) else None
     xs_acc = xs.to(acc)
     local_labels = None if labels is None else labels - lo
+    if dense.tail is not None:
+        lse_tail = dense.lse_tail
+        lse_tail = torch.where(torch.isfinite(lse_tail), lse_tail, torch.zeros_like(lse_tail))  # no outside ids: 0
     for c0, c1 in vocab_chunks(V, chunk):
         z = chunk_logits(xs, ws, bs, c0, c1, acc)
-        g = dense[:, None] * torch.exp(z / cfg.temperature - lse_s[:, None])
+        s = z / cfg.temperature
+        a, b = entries.span(lo + c0, lo + c1)
+        if dense.tail is None:
+            g = dense.q[:, None] * torch.exp(s - lse_s[:, None])
+        else:  # the ids take their whole gradient from coef
+            outside = without_ids(s, entries, a, b, lo + c0) if b > a else s
+            g = dense.tail[:, None] * torch.exp(outside - lse_tail[:, None])
         if ce_scale is not None:
             g += ce_scale[:, None] * torch.exp(z - lse_z[:, None])
             if local_labels is not None:
                 inside = (local_labels >= c0) & (local_labels < c1)
                 col = torch.where(inside, local_labels - c0, torch.zeros_like(local_labels))
                 g.scatter_add_(1, col[:, None], torch.where(inside, -ce_scale, torch.zeros_like(ce_scale))[:, None])
-        a, b = entries.span(lo + c0, lo + c1)
         if b > a:
             g.index_put_((entries.rows[a:b], entries.ids[a:b] - lo - c0), coef[entries.flat[a:b]], accumulate=True)
         head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx, dw, db)
@@ -202,12 +229,13 @@ def sparse_grads(xs, ws, bs, ids: Tensor, entries: Entries, coef: Tensor, need_w
 
 
 def row_coefficients(grad_rows: Tensor, mask: Tensor, res: RowResult, cfg: TopKConfig):
-    """Per-entry coefficients (raw-logit units) and per-row dense / CE multipliers for a backward."""
+    """Per-entry coefficients (raw-logit units), the vocab-wide ``DenseCoef`` (normalize="full", else
+    None) and the per-row CE multipliers for a backward."""
     dt = res.kd.dtype
     kd_scale, ce_scale = row_scales(grad_rows.to(dt), mask.to(dt), cfg)
     kd_scale = kd_scale / cfg.temperature
     coef = (res.sparse * kd_scale[:, None]).reshape(-1)
-    dense = None if res.dense is None else res.dense * kd_scale
+    dense = DenseCoef(res.dense, res.tail, res.lse_tail).scaled(kd_scale) if cfg.full else None
     return coef, dense, (ce_scale if cfg.with_ce else None)
 
 

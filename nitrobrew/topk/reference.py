@@ -69,10 +69,21 @@ def reference_topk_loss(
     phi, _ = dv.elementwise(name, lp, lq_d, param)
     kd = torch.where(valid, phi, torch.zeros_like(phi)).sum(-1)
     if tail:
-        lq_t = _log1m_exp(_lse(lq, valid))
-        lp_t = _log1m_exp(_lse(lp_in, valid))
+        has_tail = torch.ones_like(kd, dtype=torch.bool)
+        if normalize == "full":
+            # the student's mass outside the top-k, summed directly over the other ids (exact even
+            # where 1 - sum(q_k) rounds to 0)
+            hits = torch.zeros_like(s).scatter_add_(1, ids, valid.to(dtype)) > 0
+            # ids covering the whole vocabulary leave no tail bucket: it is dropped on both sides
+            # (finite stand-ins there keep autograd free of inf * 0)
+            has_tail = ~hits.all(-1)
+            rest = torch.where(has_tail[:, None], s.masked_fill(hits, float("-inf")), s)
+            lq_t = torch.logsumexp(rest, -1) - torch.logsumexp(s, -1)
+        else:
+            lq_t = _log1m_exp(_lse(lq, valid))
+        lp_t = torch.where(has_tail, _log1m_exp(_lse(lp_in, valid)), torch.zeros_like(lq_t))
         phi_t, _ = dv.elementwise(name, lp_t, lq_t, param)
-        kd = kd + phi_t
+        kd = kd + torch.where(has_tail, phi_t, torch.zeros_like(phi_t))
     if scale_t2:
         kd_weight = kd_weight * temperature**2  # the weight carries T^2; the kd part stays plain
     flat_labels = None if labels is None else labels.reshape(-1)

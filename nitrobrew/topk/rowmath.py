@@ -10,13 +10,37 @@ normalize="full", the log-sum-exp over the K valid entries for normalize="topk")
 ``lq_k = s_k - L``, the divergence D is a function of the s_k and of L. With ``u = dphi/dlq``
 (from ``elementwise``):
 
-    dD/ds_k |L fixed = u_k - u_tail * exp(lq_k - lq_tail)           ("sparse" part)
-    dD/dL           = -sum_k u_k + u_tail * exp(log Q - lq_tail)      (Q = sum_k q_k)
+    dD/ds_k |L fixed = u_k                      ("sparse" part, at the K ids)
+    dD/dL            = -sum_k u_k               ("dense" part: dL/ds_j = q_j)
 
-(the tail terms exist only with tail=True: lq_tail = log(1 - Q), so d lq_tail / d lq_k =
--q_k / (1 - Q)). For normalize="full", dL/ds_j = q_j for every vocab entry j: the gradient is
-``sparse`` at the K ids plus ``dense * q_j`` over the whole vocabulary. For normalize="topk",
-dL/ds_k = q~_k (the renormalized student) and everything folds into the K entries.
+For normalize="full", dL/ds_j = q_j for every vocab entry j: the gradient is ``sparse`` at the K
+ids plus ``dense * q_j`` over the whole vocabulary. For normalize="topk", dL/ds_k = q~_k (the
+renormalized student) and everything folds into the K entries.
+
+Tail bucket (tail=True, normalize="full" only). The student's tail is NOT 1 - sum_k q_k (that
+difference cancels to nothing once the top-k holds all but ~eps of the mass): the backends
+accumulate ``lse_tail`` = logsumexp of s_j over the ids j outside the row's valid top-k directly
+in their vocabulary pass, and ``lq_tail = lse_tail - L`` exactly. The recipe of
+``nitrobrew.divergences`` over the K + 1 buckets (u_tail = dphi/dlq_tail, S = sum_k u_k),
+
+    at the ids k:        g_k = u_k - q_k (S + u_tail)
+    outside the ids j:   g_j = -q_j (S + u_tail) + u_tail exp(s_j - lse_tail)
+
+(d lq_tail/ds_j = [j outside] exp(s_j - lse_tail) - q_j), is evaluated in a rearranged form that
+never subtracts numbers much larger than the result:
+
+    g_k = u_k (1 - q_k) - q_k (S_k + u_tail)         S_k = sum over the other ids of u_j
+    g_j = (u_tail Q - S q_tail) exp(s_j - lse_tail)   Q = sum_k q_k = 1 - q_tail
+
+where 1 - q_k = q_tail + (the other ids' q) and S_k come from exclusive prefix/suffix sums, so
+they are accurate however close q_k is to 1. (The plain form loses everything at a dominant id:
+u_k - q_k S with q_k = 1 - 1e-8 is a difference of O(1) numbers whose result is O(1e-8).) So
+the tail's backward has no dense q_j term at all: the K ids take ``sparse`` (the whole gradient
+there) and the other entries ``tail * exp(s_j - lse_tail)`` (``DenseCoef``). A row whose valid ids
+cover the whole vocabulary has no outside entry (lse_tail = -inf): its tail bucket is empty on
+the student side and is dropped on both sides (the teacher's 1 - sum_k p_k is then only the
+rounding of stored data). The teacher's tail, 1 - sum_k p_k of the stored log-probs, is computed
+with ``log1mexp``.
 """
 from __future__ import annotations
 
@@ -77,22 +101,80 @@ def masked_lse(x: Tensor, valid: Tensor) -> Tensor:
 
 @dataclass
 class RowResult:
-    kd: Tensor                # [N] divergence per row (compute dtype)
-    sparse: Tensor            # [N, K] dD/ds_k (tempered-logit units), 0 at invalid entries
-    dense: Optional[Tensor]   # [N] dD/dlse_s (normalize="full"), multiplies q_j over the vocab
+    kd: Tensor                       # [N] divergence per row (compute dtype)
+    sparse: Tensor                   # [N, K] dD/ds_k (tempered-logit units), 0 at invalid entries
+    dense: Optional[Tensor]          # [N] dD/dlse_s (normalize="full", no tail), multiplies q_j over the vocab
+    tail: Optional[Tensor] = None    # [N] (tail=True) multiplies exp(s_j - lse_tail) outside the ids
+    lse_tail: Optional[Tensor] = None  # [N] logsumexp of s_j over the ids outside the valid top-k
 
 
-def _xmul(w: Tensor, x: Tensor) -> Tensor:
-    return torch.where(w != 0, w * x, torch.zeros_like(x))
+@dataclass
+class DenseCoef:
+    """Per-row multipliers of a backward's vocab-wide terms, already scaled to raw-logit units:
+
+    g_nj += q[n] * exp(s_nj - lse_s[n])              at every vocab entry j (without the tail)
+    g_nj += tail[n] * exp(s_nj - lse_tail[n])        at the entries outside row n's valid top-k ids
+    """
+
+    q: Optional[Tensor]
+    tail: Optional[Tensor] = None
+    lse_tail: Optional[Tensor] = None
+
+    def scaled(self, scale: Tensor) -> "DenseCoef":
+        times = lambda t: None if t is None else t * scale  # noqa: E731
+        return DenseCoef(times(self.q), times(self.tail), self.lse_tail)
 
 
-def topk_rows(s: Tensor, lp: Tensor, valid: Tensor, lse_s: Optional[Tensor], cfg: TopKConfig) -> RowResult:
+def full_lse(s: Tensor, valid: Tensor, lse_tail: Tensor) -> Tensor:
+    """The student's full log-sum-exp from its parts: the K id logits and the outside ids' lse."""
+    return torch.logaddexp(lse_tail, masked_lse(s, valid))
+
+
+def _exclusive_sum(x: Tensor) -> Tensor:
+    """sum over the other entries of the last axis, as prefix + suffix sums (no total - self)."""
+    zero = torch.zeros_like(x[..., :1])
+    before = torch.cat([zero, x.cumsum(-1)[..., :-1]], -1)
+    after = torch.cat([x.flip(-1).cumsum(-1).flip(-1)[..., 1:], zero], -1)
+    return before + after
+
+
+def _exclusive_lse(x: Tensor) -> Tensor:
+    """logsumexp over the other entries of the last axis (prefix and suffix log-cumsum-exps)."""
+    ninf = torch.full_like(x[..., :1], NEG_INF)
+    before = torch.cat([ninf, torch.logcumsumexp(x, -1)[..., :-1]], -1)
+    after = torch.cat([torch.logcumsumexp(x.flip(-1), -1).flip(-1)[..., 1:], ninf], -1)
+    return torch.logaddexp(before, after)
+
+
+def _tail_rows(kd: Tensor, u: Tensor, lq: Tensor, lp_v: Tensor, valid: Tensor, lse_s: Tensor, lse_tail: Tensor,
+               cfg: TopKConfig) -> RowResult:
+    """Add the tail bucket and form the gradient in the rearranged form of the module notes."""
+    has_tail = torch.isfinite(lse_tail)
+    lq_t = torch.where(has_tail, lse_tail - lse_s, torch.full_like(lse_s, NEG_INF))
+    # the teacher's tail: 1 - sum of the stored probabilities (clamped at 0 mass)
+    lp_t = log1mexp(masked_lse(lp_v, valid))
+    phi_t, u_t = dv.elementwise(cfg.divergence, lp_t, lq_t, cfg.param)
+    zero = torch.zeros_like(phi_t)
+    phi_t, u_t = torch.where(has_tail, phi_t, zero), torch.where(has_tail, u_t, zero)  # no tail: no bucket
+    q, q_t = torch.exp(lq), torch.exp(lq_t)  # q = 0 at invalid entries
+    rest = torch.exp(torch.logaddexp(_exclusive_lse(lq), lq_t[:, None]))  # 1 - q_k from the other masses
+    sparse = u * rest - q * (_exclusive_sum(u) + u_t[:, None])
+    sparse = torch.where(valid, sparse, torch.zeros_like(sparse))
+    outside = u_t * torch.exp(masked_lse(lq, valid)) - u.sum(-1) * q_t
+    return RowResult(kd + phi_t, sparse, None, outside, lse_tail)
+
+
+def topk_rows(s: Tensor, lp: Tensor, valid: Tensor, lse_s: Optional[Tensor], cfg: TopKConfig,
+              lse_tail: Optional[Tensor] = None) -> RowResult:
     """Divergence and gradient coefficients per row.
 
     s: [N, K] tempered student logits at the stored ids; lp: [N, K] stored teacher log-probs
     (finite where valid); valid: [N, K] bool; lse_s: [N] full-vocab log-sum-exp of the tempered
-    student (normalize="full") or None.
+    student (normalize="full") or None; lse_tail: [N] log-sum-exp of the tempered student over the
+    ids outside the valid top-k (needed with tail=True; -inf where there are none).
     """
+    if cfg.tail and (not cfg.full or lse_tail is None):
+        raise ValueError("the tail bucket needs normalize='full' and the outside ids' log-sum-exp")
     ninf = torch.full_like(s, NEG_INF)
     s_v = torch.where(valid, s, ninf)
     lp_v = torch.where(valid, lp.to(s.dtype), ninf)
@@ -109,26 +191,10 @@ def topk_rows(s: Tensor, lp: Tensor, valid: Tensor, lse_s: Optional[Tensor], cfg
     phi = torch.where(valid, phi, torch.zeros_like(phi))
     u = torch.where(valid, u, torch.zeros_like(u))
     kd = phi.sum(-1)
-    sum_u = u.sum(-1)
-    sparse = u
-    dL = -sum_u
     if cfg.tail:
-        lQ = masked_lse(lq, valid)
-        # 1 - Q is resolved to about eps (lse_s and the s_k carry that absolute error): below it
-        # the student's tail is held at eps and takes no gradient, instead of log 0 = -inf.
-        floor = -torch.finfo(lQ.dtype).eps
-        held = lQ > floor
-        lq_t = log1mexp(torch.clamp(lQ, max=floor))
-        # the teacher's tail: 1 - sum of the stored probabilities (clamped at 0 mass)
-        lp_t = log1mexp(masked_lse(lp_v, valid))
-        phi_t, u_t = dv.elementwise(cfg.divergence, lp_t, lq_t, cfg.param)
-        kd = kd + phi_t
-        u_t = torch.where(held, torch.zeros_like(u_t), u_t)
-        # u_t * q_k / (1 - Q), written in log space; 0 where u_t is 0 (no tail on either side)
-        ratio_k = torch.exp(torch.clamp(lq - lq_t[:, None], max=80.0))
-        sparse = sparse - torch.where(valid, _xmul(u_t[:, None], ratio_k), torch.zeros_like(ratio_k))
-        dL = dL + _xmul(u_t, torch.exp(torch.clamp(lQ - lq_t, max=80.0)))
+        return _tail_rows(kd, u, lq, lp_v, valid, lnorm, lse_tail, cfg)
+    dL = -u.sum(-1)
     if cfg.full:
-        return RowResult(kd, sparse, dL)
+        return RowResult(kd, u, dL)
     qt = torch.exp(lq)  # renormalized student over the support, 0 at invalid entries
-    return RowResult(kd, sparse + qt * dL[:, None], None)
+    return RowResult(kd, u + qt * dL[:, None], None)

@@ -5,9 +5,10 @@ The [rows, K] math (``rowmath``) and the statistics plumbing (``chunked.finish``
 work runs in the kernels of ``triton_kernels``. float64 inputs take the PyTorch path.
 
 Vocab-parallel pieces (a rank holding head rows [lo, lo + V_local)): ``lse_range`` (the
-student's log-sum-exp over the local rows, as an ``Online`` state with l = 1, merged with
-``chunked.merge_states``), ``gather_logits`` (logits at the ids inside the local range, 0
-elsewhere: sum them over ranks) and ``full_backward_range`` (local dW, partial dX: sum over ranks).
+student's log-sum-exp over the local rows, with the tail bucket over the entries outside each
+row's top-k ids, as an ``Online`` state with l = 1, merged with ``chunked.merge_states``),
+``gather_logits`` (logits at the ids inside the local range, 0 elsewhere: sum them over ranks)
+and ``full_backward_range`` (local dW, partial dX: sum over ranks). Ids and labels are global.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from .. import _checks as ck
 from ..hidden.chunked import Online
 from . import triton_kernels as kern
 from .chunked import Entries, chunked_rows, combine_rows, finish, row_coefficients
-from .rowmath import TopKConfig
+from .rowmath import DenseCoef, TopKConfig
 
 Tensor = torch.Tensor
 
@@ -44,6 +45,28 @@ def grad_accumulation(mode: str):
         yield
     finally:
         GRAD_ACCUM = old
+
+
+PAD_ID = 2**31 - 1  # sorts after every real id and matches no column
+
+
+@dataclass
+class RowIds:
+    """Each row's valid ids in ascending order, as the kernels search them (``_tile_row_ids``)."""
+
+    ids: Tensor    # [N, K] int32, PAD_ID at padding entries (last)
+    order: Tensor  # [N, K] int64: ids[n, j] = topk_ids[n, order[n, j]]
+    steps: int     # binary-search steps over K entries: ceil(log2(K + 1))
+
+    @staticmethod
+    def build(ids: Tensor, valid: Tensor) -> "RowIds":
+        key = torch.where(valid, ids.long(), torch.full_like(ids, PAD_ID, dtype=torch.long))
+        srt, order = torch.sort(key, dim=1)
+        return RowIds(srt.to(torch.int32).contiguous(), order, int(ids.shape[1]).bit_length())
+
+    def sorted_values(self, values: Tensor) -> Tensor:
+        """fp32 [N, K] per-entry values (row-major [N * K] or [N, K]) in the order of ``ids``."""
+        return values.reshape(self.order.shape).gather(1, self.order).to(torch.float32).contiguous()
 
 
 @dataclass(frozen=True)
@@ -135,9 +158,11 @@ def scatter_dw(xs: Tensor, entries: Entries, coef: Tensor, V: int, dtype: torch.
     return dw
 
 
-def lse_range(xs: Tensor, ws: Tensor, bs: Optional[Tensor], temperature: float,
-              with_raw: bool) -> Tuple[Tensor, Optional[Tensor]]:
-    """Per-row log-sum-exp of the tempered logits over the rows of ws (and of the raw ones)."""
+def lse_range(xs: Tensor, ws: Tensor, bs: Optional[Tensor], temperature: float, with_raw: bool,
+              outside: Optional[RowIds] = None, lo: int = 0) -> Tuple[Tensor, Optional[Tensor]]:
+    """Per-row log-sum-exp of the tempered logits over the rows of ws = global ids [lo, lo + V)
+    (only over the ids not in ``outside``'s rows, when given: the tail bucket), and of the raw ones
+    (over all of them)."""
     N, D = xs.shape
     V = ws.shape[0]
     c = _fwd_cfg(xs.dtype)
@@ -147,68 +172,55 @@ def lse_range(xs: Tensor, ws: Tensor, bs: Optional[Tensor], temperature: float,
         return lse_s, (lse_z if with_raw else None)
     locks = torch.zeros(triton.cdiv(N, c.block_b), dtype=torch.int32, device=xs.device)
     grid = (triton.cdiv(N, c.block_b) * triton.cdiv(V, c.block_v),)
+    ids = outside.ids if outside is not None else locks
+    K = ids.shape[1] if outside is not None else 1
     kern._lse_kernel[grid](
-        xs, ws, bs if bs is not None else xs, lse_s, lse_z, locks, N, V, D, 1.0 / temperature,
-        xs.stride(0), ws.stride(0),
-        HAS_BIAS=bs is not None, HAS_Z=with_raw, DOT_PREC=_dot_prec(xs.dtype),
+        xs, ws, bs if bs is not None else xs, lse_s, lse_z, locks, ids, N, V, D, K, lo,
+        outside.steps if outside is not None else 0, 1.0 / temperature, xs.stride(0), ws.stride(0), K,
+        HAS_BIAS=bs is not None, HAS_Z=with_raw, TAIL=outside is not None, DOT_PREC=_dot_prec(xs.dtype),
         BLOCK_B=c.block_b, BLOCK_V=c.block_v, BLOCK_D=c.block_d, GROUP_B=c.group_b,
         EVEN_D=D % c.block_d == 0, DOT_F32=_dot_f32(xs.dtype), num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return lse_s, (lse_z if with_raw else None)
 
 
-def full_backward_range(xs, ws, bs, lse_s, lse_z, dense, ce_scale, e_rows, e_cols, e_coef, temperature,
-                        need_w: bool = True, accum: Optional[str] = None):
-    """(dX, dW, db) of the rows of ws: dense part dense_n * q_nj (+ CE part ce_n * softmax(z)_nj)
-    plus the sparse entries (e_rows, e_cols local to ws, e_coef), all w.r.t. the raw logits."""
+def full_backward_range(xs, ws, bs, lse_s, lse_z, dense: DenseCoef, ce_scale, labels, row_ids: RowIds, coef,
+                        temperature, need_w: bool = True, accum: Optional[str] = None, lo: int = 0):
+    """(dX, dW, db) of the rows of ws = global ids [lo, lo + V), w.r.t. the raw logits: coef at each
+    row's stored ids (coef [N * K] in the order of topk_ids) + the dense part dense.q_n * q_nj, or
+    with the tail dense.tail_n * exp(s_nj - lse_tail_n) outside the row's ids, + the CE part
+    ce_n * (softmax(z)_nj - [j == label_n]) (labels global, -1 where none)."""
     N, D = xs.shape
     V = ws.shape[0]
     c = _bwd_cfg(xs.dtype)
     accum = accum or GRAD_ACCUM
     acc_dtype = torch.float32 if accum == "fp32" else xs.dtype
     n_rb, n_vt = triton.cdiv(N, c.block_b), triton.cdiv(V, c.block_v)
-    key = torch.div(e_rows, c.block_b, rounding_mode="floor") * n_vt + torch.div(e_cols, c.block_v,
-                                                                                 rounding_mode="floor")
-    key, order = torch.sort(key)
-    offs = torch.searchsorted(key, torch.arange(n_rb * n_vt + 1, device=xs.device)).to(torch.int32)
-    rows_s = e_rows[order].to(torch.int32).contiguous()
-    cols_s = e_cols[order].to(torch.int32).contiguous()
-    coef_s = e_coef[order].to(torch.float32).contiguous()
+    f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
+    coef_s = row_ids.sorted_values(coef)
+    has_ce = ce_scale is not None
+    tail = dense.tail is not None
+    lse_t = torch.where(torch.isfinite(dense.lse_tail), dense.lse_tail, 0.0) if tail else None  # no outside: 0
     dx = torch.zeros(N, D, dtype=acc_dtype, device=xs.device)
     dw = torch.zeros(V, D, dtype=torch.float32 if accum == "fp32" else ws.dtype, device=xs.device) if need_w else dx
     db = torch.zeros(V, dtype=torch.float32, device=xs.device) if (bs is not None and need_w) else dx
     n_dch = triton.cdiv(D, c.mm_block_d)
     locks_x = torch.zeros(n_rb * n_dch, dtype=torch.int32, device=xs.device)
     locks_w = torch.zeros(n_vt * n_dch if need_w else 1, dtype=torch.int32, device=xs.device)
-    has_ce = ce_scale is not None
     if N > 0 and V > 0:
         kern._full_bwd_kernel[(n_rb * n_vt,)](
-            xs, ws, bs if bs is not None else xs, lse_s, lse_z if has_ce else lse_s, dense.to(torch.float32).contiguous(),
-            ce_scale.to(torch.float32).contiguous() if has_ce else lse_s, offs, rows_s, cols_s, coef_s,
-            dx, dw, db, locks_x, locks_w, N, V, D, 1.0 / temperature,
-            xs.stride(0), ws.stride(0), dx.stride(0), dw.stride(0), n_dch,
-            HAS_BIAS=bs is not None, HAS_CE=has_ce, NEED_W=need_w, DOT_PREC=_dot_prec(xs.dtype),
+            xs, ws, bs if bs is not None else xs, lse_s, lse_z if has_ce else lse_s,
+            f32(dense.q) if not tail else lse_s,
+            f32(ce_scale) if has_ce else lse_s, labels.to(torch.int32).contiguous() if has_ce else locks_x,
+            row_ids.ids, coef_s, f32(dense.tail) if tail else lse_s, f32(lse_t) if tail else lse_s,
+            dx, dw, db, locks_x, locks_w, N, V, D, row_ids.ids.shape[1], lo, row_ids.steps, 1.0 / temperature,
+            xs.stride(0), ws.stride(0), dx.stride(0), dw.stride(0), row_ids.ids.stride(0), n_dch,
+            HAS_BIAS=bs is not None, HAS_CE=has_ce, TAIL=tail, NEED_W=need_w, DOT_PREC=_dot_prec(xs.dtype),
             BLOCK_B=c.block_b, BLOCK_V=c.block_v, BLOCK_D=c.block_d, MM_BLOCK_D=c.mm_block_d,
             GROUP_B=c.group_b, EVEN_D=D % c.block_d == 0, DOT_F32=_dot_f32(xs.dtype),
             num_warps=c.num_warps, num_stages=c.num_stages,
         )
     return dx, (dw if need_w else None), (db if (bs is not None and need_w) else None)
-
-
-def _full_entries(ids: Tensor, valid: Tensor, coef: Tensor, labels: Optional[Tensor], ce_scale: Optional[Tensor]):
-    """Sparse (row, col, coef) entries of a full-vocab backward: stored ids, then CE labels."""
-    N, K = ids.shape
-    sel = torch.nonzero(valid.reshape(-1), as_tuple=False).squeeze(1)
-    rows = torch.div(sel, K, rounding_mode="floor")
-    cols = ids.reshape(-1)[sel]
-    vals = coef[sel]
-    if ce_scale is not None and labels is not None:
-        has = labels >= 0
-        lrows = torch.nonzero(has, as_tuple=False).squeeze(1)
-        rows = torch.cat([rows, lrows])
-        cols = torch.cat([cols, labels[lrows]])
-        vals = torch.cat([vals, -ce_scale[lrows].to(vals.dtype)])
-    return rows, cols.long(), vals
 
 
 class TritonTopK(torch.autograd.Function):
@@ -219,10 +231,13 @@ class TritonTopK(torch.autograd.Function):
         valid = torch.isfinite(lp)
         N, K = ids.shape
         lpc = lp.to(torch.float32)
+        row_ids = None
         if cfg.full:
+            row_ids = RowIds.build(ids, valid)
             ids_g = ids if not cfg.with_ce else torch.cat([ids, labels.clamp_min(0)[:, None]], 1)
             z = gather_logits(xs, ws, bs, ids_g.contiguous())
-            lse_s, lse_z = lse_range(xs, ws, bs, cfg.temperature, cfg.with_ce and cfg.temperature != 1.0)
+            lse_s, lse_z = lse_range(xs, ws, bs, cfg.temperature, cfg.with_ce and cfg.temperature != 1.0,
+                                     outside=row_ids if cfg.tail else None)
             ones = torch.ones_like(lse_s)
             res, lse_s, lse_z, ce = finish(
                 z[:, :K].reshape(-1), lpc, valid, Online(lse_s, ones),
@@ -232,7 +247,7 @@ class TritonTopK(torch.autograd.Function):
             res, lse_s, lse_z, ce = finish(z.reshape(-1), lpc, valid, None, None, None, cfg)
         total, kd, ce_rows = combine_rows(res, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, ids, labels, mask, valid)
-        ctx.res, ctx.lse_s, ctx.lse_z, ctx.cfg = res, lse_s, lse_z, cfg
+        ctx.res, ctx.lse_s, ctx.lse_z, ctx.cfg, ctx.row_ids = res, lse_s, lse_z, cfg, row_ids
         ctx.mark_non_differentiable(kd, ce_rows)
         return total, kd, ce_rows
 
@@ -243,9 +258,8 @@ class TritonTopK(torch.autograd.Function):
         coef, dense, ce_scale = row_coefficients(grad_total, mask, ctx.res, cfg)
         need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         if cfg.full:
-            rows, cols, vals = _full_entries(ids, valid, coef, labels, ce_scale)
-            dx, dw, db = full_backward_range(xs, ws, bs, ctx.lse_s, ctx.lse_z, dense, ce_scale, rows, cols, vals,
-                                             cfg.temperature, need_w=need_w)
+            dx, dw, db = full_backward_range(xs, ws, bs, ctx.lse_s, ctx.lse_z, dense, ce_scale, labels, ctx.row_ids,
+                                             coef, cfg.temperature, need_w=need_w)
             dw = None if dw is None else dw.to(ws.dtype)
             db = None if db is None else db.to(bs.dtype)
         else:

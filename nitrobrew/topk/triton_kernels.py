@@ -3,11 +3,23 @@
 normalize="full" (vocab-wide, in the manner of cut-cross-entropy; memory O(rows * K)):
 - ``_lse_kernel``: one program per (row block, vocab tile), grouped for L2 reuse; the logit
   tile is accumulated in fp32 from bf16/fp16/fp32 operands, its log-sum-exp (tempered, and raw
-  for the hard-label CE) is merged into the per-row result under a per-row-block lock.
-- ``_full_bwd_kernel``: recomputes each logit tile, forms the gradient tile (dense part
-  ``dense_n * q_nj`` + CE part, plus the sparse coefficients of the stored ids that fall in the
-  tile, listed per tile in CSR form) and feeds it into dX and dW through locked read-add-write
-  of fp32 accumulators (or of the gradients themselves in their dtype, as CCE does).
+  for the hard-label CE) is merged into the per-row result under a per-row-block lock. With the
+  tail bucket (TAIL) the tempered log-sum-exp skips each row's valid top-k ids: it is the
+  student's tail mass, accumulated directly (exact however small).
+- ``_full_bwd_kernel``: recomputes each logit tile, forms the gradient tile (the sparse
+  coefficients of the row's stored ids that fall in the tile + the dense part ``dense_n * q_nj``,
+  or with TAIL ``tail_n * exp(s_nj - lse_tail_n)`` at the other entries only, + the CE part) and feeds it into
+  dX and dW through locked read-add-write of fp32 accumulators (or of the gradients themselves
+  in their dtype, as CCE does).
+
+Finding a row's top-k ids inside a tile (``_tile_row_ids``): each row's valid ids are sorted once
+on the host ([rows, K] int32). A program binary-searches, for each of its BLOCK_B rows at once,
+where the tile's column range starts and ends in the row's list (2 * ceil(log2(K + 1)) gathered
+loads of BLOCK_B ids), then walks the rows' slices in lock step: c = the largest number of one
+row's ids inside the tile, c compare-selects of the [BLOCK_B, BLOCK_V] tile. c is at most
+min(K, BLOCK_V) and usually 0-3 (K ids spread over V / BLOCK_V tiles), so the cost stays a small
+fraction of the tile's 2 * BLOCK_B * BLOCK_V * D matmul FLOPs for K up to 256 and beyond; ids
+clustered in one tile (c = BLOCK_V in the worst case) cost BLOCK_V elementwise passes there.
 
 normalize="topk" and the ids of "full" (bandwidth-bound, no vocab-wide work):
 - ``_gather_kernel``: s_nk = x_n . w_{id_nk} (+ b).
@@ -131,12 +143,49 @@ def _logaddexp(a, b):
     mx = tl.maximum(a, b)
     mn = tl.minimum(a, b)
     safe = tl.where(mx == float("-inf"), 0.0, mx)
-    return safe + tl.log(tl.exp(mx - safe) + tl.exp(mn - safe))
+    return tl.where(mx == float("-inf"), float("-inf"), safe + tl.log(1.0 + tl.exp(mn - safe)))
 
 
 @triton.jit
-def _lse_kernel(X, W, B, LSE_S, LSE_Z, LOCKS, N, V, D, inv_t, stride_xn, stride_wv,
-                HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, DOT_PREC: tl.constexpr,
+def _count_below(IDS, base, target, K, n_steps, BLOCK_B: tl.constexpr):
+    """Per row: how many of the row's ascending ids (at IDS + base) are < target (lower bound)."""
+    lo = tl.zeros((BLOCK_B,), dtype=tl.int32)
+    hi = lo + K
+    for _ in range(n_steps):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(IDS + base + mid, mask=active, other=0)
+        lo = tl.where(active & (v < target), mid + 1, lo)
+        hi = tl.where(active & (v >= target), mid, hi)
+    return lo
+
+
+@triton.jit
+def _tile_row_ids(IDS, COEF, rows_c, cols_g, col_lo, col_hi, stride_in, K, n_steps, s,
+                  MASK: tl.constexpr, WITH_COEF: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The rows' sorted top-k ids inside the tile's global columns [col_lo, col_hi): returns s with
+    -inf there (MASK) and the tile of their coefficients COEF (WITH_COEF, same layout as IDS).
+    Cost: see the module notes."""
+    base = rows_c.to(tl.int64) * stride_in
+    start = _count_below(IDS, base, col_lo, K, n_steps, BLOCK_B)
+    count = _count_below(IDS, base, col_hi, K, n_steps, BLOCK_B) - start
+    sparse = tl.zeros((BLOCK_B, BLOCK_V), dtype=tl.float32)
+    for i in range(0, tl.max(count, axis=0)):
+        here = i < count
+        idv = tl.load(IDS + base + start + i, mask=here, other=-1)
+        hit = idv[:, None] == cols_g[None, :]
+        if MASK:
+            s = tl.where(hit, float("-inf"), s)
+        if WITH_COEF:
+            c = tl.load(COEF + base + start + i, mask=here, other=0.0)
+            sparse += tl.where(hit, c[:, None], 0.0)
+    return s, sparse
+
+
+@triton.jit
+def _lse_kernel(X, W, B, LSE_S, LSE_Z, LOCKS, IDS, N, V, D, K, LO, n_steps, inv_t, stride_xn, stride_wv,
+                stride_in,
+                HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, TAIL: tl.constexpr, DOT_PREC: tl.constexpr,
                 BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_B: tl.constexpr,
                 EVEN_D: tl.constexpr, DOT_F32: tl.constexpr):
     pid_b, pid_v = _tile_ids(N, V, BLOCK_B, BLOCK_V, GROUP_B)
@@ -146,8 +195,14 @@ def _lse_kernel(X, W, B, LSE_S, LSE_Z, LOCKS, N, V, D, inv_t, stride_xn, stride_
                     BLOCK_B, BLOCK_V, BLOCK_D, EVEN_D, DOT_F32)
     z = tl.where((cols < V)[None, :], z, float("-inf"))
     s = z * inv_t
+    if TAIL:  # the student's tail: leave out each row's top-k ids
+        s, _ = _tile_row_ids(IDS, IDS, rows % N, LO + cols, LO + pid_v * BLOCK_V,
+                             LO + tl.minimum(pid_v * BLOCK_V + BLOCK_V, V), stride_in, K, n_steps, s,
+                             True, False, BLOCK_B, BLOCK_V)
     m = tl.max(s, axis=1)
-    lse = m + tl.log(tl.sum(tl.exp(s - m[:, None]), axis=1))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(s - m[:, None]), axis=1)
+    lse = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))  # no entry left: -inf
     if HAS_Z:
         mz = tl.max(z, axis=1)
         lse_z = mz + tl.log(tl.sum(tl.exp(z - mz[:, None]), axis=1))
@@ -177,10 +232,11 @@ def _locked_add(ptrs, val, mask, lock):
 
 
 @triton.jit
-def _full_bwd_kernel(X, W, B, LSE_S, LSE_Z, DENSE, CE, OFFS, E_ROWS, E_COLS, E_COEF,
-                     DX, DW, DB, LOCKS_X, LOCKS_W, N, V, D, inv_t, stride_xn, stride_wv, stride_dxn, stride_dwv,
-                     n_dchunks,
-                     HAS_BIAS: tl.constexpr, HAS_CE: tl.constexpr, NEED_W: tl.constexpr, DOT_PREC: tl.constexpr,
+def _full_bwd_kernel(X, W, B, LSE_S, LSE_Z, DENSE, CE, LABELS, IDS, COEF, TAIL_C, LSE_T,
+                     DX, DW, DB, LOCKS_X, LOCKS_W, N, V, D, K, LO, n_steps, inv_t, stride_xn, stride_wv,
+                     stride_dxn, stride_dwv, stride_in, n_dchunks,
+                     HAS_BIAS: tl.constexpr, HAS_CE: tl.constexpr, TAIL: tl.constexpr, NEED_W: tl.constexpr,
+                     DOT_PREC: tl.constexpr,
                      BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, MM_BLOCK_D: tl.constexpr,
                      GROUP_B: tl.constexpr, EVEN_D: tl.constexpr, DOT_F32: tl.constexpr):
     pid_b, pid_v = _tile_ids(N, V, BLOCK_B, BLOCK_V, GROUP_B)
@@ -194,22 +250,27 @@ def _full_bwd_kernel(X, W, B, LSE_S, LSE_Z, DENSE, CE, OFFS, E_ROWS, E_COLS, E_C
     cols_c = cols % V
     z = _logit_tile(X, W, B, rows_c, cols_c, D, stride_xn, stride_wv, HAS_BIAS, DOT_PREC,
                     BLOCK_B, BLOCK_V, BLOCK_D, EVEN_D, DOT_F32)
-    lse_s = tl.load(LSE_S + rows_c)
-    dense = tl.load(DENSE + rows_c)
-    g = dense[:, None] * tl.exp(z * inv_t - lse_s[:, None])
+    s = z * inv_t
+    cols_g = LO + cols
+    # the stored ids of the tile: their coefficients, and (TAIL) -inf in the outside logits
+    s_out, g = _tile_row_ids(IDS, COEF, rows_c, cols_g, LO + pid_v * BLOCK_V,
+                             LO + tl.minimum(pid_v * BLOCK_V + BLOCK_V, V), stride_in, K, n_steps, s,
+                             TAIL, True, BLOCK_B, BLOCK_V)
+    if TAIL:  # the ids take their whole gradient from COEF, the other entries this one term
+        tail = tl.load(TAIL_C + rows_c)
+        lse_t = tl.load(LSE_T + rows_c)  # finite (0 where the row has no outside entry: tail is 0 there)
+        s_out = tl.where(vmask[None, :], s_out, float("-inf"))
+        g += tail[:, None] * tl.exp(s_out - lse_t[:, None])
+    else:
+        lse_s = tl.load(LSE_S + rows_c)
+        dense = tl.load(DENSE + rows_c)
+        g += dense[:, None] * tl.exp(s - lse_s[:, None])
     if HAS_CE:
         lse_z = tl.load(LSE_Z + rows_c)
         ce = tl.load(CE + rows_c)
         g += ce[:, None] * tl.exp(z - lse_z[:, None])
-    # sparse entries of this tile (stored ids and CE labels), CSR by tile
-    tile = pid_b * tl.cdiv(V, BLOCK_V) + pid_v
-    start = tl.load(OFFS + tile)
-    end = tl.load(OFFS + tile + 1)
-    for e in range(start, end):
-        r = tl.load(E_ROWS + e) - pid_b * BLOCK_B
-        c = tl.load(E_COLS + e) - pid_v * BLOCK_V
-        cf = tl.load(E_COEF + e)
-        g += tl.where((ar_b[:, None] == r) & (ar_v[None, :] == c), cf, 0.0)
+        label = tl.load(LABELS + rows_c)  # global id, -1 where none
+        g += tl.where(label[:, None] == cols_g[None, :], -ce[:, None], 0.0)
     g = tl.where(rmask[:, None] & vmask[None, :], g, 0.0)
     if HAS_BIAS:
         if NEED_W:
