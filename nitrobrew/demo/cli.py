@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import fields
 
@@ -54,6 +55,10 @@ def _boolean(text: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    elif torch.get_num_threads() > 1 and hasattr(os, "getloadavg") and os.getloadavg()[0] >= 1.0:
+        print(f"note: other processes keep this machine busy (load average {os.getloadavg()[0]:.1f}); torch's "
+              f"{torch.get_num_threads()} threads slow down badly when they share cores with them: "
+              "--threads 1 is steadier", file=sys.stderr)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"--device {args.device}: CUDA is not available on this machine", file=sys.stderr)
         return 2

@@ -42,7 +42,7 @@ def table(results: Dict) -> str:
         f"{cfg['temperature']}; the top-k store keeps K={cfg['topk']} ids per position"
         f"{' plus a tail bucket' if cfg.get('topk_tail') else ''}. Peak MiB: one training step (teacher forward included) "
         "above the resident weights and optimizer state. Train time: optimizer steps (teacher forwards included; evaluation and the memory-tracked step excluded). "
-        f"Device: {results['device']} ({env['device']}, {results.get('threads', '?')} torch threads), "
+        f"Device: {results['device']} ({env['device']}, torch threads: {results.get('threads', '?')}), "
         f"torch {env['torch']}, commit {env['commit']}.",
     ]
     return "\n".join(lines) + "\n"
