@@ -8,31 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write `data` to a temporary file beside `path`, flush it to disk, rename it over `path`."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+from .._io import atomic_write_bytes
 
 
 def save_checkpoint(path: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],

@@ -27,7 +27,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..bench.common import environment, peak_mib
-from .checkpoint import atomic_write_text, load_checkpoint, save_checkpoint
+from .._io import atomic_write_text
+from .checkpoint import load_checkpoint, save_checkpoint
 from .progress import Progress
 from .source import HMMSource
 

@@ -5,7 +5,7 @@ import json
 import os
 from typing import Dict, Optional
 
-from .checkpoint import atomic_write_text
+from .._io import atomic_write_text
 
 NAMES = {"teacher": "teacher", "hard_labels": "student: hard labels (CE)", "forward_kl": "student: forward KL",
          "reverse_kl": "student: reverse KL", "jsd": "student: JSD (beta 0.5)",

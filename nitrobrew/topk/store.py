@@ -31,12 +31,13 @@ import bisect
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from .._io import atomic_write_bytes
 
 FORMAT = "nitrobrew-topk"
 VERSION = 1
@@ -70,21 +71,6 @@ def sha256_file(path: str, block: int = 1 << 22) -> str:
                 break
             h.update(chunk)
     return h.hexdigest()
-
-
-def _atomic_write_bytes(path: str, data: bytes) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def shard_name(index: int) -> str:
@@ -217,7 +203,7 @@ class TopKWriter:
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         data = _safetensors().save(tensors, metadata={"format": FORMAT, "shard": str(index)})
         name = shard_name(index)
-        _atomic_write_bytes(os.path.join(self.path, name), data)
+        atomic_write_bytes(os.path.join(self.path, name), data)
         info = ShardInfo(index=index, file=name, first_sequence=first, sequences=last - first,
                          rows=int(tensors["topk_ids"].shape[0]), tokens=int(tensors["input_ids"].numel()),
                          bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
@@ -238,7 +224,7 @@ class TopKWriter:
         return self.manifest
 
     def _write_manifest(self) -> None:
-        _atomic_write_bytes(os.path.join(self.path, MANIFEST),
+        atomic_write_bytes(os.path.join(self.path, MANIFEST),
                             (json.dumps(self.manifest, indent=1, sort_keys=True) + "\n").encode())
 
 
