@@ -98,6 +98,16 @@ def _row_start(spec: AttnSpec, c0: int, Nq: int) -> int:
     return min(max(0, c0 - spec.causal_offset), Nq)
 
 
+def key_chunks(spec: AttnSpec, Nq: int, Nk: int, chunk: int):
+    """(r0, c0, c1) per key chunk [c0, c1): rows before r0 see none of its keys (causal); stops at
+    the first chunk no row sees."""
+    for c0 in range(0, Nk, chunk):
+        r0 = _row_start(spec, c0, Nq)
+        if r0 >= Nq:
+            return
+        yield r0, c0, min(c0 + chunk, Nk)
+
+
 def _safe(x: Tensor) -> Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
@@ -108,11 +118,7 @@ def head_lse(side: _Side, spec: AttnSpec, kpm: Optional[Tensor], chunk: int) -> 
     Nk = side.k.shape[2]
     m = torch.full((B, H, Nq), float("-inf"), dtype=side.acc, device=side.q.device)
     l = torch.zeros_like(m)
-    for c0 in range(0, Nk, chunk):
-        c1 = min(c0 + chunk, Nk)
-        r0 = _row_start(spec, c0, Nq)
-        if r0 >= Nq:
-            break
+    for r0, c0, c1 in key_chunks(spec, Nq, Nk, chunk):
         s = side.scores(r0, c0, c1)
         vis = visible(Nq, Nk, spec.is_causal, spec.causal_offset, kpm, s.device, r0, c0, c1)
         if vis is not None:
@@ -139,11 +145,7 @@ def forward_stats(X, Y, spec: AttnSpec, kpm, Nq: int, Nk: int, chunk: int, lse_x
     mx, my = init(lse_x), init(lse_y)
     lx = torch.zeros((B, H, Nq), dtype=acc, device=dev)
     ly, c = torch.zeros_like(lx), torch.zeros_like(lx)
-    for c0 in range(0, Nk, chunk):
-        c1 = min(c0 + chunk, Nk)
-        r0 = _row_start(spec, c0, Nq)
-        if r0 >= Nq:
-            break
+    for r0, c0, c1 in key_chunks(spec, Nq, Nk, chunk):
         sx, sy = X.scores(r0, c0, c1), Y.scores(r0, c0, c1)
         vis = visible(Nq, Nk, spec.is_causal, spec.causal_offset, kpm, dev, r0, c0, c1)
         sxm = sx if vis is None else sx.masked_fill(~vis, float("-inf"))
@@ -231,11 +233,7 @@ class ChunkedAttentionKL(torch.autograd.Function):
         need_x = need_s if not spec.teacher_is_x else teacher_grads
         need_y = need_s if spec.teacher_is_x else teacher_grads
         g = grad_rows.to(acc)
-        for c0 in range(0, Nk, chunk):
-            c1 = min(c0 + chunk, Nk)
-            r0 = _row_start(spec, c0, Nq)
-            if r0 >= Nq:
-                break
+        for r0, c0, c1 in key_chunks(spec, Nq, Nk, chunk):
             sx, sy = X.scores(r0, c0, c1), Y.scores(r0, c0, c1)
             vis = visible(Nq, Nk, spec.is_causal, spec.causal_offset, kpm, q_s.device, r0, c0, c1)
             dsx, dsy = score_grads(sx, sy, vis, lsx[:, :, r0:], lsy[:, :, r0:], kl[:, :, r0:], g[:, :, r0:],
