@@ -85,19 +85,20 @@ def _interpreting() -> bool:
 
 
 def _fwd_cfg(dtype: torch.dtype) -> TileConfig:
-    if _interpreting():
-        return TileConfig(16, 16, 16, 16, 1, 1)
-    if dtype == torch.float32:
-        return TileConfig(64, 64, 32, 32, 4, 2)
-    return TileConfig(256, 128, 32, 32, 8, 3)  # CCE's forward configuration
+    return _tile_cfg(dtype, TileConfig(256, 128, 32, 32, 8, 3))  # CCE's forward configuration
 
 
 def _bwd_cfg(dtype: torch.dtype) -> TileConfig:
+    return _tile_cfg(dtype, TileConfig(128, 128, 32, 64, 4, 4))  # CCE's backward configuration
+
+
+def _tile_cfg(dtype: torch.dtype, half_precision: TileConfig) -> TileConfig:
+    """Tiles for the interpreter (tiny), fp32 inputs (FMA dots: small tiles), or 16-bit inputs."""
     if _interpreting():
         return TileConfig(16, 16, 16, 16, 1, 1)
     if dtype == torch.float32:
         return TileConfig(64, 64, 32, 32, 4, 2)
-    return TileConfig(128, 128, 32, 64, 4, 4)  # CCE's backward configuration
+    return half_precision
 
 
 def _dot_prec(dtype: torch.dtype) -> str:
