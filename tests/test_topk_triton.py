@@ -51,13 +51,23 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+FULL_MODES = [dict(mode="fast"), dict(mode="fast", memory_budget=4 * V * 5), dict(mode="constant_memory")]
+MODE_CASES = [dict(c, **m) for c in CASES for m in (FULL_MODES if c["normalize"] == "full" else [{}])]
+
+
+def _split_modes(case):
+    return {k: case.pop(k) for k in ("mode", "memory_budget") if k in case}
+
+
+@pytest.mark.parametrize("case", MODE_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_triton_matches_reference(case):
+    """Both Triton modes of normalize="full" (fast: one row block, and 5-row blocks; constant memory)."""
     case = dict(case)
     bias = case.pop("bias", False)
+    modes = _split_modes(case)
     xs, ws, bs, ids, lp, labels = make(close=case.get("normalize") == "full")
     case["bs"] = bs if bias else None
-    out = topk_kl(xs, ws, ids, lp, labels=labels, backend="triton", **case)
+    out = topk_kl(xs, ws, ids, lp, labels=labels, backend="triton", **case, **modes)
     param = case.pop("beta", 0.5)
     ref = reference_topk_loss(xs, ws, ids, lp, labels=labels, param=param, **case)
     torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=1e-6)
@@ -202,8 +212,43 @@ def test_triton_tail_with_many_ids_per_tile():
             assert _rel(a, b) < 1e-4
 
 
+def test_triton_fast_mode_upstream_gradients_and_frozen_head():
+    """The fast mode forms gradients in the forward: a non-unit upstream gradient must scale them,
+    and a frozen head (or bias) must get none, over several row blocks."""
+    xs, ws, bs, ids, lp, labels = make(seed=3)
+    budget = 4 * V * 4  # 4-row blocks
+    kw = dict(labels=labels, bs=bs, ce_weight=0.4, temperature=1.3, tail=True, divergence="reverse_kl")
+    out = topk_kl(xs, ws, ids, lp, backend="triton", memory_budget=budget, **kw)
+    ref = reference_topk_loss(xs, ws, ids, lp, **kw)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=1e-6)
+    want = torch.autograd.grad(ref * 2.5, [xs, ws, bs])
+    for a, b in zip(torch.autograd.grad(out * 2.5, [xs, ws, bs]), want):
+        assert _rel(a, b) < 1e-4
+    out = topk_kl(xs, ws.detach(), ids, lp, backend="triton", memory_budget=budget, **dict(kw, bs=bs.detach()))
+    gx, = torch.autograd.grad(out, [xs])
+    assert _rel(gx * 2.5, want[0]) < 1e-4
+    with torch.no_grad():
+        assert torch.allclose(topk_kl(xs, ws, ids, lp, backend="triton", memory_budget=budget, **kw).double(), ref)
+
+
+def test_triton_fast_mode_memory_follows_the_budget():
+    """The fast mode's largest tensor is the [rows, V] slab of one row block (rows from memory_budget)
+    or the fp32 dW accumulator, never all N rows x V."""
+    from nitrobrew._memory import TensorMemoryTracker
+
+    g = torch.Generator().manual_seed(5)
+    n, d, v = 48, 4, 130
+    xs = torch.randn(n, d, generator=g).requires_grad_()
+    ws = torch.randn(v, d, generator=g).requires_grad_()
+    lp, ids = torch.log_softmax(torch.randn(n, v, generator=g) * 3, -1).topk(K, -1)
+    budget = 4 * v * 6
+    with TensorMemoryTracker() as tr:
+        topk_kl(xs, ws, ids, lp, backend="triton", memory_budget=budget).backward()
+    assert tr.largest <= budget < n * v * 4 // 4, tr.largest_shape
+
+
 def test_triton_memory_has_no_vocab_wide_rows_tensor():
-    """No [rows, V] tensor: the largest allocation is the (fp32) dW accumulator [V, D]."""
+    """Constant-memory mode, no [rows, V] tensor: the largest allocation is the (fp32) dW accumulator [V, D]."""
     from nitrobrew._memory import TensorMemoryTracker
 
     g = torch.Generator().manual_seed(5)
@@ -213,6 +258,6 @@ def test_triton_memory_has_no_vocab_wide_rows_tensor():
     lp, ids = torch.log_softmax(torch.randn(n, v, generator=g) * 3, -1).topk(K, -1)
     for norm in ("full", "topk"):
         with TensorMemoryTracker() as tr:
-            out = topk_kl(xs, ws, ids, lp, normalize=norm, backend="triton")
+            out = topk_kl(xs, ws, ids, lp, normalize=norm, backend="triton", mode="constant_memory")
             out.backward()
         assert tr.largest <= v * d * 4 < n * v * 4, (norm, tr.largest_shape)

@@ -7,8 +7,11 @@ inputs for every method (design §8), fwd+bwd with gradients to xs and ws:
                     dW = G^T xs), materialized, cuBLAS; independent of K
   cce               cut-cross-entropy linear_cross_entropy(xs, ws, random labels), its defaults;
                     the same vocab-wide work as normalize="full"; independent of K
-  full              topk_kl(normalize="full"), fp32 accumulation of dX/dW (the default)
-  full native-acc   the same with dX/dW accumulated in the input dtype, as CCE does
+  full              topk_kl(normalize="full"), the default fast mode: cuBLAS logit slabs of rows in
+                    blocks (896 MiB of slab), Triton row passes, gradient formed in the forward
+  full-256m         the same with memory_budget = 256 MiB (smaller row blocks)
+  full-const        mode="constant_memory": fused kernels, fp32 accumulation of dX/dW
+  full-native       the same with dX/dW accumulated in the input dtype, as CCE does
   topk              topk_kl(normalize="topk"): K gathered rows of ws, no vocab-wide matmul
   torch full/topk   the PyTorch backend (the CPU methods)
 
@@ -42,7 +45,17 @@ from .common import Row, environment, is_oom, peak_mib, plot, print_table, rel_e
 GPU_DEFAULTS = dict(vocab=152064, seq_lens=[4096, 16384], d_model=3584, ks=[64, 256], dtype="bfloat16",
                     reps=5, warmup=2)
 CPU_DEFAULTS = dict(vocab=4096, seq_lens=[128, 512], d_model=128, ks=[8, 32], dtype="float32", reps=3, warmup=1)
-METHODS = ("floor", "cce", "full", "full-native", "topk", "torch-full", "torch-topk")
+METHODS = ("floor", "cce", "full", "full-256m", "full-const", "full-native", "topk", "torch-full", "torch-topk")
+# topk_kl keyword arguments of each nitrobrew method
+METHOD_KWARGS = {
+    "full": dict(normalize="full", backend="triton"),
+    "full-256m": dict(normalize="full", backend="triton", memory_budget=256 << 20),
+    "full-const": dict(normalize="full", backend="triton", mode="constant_memory"),
+    "full-native": dict(normalize="full", backend="triton", mode="constant_memory"),
+    "topk": dict(normalize="topk", backend="triton"),
+    "torch-full": dict(normalize="full", backend="torch"),
+    "torch-topk": dict(normalize="topk", backend="torch"),
+}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -71,7 +84,8 @@ def _settings(args):
                        ("cpu" if args.device == "auto" else args.device))
     d = GPU_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else d[name]  # noqa: E731
-    methods = args.methods or (["floor", "cce", "full", "full-native", "topk"] if dev.type == "cuda"
+    methods = args.methods or (["floor", "cce", "full", "full-256m", "full-const", "full-native", "topk"]
+                               if dev.type == "cuda"
                                else ["torch-full", "torch-topk"])
     return dev, pick("vocab"), pick("seq_lens"), pick("d_model"), pick("ks"), DTYPES[pick("dtype")], \
         pick("reps"), pick("warmup"), methods
@@ -124,9 +138,8 @@ def _method_fn(method: str, ids, lp, labels):
         from cut_cross_entropy import linear_cross_entropy
 
         return lambda x, w: linear_cross_entropy(x, w, labels)
-    norm = "topk" if method.endswith("topk") else "full"
-    backend = "torch" if method.startswith("torch") else "triton"
-    return lambda x, w: topk_kl(x, w, ids, lp, normalize=norm, backend=backend)
+    kwargs = METHOD_KWARGS[method]
+    return lambda x, w: topk_kl(x, w, ids, lp, **kwargs)
 
 
 def _step(method: str, xs, ws, ids, lp, labels):

@@ -173,8 +173,9 @@ def grad_kernel(
 ):
     """g = kd_scale/T * (u - q * sum_u) + ce_scale * (softmax(z) - onehot(label)), per entry.
 
-    g may alias the t slab (a 16-bit g written over fp32 t of the same row): each tile is loaded
-    before it is stored, and a tile's store only reaches columns this row has already loaded.
+    g may alias the t slab (a 16-bit g written over fp32 t of the same row): the barrier makes every
+    warp finish with a tile's loads before any warp stores it, and a tile's store only reaches
+    columns this row has already loaded.
     """
     inv_temp, param, log_a, log_1ma = _f32(inv_temp), _f32(param), _f32(log_a), _f32(log_1ma)
     row = tl.program_id(0).to(tl.int64)
@@ -205,6 +206,7 @@ def grad_kernel(
         if WITH_CE:
             ce_g = (tl.exp(z - lse_z) - tl.where(idx == label, 1.0, 0.0)) * ce_scale
             g += tl.where(ce_scale != 0.0, ce_g, 0.0)
+        tl.debug_barrier()  # g may alias t: every warp has used its loads of this tile before any store
         tl.store(g_row + idx, g.to(g_ptr.dtype.element_ty), mask=valid)
 
 

@@ -15,7 +15,8 @@ NORMALIZE = ("full", "topk")
 
 
 def _validate(xs, ws, ids, lp, bs, labels, normalize, divergence, tail, temperature, teacher_temperature,
-              reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend, id_ranges: bool = True) -> None:
+              reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend, id_ranges: bool = True,
+              mode=None, memory_budget=None) -> None:
     """Every check before any kernel runs (id_ranges=False: the vocab-parallel path checks ids globally)."""
     for name, t in (("xs", xs), ("ws", ws), ("topk_ids", ids), ("topk_logprobs", lp)):
         if not isinstance(t, torch.Tensor):
@@ -64,6 +65,7 @@ def _validate(xs, ws, ids, lp, bs, labels, normalize, divergence, tail, temperat
     ck.check_reduction(reduction)
     ck.check_chunk("chunk_V", chunk_V)
     ck.check_backend(backend)
+    ck.check_mode(mode, memory_budget)
     ck.check_labels(labels, xs.shape[:-1])
     for name, wgt in (("kd_weight", kd_weight), ("ce_weight", ce_weight)):
         if not (isinstance(wgt, (int, float)) and math.isfinite(wgt)):
@@ -107,6 +109,8 @@ def topk_kl(
     scale_t2: bool = False,
     chunk_V: Optional[int] = None,
     backend: str = "auto",
+    mode: Optional[str] = None,
+    memory_budget: Optional[int] = None,
     return_parts: bool = False,
     process_group=None,
 ):
@@ -143,6 +147,10 @@ def topk_kl(
             with the CE at temperature 1 over the full vocabulary (needs normalize="full").
         chunk_V: vocab chunk of the PyTorch backend (None = automatic).
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "torch" or "triton".
+        mode, memory_budget: Triton, normalize="full" only. "fast" (default): rows in blocks whose fp32
+            [rows, V] logit slab fits in memory_budget bytes (default 896 MiB), logits from cuBLAS, the
+            gradient formed while the slab exists (three GEMMs in all). "constant_memory": fused
+            kernels in the manner of cut-cross-entropy, no slab, O(rows * K) memory, slower.
         return_parts: return ``DistillOutput(loss, kd, ce)`` (kd and ce detached, reduced the same way).
         process_group: vocab-parallel head (normalize="full" only): ws (bs) hold this rank's contiguous
             block of the vocabulary, the other inputs are the same on every rank and ids are global;
@@ -166,7 +174,8 @@ def topk_kl(
         ck.check_unit_interval("alpha", alpha)
     name, param = dv.canonical(divergence, beta if divergence == "jsd" else alpha)
     _validate(xs, ws, topk_ids, topk_logprobs, bs, labels, normalize, divergence, tail, temperature,
-              teacher_temperature, reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend)
+              teacher_temperature, reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend,
+              mode=mode, memory_budget=memory_budget)
     impl = ck.resolve_backend(backend, xs.device)
 
     lead = xs.shape[:-1]
@@ -190,12 +199,19 @@ def topk_kl(
         ce_weight=float(ce_weight),
         chunk_V=chunk_V,
     )
-    if impl == "triton":
-        from .triton_dispatch import triton_rows as rows_fn
+    if impl == "triton" and cfg.full and mode != "constant_memory" and x.dtype != torch.float64:
+        # the fast mode reduces inside its autograd Function (it forms gradients in the forward)
+        from .triton_fast import fast_topk
+
+        out = fast_topk(x, ws, bs, ids, lp, ce_labels, mask, cfg, reduction, memory_budget)
+        total, kd, ce = (r.reshape(lead) for r in out) if reduction == "none" else out
     else:
-        from .chunked import chunked_rows as rows_fn
-    rows = rows_fn(x, ws, bs, ids, lp, ce_labels, mask, cfg)
-    total, kd, ce = (ck.reduce_rows(r, mask, reduction, lead) for r in rows)
+        if impl == "triton":
+            from .triton_dispatch import triton_rows as rows_fn
+        else:
+            from .chunked import chunked_rows as rows_fn
+        rows = rows_fn(x, ws, bs, ids, lp, ce_labels, mask, cfg)
+        total, kd, ce = (ck.reduce_rows(r, mask, reduction, lead) for r in rows)
     if return_parts:
         return DistillOutput(total, kd, ce)
     return total

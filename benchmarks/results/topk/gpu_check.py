@@ -29,11 +29,19 @@ def main(path):
     lp[3, 5:] = float("-inf")
     labels = torch.randint(0, V, (N,), device=dev)
     labels[7] = -100
+    const = dict(mode="constant_memory")
+    small = dict(memory_budget=V * 4 * 96)  # fast mode, 96-row blocks (528 rows: a partial last block)
     cases = [
-        ("full fkl fp32-acc", dict(normalize="full"), "fp32"),
-        ("full fkl native-acc", dict(normalize="full"), "native"),
-        ("full tail T=2 CE bias", dict(normalize="full", tail=True, temperature=2.0, ce_weight=0.5, labels=labels,
-                                      bs=bs), "fp32"),
+        ("fast full fkl", dict(normalize="full"), "fp32"),
+        ("fast full fkl 96-row blocks", dict(normalize="full", **small), "fp32"),
+        ("fast full tail T=2 CE bias", dict(normalize="full", tail=True, temperature=2.0, ce_weight=0.5, labels=labels,
+                                           bs=bs, **small), "fp32"),
+        ("fast full jsd tail CE T=1 none", dict(normalize="full", divergence="jsd", tail=True, ce_weight=0.3,
+                                               labels=labels, reduction="none", **small), "fp32"),
+        ("const full fkl fp32-acc", dict(normalize="full", **const), "fp32"),
+        ("const full fkl native-acc", dict(normalize="full", **const), "native"),
+        ("const full tail T=2 CE bias", dict(normalize="full", tail=True, temperature=2.0, ce_weight=0.5,
+                                            labels=labels, bs=bs, **const), "fp32"),
         ("topk rkl", dict(normalize="topk", divergence="reverse_kl"), "fp32"),
         ("topk fkl bias none", dict(normalize="topk", bs=bs, reduction="none"), "fp32"),
     ]

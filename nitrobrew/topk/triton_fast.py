@@ -1,0 +1,335 @@
+"""Fast (token-chunked) mode of ``topk_kl(normalize="full")`` on the GPU: cuBLAS slabs, Triton row passes.
+
+For a block of C rows:
+1. z = x W^T (+ b), an fp32 [C, V] slab from cuBLAS (bf16 operands, fp32 output: the logits are
+   never rounded to bf16);
+2. the logits at the row's stored ids (and at its label) are gathered, then the ids' entries of
+   the slab are set to -inf, so that one row pass (``_slab_lse_kernel``) gives the log-sum-exp
+   over the OTHER entries directly: with the tail bucket that is the student's tail, exact however
+   small; without it, the full log-sum-exp is rebuilt from it and the K id logits;
+3. the [C, K] math of ``rowmath`` gives the losses and the gradient coefficients;
+4. ``_slab_grad_kernel`` writes the gradient slab in the heads' dtype over the slab's own bytes;
+   the ids' gradients (computed in fp32 on [C, K]) are added at their columns (the kernel wrote
+   exact zeros there); then dX = G W, dW += G^T X, db += sum G.
+
+With a scalar reduction the gradient is formed in the forward while the slab exists, so fwd+bwd is
+the three GEMMs of the floor plus two passes over the slab; with reduction="none" (or a later
+non-unit upstream gradient) the backward recomputes the slabs. C follows ``memory_budget`` (default
+``DEFAULT_BUDGET`` bytes of slab). The other mode ("constant_memory", ``triton_dispatch``) keeps
+O(rows * K) memory with fused CCE-style kernels and is several times slower.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _checks as ck
+from .._ops import linear_logits
+from ..hidden.chunked import Online, row_scales
+from ..hidden.triton_dispatch import _accumulate_dw, _is_one
+from ..hidden.triton_rows import _f32, _online
+from .chunked import combine_rows, finish
+from .rowmath import RowResult, TopKConfig, full_lse
+
+F32 = torch.float32
+DEFAULT_BUDGET = 896 << 20  # bytes of fp32 logit slab per row block (the gradient slab reuses them)
+BLOCK_V = 4096
+NUM_WARPS = 4
+
+
+@triton.jit
+def _slab_lse_kernel(Z, OUT, stride_z, n_cols, inv_temp, RAW: tl.constexpr, BLOCK_V: tl.constexpr):
+    """OUT[row] = (logsumexp_j z_j * inv_temp, logsumexp_j z_j) over a row of an fp32 slab (-inf entries
+    are skipped; a row of -inf only gives -inf)."""
+    inv_temp = _f32(inv_temp)
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * stride_z
+    cols = tl.arange(0, BLOCK_V)
+    m_s = tl.full((), float("-inf"), tl.float32)
+    l_s = tl.zeros((), tl.float32)
+    m_z = tl.full((), float("-inf"), tl.float32)
+    l_z = tl.zeros((), tl.float32)
+    for start in range(0, n_cols, BLOCK_V):
+        idx = start + cols
+        valid = idx < n_cols
+        z = tl.load(z_row + idx, mask=valid, other=float("-inf"))
+        m_s, l_s, _e, _sc = _online(m_s, l_s, z * inv_temp, valid)
+        if RAW:
+            m_z, l_z, _e2, _sc2 = _online(m_z, l_z, z, valid)
+    tl.store(OUT + row * 2, tl.where(l_s > 0, m_s + tl.log(l_s), float("-inf")))
+    if RAW:
+        tl.store(OUT + row * 2 + 1, tl.where(l_z > 0, m_z + tl.log(l_z), float("-inf")))
+
+
+@triton.jit
+def _slab_grad_kernel(Z, G, COEF, LABELS, stride_z, stride_g, n_cols, inv_temp,
+                      HAS_B: tl.constexpr, BLOCK_V: tl.constexpr):
+    """g_j = a exp(z_j * inv_temp - lse_a) + b (exp(z_j - lse_b) - [j == label]) with COEF[row] =
+    (a, lse_a, b, lse_b), written in G's dtype. G may alias Z's bytes (a 16-bit row over the first half
+    of the fp32 row): the barrier makes every warp load a tile before any warp stores it, and a tile's
+    store only reaches columns that earlier tiles (or this one) loaded."""
+    inv_temp = _f32(inv_temp)
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * stride_z
+    g_row = G + row * stride_g
+    a = tl.load(COEF + row * 4)
+    lse_a = tl.load(COEF + row * 4 + 1)
+    b = 0.0
+    lse_b = 0.0
+    label = -1
+    if HAS_B:
+        b = tl.load(COEF + row * 4 + 2)
+        lse_b = tl.load(COEF + row * 4 + 3)
+        label = tl.load(LABELS + row).to(tl.int32)
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, n_cols, BLOCK_V):
+        idx = start + cols
+        valid = idx < n_cols
+        z = tl.load(z_row + idx, mask=valid, other=float("-inf"))
+        # an ignored row (a = b = 0) gets exact zeros whatever its statistics
+        g = tl.where(a != 0.0, a * tl.exp(z * inv_temp - lse_a), 0.0)
+        if HAS_B:
+            g += tl.where(b != 0.0, b * (tl.exp(z - lse_b) - tl.where(idx == label, 1.0, 0.0)), 0.0)
+        tl.debug_barrier()
+        tl.store(g_row + idx, g.to(G.dtype.element_ty), mask=valid)
+
+
+def _block_v(n_cols: int) -> int:
+    return min(BLOCK_V, triton.next_power_of_2(max(n_cols, 16)))
+
+
+@dataclass(frozen=True)
+class FastPlan:
+    row_chunk: int
+    reduction: str
+    dw_fp32: bool
+
+
+def make_fast_plan(n: int, v: int, d: int, dtype: torch.dtype, memory_budget: Optional[int], reduction: str) -> FastPlan:
+    budget = memory_budget or DEFAULT_BUDGET
+    rows = budget // (4 * max(v, 1))
+    rows = rows - rows % 64 if rows >= 128 else max(rows, 1)
+    rows = max(1, min(rows, max(n, 1)))
+    # an fp32 dW accumulator when it fits in the budget beside the slab, else the head's dtype (cuBLAS
+    # adds each block's product in fp32 and rounds once per block)
+    dw_fp32 = dtype == F32 or v * d * 4 + rows * v * 4 <= budget
+    return FastPlan(rows, reduction, dw_fp32)
+
+
+@dataclass
+class BlockRows:
+    """One row block's statistics: the raw logits at the ids (and label), and the forward's results."""
+
+    z_ids: torch.Tensor            # [C, K] fp32
+    res: RowResult
+    lse_s: torch.Tensor            # [C] tempered full log-sum-exp
+    lse_z: Optional[torch.Tensor]  # [C] raw full log-sum-exp (CE), else None
+    ce: Optional[torch.Tensor]     # [C] per-row CE, else None
+
+
+def _gradient_slab(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where the gradient goes: over z itself (fp32), or over the first half of each fp32 row (16-bit)."""
+    if dtype == F32:
+        return z
+    return z.view(dtype)[:, : z.shape[1]]
+
+
+def exclude_ids(z: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> None:
+    """Set z[r, ids[r, k]] = -inf at the valid entries (adds -inf there and 0 at padding entries, whose
+    ids may repeat: no write races)."""
+    add = torch.zeros(ids.shape, dtype=z.dtype, device=z.device).masked_fill_(valid, float("-inf"))
+    z.scatter_add_(1, ids, add)
+
+
+def _rest_lse(z: torch.Tensor, cfg: TopKConfig) -> torch.Tensor:
+    """[C, 2]: log-sum-exps of the tempered (col 0) and raw (col 1, CE at T != 1) logits per row."""
+    rows, n_cols = z.shape
+    raw = cfg.with_ce and cfg.temperature != 1.0
+    out = torch.empty(rows, 2, dtype=F32, device=z.device)
+    if rows:
+        _slab_lse_kernel[(rows,)](z, out, z.stride(0), n_cols, 1.0 / cfg.temperature, RAW=raw,
+                                  BLOCK_V=_block_v(n_cols), num_warps=NUM_WARPS)
+    return out
+
+
+def block_forward(z, ids, lp, valid, labels, cfg: TopKConfig) -> BlockRows:
+    """Statistics of a row block from its slab z (which leaves with -inf at the valid ids)."""
+    z_ids = z.gather(1, ids)
+    z_label = z.gather(1, labels.clamp_min(0)[:, None]).squeeze(1) if cfg.with_ce else None
+    exclude_ids(z, ids, valid)
+    rest = _rest_lse(z, cfg)
+    ones = torch.ones_like(rest[:, 0])
+    s_ids = z_ids / cfg.temperature
+    lse_rest_s = rest[:, 0]
+    s_state = Online(lse_rest_s if cfg.tail else full_lse(s_ids, valid, lse_rest_s), ones)
+    z_state = Online(full_lse(z_ids, valid, rest[:, 1]), ones) if cfg.with_ce and cfg.temperature != 1.0 else None
+    res, lse_s, lse_z, ce = finish(z_ids.reshape(-1), lp.to(F32), valid, s_state, z_state, z_label, cfg)
+    return BlockRows(z_ids, res, lse_s, lse_z, ce)
+
+
+def _row_coefficients(grad_rows, mask, blk: BlockRows, cfg: TopKConfig):
+    """(slab coefficients [C, 4], kernel labels [C] or None, id gradients [C, K] fp32)."""
+    dt = blk.res.kd.dtype
+    kd_scale, ce_scale = row_scales(grad_rows.to(dt), mask.to(dt), cfg)
+    kd_scale = kd_scale / cfg.temperature
+    C, K = blk.z_ids.shape
+    g_ids = blk.res.sparse * kd_scale[:, None]
+    if cfg.tail:  # the ids take their whole KD gradient from the sparse part
+        a = blk.res.tail * kd_scale
+        lse_a = torch.where(torch.isfinite(blk.res.lse_tail), blk.res.lse_tail, torch.zeros_like(blk.res.lse_tail))
+    else:
+        a = blk.res.dense * kd_scale
+        lse_a = blk.lse_s
+        g_ids = g_ids + a[:, None] * torch.exp(blk.z_ids / cfg.temperature - lse_a[:, None])
+    zero = torch.zeros_like(a)
+    b, lse_b, labels = zero, zero, None
+    if cfg.with_ce:
+        b, lse_b = ce_scale, blk.lse_z
+        g_ids = g_ids + b[:, None] * torch.exp(blk.z_ids - lse_b[:, None])
+    return torch.stack([a, lse_a, b, lse_b], 1).to(F32).contiguous(), g_ids
+
+
+def block_backward(z, xs, ws, bs, ids, valid, labels, mask, grad_rows, blk: BlockRows, cfg: TopKConfig,
+                   dx_out, dw, db, first: bool) -> None:
+    """Gradients of a row block from its slab z (raw logits, -inf at the valid ids): writes dx_out,
+    accumulates dw (written by the first block) and db."""
+    coef, g_ids = _row_coefficients(grad_rows, mask, blk, cfg)
+    kernel_labels = None
+    if cfg.with_ce:
+        at_label = (ids == labels[:, None]) & valid  # the label's one-hot goes with the ids' gradients
+        g_ids = g_ids - torch.where(at_label, coef[:, 2:3], torch.zeros_like(g_ids))
+        kernel_labels = torch.where(at_label.any(1), torch.full_like(labels, -1), labels).to(torch.int32)
+    g_ids = torch.where(valid, g_ids, torch.zeros_like(g_ids))
+    g = _gradient_slab(z, xs.dtype)
+    rows, n_cols = z.shape
+    _slab_grad_kernel[(rows,)](z, g, coef, kernel_labels if cfg.with_ce else coef, z.stride(0), g.stride(0),
+                               n_cols, 1.0 / cfg.temperature, HAS_B=cfg.with_ce, BLOCK_V=_block_v(n_cols),
+                               num_warps=NUM_WARPS)
+    g.scatter_add_(1, ids, g_ids.to(g.dtype))  # the kernel wrote exact zeros at the ids
+    if dx_out is not None:
+        if dx_out.dtype == g.dtype:
+            torch.mm(g, ws, out=dx_out)
+        else:
+            dx_out.copy_(torch.mm(g, ws))
+    if dw is not None:
+        _accumulate_dw(dw, g, xs, first)
+    if db is not None:
+        db += g.sum(0, dtype=F32)
+
+
+def _blocks(n: int, step: int):
+    for r0 in range(0, n, step):
+        yield r0, min(r0 + step, n)
+
+
+def _cat_rows(blocks: List[BlockRows]) -> BlockRows:
+    if len(blocks) == 1:
+        return blocks[0]
+    cat = lambda vals: None if vals[0] is None else torch.cat(vals)  # noqa: E731
+    res = RowResult(*(cat([getattr(b.res, f) for b in blocks]) for f in ("kd", "sparse", "dense", "tail", "lse_tail")))
+    return BlockRows(cat([b.z_ids for b in blocks]), res, cat([b.lse_s for b in blocks]),
+                     cat([b.lse_z for b in blocks]), cat([b.ce for b in blocks]))
+
+
+def _slice_rows(blk: BlockRows, r0: int, r1: int) -> BlockRows:
+    sl = lambda t: None if t is None else t[r0:r1]  # noqa: E731
+    res = RowResult(*(sl(getattr(blk.res, f)) for f in ("kd", "sparse", "dense", "tail", "lse_tail")))
+    return BlockRows(blk.z_ids[r0:r1], res, blk.lse_s[r0:r1], sl(blk.lse_z), sl(blk.ce))
+
+
+def _alloc_grads(xs, ws, bs, plan: FastPlan, need_x: bool, need_w: bool):
+    dx = torch.empty_like(xs) if need_x else None
+    dw = torch.empty(ws.shape, dtype=F32 if plan.dw_fp32 else ws.dtype, device=ws.device) if need_w else None
+    db = torch.zeros(bs.shape, dtype=F32, device=bs.device) if (need_w and bs is not None) else None
+    return dx, dw, db
+
+
+def _finish_grads(dx, dw, db, ws, bs):
+    return dx, None if dw is None else dw.to(ws.dtype), None if db is None else db.to(bs.dtype)
+
+
+class FastTopK(torch.autograd.Function):
+    """Reduced (total, kd, ce) of normalize="full"; gradients to xs, ws, bs."""
+
+    @staticmethod
+    def forward(ctx, xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig, plan: FastPlan, need):
+        n = xs.shape[0]
+        valid = torch.isfinite(lp)
+        precompute = any(need) and plan.reduction != "none"
+        grads = _alloc_grads(xs, ws, bs, plan, need[0], need[1] or need[2]) if precompute else (None,) * 3
+        red = ck.reduction_scale(mask, plan.reduction) if precompute else None
+        blocks = []
+        for r0, r1 in _blocks(n, plan.row_chunk):
+            z = linear_logits(xs[r0:r1], ws, bs, F32)
+            lab = None if labels is None else labels[r0:r1]
+            blk = block_forward(z, ids[r0:r1], lp[r0:r1], valid[r0:r1], lab, cfg)
+            blocks.append(blk)
+            if precompute:
+                dx = None if grads[0] is None else grads[0][r0:r1]
+                block_backward(z, xs[r0:r1], ws, bs, ids[r0:r1], valid[r0:r1], lab, mask[r0:r1],
+                               red.expand(r1 - r0), blk, cfg, dx, grads[1], grads[2], r0 == 0)
+            del z
+        rows = _cat_rows(blocks) if blocks else None
+        if rows is None:
+            per_row = (torch.zeros(0, dtype=F32, device=xs.device),) * 3
+        else:
+            per_row = combine_rows(rows.res, rows.ce, mask, cfg)
+        out = tuple(ck.reduce_rows(r, mask, plan.reduction, (n,)) for r in per_row)
+        ctx.cfg, ctx.plan, ctx.precompute = cfg, plan, precompute
+        if precompute:
+            ctx.grads = _finish_grads(*grads, ws, bs)
+            ctx.save_for_backward()
+        else:
+            ctx.rows = rows
+            ctx.save_for_backward(xs, ws, bs, ids, lp, labels, mask)
+        ctx.mark_non_differentiable(out[1], out[2])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_total, _gkd, _gce):
+        need = ctx.needs_input_grad
+        if ctx.precompute:
+            dx, dw, db = ctx.grads
+            ctx.grads = None  # let autograd take the buffers as .grad without a copy
+            if not _is_one(grad_total):
+                dx, dw, db = (None if g is None else g * grad_total.to(g.dtype) for g in (dx, dw, db))
+        else:
+            dx, dw, db = _recomputed_grads(ctx, grad_total)
+        return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None,
+                None, None, None, None, None, None, None)
+
+
+def _recomputed_grads(ctx, grad_total):
+    xs, ws, bs, ids, lp, labels, mask = ctx.saved_tensors
+    cfg, plan, rows = ctx.cfg, ctx.plan, ctx.rows
+    n = xs.shape[0]
+    if plan.reduction == "none":
+        upstream = grad_total.to(F32)
+    else:
+        upstream = (ck.reduction_scale(mask, plan.reduction) * grad_total.to(F32)).expand(n)
+    need = ctx.needs_input_grad
+    dx, dw, db = _alloc_grads(xs, ws, bs, plan, need[0], need[1] or need[2])
+    valid = torch.isfinite(lp)
+    for r0, r1 in _blocks(n, plan.row_chunk):
+        z = linear_logits(xs[r0:r1], ws, bs, F32)
+        exclude_ids(z, ids[r0:r1], valid[r0:r1])
+        block_backward(z, xs[r0:r1], ws, bs, ids[r0:r1], valid[r0:r1], None if labels is None else labels[r0:r1],
+                       mask[r0:r1], upstream[r0:r1], _slice_rows(rows, r0, r1), cfg,
+                       None if dx is None else dx[r0:r1], dw, db, r0 == 0)
+        del z
+    return _finish_grads(dx, dw, db, ws, bs)
+
+
+def fast_topk(xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig, reduction: str,
+              memory_budget: Optional[int] = None):
+    """Reduced (total, kd, ce) over flattened rows (normalize="full"; reduction "none" gives [N])."""
+    plan = make_fast_plan(xs.shape[0], ws.shape[0], ws.shape[1], xs.dtype, memory_budget, reduction)
+    grad_on = torch.is_grad_enabled()
+    need = tuple(grad_on and t is not None and t.requires_grad for t in (xs, ws, bs))
+    xs, ws = xs.contiguous(), ws.contiguous()
+    bs = None if bs is None else bs.contiguous()
+    return FastTopK.apply(xs, ws, bs, ids.contiguous(), lp, labels, mask, cfg, plan, need)
