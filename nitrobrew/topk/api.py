@@ -78,13 +78,21 @@ def _validate(xs, ws, ids, lp, bs, labels, normalize, divergence, tail, temperat
             raise ValueError("ce_weight != 0 needs labels (the hard targets of each row)")
         if id_ranges:
             ck.check_ids_in_range("labels", labels, ws.shape[0], ignore_index)
-    if lp.numel() and not torch.compiler.is_compiling():
-        bad = torch.isnan(lp) | (lp == float("inf"))
-        if bool(bad.any()):
-            raise ValueError("topk_logprobs holds NaN or +inf; padding entries must be -inf")
-        if id_ranges:
-            ck.check_ids_in_range("topk_ids (at entries whose log-prob is finite)", ids[torch.isfinite(lp)],
-                                  ws.shape[0])
+    capturing = lp.is_cuda and torch.cuda.is_current_stream_capturing()
+    if lp.numel() and not torch.compiler.is_compiling() and not capturing:
+        _check_stored(ids, lp, ws.shape[0] if id_ranges else None)
+
+
+def _check_stored(ids, lp, V: Optional[int]) -> None:
+    """NaN/+inf log-probs and (V given) ids outside [0, V) at finite entries, with one device sync."""
+    flags = [(torch.isnan(lp) | (lp == float("inf"))).any()]
+    if V is not None:
+        flags.append((torch.isfinite(lp) & ((ids < 0) | (ids >= V))).any())
+    bad_lp, *bad_ids = torch.stack(flags).tolist()
+    if bad_lp:
+        raise ValueError("topk_logprobs holds NaN or +inf; padding entries must be -inf")
+    if bad_ids and bad_ids[0]:  # the detailed message costs more syncs: only on failure
+        ck.check_ids_in_range("topk_ids (at entries whose log-prob is finite)", ids[torch.isfinite(lp)], V)
 
 
 def topk_kl(

@@ -23,7 +23,7 @@ import triton.language as tl
 from .. import _checks as ck
 from ..hidden.chunked import Online
 from . import triton_kernels as kern
-from .chunked import Entries, chunked_rows, combine_rows, finish, row_coefficients
+from .chunked import chunked_rows, combine_rows, finish, row_coefficients
 from .rowmath import DenseCoef, TopKConfig
 
 Tensor = torch.Tensor
@@ -143,18 +143,35 @@ def gather_dx(ws: Tensor, coef: Tensor, ids: Tensor) -> Tensor:
     return dx
 
 
-def scatter_dw(xs: Tensor, entries: Entries, coef: Tensor, V: int, dtype: torch.dtype) -> Tensor:
+@dataclass
+class IdRows:
+    """A batch's (row, id) entries sorted by id, as CSR over the vocabulary, built without a host sync:
+    padding entries get the key V (after every real id, outside every row's range)."""
+
+    ids: Tensor    # [N * K] int64 sorted keys (V at padding entries)
+    rows: Tensor   # [N * K] int32 row of each entry
+    order: Tensor  # [N * K] int64 position of each entry in the row-major [N, K] layout
+    offs: Tensor   # [V + 1] int32: entries of vocab row v are [offs[v], offs[v + 1])
+
+    @staticmethod
+    def build(ids: Tensor, valid: Tensor, V: int) -> "IdRows":
+        key = torch.where(valid, ids.long(), torch.full_like(ids, V, dtype=torch.long)).reshape(-1)
+        srt, order = torch.sort(key)
+        rows = torch.div(order, ids.shape[1], rounding_mode="floor").to(torch.int32)
+        offs = torch.searchsorted(srt, torch.arange(V + 1, device=ids.device)).to(torch.int32)
+        return IdRows(srt, rows, order, offs)
+
+
+def scatter_dw(xs: Tensor, entries: IdRows, coef: Tensor, V: int, dtype: torch.dtype) -> Tensor:
     """[V, D] in `dtype`: row v = sum over the entries with id v of coef * x_row (zeros elsewhere)."""
     D = xs.shape[1]
     dw = torch.empty(V, D, dtype=dtype, device=xs.device)
-    offs = torch.searchsorted(entries.ids, torch.arange(V + 1, device=xs.device)).to(torch.int32)
-    c = coef[entries.flat].to(torch.float32).contiguous()
-    rows = entries.rows.contiguous()
-    rpp = 4 if _interpreting() else 16
-    block_d = 16 if _interpreting() else 512
-    kern._scatter_dw_kernel[(triton.cdiv(V, rpp), triton.cdiv(D, block_d))](
-        xs, c, rows, offs, dw, V, D, xs.stride(0), dw.stride(0),
-        ACC=tl.float32, ROWS_PER_PROG=rpp, BLOCK_E=16, BLOCK_D=block_d, num_warps=4,
+    c = coef[entries.order].to(torch.float32).contiguous()
+    block_r = 4 if _interpreting() else 32
+    block_d = 16 if _interpreting() else 256
+    kern._scatter_dw_kernel[(triton.cdiv(V, block_r), triton.cdiv(D, block_d))](
+        xs, c, entries.rows, entries.offs, dw, V, D, xs.stride(0), dw.stride(0),
+        ACC=tl.float32, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
     )
     return dw
 
@@ -268,11 +285,12 @@ class TritonTopK(torch.autograd.Function):
             dx = gather_dx(ws, coef.view(N, K).to(torch.float32).contiguous(), ids)
             dw = db = None
             if need_w:
-                entries = Entries.build(ids, valid)
-                dw = scatter_dw(xs, entries, coef, ws.shape[0], ws.dtype)
-                if bs is not None:
-                    db = torch.zeros(bs.shape, dtype=torch.float32, device=bs.device).index_add_(
-                        0, entries.ids, coef[entries.flat].float()).to(bs.dtype)
+                V = ws.shape[0]
+                entries = IdRows.build(ids, valid, V)
+                dw = scatter_dw(xs, entries, coef, V, ws.dtype)
+                if bs is not None:  # padding entries (key V, coefficient 0) land in a spare slot
+                    db = torch.zeros(V + 1, dtype=torch.float32, device=bs.device).index_add_(
+                        0, entries.ids, coef[entries.order].float())[:V].to(bs.dtype)
         dx = dx.to(xs.dtype) if ctx.needs_input_grad[0] else None
         dw = dw if ctx.needs_input_grad[1] else None
         db = db if ctx.needs_input_grad[2] else None

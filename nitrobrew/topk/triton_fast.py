@@ -109,7 +109,8 @@ class FastPlan:
     dw_fp32: bool
 
 
-def make_fast_plan(n: int, v: int, d: int, dtype: torch.dtype, memory_budget: Optional[int], reduction: str) -> FastPlan:
+def make_fast_plan(n: int, v: int, d: int, dtype: torch.dtype, memory_budget: Optional[int],
+                   reduction: str) -> FastPlan:
     budget = memory_budget or DEFAULT_BUDGET
     rows = budget // (4 * max(v, 1))
     rows = rows - rows % 64 if rows >= 128 else max(rows, 1)

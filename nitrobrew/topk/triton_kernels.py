@@ -25,7 +25,8 @@ normalize="topk" and the ids of "full" (bandwidth-bound, no vocab-wide work):
 - ``_gather_kernel``: s_nk = x_n . w_{id_nk} (+ b).
 - ``_gather_dx_kernel``: dX_n = sum_k c_nk w_{id_nk}.
 - ``_scatter_dw_kernel``: dW_v = sum over v's entries of c x_row (entries sorted by id, CSR by
-  vocab row; every row of dW written once, zeros included: no atomics, no memset).
+  vocab row; tiles of vocab rows walk their entries in lock step; every row of dW written once,
+  zeros included: no atomics, no memset).
 """
 from __future__ import annotations
 
@@ -76,25 +77,26 @@ def _gather_dx_kernel(W, C, IDS, DX, K, D, stride_wv, stride_cn, stride_in, stri
 
 @triton.jit
 def _scatter_dw_kernel(X, COEF, ROWS, OFFS, DW, V, D, stride_xn, stride_wv,
-                       ACC: tl.constexpr, ROWS_PER_PROG: tl.constexpr, BLOCK_E: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
+                       ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A [BLOCK_R vocab rows, BLOCK_D] tile of dW: every row walks its own entries in lock step with
+    the others (j-th entry of each row at once), so the tile's loads run in parallel rather than row
+    after row; a row without entries stores zeros."""
+    offs_v = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    vmask = offs_v < V
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    for i in range(ROWS_PER_PROG):
-        v = tl.program_id(0) * ROWS_PER_PROG + i
-        if v < V:
-            start = tl.load(OFFS + v)
-            end = tl.load(OFFS + v + 1)
-            acc = tl.zeros([BLOCK_D], dtype=ACC)
-            for e0 in range(start, end, BLOCK_E):
-                offs_e = e0 + tl.arange(0, BLOCK_E)
-                emask = offs_e < end
-                rows = tl.load(ROWS + offs_e, mask=emask, other=0).to(tl.int64)
-                c = tl.load(COEF + offs_e, mask=emask, other=0.0).to(ACC)
-                x = tl.load(X + rows[:, None] * stride_xn + offs_d[None, :], mask=emask[:, None] & dmask[None, :],
-                            other=0.0).to(ACC)
-                acc += tl.sum(x * c[:, None], axis=0)
-            tl.store(DW + v.to(tl.int64) * stride_wv + offs_d, acc.to(DW.dtype.element_ty), mask=dmask)
+    start = tl.load(OFFS + offs_v, mask=vmask, other=0)
+    count = tl.load(OFFS + offs_v + 1, mask=vmask, other=0) - start
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=ACC)
+    for j in range(0, tl.max(count, axis=0)):
+        has = j < count
+        rows = tl.load(ROWS + start + j, mask=has, other=0).to(tl.int64)
+        c = tl.load(COEF + start + j, mask=has, other=0.0).to(ACC)
+        x = tl.load(X + rows[:, None] * stride_xn + offs_d[None, :], mask=has[:, None] & dmask[None, :],
+                    other=0.0).to(ACC)
+        acc += c[:, None] * x
+    tl.store(DW + offs_v.to(tl.int64)[:, None] * stride_wv + offs_d[None, :], acc.to(DW.dtype.element_ty),
+             mask=vmask[:, None] & dmask[None, :])
 
 
 @triton.jit
