@@ -191,6 +191,13 @@ def attention_kl(
     spec = AttnSpec(is_causal=is_causal, causal_offset=causal_offset if is_causal else 0, scale_s=ss,
                     scale_t=st, direction=direction, target=target, chunk=chunk_size)
     kpm = key_mask(key_padding_mask, kv_lengths, B, Nk, q_s.device)
+    every_row = kpm is None and query_mask is None and Nk > 0 and (not is_causal or spec.causal_offset >= 0)
+    if impl == "triton" and every_row and reduction != "none" and B * H * Nq > 0:
+        # every row sees a key and counts: the reduction is a known scale, done inside the Function
+        from .triton_function import triton_total
+
+        return triton_total(q_s, k_s, q_t, k_t, lse_t, spec, block_config,
+                            1.0 if reduction == "sum" else 1.0 / (B * H * Nq))
     w = row_weights(Nq, Nk, is_causal, spec.causal_offset, kpm, query_mask, B, q_s.device)
     if B * H * Nq == 0 or Nk == 0:
         rows = torch.zeros((B, H, Nq), dtype=torch.float32, device=q_s.device)

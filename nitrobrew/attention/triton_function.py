@@ -160,10 +160,12 @@ def triton_backward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lsx, lsy, kl, g, 
 
 
 class TritonAttentionKL(torch.autograd.Function):
-    """Per-row KL [B, H, Nq] float32 (0 at rows with no visible key)."""
+    """Per-row KL [B, H, Nq] float32 (0 at rows with no visible key), or with ``scale`` given the
+    scalar scale * sum of the rows (one autograd node in all: the reduction's host work is the
+    dominant cost of small problems)."""
 
     @staticmethod
-    def forward(ctx, q_s, k_s, q_t, k_t, lse_t, kpm, spec: AttnSpec, cfg):
+    def forward(ctx, q_s, k_s, q_t, k_t, lse_t, kpm, spec: AttnSpec, cfg, scale: Optional[float] = None):
         q_s, k_s, q_t, k_t = (_last_contig(t) for t in (q_s, k_s, q_t, k_t))
         S = _SideT(q_s, k_s, spec.scale_s)
         T = _SideT(q_t, k_t, spec.scale_t)
@@ -172,8 +174,8 @@ class TritonAttentionKL(torch.autograd.Function):
         else:
             kl, lsx, lsy = triton_forward(S, T, kpm, spec, lse_y=lse_t, cfg=cfg)
         ctx.save_for_backward(q_s, k_s, q_t, k_t, kpm, lsx, lsy, kl)
-        ctx.spec, ctx.cfg = spec, cfg
-        return kl
+        ctx.spec, ctx.cfg, ctx.scale = spec, cfg, scale
+        return kl if scale is None else kl.sum() * scale
 
     @staticmethod
     def backward(ctx, grad_rows):
@@ -182,6 +184,8 @@ class TritonAttentionKL(torch.autograd.Function):
         n = ctx.needs_input_grad
         S = _SideT(q_s, k_s, spec.scale_s)
         T = _SideT(q_t, k_t, spec.scale_t)
+        if ctx.scale is not None:
+            grad_rows = (grad_rows * ctx.scale).expand(kl.shape)
         g = grad_rows.to(torch.float32).contiguous()
         if spec.teacher_is_x:
             X, Y, need = T, S, dict(qx=n[2], kx=n[3], qy=n[0], ky=n[1])
@@ -192,8 +196,13 @@ class TritonAttentionKL(torch.autograd.Function):
             dq_t, dk_t, dq_s, dk_s = out["qx"], out["kx"], out["qy"], out["ky"]
         else:
             dq_s, dk_s, dq_t, dk_t = out["qx"], out["kx"], out["qy"], out["ky"]
-        return dq_s, dk_s, dq_t, dk_t, None, None, None, None
+        return dq_s, dk_s, dq_t, dk_t, None, None, None, None, None
 
 
 def triton_rows(q_s, k_s, q_t, k_t, lse_t, kpm, spec: AttnSpec, cfg: Optional[dict] = None):
     return TritonAttentionKL.apply(q_s, k_s, q_t, k_t, lse_t, kpm, spec, cfg)
+
+
+def triton_total(q_s, k_s, q_t, k_t, lse_t, spec: AttnSpec, cfg: Optional[dict], scale: float):
+    """scale * sum of the per-row KL (every row counts: no masks)."""
+    return TritonAttentionKL.apply(q_s, k_s, q_t, k_t, lse_t, None, spec, cfg, scale)
