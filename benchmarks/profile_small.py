@@ -9,7 +9,10 @@ the host time to enqueue it (no synchronization), and the profiler's per-kernel 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import time
 
 import torch
@@ -44,7 +47,16 @@ def report(name, fn, out_dir):
             fn()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-    text = f"## {name}\n\nwall {wall:.3f} ms (CUDA events), host enqueue {host:.3f} ms per call\n\n```\n{table}\n```\n"
+    cp = cProfile.Profile()
+    cp.enable()
+    for _ in range(20):
+        fn()
+        torch.cuda.synchronize()
+    cp.disable()
+    buf = io.StringIO()
+    pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(18)
+    text = (f"## {name}\n\nwall {wall:.3f} ms (CUDA events), host enqueue {host:.3f} ms per call\n\n```\n{table}\n```\n"
+            f"\nhost (cProfile, 20 calls):\n```\n{buf.getvalue()}\n```\n")
     print(text, flush=True)
     if out_dir:
         with open(os.path.join(out_dir, "profile_small.md"), "a") as f:

@@ -36,7 +36,7 @@ def main(path):
         ("fast full fkl 96-row blocks", dict(normalize="full", **small), "fp32"),
         ("fast full tail T=2 CE bias", dict(normalize="full", tail=True, temperature=2.0, ce_weight=0.5, labels=labels,
                                            bs=bs, **small), "fp32"),
-        ("fast full jsd tail CE T=1 none", dict(normalize="full", divergence="jsd", tail=True, ce_weight=0.3,
+        ("fast full jsd tail CE T=1 none", dict(normalize="full", divergence="jsd", beta=0.5, tail=True, ce_weight=0.3,
                                                labels=labels, reduction="none", **small), "fp32"),
         ("const full fkl fp32-acc", dict(normalize="full", **const), "fp32"),
         ("const full fkl native-acc", dict(normalize="full", **const), "native"),
@@ -61,6 +61,8 @@ def main(path):
             r = [t.detach().double().requires_grad_() for t in ts]
             rkw = dict(kw, bs=r[2]) if has_b else dict(kw)
             rkw = {k: v for k, v in rkw.items() if k not in ("mode", "memory_budget")}  # Triton-only options
+            if "beta" in rkw:
+                rkw["param"] = rkw.pop("beta")
             ref = reference_topk_loss(r[0], r[1], ids, lp, **rkw)
             gr = torch.autograd.grad(ref, r, up.double())
             errs = [rel(out.detach(), ref.detach())] + [rel(a, b) for a, b in zip(g, gr)]
