@@ -25,8 +25,9 @@ device-to-device copy. err = largest relative error (loss, dX, dW) on the first 
 against the float64 reference (at the first N only).
 
 --extract measures `topk-extract`'s core on a random Qwen2-style model: tokens/s of the
-teacher's own forward with logits (model(input_ids).logits) vs the decoder + streaming top-k,
-and the peak memory of each.
+teacher's own forward with logits (model(input_ids).logits), of the naive extraction (those
+logits in fp32, log_softmax, torch.topk) and of the decoder + streaming top-k, and the peak
+memory of each.
 """
 from __future__ import annotations
 
@@ -272,6 +273,11 @@ def run_extract(args) -> List[Row]:
         return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
     @torch.no_grad()
+    def naive_extract():  # what extraction looks like without nitrobrew: [N, V] logits, then top-k
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+        return torch.log_softmax(logits, -1).topk(ks[0], -1)
+
+    @torch.no_grad()
     def hidden_only():
         return teacher.hidden_fn(ids, mask)
 
@@ -279,6 +285,7 @@ def run_extract(args) -> List[Row]:
         return teacher_topk(teacher, seqs, ks[0], 1.0, batch_tokens=tokens)
 
     for name, fn in (("teacher forward + logits", with_logits), ("teacher forward (hidden only)", hidden_only),
+                     (f"naive top-{ks[0]} (logits, log_softmax, topk)", naive_extract),
                      (f"extract top-{ks[0]} (hidden + streaming top-k)", extract)):
         row = Row("extract", name, dict(size))
         try:
