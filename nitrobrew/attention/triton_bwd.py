@@ -26,24 +26,43 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import _valid, dot, load_tile
+from .triton_tiles import (centred_diff, dot, exp2_pair, flat_rows, hide_invisible, key_block_scores, key_heads,
+                           key_ranges, load_tile, on_rows, program_block, scores, store_tile)
 
 
 @triton.jit
-def _valid_t(offs_m, offs_n, KPMb, Nk, causal_offset, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-             HAS_KPM: tl.constexpr):
-    """Visible pairs of a transposed [keys, rows] tile."""
-    if MASKED:
-        valid = offs_n[:, None] < Nk
-        if CAUSAL:
-            valid = valid & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
-        if HAS_KPM:
-            keep = tl.load(KPMb + offs_n, mask=offs_n < Nk, other=0)
-            valid = valid & (keep[:, None] != 0)
+def _row_stats(LSEX, LSEY, KL, G, rows, row_ok, EVEN: tl.constexpr):
+    """Per-row statistics for the backward: lse_x, lse_y, KL (all log2 units) and the upstream
+    gradient g (rows outside the mask read 0 unless EVEN)."""
+    if EVEN:
+        lsex = tl.load(LSEX + rows)
+        lsey = tl.load(LSEY + rows)
+        kl2 = tl.load(KL + rows) * 1.4426950408889634
+        g = tl.load(G + rows)
     else:
-        keep = tl.load(KPMb + offs_n, mask=offs_n < Nk, other=0)
-        valid = keep[:, None] != 0
-    return valid
+        lsex = tl.load(LSEX + rows, mask=row_ok, other=0.0)
+        lsey = tl.load(LSEY + rows, mask=row_ok, other=0.0)
+        kl2 = tl.load(KL + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+        g = tl.load(G + rows, mask=row_ok, other=0.0)
+    return lsex, lsey, kl2, g
+
+
+@triton.jit
+def _log_ratio(sx, sy, lsex, lsey, kl2, KEYS_FIRST: tl.constexpr):
+    """ln X - ln Y - KL of a tile in log2 units, from the raw scores: finite everywhere."""
+    return centred_diff(sx, sy, lsex, lsey, KEYS_FIRST) - on_rows(kl2, KEYS_FIRST)
+
+
+@triton.jit
+def _ds_x(g, px, lr, KEYS_FIRST: tl.constexpr):
+    """dS_x = g X (ln X - ln Y - KL), with the log-ratio lr in log2 units (hence the ln 2)."""
+    return on_rows(g * 0.6931471805599453, KEYS_FIRST) * px * lr
+
+
+@triton.jit
+def _ds_y(g, px, py, KEYS_FIRST: tl.constexpr):
+    """dS_y = g (Y - X) of a tile."""
+    return on_rows(g, KEYS_FIRST) * (py - px)
 
 
 @triton.jit
@@ -52,26 +71,15 @@ def _dq_tile(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, start_n, offs_m, offs_n0, o
              DX: tl.constexpr, DY: tl.constexpr, BDX: tl.constexpr, BDY: tl.constexpr,
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, EVEN_N: tl.constexpr,
              NEED_X: tl.constexpr, NEED_Y: tl.constexpr, PREC_X: tl.constexpr, PREC_Y: tl.constexpr):
-    offs_n = start_n + offs_n0
-    even = EVEN_N or not MASKED
-    kx = load_tile(KXb, offs_n, offs_dx, s_kx_n, Nk, DX, BDX, even)
-    ky = load_tile(KYb, offs_n, offs_dy, s_ky_n, Nk, DY, BDY, even)
-    sx = dot(qx, tl.trans(kx), PREC_X) * scale_x
-    sy = dot(qy, tl.trans(ky), PREC_Y) * scale_y
-    if MASKED or HAS_KPM:
-        valid = _valid(offs_m, offs_n, KPMb, Nk, causal_offset, MASKED, CAUSAL, HAS_KPM)
-        sxm = tl.where(valid, sx, float("-inf"))
-        sym = tl.where(valid, sy, float("-inf"))
-    else:
-        sxm = sx
-        sym = sy
-    px = tl.exp2(sxm - lsex[:, None])
-    py = tl.exp2(sym - lsey[:, None])
+    kx, ky, sx, sy, sxm, sym = key_block_scores(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, offs_m, start_n + offs_n0,
+                                                offs_dx, offs_dy, Nk, scale_x, scale_y, causal_offset,
+                                                DX, DY, BDX, BDY, MASKED, CAUSAL, HAS_KPM, EVEN_N, PREC_X, PREC_Y)
+    px, py = exp2_pair(sxm, sym, lsex, lsey, False)
     if NEED_Y:
-        dsy = g[:, None] * (py - px)
+        dsy = _ds_y(g, px, py, False)
         dqy += dot(dsy.to(ky.dtype), ky, PREC_Y)
     if NEED_X:
-        dsx = (g * 0.6931471805599453)[:, None] * px * ((sx - lsex[:, None]) - (sy - lsey[:, None]) - kl2[:, None])
+        dsx = _ds_x(g, px, _log_ratio(sx, sy, lsex, lsey, kl2, False), False)
         dqx += dot(dsx.to(kx.dtype), kx, PREC_X)
     return dqx, dqy
 
@@ -89,28 +97,13 @@ def attn_kl_bwd_dq_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     NEED_X: tl.constexpr, NEED_Y: tl.constexpr, PREC_X: tl.constexpr, PREC_Y: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    start_m = pid_m * BM
-    offs_m = start_m + tl.arange(0, BM)
-    offs_n0 = tl.arange(0, BN)
-    offs_dx = tl.arange(0, BDX)
-    offs_dy = tl.arange(0, BDY)
-    b64 = b.to(tl.int64)
+    pid_bh, h, b64, start_m, offs_m, offs_n0, offs_dx, offs_dy = program_block(H, BM, BN, BDX, BDY, True)
     h64 = h.to(tl.int64)
     qx = load_tile(QX + b64 * s_qx_b + h64 * s_qx_h, offs_m, offs_dx, s_qx_m, Nq, DX, BDX, EVEN_M)
     qy = load_tile(QY + b64 * s_qy_b + h64 * s_qy_h, offs_m, offs_dy, s_qy_m, Nq, DY, BDY, EVEN_M)
-    KXb = KX + b64 * s_kx_b + (h // GX).to(tl.int64) * s_kx_h
-    KYb = KY + b64 * s_ky_b + (h // GY).to(tl.int64) * s_ky_h
-    KPMb = KPM + b64 * s_kpm_b
-    row = pid_bh.to(tl.int64) * Nq + offs_m
-    row_ok = offs_m < Nq
-    lsex = tl.load(LSEX + row, mask=row_ok, other=0.0)
-    lsey = tl.load(LSEY + row, mask=row_ok, other=0.0)
-    kl2 = tl.load(KL + row, mask=row_ok, other=0.0) * 1.4426950408889634
-    g = tl.load(GROW + row, mask=row_ok, other=0.0)
+    KXb, KYb, KPMb = key_heads(KX, KY, KPM, b64, h, GX, GY, s_kx_b, s_kx_h, s_ky_b, s_ky_h, s_kpm_b)
+    row, row_ok = flat_rows(pid_bh, Nq, offs_m)
+    lsex, lsey, kl2, g = _row_stats(LSEX, LSEY, KL, GROW, row, row_ok, False)
     if NEED_X:
         dqx = tl.zeros([BM, BDX], tl.float32)
     else:
@@ -120,15 +113,7 @@ def attn_kl_bwd_dq_kernel(
     else:
         dqy = tl.zeros([16, 16], tl.float32)
 
-    if CAUSAL:
-        hi = tl.minimum(Nk, start_m + BM + causal_offset)
-        full_hi = tl.minimum(Nk, start_m + 1 + causal_offset)
-    else:
-        hi = Nk
-        full_hi = Nk
-    if not EVEN_N:
-        full_hi = tl.minimum(full_hi, (Nk // BN) * BN)
-    n_full = (tl.maximum(full_hi, 0) // BN) * BN
+    n_full, hi = key_ranges(start_m, Nk, causal_offset, BM, BN, CAUSAL, EVEN_N)
     for start_n in range(0, n_full, BN):
         dqx, dqy = _dq_tile(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, start_n, offs_m, offs_n0, offs_dx, offs_dy,
                             lsex, lsey, kl2, g, dqx, dqy, Nk, scale_x, scale_y, causal_offset,
@@ -138,13 +123,9 @@ def attn_kl_bwd_dq_kernel(
                             lsex, lsey, kl2, g, dqx, dqy, Nk, scale_x, scale_y, causal_offset,
                             DX, DY, BDX, BDY, True, CAUSAL, HAS_KPM, EVEN_N, NEED_X, NEED_Y, PREC_X, PREC_Y)
     if NEED_X:
-        ptrs = DQX + b64 * s_dqx_b + h64 * s_dqx_h + offs_m[:, None] * s_dqx_m + offs_dx[None, :]
-        tl.store(ptrs, (dqx * out_scale_x).to(DQX.dtype.element_ty),
-                 mask=(offs_m[:, None] < Nq) & (offs_dx[None, :] < DX))
+        store_tile(DQX + b64 * s_dqx_b + h64 * s_dqx_h, offs_m, offs_dx, s_dqx_m, Nq, DX, dqx, out_scale_x)
     if NEED_Y:
-        ptrs = DQY + b64 * s_dqy_b + h64 * s_dqy_h + offs_m[:, None] * s_dqy_m + offs_dy[None, :]
-        tl.store(ptrs, (dqy * out_scale_y).to(DQY.dtype.element_ty),
-                 mask=(offs_m[:, None] < Nq) & (offs_dy[None, :] < DY))
+        store_tile(DQY + b64 * s_dqy_b + h64 * s_dqy_h, offs_m, offs_dy, s_dqy_m, Nq, DY, dqy, out_scale_y)
 
 
 @triton.jit
@@ -156,37 +137,19 @@ def _dk_tile(ka, kb, QAb, QBb, KPMb, s_qa_m, s_qb_m, start_m, offs_n, offs_m0, o
     offs_m = start_m + offs_m0
     qa = load_tile(QAb, offs_m, offs_da, s_qa_m, Nq, DA, BDA, EVEN_M)
     qb = load_tile(QBb, offs_m, offs_db, s_qb_m, Nq, DB, BDB, EVEN_M)
-    if EVEN_M:
-        lsea = tl.load(LSEAb + offs_m)
-        lseb = tl.load(LSEBb + offs_m)
-        kl2 = tl.load(KLb + offs_m) * 1.4426950408889634
-        g = tl.load(Gb + offs_m)
-    else:
-        row_ok = offs_m < Nq
-        lsea = tl.load(LSEAb + offs_m, mask=row_ok, other=0.0)
-        lseb = tl.load(LSEBb + offs_m, mask=row_ok, other=0.0)
-        kl2 = tl.load(KLb + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-        g = tl.load(Gb + offs_m, mask=row_ok, other=0.0)
-    sa = dot(ka, tl.trans(qa), PREC_A) * scale_a     # [BN, BM]
-    sb = dot(kb, tl.trans(qb), PREC_B) * scale_b
-    if MASKED or HAS_KPM:
-        valid = _valid_t(offs_m, offs_n, KPMb, Nk, causal_offset, MASKED, CAUSAL, HAS_KPM)
-        sam = tl.where(valid, sa, float("-inf"))
-        sbm = tl.where(valid, sb, float("-inf"))
-    else:
-        sam = sa
-        sbm = sb
-    pa = tl.exp2(sam - lsea[None, :])
-    pb = tl.exp2(sbm - lseb[None, :])
-    # log-ratio ln X - ln Y - KL in log2 units, finite everywhere (raw scores)
+    lsea, lseb, kl2, g = _row_stats(LSEAb, LSEBb, KLb, Gb, offs_m, offs_m < Nq, EVEN_M)
+    sa = scores(ka, qa, scale_a, PREC_A)     # [BN, BM]
+    sb = scores(kb, qb, scale_b, PREC_B)
+    sam, sbm = hide_invisible(sa, sb, offs_m, offs_n, KPMb, Nk, causal_offset, MASKED, CAUSAL, HAS_KPM, True)
+    pa, pb = exp2_pair(sam, sbm, lsea, lseb, True)
     if A_IS_X:
-        lr = (sa - lsea[None, :]) - (sb - lseb[None, :]) - kl2[None, :]
-        ds_a = (g * 0.6931471805599453)[None, :] * pa * lr          # dS_x
-        ds_b = g[None, :] * (pb - pa)                                # dS_y
+        lr = _log_ratio(sa, sb, lsea, lseb, kl2, True)
+        ds_a = _ds_x(g, pa, lr, True)
+        ds_b = _ds_y(g, pa, pb, True)
     else:
-        lr = (sb - lseb[None, :]) - (sa - lsea[None, :]) - kl2[None, :]
-        ds_a = g[None, :] * (pa - pb)                                # dS_y
-        ds_b = (g * 0.6931471805599453)[None, :] * pb * lr          # dS_x
+        lr = _log_ratio(sb, sa, lseb, lsea, kl2, True)
+        ds_a = _ds_y(g, pb, pa, True)
+        ds_b = _ds_x(g, pb, lr, True)
     dka += dot(ds_a.to(qa.dtype), qa, PREC_A)
     if ALSO_B:
         dkb += dot(ds_b.to(qb.dtype), qb, PREC_B)
@@ -235,16 +198,7 @@ def attn_kl_bwd_dk_kernel(
     A_IS_X: tl.constexpr, ALSO_B: tl.constexpr, PREC_A: tl.constexpr, PREC_B: tl.constexpr,
     GROUPED: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    b = pid_bk // HKVA
-    kvh = pid_bk % HKVA
-    start_n = pid_n * BN
-    offs_n = start_n + tl.arange(0, BN)
-    offs_m0 = tl.arange(0, BM)
-    offs_da = tl.arange(0, BDA)
-    offs_db = tl.arange(0, BDB)
-    b64 = b.to(tl.int64)
+    _pid_bk, kvh, b64, start_n, offs_n, offs_m0, offs_da, offs_db = program_block(HKVA, BN, BM, BDA, BDB, False)
     ka = load_tile(KA + b64 * s_ka_b + kvh.to(tl.int64) * s_ka_h, offs_n, offs_da, s_ka_n, Nk, DA, BDA, EVEN_N)
     KPMb = KPM + b64 * s_kpm_b
     dka = tl.zeros([BN, BDA], tl.float32)
@@ -280,9 +234,7 @@ def attn_kl_bwd_dk_kernel(
                             H, Nq, Nk, GB, scale_a, scale_b, causal_offset, m_lo, m_full,
                             DA, DB, BDA, BDB, BM, CAUSAL, HAS_KPM, EVEN_M, EVEN_N, A_IS_X, ALSO_B,
                             PREC_A, PREC_B)
-    ptrs = DKA + b64 * s_dka_b + kvh.to(tl.int64) * s_dka_h + offs_n[:, None] * s_dka_n + offs_da[None, :]
-    tl.store(ptrs, (dka * out_scale_a).to(DKA.dtype.element_ty), mask=(offs_n[:, None] < Nk) & (offs_da[None, :] < DA))
+    store_tile(DKA + b64 * s_dka_b + kvh.to(tl.int64) * s_dka_h, offs_n, offs_da, s_dka_n, Nk, DA, dka, out_scale_a)
     if ALSO_B:
-        ptrs = DKB + b64 * s_dkb_b + kvh.to(tl.int64) * s_dkb_h + offs_n[:, None] * s_dkb_n + offs_db[None, :]
-        tl.store(ptrs, (dkb * out_scale_b).to(DKB.dtype.element_ty),
-                 mask=(offs_n[:, None] < Nk) & (offs_db[None, :] < DB))
+        store_tile(DKB + b64 * s_dkb_b + kvh.to(tl.int64) * s_dkb_h, offs_n, offs_db, s_dkb_n, Nk, DB, dkb,
+                   out_scale_b)

@@ -19,6 +19,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .triton_tiles import (centred_diff, exp2_pair, flat_rows, key_block_scores, key_heads, key_ranges, load_tile,
+                           program_block)
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -36,65 +39,14 @@ DEFAULT_CONFIGS = {
 
 
 @triton.jit
-def dot(a, b, PREC: tl.constexpr):
-    """tl.dot with fp32 accumulation. PREC "upcast" (Triton's CPU interpreter with bf16 inputs,
-    whose bf16 dot is wrong) multiplies the exactly upcast operands instead: same math."""
-    if PREC == "upcast":
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        out = tl.dot(a, b, input_precision=PREC)
-    return out
-
-
-@triton.jit
-def load_tile(ptr, offs_r, offs_d, stride_r, n_rows, D: tl.constexpr, BD: tl.constexpr, EVEN_R: tl.constexpr):
-    """A [rows, BD] tile of a row-major matrix with contiguous last dim (zero-filled outside)."""
-    ptrs = ptr + offs_r[:, None] * stride_r + offs_d[None, :]
-    if EVEN_R and BD == D:
-        t = tl.load(ptrs)
-    elif EVEN_R:
-        t = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
-    else:
-        t = tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < D), other=0.0)
-    return t
-
-
-@triton.jit
-def _valid(offs_m, offs_n, KPMb, Nk, causal_offset, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-           HAS_KPM: tl.constexpr):
-    """Visible (row, key) pairs of a tile: key in range, causal, and kept by the padding mask."""
-    if MASKED:
-        valid = offs_n[None, :] < Nk
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-        if HAS_KPM:
-            keep = tl.load(KPMb + offs_n, mask=offs_n < Nk, other=0)
-            valid = valid & (keep[None, :] != 0)
-    else:
-        keep = tl.load(KPMb + offs_n, mask=offs_n < Nk, other=0)
-        valid = keep[None, :] != 0
-    return valid
-
-
-@triton.jit
 def _fwd_tile(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, start_n, offs_m, offs_n0, offs_dx, offs_dy,
               mx, my, lx, ly, c, Nk, scale_x, scale_y, causal_offset,
               DX: tl.constexpr, DY: tl.constexpr, BDX: tl.constexpr, BDY: tl.constexpr,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
               X_FIXED: tl.constexpr, Y_FIXED: tl.constexpr, EVEN_N: tl.constexpr, PREC_X: tl.constexpr, PREC_Y: tl.constexpr):
-    offs_n = start_n + offs_n0
-    even = EVEN_N or not MASKED
-    kx = load_tile(KXb, offs_n, offs_dx, s_kx_n, Nk, DX, BDX, even)
-    ky = load_tile(KYb, offs_n, offs_dy, s_ky_n, Nk, DY, BDY, even)
-    sx = dot(qx, tl.trans(kx), PREC_X) * scale_x
-    sy = dot(qy, tl.trans(ky), PREC_Y) * scale_y
-    if MASKED or HAS_KPM:
-        valid = _valid(offs_m, offs_n, KPMb, Nk, causal_offset, MASKED, CAUSAL, HAS_KPM)
-        sxm = tl.where(valid, sx, float("-inf"))
-        sym = tl.where(valid, sy, float("-inf"))
-    else:
-        sxm = sx
-        sym = sy
+    _kx, _ky, sx, sy, sxm, sym = key_block_scores(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, offs_m, start_n + offs_n0,
+                                                  offs_dx, offs_dy, Nk, scale_x, scale_y, causal_offset,
+                                                  DX, DY, BDX, BDY, MASKED, CAUSAL, HAS_KPM, EVEN_N, PREC_X, PREC_Y)
     if X_FIXED:
         mx_new = mx
     else:
@@ -103,9 +55,8 @@ def _fwd_tile(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, start_n, offs_m, offs_n0, 
         my_new = my
     else:
         my_new = tl.maximum(my, tl.max(sym, 1))
-    px = tl.exp2(sxm - mx_new[:, None])
-    py = tl.exp2(sym - my_new[:, None])
-    d = (sx - mx_new[:, None]) - (sy - my_new[:, None])
+    px, py = exp2_pair(sxm, sym, mx_new, my_new, False)
+    d = centred_diff(sx, sy, mx_new, my_new, False)
     ax = tl.exp2(mx - mx_new)
     ay = tl.exp2(my - my_new)
     c = ax * (c + lx * ((mx - mx_new) - (my - my_new))) + tl.sum(px * d, 1)
@@ -126,23 +77,11 @@ def attn_kl_fwd_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, X_FIXED: tl.constexpr, Y_FIXED: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PREC_X: tl.constexpr, PREC_Y: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)   # longest causal rows first
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    start_m = pid_m * BM
-    offs_m = start_m + tl.arange(0, BM)
-    offs_n0 = tl.arange(0, BN)
-    offs_dx = tl.arange(0, BDX)
-    offs_dy = tl.arange(0, BDY)
-    b64 = b.to(tl.int64)
+    pid_bh, h, b64, start_m, offs_m, offs_n0, offs_dx, offs_dy = program_block(H, BM, BN, BDX, BDY, True)
     qx = load_tile(QX + b64 * s_qx_b + h.to(tl.int64) * s_qx_h, offs_m, offs_dx, s_qx_m, Nq, DX, BDX, EVEN_M)
     qy = load_tile(QY + b64 * s_qy_b + h.to(tl.int64) * s_qy_h, offs_m, offs_dy, s_qy_m, Nq, DY, BDY, EVEN_M)
-    KXb = KX + b64 * s_kx_b + (h // GX).to(tl.int64) * s_kx_h
-    KYb = KY + b64 * s_ky_b + (h // GY).to(tl.int64) * s_ky_h
-    KPMb = KPM + b64 * s_kpm_b
-    row = pid_bh.to(tl.int64) * Nq + offs_m
-    row_ok = offs_m < Nq
+    KXb, KYb, KPMb = key_heads(KX, KY, KPM, b64, h, GX, GY, s_kx_b, s_kx_h, s_ky_b, s_ky_h, s_kpm_b)
+    row, row_ok = flat_rows(pid_bh, Nq, offs_m)
     if X_FIXED:
         mx = tl.load(LSEX_IN + row, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     else:
@@ -155,15 +94,7 @@ def attn_kl_fwd_kernel(
     ly = tl.zeros([BM], tl.float32)
     c = tl.zeros([BM], tl.float32)
 
-    if CAUSAL:
-        hi = tl.minimum(Nk, start_m + BM + causal_offset)
-        full_hi = tl.minimum(Nk, start_m + 1 + causal_offset)
-    else:
-        hi = Nk
-        full_hi = Nk
-    if not EVEN_N:
-        full_hi = tl.minimum(full_hi, (Nk // BN) * BN)
-    n_full = (tl.maximum(full_hi, 0) // BN) * BN
+    n_full, hi = key_ranges(start_m, Nk, causal_offset, BM, BN, CAUSAL, EVEN_N)
     for start_n in range(0, n_full, BN):
         mx, my, lx, ly, c = _fwd_tile(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, start_n, offs_m, offs_n0,
                                       offs_dx, offs_dy, mx, my, lx, ly, c, Nk, scale_x, scale_y, causal_offset,
