@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import gc
+import os
 import platform
 import statistics
 import subprocess
@@ -42,11 +43,13 @@ def environment() -> Dict[str, str]:
         info["triton"] = triton.__version__
     except Exception:
         info["triton"] = "absent"
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True, timeout=5).stdout.strip() or "unknown"
-    except Exception:
-        info["commit"] = "unknown"
+    info["commit"] = os.environ.get("NITROBREW_COMMIT", "")  # for copies of the tree without .git
+    if not info["commit"]:
+        try:
+            info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                            text=True, timeout=5).stdout.strip() or "unknown"
+        except Exception:
+            info["commit"] = "unknown"
     return info
 
 
