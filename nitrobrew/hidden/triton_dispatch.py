@@ -126,7 +126,7 @@ def block_grads(xs, xt, ws, wt, bs, bt, labels, rs, kd_scale, ce_scale, cfg, vch
             else:
                 dx_acc += mm_acc(g, ws[v0:v1], F32)
         if dw is not None:
-            _accumulate_dw(dw[v0:v1], g, xs, first_rows)
+            accumulate_dw(dw[v0:v1], g, xs, first_rows)
         if db is not None:
             db[v0:v1] += g.sum(0, dtype=F32)
         del z, t, g
@@ -134,7 +134,7 @@ def block_grads(xs, xt, ws, wt, bs, bt, labels, rs, kd_scale, ce_scale, cfg, vch
         dx_out.copy_(dx_acc)
 
 
-def _accumulate_dw(dw: torch.Tensor, g: torch.Tensor, xs: torch.Tensor, first: bool) -> None:
+def accumulate_dw(dw: torch.Tensor, g: torch.Tensor, xs: torch.Tensor, first: bool) -> None:
     """dw += g^T xs; the first block writes dw instead (no zero-fill pass over the head)."""
     if dw.dtype == g.dtype:
         torch.mm(g.t(), xs, out=dw) if first else dw.addmm_(g.t(), xs)
@@ -151,7 +151,7 @@ class TritonDistill(torch.autograd.Function):
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool):
         n, V = xs.shape[0], ws.shape[0]
         precompute = need_grad and plan.mode == "fast" and plan.reduction != "none"
-        grads = _alloc_grads(xs, ws, bs, plan) if precompute else None
+        grads = alloc_grads(xs, ws, bs, plan.dw_fp32) if precompute else None
         red = ck.reduction_scale(mask, plan.reduction) if precompute else None
         stats = []
         for r0 in range(0, n, plan.row_chunk):
@@ -169,7 +169,7 @@ class TritonDistill(torch.autograd.Function):
         out = tuple(ck.reduce_rows(r, mask, plan.reduction, (n,)) for r in rows)
         ctx.cfg, ctx.plan, ctx.precompute = cfg, plan, precompute
         if precompute:
-            ctx.grads = _finish_grads(grads, xs, ws, bs)
+            ctx.grads = finish_grads(*grads, ws, bs)
             ctx.save_for_backward()
         else:
             ctx.stats = rs
@@ -181,11 +181,7 @@ class TritonDistill(torch.autograd.Function):
     def backward(ctx, grad_total, _gkd, _gce):
         need = ctx.needs_input_grad
         if ctx.precompute:
-            # drop the context's reference so autograd can take the buffers as .grad without a copy
-            dx, dw, db = ctx.grads
-            ctx.grads = None
-            if not _is_one(grad_total):
-                dx, dw, db = (None if g is None else g * grad_total.to(g.dtype) for g in (dx, dw, db))
+            dx, dw, db = take_precomputed_grads(ctx, grad_total)
         else:
             dx, dw, db = _deferred_grads(ctx, grad_total)
         return (dx if need[0] else None, None, dw if need[2] else None, None,
@@ -200,16 +196,34 @@ def _is_one(grad: torch.Tensor) -> bool:
     return bool(grad == 1)
 
 
-def _alloc_grads(xs, ws, bs, plan: Plan):
-    dx = torch.empty_like(xs)
-    dw = torch.empty(ws.shape, dtype=F32 if plan.dw_fp32 else ws.dtype, device=ws.device)
-    db = None if bs is None else torch.zeros(bs.shape, dtype=F32, device=bs.device)
+def take_precomputed_grads(ctx, grad_total):
+    """(dx, dw, db) formed in the forward (ctx.grads), times the upstream gradient unless it is 1.
+    The context's reference is dropped so autograd can take the buffers as .grad without a copy."""
+    dx, dw, db = ctx.grads
+    ctx.grads = None
+    if not _is_one(grad_total):
+        dx, dw, db = (None if g is None else g * grad_total.to(g.dtype) for g in (dx, dw, db))
     return dx, dw, db
 
 
-def _finish_grads(grads, xs, ws, bs):
-    dx, dw, db = grads
-    return dx, dw.to(ws.dtype), None if db is None else db.to(bs.dtype)
+def row_upstream(grad_total: torch.Tensor, mask: torch.Tensor, reduction: str, n: int) -> torch.Tensor:
+    """d loss / d row value for each of the n rows, given the gradient of the reduced output."""
+    if reduction == "none":
+        return grad_total.to(F32)
+    return (ck.reduction_scale(mask, reduction) * grad_total.to(F32)).expand(n)
+
+
+def alloc_grads(xs, ws, bs, dw_fp32: bool, need_x: bool = True, need_w: bool = True):
+    """Gradient buffers (None where not needed): dX in xs's dtype, dW in fp32 or the head's dtype, db fp32."""
+    dx = torch.empty_like(xs) if need_x else None
+    dw = torch.empty(ws.shape, dtype=F32 if dw_fp32 else ws.dtype, device=ws.device) if need_w else None
+    db = torch.zeros(bs.shape, dtype=F32, device=bs.device) if (need_w and bs is not None) else None
+    return dx, dw, db
+
+
+def finish_grads(dx, dw, db, ws, bs):
+    """The buffers of ``alloc_grads`` in the dtypes of the head and bias."""
+    return dx, None if dw is None else dw.to(ws.dtype), None if db is None else db.to(bs.dtype)
 
 
 def _concat_stats(stats, xs) -> RowStats:
@@ -223,19 +237,15 @@ def _deferred_grads(ctx, grad_total):
     xs, xt, ws, wt, bs, bt, labels, mask = ctx.saved_tensors
     cfg, plan, rs = ctx.cfg, ctx.plan, ctx.stats
     n = xs.shape[0]
-    if plan.reduction == "none":
-        upstream = grad_total.to(F32)
-    else:
-        upstream = (ck.reduction_scale(mask, plan.reduction) * grad_total.to(F32)).expand(n)
-    kd_scale, ce_scale = row_scales(upstream, mask, cfg)
-    dx, dw, db = _alloc_grads(xs, ws, bs, plan)
+    kd_scale, ce_scale = row_scales(row_upstream(grad_total, mask, plan.reduction, n), mask, cfg)
+    dx, dw, db = alloc_grads(xs, ws, bs, plan.dw_fp32)
     for r0 in range(0, n, plan.row_chunk):
         r1 = min(r0 + plan.row_chunk, n)
         sub = RowStats(*(None if v is None else v[r0:r1] for v in (rs.lse_s, rs.lse_t, rs.lse_z, rs.sum_u, rs.kd, rs.ce)))
         block_grads(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, None if labels is None else labels[r0:r1], sub,
                     kd_scale[r0:r1].contiguous(), ce_scale[r0:r1].contiguous(), cfg, plan.vocab_chunk,
                     dx[r0:r1], dw, db, r0 == 0)
-    return _finish_grads((dx, dw, db), xs, ws, bs)
+    return finish_grads(dx, dw, db, ws, bs)
 
 
 def triton_distill(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, reduction: str,

@@ -20,7 +20,7 @@ O(rows * K) memory with fused CCE-style kernels and is several times slower.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import List, Optional
 
 import torch
@@ -30,7 +30,7 @@ import triton.language as tl
 from .. import _checks as ck
 from .._ops import linear_logits
 from ..hidden.chunked import Online, row_scales
-from ..hidden.triton_dispatch import _accumulate_dw, _is_one
+from ..hidden.triton_dispatch import accumulate_dw, alloc_grads, finish_grads, row_upstream, take_precomputed_grads
 from ..hidden.triton_rows import _f32, _online
 from .chunked import combine_rows, finish
 from .rowmath import RowResult, TopKConfig, full_lse
@@ -173,11 +173,11 @@ def block_forward(z, ids, lp, valid, labels, cfg: TopKConfig) -> BlockRows:
 
 
 def _row_coefficients(grad_rows, mask, blk: BlockRows, cfg: TopKConfig):
-    """(slab coefficients [C, 4], kernel labels [C] or None, id gradients [C, K] fp32)."""
+    """(slab coefficients [C, 4] = (a, lse_a, b, lse_b) of ``_slab_grad_kernel``, id gradients [C, K] fp32
+    without the label's one-hot)."""
     dt = blk.res.kd.dtype
     kd_scale, ce_scale = row_scales(grad_rows.to(dt), mask.to(dt), cfg)
     kd_scale = kd_scale / cfg.temperature
-    C, K = blk.z_ids.shape
     g_ids = blk.res.sparse * kd_scale[:, None]
     if cfg.tail:  # the ids take their whole KD gradient from the sparse part
         a = blk.res.tail * kd_scale
@@ -186,8 +186,7 @@ def _row_coefficients(grad_rows, mask, blk: BlockRows, cfg: TopKConfig):
         a = blk.res.dense * kd_scale
         lse_a = blk.lse_s
         g_ids = g_ids + a[:, None] * torch.exp(blk.z_ids / cfg.temperature - lse_a[:, None])
-    zero = torch.zeros_like(a)
-    b, lse_b, labels = zero, zero, None
+    b = lse_b = torch.zeros_like(a)
     if cfg.with_ce:
         b, lse_b = ce_scale, blk.lse_z
         g_ids = g_ids + b[:, None] * torch.exp(blk.z_ids - lse_b[:, None])
@@ -212,12 +211,9 @@ def block_backward(z, xs, ws, bs, ids, valid, labels, mask, grad_rows, blk: Bloc
                                num_warps=NUM_WARPS)
     g.scatter_add_(1, ids, g_ids.to(g.dtype))  # the kernel wrote exact zeros at the ids
     if dx_out is not None:
-        if dx_out.dtype == g.dtype:
-            torch.mm(g, ws, out=dx_out)
-        else:
-            dx_out.copy_(torch.mm(g, ws))
+        torch.mm(g, ws, out=dx_out)  # g has xs's dtype: cuBLAS accumulates in fp32
     if dw is not None:
-        _accumulate_dw(dw, g, xs, first)
+        accumulate_dw(dw, g, xs, first)
     if db is not None:
         db += g.sum(0, dtype=F32)
 
@@ -231,26 +227,15 @@ def _cat_rows(blocks: List[BlockRows]) -> BlockRows:
     if len(blocks) == 1:
         return blocks[0]
     cat = lambda vals: None if vals[0] is None else torch.cat(vals)  # noqa: E731
-    res = RowResult(*(cat([getattr(b.res, f) for b in blocks]) for f in ("kd", "sparse", "dense", "tail", "lse_tail")))
+    res = RowResult(*(cat([getattr(b.res, f.name) for b in blocks]) for f in fields(RowResult)))
     return BlockRows(cat([b.z_ids for b in blocks]), res, cat([b.lse_s for b in blocks]),
                      cat([b.lse_z for b in blocks]), cat([b.ce for b in blocks]))
 
 
 def _slice_rows(blk: BlockRows, r0: int, r1: int) -> BlockRows:
     sl = lambda t: None if t is None else t[r0:r1]  # noqa: E731
-    res = RowResult(*(sl(getattr(blk.res, f)) for f in ("kd", "sparse", "dense", "tail", "lse_tail")))
+    res = RowResult(*(sl(getattr(blk.res, f.name)) for f in fields(RowResult)))
     return BlockRows(blk.z_ids[r0:r1], res, blk.lse_s[r0:r1], sl(blk.lse_z), sl(blk.ce))
-
-
-def _alloc_grads(xs, ws, bs, plan: FastPlan, need_x: bool, need_w: bool):
-    dx = torch.empty_like(xs) if need_x else None
-    dw = torch.empty(ws.shape, dtype=F32 if plan.dw_fp32 else ws.dtype, device=ws.device) if need_w else None
-    db = torch.zeros(bs.shape, dtype=F32, device=bs.device) if (need_w and bs is not None) else None
-    return dx, dw, db
-
-
-def _finish_grads(dx, dw, db, ws, bs):
-    return dx, None if dw is None else dw.to(ws.dtype), None if db is None else db.to(bs.dtype)
 
 
 class FastTopK(torch.autograd.Function):
@@ -261,7 +246,7 @@ class FastTopK(torch.autograd.Function):
         n = xs.shape[0]
         valid = torch.isfinite(lp)
         precompute = any(need) and plan.reduction != "none"
-        grads = _alloc_grads(xs, ws, bs, plan, need[0], need[1] or need[2]) if precompute else (None,) * 3
+        grads = alloc_grads(xs, ws, bs, plan.dw_fp32, need[0], need[1] or need[2]) if precompute else (None,) * 3
         red = ck.reduction_scale(mask, plan.reduction) if precompute else None
         blocks = []
         for r0, r1 in _blocks(n, plan.row_chunk):
@@ -282,7 +267,7 @@ class FastTopK(torch.autograd.Function):
         out = tuple(ck.reduce_rows(r, mask, plan.reduction, (n,)) for r in per_row)
         ctx.cfg, ctx.plan, ctx.precompute = cfg, plan, precompute
         if precompute:
-            ctx.grads = _finish_grads(*grads, ws, bs)
+            ctx.grads = finish_grads(*grads, ws, bs)
             ctx.save_for_backward()
         else:
             ctx.rows = rows
@@ -294,10 +279,7 @@ class FastTopK(torch.autograd.Function):
     def backward(ctx, grad_total, _gkd, _gce):
         need = ctx.needs_input_grad
         if ctx.precompute:
-            dx, dw, db = ctx.grads
-            ctx.grads = None  # let autograd take the buffers as .grad without a copy
-            if not _is_one(grad_total):
-                dx, dw, db = (None if g is None else g * grad_total.to(g.dtype) for g in (dx, dw, db))
+            dx, dw, db = take_precomputed_grads(ctx, grad_total)
         else:
             dx, dw, db = _recomputed_grads(ctx, grad_total)
         return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None,
@@ -308,12 +290,9 @@ def _recomputed_grads(ctx, grad_total):
     xs, ws, bs, ids, lp, labels, mask = ctx.saved_tensors
     cfg, plan, rows = ctx.cfg, ctx.plan, ctx.rows
     n = xs.shape[0]
-    if plan.reduction == "none":
-        upstream = grad_total.to(F32)
-    else:
-        upstream = (ck.reduction_scale(mask, plan.reduction) * grad_total.to(F32)).expand(n)
+    upstream = row_upstream(grad_total, mask, plan.reduction, n)
     need = ctx.needs_input_grad
-    dx, dw, db = _alloc_grads(xs, ws, bs, plan, need[0], need[1] or need[2])
+    dx, dw, db = alloc_grads(xs, ws, bs, plan.dw_fp32, need[0], need[1] or need[2])
     valid = torch.isfinite(lp)
     for r0, r1 in _blocks(n, plan.row_chunk):
         z = linear_logits(xs[r0:r1], ws, bs, F32)
@@ -322,7 +301,7 @@ def _recomputed_grads(ctx, grad_total):
                        mask[r0:r1], upstream[r0:r1], _slice_rows(rows, r0, r1), cfg,
                        None if dx is None else dx[r0:r1], dw, db, r0 == 0)
         del z
-    return _finish_grads(dx, dw, db, ws, bs)
+    return finish_grads(dx, dw, db, ws, bs)
 
 
 def fast_topk(xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig, reduction: str,
