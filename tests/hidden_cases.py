@@ -40,7 +40,7 @@ CLOSE_NOISE = 0.01
 FLOOR_ULPS = 4.0
 
 # Options of the loss that are not options of the reference (backend/implementation choices).
-_IMPL_ONLY = ("backend", "chunk_V", "mode", "memory_budget", "return_parts")
+_IMPL_ONLY = ("backend", "chunk_V", "mode", "memory_budget", "grad_filter", "return_parts")
 
 
 @dataclass(frozen=True)

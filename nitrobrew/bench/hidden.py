@@ -13,6 +13,8 @@ every method (design §8): forward_kl fwd+bwd (gradients to xs and ws) of
   nitrobrew torch       nitrobrew.hidden_loss(backend="torch") (vocab-chunked PyTorch)
   nitrobrew fast        nitrobrew.hidden_loss(backend="triton", mode="fast")
   nitrobrew const-mem   nitrobrew.hidden_loss(backend="triton", mode="constant_memory")
+  ... + filter          the same two with grad_filter=True (not in the default set: its gain
+                        depends on the data; measure it with --time-regime peaked)
 
 Columns: ms = median fwd+bwd wall time (CUDA events; perf_counter on CPU) after warm-up;
 x floor = ms / the gemm floor's ms at the same N; peak MiB = peak allocated memory during one
@@ -61,8 +63,11 @@ METHODS: Dict[str, str] = {
     "torch": "nitrobrew torch",
     "fast": "nitrobrew fast",
     "const-mem": "nitrobrew const-mem",
+    "fast-filter": "nitrobrew fast + filter",
+    "const-filter": "nitrobrew const-mem + filter",
 }
-NITROBREW = ("torch", "fast", "const-mem")
+NITROBREW = ("torch", "fast", "const-mem", "fast-filter", "const-filter")
+OPT_IN = ("fast-filter", "const-filter")  # run only when named in --methods
 DIVERGENCES = tuple(dv.DIVERGENCE_IDS)
 PARAMS = {"jsd": 0.5, "skew_kl": 0.1, "skew_reverse_kl": 0.1}
 REGIMES = ("random", "peaked", "close")
@@ -212,8 +217,9 @@ def teacher_entropy(d: Data, rows: int) -> float:
 def _nitro_call(key: str, chunk_v: Optional[int]):
     import nitrobrew
 
-    backend, mode = {"torch": ("torch", None), "fast": ("triton", "fast"),
-                     "const-mem": ("triton", "constant_memory")}[key]
+    backend, mode = {"torch": ("torch", None), "fast": ("triton", "fast"), "fast-filter": ("triton", "fast"),
+                     "const-mem": ("triton", "constant_memory"), "const-filter": ("triton", "constant_memory")}[key]
+    grad_filter = key in ("fast-filter", "const-filter")
 
     def call(xs, xt, ws, wt, labels, divergence, temperature):
         kw = {}
@@ -222,7 +228,7 @@ def _nitro_call(key: str, chunk_v: Optional[int]):
         if divergence in ("skew_kl", "skew_reverse_kl"):
             kw["alpha"] = PARAMS[divergence]
         return nitrobrew.hidden_loss(xs, xt, ws, wt, divergence=divergence, temperature=temperature,
-                                     backend=backend, mode=mode, chunk_V=chunk_v, **kw)
+                                     backend=backend, mode=mode, chunk_V=chunk_v, grad_filter=grad_filter, **kw)
 
     return call
 
@@ -256,7 +262,7 @@ def unavailable(key: str, device: torch.device, explicit: bool) -> Optional[str]
         return bl.liger_unavailable(device, fused=key == "liger-fused")
     if key == "cce":
         return bl.cce_unavailable(device)
-    if key in ("fast", "const-mem"):
+    if key in ("fast", "const-mem", "fast-filter", "const-filter"):
         if device.type != "cuda" and not (explicit and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
             return "needs CUDA (TRITON_INTERPRET=1 with --methods fast/const-mem forces it)"
         try:
@@ -411,7 +417,7 @@ def _run(args) -> int:
     divs = _divergences(args.divergences)
     regimes = _regimes(args.regimes)
     explicit = args.methods is not None
-    keys = list(dict.fromkeys(args.methods)) if explicit else list(METHODS)
+    keys = list(dict.fromkeys(args.methods)) if explicit else [k for k in METHODS if k not in OPT_IN]
     T = float(args.temperature)
 
     env = environment()

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 
 from .. import _checks as ck
 from .. import divergences as dv
+from . import grad_filter as gf
 from .config import LossConfig
+from .custom_op import compiled_distill
 
 
 class DistillOutput(NamedTuple):
@@ -128,6 +130,7 @@ def hidden_loss(
     backend: str = "auto",
     mode: Optional[str] = None,
     memory_budget: Optional[int] = None,
+    grad_filter: Union[bool, float] = False,
     return_parts: bool = False,
     process_group=None,
 ):
@@ -142,7 +145,8 @@ def hidden_loss(
             xs, xt, ws, wt, process_group=process_group, divergence=divergence, beta=beta, alpha=alpha,
             labels=labels, ignore_index=ignore_index, temperature=temperature, reduction=reduction,
             chunk_V=chunk_V, vocab_size=vocab_size, bs=bs, bt=bt, kd_weight=kd_weight, ce_weight=ce_weight,
-            scale_t2=scale_t2, backend=backend, mode=mode, memory_budget=memory_budget, return_parts=return_parts,
+            scale_t2=scale_t2, backend=backend, mode=mode, memory_budget=memory_budget, grad_filter=grad_filter,
+            return_parts=return_parts,
         )
     if divergence == "jsd":
         ck.check_unit_interval("beta", beta)
@@ -151,18 +155,27 @@ def hidden_loss(
     name, param = dv.canonical(divergence, beta if divergence == "jsd" else alpha)
     V = _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction, chunk_V,
                   kd_weight, ce_weight, ignore_index, backend, mode, memory_budget)
+    gf.check_grad_filter(grad_filter)
     impl = ck.resolve_backend(backend, xs.device)
 
     lead = xs.shape[:-1]
     x_s, x_t, ws, wt, bs, bt, ce_labels, mask = prepare_rows(xs, xt, ws, wt, bs, bt, labels, ignore_index,
                                                             ce_weight, V)
-    cfg = LossConfig.build(name, param, temperature, kd_weight, ce_weight, scale_t2, chunk_V)
-    if impl == "triton" and xs.dtype != torch.float64:
+    cfg = LossConfig.build(name, param, temperature, kd_weight, ce_weight, scale_t2, chunk_V,
+                           gf.resolve_eps(grad_filter, xs.dtype))
+    if cfg.filter_eps is not None:
+        gf.check_not_capturing(xs.device)
+    use_triton = impl == "triton" and xs.dtype != torch.float64  # float64 always takes the PyTorch path
+    if torch.compiler.is_compiling():
+        # one registered op with a registered backward: the traced step keeps a single graph
+        out = compiled_distill(x_s, x_t, ws, wt, bs, bt, ce_labels, mask, cfg, "triton" if use_triton else "torch",
+                               reduction, mode, memory_budget)
+    elif use_triton:
         # the Triton path reduces inside its autograd Function (it forms gradients in the forward)
         from .triton_dispatch import triton_distill
 
         out = triton_distill(x_s, x_t, ws, wt, bs, bt, ce_labels, mask, cfg, reduction, mode, memory_budget)
-    else:  # float64 inputs always take the PyTorch path: the Triton kernels compute in float32
+    else:
         from .chunked import chunked_rows
 
         rows = chunked_rows(x_s, x_t, ws, wt, bs, bt, ce_labels, mask, cfg)
@@ -193,6 +206,11 @@ _COMMON_DOC = """
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "torch" or "triton".
         mode, memory_budget: Triton only: "fast" (token-chunked, default) or
             "constant_memory"; memory_budget in bytes for the fast mode's logit slabs.
+        grad_filter: True (threshold finfo(dtype).eps / 32, 2^-12 for bf16) or a threshold in
+            (0, 1): vocab entries whose logit gradient is below threshold x the row's largest
+            possible entry in every row of a block skip the dX/dW products (faster on peaked
+            distributions; those entries are dropped). One host sync per slab, so not inside a
+            CUDA graph capture. Default False: exact gradients.
         return_parts: return ``DistillOutput(loss, kd, ce)`` instead of the loss alone: ``kd``
             is the divergence and ``ce`` the cross-entropy, each reduced like the loss and
             without weights (detached), so loss = kd_weight * [T^2] * kd + ce_weight * ce.

@@ -16,6 +16,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from .. import divergences as dv
+from . import grad_filter as gf
 from .._ops import compute_dtype, linear_logits
 from .config import LossConfig, auto_chunk_v
 
@@ -69,6 +70,11 @@ class RowStats:
     sum_u: Tensor            # sum_j dD/dlog q_j
     kd: Tensor               # divergence per row
     ce: Optional[Tensor]     # cross-entropy per row
+
+    def rows(self, r0: int, r1: int) -> "RowStats":
+        """The statistics of rows [r0, r1)."""
+        return RowStats(*(None if v is None else v[r0:r1]
+                          for v in (self.lse_s, self.lse_t, self.lse_z, self.sum_u, self.kd, self.ce)))
 
 
 def vocab_chunks(vocab: int, chunk: int) -> Iterator[Tuple[int, int]]:
@@ -205,11 +211,21 @@ def backward_chunks(xs, xt, ws, wt, bs, bt, labels, st, cfg, kd_scale, ce_scale,
     dw = torch.empty_like(ws) if need_w else None
     db = torch.empty_like(bs) if (bs is not None and need_w) else None
     xs_acc = xs.to(acc)
+    thr = None
+    if cfg.filter_eps is not None:
+        gf.check_not_capturing(xs.device)
+        thr = gf.row_thresholds(kd_scale, ce_scale, cfg.temperature, cfg.filter_eps)[:, None]
     for c0, c1 in vocab_chunks(V, chunk):
         z = chunk_logits(xs, ws, bs, c0, c1, acc)
         t = chunk_logits(xt, wt, bt, c0, c1, acc) / cfg.temperature
         g = grad_chunk(z, t, None if labels is None else labels - lo, st, cfg, kd_scale, ce_scale, c0)
-        head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx, dw, db)
+        idx = None if thr is None else gf.compacted((g.abs() > thr).any(0))
+        if idx is None:
+            head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx, dw, db)
+            continue
+        gf.add_column_grads(g, idx, xs_acc, ws[c0:c1], dx, None if dw is None else dw[c0:c1], first=True)
+        if db is not None:
+            db[c0:c1] = g.sum(0).to(db.dtype)
     return dx, dw, db
 
 

@@ -13,12 +13,15 @@ class LossConfig:
     kd_weight: float         # multiplies the divergence (T^2 already folded in when asked for)
     ce_weight: float         # multiplies the hard-label cross-entropy at temperature 1
     chunk_V: Optional[int]   # vocab chunk; None = automatic
+    filter_eps: Optional[float] = None  # gradient filter threshold (grad_filter.py); None = off
 
     @classmethod
-    def build(cls, divergence, param, temperature, kd_weight, ce_weight, scale_t2, chunk_V) -> "LossConfig":
+    def build(cls, divergence, param, temperature, kd_weight, ce_weight, scale_t2, chunk_V,
+              filter_eps: Optional[float] = None) -> "LossConfig":
         """From the public options: T^2 (scale_t2) is folded into kd_weight."""
         return cls(divergence, param, float(temperature),
-                   float(kd_weight) * (temperature**2 if scale_t2 else 1.0), float(ce_weight), chunk_V)
+                   float(kd_weight) * (temperature**2 if scale_t2 else 1.0), float(ce_weight), chunk_V,
+                   filter_eps)
 
     @property
     def with_ce(self) -> bool:

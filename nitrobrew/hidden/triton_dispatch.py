@@ -19,6 +19,7 @@ import torch
 from .. import _checks as ck
 from .. import divergences as dv
 from .._ops import linear_logits, mm_acc
+from . import grad_filter as gf
 from . import triton_rows as tr
 from .chunked import FirstPass, Online, RowStats, combine_rows, finish_stats, row_scales, vocab_chunks
 from .config import LossConfig
@@ -113,25 +114,39 @@ def block_grads(xs, xt, ws, wt, bs, bt, labels, rs, kd_scale, ce_scale, cfg, vch
     first block of rows) and db."""
     V = ws.shape[0]
     rowvals = _rowvals(rs)
-    dx_acc = None if vchunk >= V else torch.zeros(xs.shape, dtype=F32, device=xs.device)
+    filtering = cfg.filter_eps is not None
+    if filtering:
+        gf.check_not_capturing(xs.device)
+    dx_acc = None if (vchunk >= V and not filtering) else torch.zeros(xs.shape, dtype=F32, device=xs.device)
     for v0, v1 in vocab_chunks(V, vchunk):
         z, t = slabs if slabs is not None else _slabs(xs, xt, ws, wt, bs, bt, v0, v1, cfg)
         g = _grad_buffer(z, t, xs.dtype)
-        tr.launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, v0, cfg)
-        if dx_out is not None:
-            if dx_acc is None and dx_out.dtype == g.dtype:
-                torch.mm(g, ws[v0:v1], out=dx_out)  # g has the heads' dtype: cuBLAS, fp32 accumulate
-            elif dx_acc is None:
-                dx_out.copy_(mm_acc(g, ws[v0:v1], dx_out.dtype))
-            else:
-                dx_acc += mm_acc(g, ws[v0:v1], F32)
-        if dw is not None:
-            accumulate_dw(dw[v0:v1], g, xs, first_rows)
+        active = torch.zeros(v1 - v0, dtype=torch.int8, device=xs.device) if filtering else None
+        tr.launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, v0, cfg, active)
+        idx = gf.compacted(active) if filtering else None
+        w_chunk, dw_chunk = ws[v0:v1], None if dw is None else dw[v0:v1]
+        if idx is not None:
+            gf.add_column_grads(g, idx, xs, w_chunk, dx_acc if dx_out is not None else None, dw_chunk, first_rows)
+        else:
+            _all_column_grads(g, xs, w_chunk, dx_out, dx_acc, dw_chunk, first_rows)
         if db is not None:
             db[v0:v1] += g.sum(0, dtype=F32)
         del z, t, g
     if dx_acc is not None and dx_out is not None:
         dx_out.copy_(dx_acc)
+
+
+def _all_column_grads(g, xs, w, dx_out, dx_acc, dw, first: bool) -> None:
+    """dX (written to dx_out, or added to the fp32 dx_acc) and dW of one gradient slab."""
+    if dx_out is not None:
+        if dx_acc is None and dx_out.dtype == g.dtype:
+            torch.mm(g, w, out=dx_out)  # g has the heads' dtype: cuBLAS, fp32 accumulate
+        elif dx_acc is None:
+            dx_out.copy_(mm_acc(g, w, dx_out.dtype))
+        else:
+            dx_acc += mm_acc(g, w, F32)
+    if dw is not None:
+        accumulate_dw(dw, g, xs, first)
 
 
 def accumulate_dw(dw: torch.Tensor, g: torch.Tensor, xs: torch.Tensor, first: bool) -> None:
@@ -144,32 +159,53 @@ def accumulate_dw(dw: torch.Tensor, g: torch.Tensor, xs: torch.Tensor, first: bo
         dw += mm_acc(g.t(), xs, dw.dtype)
 
 
+def distill_forward(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool):
+    """Reduced (total, kd, ce), the gradients (dx, dw, db) when they are formed here (fast mode,
+    scalar reduction, need_grad) else None, and the row statistics the backward needs otherwise."""
+    n = xs.shape[0]
+    precompute = need_grad and plan.mode == "fast" and plan.reduction != "none"
+    grads = alloc_grads(xs, ws, bs, plan.dw_fp32) if precompute else None
+    red = ck.reduction_scale(mask, plan.reduction) if precompute else None
+    stats = []
+    for r0 in range(0, n, plan.row_chunk):
+        r1 = min(r0 + plan.row_chunk, n)
+        lab = None if labels is None else labels[r0:r1]
+        rs, slabs = block_stats(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, lab, cfg, plan.vocab_chunk)
+        stats.append(rs)
+        if precompute:
+            kd_scale, ce_scale = row_scales(red.expand(r1 - r0), mask[r0:r1], cfg)
+            block_grads(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, lab, rs, kd_scale, ce_scale, cfg,
+                        plan.vocab_chunk, grads[0][r0:r1], grads[1], grads[2], r0 == 0, slabs)
+        del slabs
+    rs = _concat_stats(stats, xs)
+    rows = combine_rows(rs, mask, cfg)
+    out = tuple(ck.reduce_rows(r, mask, plan.reduction, (n,)) for r in rows)
+    return out, (finish_grads(*grads, ws, bs) if precompute else None), rs
+
+
+def distill_backward(xs, xt, ws, wt, bs, bt, labels, mask, rs: RowStats, cfg: LossConfig, plan: Plan, grad_total):
+    """(dx, dw, db) recomputing the slabs from the row statistics of the forward."""
+    n = xs.shape[0]
+    kd_scale, ce_scale = row_scales(row_upstream(grad_total, mask, plan.reduction, n), mask, cfg)
+    dx, dw, db = alloc_grads(xs, ws, bs, plan.dw_fp32)
+    for r0 in range(0, n, plan.row_chunk):
+        r1 = min(r0 + plan.row_chunk, n)
+        sub = rs.rows(r0, r1)
+        block_grads(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, None if labels is None else labels[r0:r1], sub,
+                    kd_scale[r0:r1].contiguous(), ce_scale[r0:r1].contiguous(), cfg, plan.vocab_chunk,
+                    dx[r0:r1], dw, db, r0 == 0)
+    return finish_grads(dx, dw, db, ws, bs)
+
+
 class TritonDistill(torch.autograd.Function):
     """Reduced (total, kd, ce); gradients to xs, ws, bs."""
 
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool):
-        n, V = xs.shape[0], ws.shape[0]
-        precompute = need_grad and plan.mode == "fast" and plan.reduction != "none"
-        grads = alloc_grads(xs, ws, bs, plan.dw_fp32) if precompute else None
-        red = ck.reduction_scale(mask, plan.reduction) if precompute else None
-        stats = []
-        for r0 in range(0, n, plan.row_chunk):
-            r1 = min(r0 + plan.row_chunk, n)
-            lab = None if labels is None else labels[r0:r1]
-            rs, slabs = block_stats(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, lab, cfg, plan.vocab_chunk)
-            stats.append(rs)
-            if precompute:
-                kd_scale, ce_scale = row_scales(red.expand(r1 - r0), mask[r0:r1], cfg)
-                block_grads(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, lab, rs, kd_scale, ce_scale, cfg,
-                            plan.vocab_chunk, grads[0][r0:r1], grads[1], grads[2], r0 == 0, slabs)
-            del slabs
-        rs = _concat_stats(stats, xs)
-        rows = combine_rows(rs, mask, cfg)
-        out = tuple(ck.reduce_rows(r, mask, plan.reduction, (n,)) for r in rows)
-        ctx.cfg, ctx.plan, ctx.precompute = cfg, plan, precompute
-        if precompute:
-            ctx.grads = finish_grads(*grads, ws, bs)
+        out, grads, rs = distill_forward(xs, xt, ws, wt, bs, bt, labels, mask, cfg, plan, need_grad)
+        ctx.cfg, ctx.plan, ctx.precompute = cfg, plan, grads is not None
+        if grads is not None:
+            ctx.grads = grads
             ctx.save_for_backward()
         else:
             ctx.stats = rs
@@ -183,7 +219,7 @@ class TritonDistill(torch.autograd.Function):
         if ctx.precompute:
             dx, dw, db = take_precomputed_grads(ctx, grad_total)
         else:
-            dx, dw, db = _deferred_grads(ctx, grad_total)
+            dx, dw, db = distill_backward(*ctx.saved_tensors, ctx.stats, ctx.cfg, ctx.plan, grad_total)
         return (dx if need[0] else None, None, dw if need[2] else None, None,
                 db if need[4] else None, None, None, None, None, None, None)
 
@@ -231,21 +267,6 @@ def _concat_stats(stats, xs) -> RowStats:
         return stats[0]
     cat = lambda name: None if getattr(stats[0], name) is None else torch.cat([getattr(s, name) for s in stats])
     return RowStats(*(cat(k) for k in ("lse_s", "lse_t", "lse_z", "sum_u", "kd", "ce")))
-
-
-def _deferred_grads(ctx, grad_total):
-    xs, xt, ws, wt, bs, bt, labels, mask = ctx.saved_tensors
-    cfg, plan, rs = ctx.cfg, ctx.plan, ctx.stats
-    n = xs.shape[0]
-    kd_scale, ce_scale = row_scales(row_upstream(grad_total, mask, plan.reduction, n), mask, cfg)
-    dx, dw, db = alloc_grads(xs, ws, bs, plan.dw_fp32)
-    for r0 in range(0, n, plan.row_chunk):
-        r1 = min(r0 + plan.row_chunk, n)
-        sub = RowStats(*(None if v is None else v[r0:r1] for v in (rs.lse_s, rs.lse_t, rs.lse_z, rs.sum_u, rs.kd, rs.ce)))
-        block_grads(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, None if labels is None else labels[r0:r1], sub,
-                    kd_scale[r0:r1].contiguous(), ce_scale[r0:r1].contiguous(), cfg, plan.vocab_chunk,
-                    dx[r0:r1], dw, db, r0 == 0)
-    return finish_grads(dx, dw, db, ws, bs)
 
 
 def triton_distill(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, reduction: str,
@@ -298,8 +319,7 @@ class TritonLocal:
         dw = torch.empty_like(ws) if need_w else None
         db = torch.zeros(bs.shape, dtype=F32, device=bs.device) if (need_w and bs is not None) else None
         for r0, r1 in self._row_blocks(xs.shape[0]):
-            sub = RowStats(*(None if v is None else v[r0:r1] for v in
-                             (rs.lse_s, rs.lse_t, rs.lse_z, rs.sum_u, rs.kd, rs.ce)))
+            sub = rs.rows(r0, r1)
             block_grads(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, None if labels is None else labels[r0:r1], sub,
                         kd_scale[r0:r1].float().contiguous(), ce_scale[r0:r1].float().contiguous(), cfg,
                         self.plan.vocab_chunk, dx[r0:r1], dw, db, r0 == 0)

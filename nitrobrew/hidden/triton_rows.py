@@ -168,10 +168,13 @@ def stats_kernel(
 @triton.jit
 def grad_kernel(
     z_ptr, t_ptr, g_ptr, stride_z, stride_t, stride_g, rowvals_ptr, kd_scale_ptr, ce_scale_ptr,
-    labels_ptr, n_cols, col_offset, inv_temp, param, log_a, log_1ma,
-    DIVERGENCE: tl.constexpr, WITH_CE: tl.constexpr, BLOCK_V: tl.constexpr,
+    labels_ptr, active_ptr, n_cols, col_offset, inv_temp, param, log_a, log_1ma, filter_eps,
+    DIVERGENCE: tl.constexpr, WITH_CE: tl.constexpr, FILTER: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """g = kd_scale/T * (u - q * sum_u) + ce_scale * (softmax(z) - onehot(label)), per entry.
+
+    FILTER: marks active[j] = 1 where |g_j| > filter_eps * (|kd_scale|/T + |ce_scale|) (see
+    grad_filter.py); every writer writes the same 1, so plain stores suffice.
 
     g may alias the t slab (a 16-bit g written over fp32 t of the same row): the barrier makes every
     warp finish with a tile's loads before any warp stores it, and a tile's store only reaches
@@ -208,6 +211,9 @@ def grad_kernel(
             g += tl.where(ce_scale != 0.0, ce_g, 0.0)
         tl.debug_barrier()  # g may alias t: every warp has used its loads of this tile before any store
         tl.store(g_row + idx, g.to(g_ptr.dtype.element_ty), mask=valid)
+        if FILTER:
+            thr = _f32(filter_eps) * (tl.abs(kd_scale) + tl.abs(ce_scale))
+            tl.store(active_ptr + idx, tl.full([BLOCK_V], 1, tl.int8), mask=valid & (tl.abs(g) > thr))
 
 
 def _math_args(cfg: LossConfig):
@@ -248,7 +254,10 @@ def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no:
     )
 
 
-def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, cfg: LossConfig) -> None:
+def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, cfg: LossConfig,
+                active=None) -> None:
+    """Write the gradient slab g; with `active` (int8 [C], zeros) also mark the columns that pass
+    the gradient filter cfg.filter_eps."""
     rows, n_cols = z.shape
     if rows == 0:
         return
@@ -257,7 +266,8 @@ def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, c
     grad_kernel[(rows,)](
         z, t, g, z.stride(0), t.stride(0), g.stride(0), rowvals, kd_scale,
         ce_scale if with_ce else kd_scale, labels if with_ce else kd_scale,
-        n_cols, col_offset, inv_temp, a, log_a, log_1ma,
-        DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence], WITH_CE=with_ce,
+        active if active is not None else kd_scale,
+        n_cols, col_offset, inv_temp, a, log_a, log_1ma, cfg.filter_eps or 0.0,
+        DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence], WITH_CE=with_ce, FILTER=active is not None,
         BLOCK_V=_block(n_cols), num_warps=NUM_WARPS,
     )

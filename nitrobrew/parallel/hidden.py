@@ -24,6 +24,7 @@ from .. import _checks as ck
 from .. import divergences as dv
 from .._ops import compute_dtype
 from ..hidden.chunked import RowStats, TorchLocal, combine_rows, finish_stats, row_scales
+from ..hidden import grad_filter as gf
 from ..hidden.config import LossConfig
 from .comm import (all_reduce, checked_exchange, comm_device, fingerprint, group_rank_world, ids_summary,
                    offsets_from_sizes, require_initialized, same_everywhere)
@@ -229,7 +230,7 @@ def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabL
 def parallel_hidden_loss(xs, xt, ws, wt, *, process_group=None, divergence="forward_kl", beta=0.5, alpha=0.1,
                          labels=None, ignore_index=-100, temperature=1.0, reduction="mean", chunk_V=None,
                          vocab_size=None, bs=None, bt=None, kd_weight=1.0, ce_weight=0.0, scale_t2=False,
-                         backend="auto", mode=None, memory_budget=None, return_parts=False):
+                         backend="auto", mode=None, memory_budget=None, grad_filter=False, return_parts=False):
     """``hidden_loss`` over a vocabulary split across the ranks of ``process_group``.
 
     ws, wt (and bs, bt) hold this rank's contiguous block of the vocabulary (rank r of the group the
@@ -249,14 +250,16 @@ def parallel_hidden_loss(xs, xt, ws, wt, *, process_group=None, divergence="forw
                 ce_weight=ce_weight, scale_t2=scale_t2, backend=backend)
     if group is None:  # replicated DTensors: an ordinary single-process call on the local tensors
         return hidden_loss(xs, xt, ws, wt, labels=labels, bs=bs, bt=bt, mode=mode, memory_budget=memory_budget,
-                           return_parts=return_parts, **opts)
+                           grad_filter=grad_filter, return_parts=return_parts, **opts)
     layout, name, param = negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts)
 
     lead = xs.shape[:-1]
     # labels become ids into this rank's block: rows whose label lives on another rank fall outside
     x_s, x_t, ws, wt, bs, bt, local_labels, mask = prepare_rows(xs, xt, ws, wt, bs, bt, labels, ignore_index,
                                                                ce_weight, layout.used, layout.offset)
-    cfg = LossConfig.build(name, param, temperature, kd_weight, ce_weight, scale_t2, chunk_V)
+    gf.check_grad_filter(grad_filter)
+    cfg = LossConfig.build(name, param, temperature, kd_weight, ce_weight, scale_t2, chunk_V,
+                           gf.resolve_eps(grad_filter, xs.dtype))
     local = local_impl(x_s, ws, cfg, backend, memory_budget)
     if not isinstance(local, TorchLocal) and x_t.dtype != x_s.dtype:  # the row kernels take one dtype
         x_t, wt = x_t.to(x_s.dtype), wt.to(x_s.dtype)

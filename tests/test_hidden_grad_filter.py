@@ -1,0 +1,129 @@
+"""Gradient filtering (``grad_filter``): exactly the documented columns are dropped, nothing else.
+
+The expectation is built in float64 from the reference's logit gradient G: per slab (a block of
+rows x a vocab chunk, as the backend plans them) the columns with some |G_ij| > eps * s_i are
+kept, the others zeroed, unless more than half are kept (then the slab is not filtered); then
+dX = G' W, dW = G'^T X, db = G summed (the bias gradient is never filtered). The threshold is
+large (eps = 0.02) so that the dropped part is far above the tolerance: a filter that drops
+nothing, or the wrong columns, fails.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import nitrobrew as nb
+from nitrobrew.hidden import grad_filter as gf
+from nitrobrew.hidden import reference_loss
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+V, N, DS, DT = 301, 13, 24, 17
+EPS = 0.02
+# backend, options, rows per block, vocab chunk (as the plans choose them for these budgets)
+SETUPS = {
+    "torch": ("torch", dict(chunk_V=80), N, 80),
+    "triton-fast": ("triton", dict(mode="fast", memory_budget=8 * V * 5), 5, V),
+    "triton-const": ("triton", dict(chunk_V=80, memory_budget=2 * (8 * 80 + 4 * DS)), 2, 80),
+}
+CASES = {
+    "fkl_mean": dict(divergence="forward_kl"),
+    "jsd_sum_T": dict(divergence="jsd", beta=0.3, reduction="sum", temperature=1.7),
+    "rkl_ce_bias": dict(divergence="reverse_kl", ce_weight=0.5, bias=True),
+}
+
+
+def _inputs(seed: int, bias: bool):
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(N, DS, generator=g)
+    xt = torch.randn(N, DT, generator=g)
+    ws = torch.randn(V, DS, generator=g) * (5.0 / DS**0.5)  # logits of std 5: peaked rows
+    wt = torch.randn(V, DT, generator=g) * (5.0 / DT**0.5)
+    bs = torch.randn(V, generator=g) if bias else None
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[::4] = -100
+    return xs, xt, ws, wt, bs, labels
+
+
+def _expected(xs, xt, ws, wt, bs, labels, opts, rows: int, chunk: int):
+    """(dX, dW, db) of the filtered gradient, and how many slabs were filtered."""
+    d = torch.float64
+    ref_opts = dict(opts)
+    ref_opts["param"] = ref_opts.pop("beta", 0.0)
+    z = xs.to(d) @ ws.to(d).t() + (0.0 if bs is None else bs.to(d))
+    t = xt.to(d) @ wt.to(d).t()
+    eye = torch.eye(N, dtype=d)
+    zt = z.t().clone().requires_grad_()  # the reference with identity hidden states: its head is the logits
+    reference_loss(eye, eye, zt, t.t(), labels=labels, **ref_opts).backward()
+    grad = zt.grad.t()
+    mask = (labels != -100).to(d)
+    red = 1.0 / mask.sum() if opts.get("reduction", "mean") == "mean" else 1.0
+    thr = EPS * mask * red * (1.0 / opts.get("temperature", 1.0) + opts.get("ce_weight", 0.0))
+    keep = torch.ones_like(grad)
+    filtered = 0
+    for r0 in range(0, N, rows):
+        for c0 in range(0, V, chunk):
+            blk = grad[r0:r0 + rows, c0:c0 + chunk]
+            active = (blk.abs() > thr[r0:r0 + rows, None]).any(0)
+            if 2 * int(active.sum()) <= active.numel():
+                keep[r0:r0 + rows, c0:c0 + chunk] = active.to(d)
+                filtered += 1
+    kept = grad * keep
+    return (kept @ ws.to(d), kept.t() @ xs.to(d), grad.sum(0)), (grad @ ws.to(d), grad.t() @ xs.to(d)), filtered
+
+
+def _rel(a, b):
+    return float((a.double() - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_filtered_gradients_drop_exactly_the_small_columns(setup, case):
+    backend, impl_opts, rows, chunk = SETUPS[setup]
+    if backend == "triton" and not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 on CPU")
+    opts = dict(CASES[case])
+    bias = opts.pop("bias", False)
+    xs, xt, ws, wt, bs, labels = _inputs(3, bias)
+    (dx_e, dw_e, db_e), (dx_full, dw_full), filtered = _expected(xs, xt, ws, wt, bs, labels, opts, rows, chunk)
+    assert filtered > 0  # the case exercises the filter
+    xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+    bs_ = None if bs is None else bs.clone().requires_grad_()
+    loss = nb.hidden_loss(xs_, xt, ws_, wt, bs=bs_, labels=labels, backend=backend, grad_filter=EPS,
+                          **opts, **impl_opts)
+    loss.backward()
+    for got, exp, full in ((xs_.grad, dx_e, dx_full), (ws_.grad, dw_e, dw_full)):
+        assert _rel(got, exp) < 1e-4
+        assert _rel(full.float(), exp) > 1e-2  # the dropped part is far above the tolerance
+    if bias:
+        assert _rel(bs_.grad, db_e) < 1e-4
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_tiny_threshold_changes_nothing(setup):
+    backend, impl_opts, _, _ = SETUPS[setup]
+    if backend == "triton" and not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 on CPU")
+    xs, xt, ws, wt, _, labels = _inputs(4, False)
+    grads = []
+    for grad_filter in (False, 1e-30):
+        xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+        nb.jsd(xs_, xt, ws_, wt, labels=labels, backend=backend, grad_filter=grad_filter, **impl_opts).backward()
+        grads.append((xs_.grad, ws_.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_default_threshold_follows_the_dtype():
+    assert gf.resolve_eps(True, torch.bfloat16) == 2.0**-12
+    assert gf.resolve_eps(True, torch.float16) == 2.0**-15
+    assert gf.resolve_eps(False, torch.bfloat16) is None
+    assert gf.resolve_eps(1e-3, torch.float32) == 1e-3
+
+
+@pytest.mark.parametrize("bad", [-1.0, 0.0, 1.0, 2.5, "yes", float("nan")])
+def test_bad_grad_filter_raises(bad):
+    xs, xt, ws, wt, _, _ = _inputs(5, False)
+    with pytest.raises(ValueError, match="grad_filter"):
+        nb.forward_kl(xs, xt, ws, wt, grad_filter=bad)
