@@ -234,7 +234,8 @@ def _block(n_cols: int) -> int:
 
 def new_state(n: int, device) -> torch.Tensor:
     st = torch.zeros(n, NSTATE, dtype=torch.float32, device=device)
-    st[:, [M_S, M_T, M_Z]] = float("-inf")
+    for col in (M_S, M_T, M_Z):  # column by column: a list index would be a host-to-device copy (no CUDA graphs)
+        st[:, col] = float("-inf")
     return st
 
 
