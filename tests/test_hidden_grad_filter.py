@@ -1,10 +1,11 @@
 """Gradient filtering (``grad_filter``): exactly the documented columns are dropped, nothing else.
 
 The expectation is built in float64 from the reference's logit gradient G: per slab (a block of
-rows x a vocab chunk, as the backend plans them) the columns with some |G_ij| > eps * s_i are
-kept, the others zeroed, unless more than half are kept (then the slab is not filtered); then
+rows x a vocab chunk, as the backend plans them) the columns with some |G_ij| > eps * (row i's
+largest |G_ij'| in the slab) are kept, the others zeroed, unless more than half are kept (then
+the slab is not filtered); then
 dX = G' W, dW = G'^T X, db = G summed (the bias gradient is never filtered). The threshold is
-large (eps = 0.02) so that the dropped part is far above the tolerance: a filter that drops
+large (eps = 0.05) so that the dropped part is far above the tolerance: a filter that drops
 nothing, or the wrong columns, fails.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from nitrobrew.hidden import reference_loss
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 V, N, DS, DT = 301, 13, 24, 17
-EPS = 0.02
+EPS = 0.05
 # backend, options, rows per block, vocab chunk (as the plans choose them for these budgets)
 SETUPS = {
     "torch": ("torch", dict(chunk_V=80), N, 80),
@@ -38,8 +39,8 @@ def _inputs(seed: int, bias: bool):
     g = torch.Generator().manual_seed(seed)
     xs = torch.randn(N, DS, generator=g)
     xt = torch.randn(N, DT, generator=g)
-    ws = torch.randn(V, DS, generator=g) * (5.0 / DS**0.5)  # logits of std 5: peaked rows
-    wt = torch.randn(V, DT, generator=g) * (5.0 / DT**0.5)
+    ws = torch.randn(V, DS, generator=g) * (8.0 / DS**0.5)  # logits of std 8: peaked rows
+    wt = torch.randn(V, DT, generator=g) * (8.0 / DT**0.5)
     bs = torch.randn(V, generator=g) if bias else None
     labels = torch.randint(0, V, (N,), generator=g)
     labels[::4] = -100
@@ -57,15 +58,12 @@ def _expected(xs, xt, ws, wt, bs, labels, opts, rows: int, chunk: int):
     zt = z.t().clone().requires_grad_()  # the reference with identity hidden states: its head is the logits
     reference_loss(eye, eye, zt, t.t(), labels=labels, **ref_opts).backward()
     grad = zt.grad.t()
-    mask = (labels != -100).to(d)
-    red = 1.0 / mask.sum() if opts.get("reduction", "mean") == "mean" else 1.0
-    thr = EPS * mask * red * (1.0 / opts.get("temperature", 1.0) + opts.get("ce_weight", 0.0))
     keep = torch.ones_like(grad)
     filtered = 0
     for r0 in range(0, N, rows):
         for c0 in range(0, V, chunk):
             blk = grad[r0:r0 + rows, c0:c0 + chunk]
-            active = (blk.abs() > thr[r0:r0 + rows, None]).any(0)
+            active = (blk.abs() > EPS * blk.abs().amax(1, keepdim=True)).any(0)
             if 2 * int(active.sum()) <= active.numel():
                 keep[r0:r0 + rows, c0:c0 + chunk] = active.to(d)
                 filtered += 1
@@ -95,7 +93,7 @@ def test_filtered_gradients_drop_exactly_the_small_columns(setup, case):
     loss.backward()
     for got, exp, full in ((xs_.grad, dx_e, dx_full), (ws_.grad, dw_e, dw_full)):
         assert _rel(got, exp) < 1e-4
-        assert _rel(full.float(), exp) > 1e-2  # the dropped part is far above the tolerance
+        assert _rel(full.float(), exp) > 1e-3  # the dropped part is far above the tolerance
     if bias:
         assert _rel(bs_.grad, db_e) < 1e-4
 

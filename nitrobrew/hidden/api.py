@@ -207,10 +207,10 @@ _COMMON_DOC = """
         mode, memory_budget: Triton only: "fast" (token-chunked, default) or
             "constant_memory"; memory_budget in bytes for the fast mode's logit slabs.
         grad_filter: True (threshold finfo(dtype).eps / 32, 2^-12 for bf16) or a threshold in
-            (0, 1): vocab entries whose logit gradient is below threshold x the row's largest
-            possible entry in every row of a block skip the dX/dW products (faster on peaked
-            distributions; those entries are dropped). One host sync per slab, so not inside a
-            CUDA graph capture. Default False: exact gradients.
+            (0, 1): vocab entries whose logit gradient is below threshold x its row's largest
+            entry, in every row of a block, skip the dX/dW products (those entries are dropped;
+            faster on peaked distributions in the fast mode). One host sync per slab, so not
+            inside a CUDA graph capture. Default False: exact gradients.
         return_parts: return ``DistillOutput(loss, kd, ce)`` instead of the loss alone: ``kd``
             is the divergence and ``ce`` the cross-entropy, each reduced like the loss and
             without weights (detached), so loss = kd_weight * [T^2] * kd + ce_weight * ce.

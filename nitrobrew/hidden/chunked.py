@@ -211,15 +211,13 @@ def backward_chunks(xs, xt, ws, wt, bs, bt, labels, st, cfg, kd_scale, ce_scale,
     dw = torch.empty_like(ws) if need_w else None
     db = torch.empty_like(bs) if (bs is not None and need_w) else None
     xs_acc = xs.to(acc)
-    thr = None
     if cfg.filter_eps is not None:
         gf.check_not_capturing(xs.device)
-        thr = gf.row_thresholds(kd_scale, ce_scale, cfg.temperature, cfg.filter_eps)[:, None]
     for c0, c1 in vocab_chunks(V, chunk):
         z = chunk_logits(xs, ws, bs, c0, c1, acc)
         t = chunk_logits(xt, wt, bt, c0, c1, acc) / cfg.temperature
         g = grad_chunk(z, t, None if labels is None else labels - lo, st, cfg, kd_scale, ce_scale, c0)
-        idx = None if thr is None else gf.compacted((g.abs() > thr).any(0))
+        idx = None if cfg.filter_eps is None else gf.compacted(gf.active_columns(g, cfg.filter_eps))
         if idx is None:
             head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx, dw, db)
             continue

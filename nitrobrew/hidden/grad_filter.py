@@ -1,15 +1,18 @@
 """Gradient filtering: vocab columns whose logit gradients are all negligible skip dX and dW.
 
-With ``grad_filter``, column j of a gradient slab (one vocab entry, over one block of rows) takes
-part in dX = G W and dW = G^T X only if some row i of the block has |g_ij| > eps * s_i, where
-s_i = |kd_scale_i| / T + |ce_scale_i| bounds every entry of row i (|q_j - p_j| <= 1 and
-|softmax_j - onehot_j| <= 1, times the row's weights) and eps = finfo(dtype).eps / 32 by default
-(2^-12 for bf16, 2^-15 for fp16, 2^-28 for fp32): an entry below it is under the resolution of the
-input dtype relative to the row's largest possible entry. Peaked distributions (trained LMs) have
-most of the vocabulary far below that, so the two products shrink to the active columns.
+With ``grad_filter``, column j of a gradient slab (one vocab entry, over one block of rows: the
+whole vocabulary in the fast mode, a vocab chunk in the constant-memory mode and the PyTorch
+path) takes part in dX = G W and dW = G^T X only if some row i of the block has
+|g_ij| > eps * max_j' |g_ij'| (the row's largest entry in the slab). eps = finfo(dtype).eps / 32
+by default (2^-12 for bf16, 2^-15 for fp16, 2^-28 for fp32): an entry below it is under the
+input dtype's resolution relative to its row's largest entry. The threshold is relative to each
+row's own gradient, so weights, the reduction and a student close to its teacher (a small
+gradient everywhere) do not change which entries count as negligible. Peaked distributions
+(trained LMs) leave most of the vocabulary below it, so the two products shrink to the active
+columns (when at most half the slab's columns are active; otherwise the slab is not filtered).
 The choice costs one host sync per slab (the number of active columns sizes the products), so it
-cannot be captured in a CUDA graph. Filtered entries are dropped, not approximated: the gradient
-is exact up to those entries (db, the bias gradient, is never filtered).
+cannot be captured in a CUDA graph, and it pays only on large slabs (the fast mode). Filtered
+entries are dropped, not approximated; db, the bias gradient, is never filtered.
 """
 from __future__ import annotations
 
@@ -45,9 +48,11 @@ def check_not_capturing(device: torch.device) -> None:
                            "graph capture (leave grad_filter off there)")
 
 
-def row_thresholds(kd_scale: torch.Tensor, ce_scale: torch.Tensor, temperature: float, eps: float) -> torch.Tensor:
-    """eps * s_i per row (see the module doc)."""
-    return eps * (kd_scale.abs() / temperature + ce_scale.abs())
+def active_columns(g: torch.Tensor, eps: float) -> torch.Tensor:
+    """Columns of the slab g with some |g_ij| > eps * max_j' |g_ij'| (PyTorch path; the Triton
+    kernel marks them while it writes the slab)."""
+    mag = g.abs()
+    return (mag > eps * mag.amax(1, keepdim=True)).any(0)
 
 
 def compacted(active: torch.Tensor) -> Optional[torch.Tensor]:

@@ -166,6 +166,22 @@ def stats_kernel(
 
 
 @triton.jit
+def _grad_tile(z_row, t_row, idx, valid, lse_s, lse_t, lse_z, sum_u, kd_scale, ce_scale, label,
+               inv_temp, param, log_a, log_1ma, DIVERGENCE: tl.constexpr, WITH_CE: tl.constexpr):
+    z = tl.load(z_row + idx, mask=valid, other=0.0)
+    t = tl.load(t_row + idx, mask=valid, other=0.0)
+    lq = z * inv_temp - lse_s
+    lp = t * inv_temp - lse_t
+    _phi, u = phi_u(lp, lq, param, log_a, log_1ma, DIVERGENCE)
+    # an ignored row (scale 0) gets exactly 0, even where its divergence is infinite
+    g = tl.where(kd_scale != 0.0, (u - tl.exp(lq) * sum_u) * kd_scale, 0.0)
+    if WITH_CE:
+        ce_g = (tl.exp(z - lse_z) - tl.where(idx == label, 1.0, 0.0)) * ce_scale
+        g += tl.where(ce_scale != 0.0, ce_g, 0.0)
+    return g
+
+
+@triton.jit
 def grad_kernel(
     z_ptr, t_ptr, g_ptr, stride_z, stride_t, stride_g, rowvals_ptr, kd_scale_ptr, ce_scale_ptr,
     labels_ptr, active_ptr, n_cols, col_offset, inv_temp, param, log_a, log_1ma, filter_eps,
@@ -173,12 +189,12 @@ def grad_kernel(
 ):
     """g = kd_scale/T * (u - q * sum_u) + ce_scale * (softmax(z) - onehot(label)), per entry.
 
-    FILTER: marks active[j] = 1 where |g_j| > filter_eps * (|kd_scale|/T + |ce_scale|) (see
-    grad_filter.py); every writer writes the same 1, so plain stores suffice.
-
     g may alias the t slab (a 16-bit g written over fp32 t of the same row): the barrier makes every
     warp finish with a tile's loads before any warp stores it, and a tile's store only reaches
     columns this row has already loaded.
+    FILTER: a first sweep finds the row's largest |g| over the slab, then the writing sweep marks
+    active[j] = 1 where |g_j| > filter_eps * that (see grad_filter.py); every writer writes the
+    same 1, so plain stores suffice.
     """
     inv_temp, param, log_a, log_1ma = _f32(inv_temp), _f32(param), _f32(log_a), _f32(log_1ma)
     row = tl.program_id(0).to(tl.int64)
@@ -196,23 +212,24 @@ def grad_kernel(
         ce_scale = tl.load(ce_scale_ptr + row)
         label = tl.load(labels_ptr + row).to(tl.int32) - col_offset
     cols = tl.arange(0, BLOCK_V)
+    thr = 0.0
+    if FILTER:
+        g_max = 0.0
+        for start in range(0, n_cols, BLOCK_V):
+            idx = start + cols
+            valid = idx < n_cols
+            g = _grad_tile(z_row, t_row, idx, valid, lse_s, lse_t, lse_z, sum_u, kd_scale, ce_scale, label,
+                           inv_temp, param, log_a, log_1ma, DIVERGENCE, WITH_CE)
+            g_max = tl.maximum(g_max, tl.max(tl.where(valid, tl.abs(g), 0.0), axis=0))
+        thr = _f32(filter_eps) * g_max
     for start in range(0, n_cols, BLOCK_V):
         idx = start + cols
         valid = idx < n_cols
-        z = tl.load(z_row + idx, mask=valid, other=0.0)
-        t = tl.load(t_row + idx, mask=valid, other=0.0)
-        lq = z * inv_temp - lse_s
-        lp = t * inv_temp - lse_t
-        _phi, u = phi_u(lp, lq, param, log_a, log_1ma, DIVERGENCE)
-        # an ignored row (scale 0) gets exactly 0, even where its divergence is infinite
-        g = tl.where(kd_scale != 0.0, (u - tl.exp(lq) * sum_u) * kd_scale, 0.0)
-        if WITH_CE:
-            ce_g = (tl.exp(z - lse_z) - tl.where(idx == label, 1.0, 0.0)) * ce_scale
-            g += tl.where(ce_scale != 0.0, ce_g, 0.0)
+        g = _grad_tile(z_row, t_row, idx, valid, lse_s, lse_t, lse_z, sum_u, kd_scale, ce_scale, label,
+                       inv_temp, param, log_a, log_1ma, DIVERGENCE, WITH_CE)
         tl.debug_barrier()  # g may alias t: every warp has used its loads of this tile before any store
         tl.store(g_row + idx, g.to(g_ptr.dtype.element_ty), mask=valid)
         if FILTER:
-            thr = _f32(filter_eps) * (tl.abs(kd_scale) + tl.abs(ce_scale))
             tl.store(active_ptr + idx, tl.full([BLOCK_V], 1, tl.int8), mask=valid & (tl.abs(g) > thr))
 
 
