@@ -117,6 +117,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-v", type=int, default=None,
                    help="chunk_V passed to the nitrobrew methods (default: automatic)")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--grad-filter", type=float, default=None, metavar="EPS",
+                   help="threshold of the *-filter methods (default: the dtype's, 2^-12 for bf16)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -214,12 +216,12 @@ def teacher_entropy(d: Data, rows: int) -> float:
 # ---------------------------------------------------------------- methods
 
 
-def _nitro_call(key: str, chunk_v: Optional[int]):
+def _nitro_call(key: str, chunk_v: Optional[int], filter_eps: Optional[float] = None):
     import nitrobrew
 
     backend, mode = {"torch": ("torch", None), "fast": ("triton", "fast"), "fast-filter": ("triton", "fast"),
                      "const-mem": ("triton", "constant_memory"), "const-filter": ("triton", "constant_memory")}[key]
-    grad_filter = key in ("fast-filter", "const-filter")
+    grad_filter = (filter_eps or True) if key in ("fast-filter", "const-filter") else False
 
     def call(xs, xt, ws, wt, labels, divergence, temperature):
         kw = {}
@@ -233,10 +235,10 @@ def _nitro_call(key: str, chunk_v: Optional[int]):
     return call
 
 
-def _loss_fn(key: str, chunk_v: Optional[int], device: torch.device):
+def _loss_fn(key: str, chunk_v: Optional[int], device: torch.device, filter_eps: Optional[float] = None):
     """(xs, xt, ws, wt, labels, divergence, temperature) -> scalar loss, for every loss method."""
     if key in NITROBREW:
-        return _nitro_call(key, chunk_v)
+        return _nitro_call(key, chunk_v, filter_eps)
     if key == "naive":
         return lambda xs, xt, ws, wt, labels, div, T: bl.naive_loss(xs, xt, ws, wt, div, PARAMS.get(div, 0.0), T)
     if key == "compile":
@@ -465,7 +467,7 @@ def _run(args) -> int:
                         floor_ms = row.ms
                         row.size["divergence"] = "-"
                     else:
-                        fn = _loss_fn(key, args.chunk_v, device)
+                        fn = _loss_fn(key, args.chunk_v, device, args.grad_filter)
                         acc_s = 0.0
                         if ref_rows > 0:
                             ce = key == "cce"
@@ -557,7 +559,7 @@ def run_regime(regime, args, keys, skip, divs, vocab, ds, dt, dtype, device, T) 
                 ce = key == "cce"
                 if ce not in refs:
                     refs[ce] = reference(data, n, div, T, ce=ce)
-                acc = accuracy(_loss_fn(key, args.chunk_v, device), data, n, div, T, refs[ce])
+                acc = accuracy(_loss_fn(key, args.chunk_v, device, args.grad_filter), data, n, div, T, refs[ce])
                 row.extra.update(acc)
                 row.rel_err = max(acc["err_loss"], acc["err_dx"], acc["err_dw"])
                 if ce:
