@@ -114,8 +114,8 @@ def test_tiny_threshold_changes_nothing(setup):
 
 
 def test_default_threshold_follows_the_dtype():
-    assert gf.resolve_eps(True, torch.bfloat16) == 2.0**-12
-    assert gf.resolve_eps(True, torch.float16) == 2.0**-15
+    assert gf.resolve_eps(True, torch.bfloat16) == 2.0**-8
+    assert gf.resolve_eps(True, torch.float16) == 2.0**-11
     assert gf.resolve_eps(False, torch.bfloat16) is None
     assert gf.resolve_eps(1e-3, torch.float32) == 1e-3
 

@@ -118,7 +118,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chunk_V passed to the nitrobrew methods (default: automatic)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--grad-filter", type=float, default=None, metavar="EPS",
-                   help="threshold of the *-filter methods (default: the dtype's, 2^-12 for bf16)")
+                   help="threshold of the *-filter methods (default: the dtype's, 2^-8 for bf16)")
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -206,7 +206,7 @@ _COMMON_DOC = """
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "torch" or "triton".
         mode, memory_budget: Triton only: "fast" (token-chunked, default) or
             "constant_memory"; memory_budget in bytes for the fast mode's logit slabs.
-        grad_filter: True (threshold finfo(dtype).eps / 32, 2^-12 for bf16) or a threshold in
+        grad_filter: True (threshold finfo(dtype).eps / 2, 2^-8 for bf16) or a threshold in
             (0, 1): vocab entries whose logit gradient is below threshold x its row's largest
             entry, in every row of a block, skip the dX/dW products (those entries are dropped;
             faster on peaked distributions in the fast mode). One host sync per slab, so not

@@ -3,9 +3,9 @@
 With ``grad_filter``, column j of a gradient slab (one vocab entry, over one block of rows: the
 whole vocabulary in the fast mode, a vocab chunk in the constant-memory mode and the PyTorch
 path) takes part in dX = G W and dW = G^T X only if some row i of the block has
-|g_ij| > eps * max_j' |g_ij'| (the row's largest entry in the slab). eps = finfo(dtype).eps / 32
-by default (2^-12 for bf16, 2^-15 for fp16, 2^-28 for fp32): an entry below it is under the
-input dtype's resolution relative to its row's largest entry. The threshold is relative to each
+|g_ij| > eps * max_j' |g_ij'| (the row's largest entry in the slab). eps = finfo(dtype).eps / 2
+by default (2^-8 for bf16, 2^-11 for fp16, 2^-24 for fp32): half an ulp of the row's largest
+entry, below the input dtype's resolution at that entry's scale. The threshold is relative to each
 row's own gradient, so weights, the reduction and a student close to its teacher (a small
 gradient everywhere) do not change which entries count as negligible. Peaked distributions
 (trained LMs) leave most of the vocabulary below it, so the two products shrink to the active
@@ -31,7 +31,7 @@ def resolve_eps(grad_filter: Union[bool, float, None], dtype: torch.dtype) -> Op
     if grad_filter is None or grad_filter is False:
         return None
     if grad_filter is True:
-        return torch.finfo(dtype).eps / 32
+        return torch.finfo(dtype).eps / 2
     return float(grad_filter)
 
 
