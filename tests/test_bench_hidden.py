@@ -111,12 +111,12 @@ def test_error_columns_catch_a_wrong_loss():
 def test_oom_and_errors_become_notes(tmp_path, monkeypatch):
     real = hb._loss_fn
 
-    def fake(key, chunk_v, device):
+    def fake(key, chunk_v, device, *rest):
         if key == "naive":
             def oom(*a):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
             return oom
-        return real(key, chunk_v, device)
+        return real(key, chunk_v, device, *rest)
 
     monkeypatch.setattr(hb, "_loss_fn", fake)
     rows = _run(tmp_path, "--seq-lens", "24", "--methods", "naive", "torch")
