@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -44,6 +44,18 @@ def check_temperature(temperature: float) -> None:
 def check_unit_interval(name: str, value: float) -> None:
     if not (is_number(value) and 0.0 <= value <= 1.0):
         raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+
+
+def divergence_param(divergence: str, beta: float, alpha: float) -> Tuple[str, float]:
+    """The canonical (divergence, parameter) of the public options: beta for jsd, alpha for the
+    skew losses, each checked to lie in [0, 1]; unknown names raise."""
+    from . import divergences as dv
+
+    if divergence == "jsd":
+        check_unit_interval("beta", beta)
+    if divergence in ("skew_kl", "skew_reverse_kl"):
+        check_unit_interval("alpha", alpha)
+    return dv.canonical(divergence, beta if divergence == "jsd" else alpha)
 
 
 def check_chunk(name: str, value: Optional[int]) -> None:

@@ -52,3 +52,18 @@ def linear_logits(
     if b is not None:
         z.add_(b.to(acc))  # z is a fresh product: add in place, no second slab
     return z
+
+
+def grad_needed(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether autograd will want gradients for any of these tensors from the current call."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def kernel_operands(xs, xt, ws, wt, bt, labels, match_teacher: bool):
+    """(xs, xt, ws, wt, bt, labels) contiguous, with the teacher cast to the student's dtype when
+    match_teacher (the Triton row kernels read both slabs in one dtype)."""
+    if match_teacher and xt.dtype != xs.dtype:
+        xt, wt = xt.to(xs.dtype), wt.to(xs.dtype)
+        bt = None if bt is None else bt.to(xs.dtype)
+    xs, xt, ws, wt = (t.contiguous() for t in (xs, xt, ws, wt))
+    return xs, xt, ws, wt, bt, None if labels is None else labels.contiguous()

@@ -8,7 +8,6 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from .. import _checks as ck
-from .. import divergences as dv
 from . import grad_filter as gf
 from .config import LossConfig
 from .custom_op import compiled_distill
@@ -148,11 +147,7 @@ def hidden_loss(
             scale_t2=scale_t2, backend=backend, mode=mode, memory_budget=memory_budget, grad_filter=grad_filter,
             return_parts=return_parts,
         )
-    if divergence == "jsd":
-        ck.check_unit_interval("beta", beta)
-    if divergence in ("skew_kl", "skew_reverse_kl"):
-        ck.check_unit_interval("alpha", alpha)
-    name, param = dv.canonical(divergence, beta if divergence == "jsd" else alpha)
+    name, param = ck.divergence_param(divergence, beta, alpha)
     V = _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction, chunk_V,
                   kd_weight, ce_weight, ignore_index, backend, mode, memory_budget)
     gf.check_grad_filter(grad_filter)

@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _checks as ck
-from .._ops import compute_dtype
+from .._ops import compute_dtype, grad_needed, kernel_operands
 from .chunked import RowStats, backward_chunks, combine_rows, compute_stats, row_scales
 from .config import LossConfig, auto_chunk_v
 
@@ -159,13 +159,10 @@ torch.library.register_autograd("nitrobrew::hidden_distill", _backward, setup_co
 def compiled_distill(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, impl: str, reduction: str,
                      mode: Optional[str], memory_budget: Optional[int]):
     """Reduced (total, kd, ce) through the custom op (kd and ce detached, like the eager path)."""
-    if impl == "triton" and xt.dtype != xs.dtype:
-        xt, wt = xt.to(xs.dtype), wt.to(xs.dtype)
-        bt = None if bt is None else bt.to(xs.dtype)
-    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xs, ws, bs))
-    xs, xt, ws, wt = (t.contiguous() for t in (xs, xt, ws, wt))
+    need_grad = grad_needed(xs, ws, bs)
+    xs, xt, ws, wt, bt, labels = kernel_operands(xs, xt, ws, wt, bt, labels, match_teacher=impl == "triton")
     out = hidden_distill(
-        xs, xt, ws, wt, bs, bt, None if labels is None else labels.contiguous(), mask, cfg.divergence,
+        xs, xt, ws, wt, bs, bt, labels, mask, cfg.divergence,
         float(cfg.param), cfg.temperature, cfg.kd_weight, cfg.ce_weight,
         _NONE if cfg.chunk_V is None else cfg.chunk_V, -1.0 if cfg.filter_eps is None else cfg.filter_eps, impl,
         reduction, mode or "",

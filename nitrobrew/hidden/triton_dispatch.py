@@ -18,7 +18,7 @@ import torch
 
 from .. import _checks as ck
 from .. import divergences as dv
-from .._ops import linear_logits, mm_acc
+from .._ops import grad_needed, kernel_operands, linear_logits, mm_acc
 from . import grad_filter as gf
 from . import triton_rows as tr
 from .chunked import FirstPass, Online, RowStats, combine_rows, finish_stats, row_scales, vocab_chunks
@@ -274,13 +274,9 @@ def triton_distill(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, reduct
     """Reduced (total, kd, ce) over flattened rows with the Triton row kernels."""
     if xs.dtype == torch.float64:
         raise TypeError("the Triton backend computes in float32; use backend='torch' for float64 inputs")
-    if xt.dtype != xs.dtype:
-        xt, wt = xt.to(xs.dtype), wt.to(xs.dtype)
-        bt = None if bt is None else bt.to(xs.dtype)
     plan = make_plan(xs.shape[0], ws.shape[0], ws.shape[1], xs.dtype, mode, cfg.chunk_V, memory_budget, reduction)
-    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xs, ws, bs))
-    xs, xt, ws, wt = (t.contiguous() for t in (xs, xt, ws, wt))
-    labels = None if labels is None else labels.contiguous()
+    need_grad = grad_needed(xs, ws, bs)
+    xs, xt, ws, wt, bt, labels = kernel_operands(xs, xt, ws, wt, bt, labels, match_teacher=True)
     return TritonDistill.apply(xs, xt, ws, wt, bs, bt, labels, mask, cfg, plan, need_grad)
 
 

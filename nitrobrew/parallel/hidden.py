@@ -130,11 +130,7 @@ def _local_checks(xs, xt, ws, wt, bs, bt, labels, divergence, beta, alpha, tempe
     from ..hidden.api import check_hidden_tensors, check_loss_options
 
     check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels, heads="[V_local, D] head shards")
-    if divergence == "jsd":
-        ck.check_unit_interval("beta", beta)
-    if divergence in ("skew_kl", "skew_reverse_kl"):
-        ck.check_unit_interval("alpha", alpha)
-    name, param = dv.canonical(divergence, beta if divergence == "jsd" else alpha)
+    name, param = ck.divergence_param(divergence, beta, alpha)
     check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels)
     if vocab_size is not None and not (ck.is_int(vocab_size) and vocab_size > 0):
         raise ValueError(f"vocab_size must be a positive int (a global vocabulary size), got {vocab_size!r}")

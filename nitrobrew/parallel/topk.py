@@ -125,11 +125,7 @@ def parallel_topk_kl(xs, ws, topk_ids, topk_logprobs, *, process_group=None, nor
         if backend == "triton":
             raise ValueError("process_group= (vocab-parallel) runs nitrobrew's PyTorch chunked path; pass "
                              "backend='auto' or backend='torch'")
-        if divergence == "jsd":
-            ck.check_unit_interval("beta", beta)
-        if divergence in ("skew_kl", "skew_reverse_kl"):
-            ck.check_unit_interval("alpha", alpha)
-        name, param = dv.canonical(divergence, beta if divergence == "jsd" else alpha)
+        name, param = ck.divergence_param(divergence, beta, alpha)
         _validate(xs, ws, topk_ids, topk_logprobs, bs, labels, normalize, divergence, tail, temperature,
                   teacher_temperature, reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend,
                   id_ranges=False)

@@ -7,7 +7,6 @@ from typing import Optional
 import torch
 
 from .. import _checks as ck
-from .. import divergences as dv
 from ..hidden.api import DistillOutput
 from .rowmath import TopKConfig
 
@@ -176,11 +175,7 @@ def topk_kl(
             teacher_temperature=teacher_temperature, reduction=reduction, bs=bs, kd_weight=kd_weight,
             ce_weight=ce_weight, scale_t2=scale_t2, chunk_V=chunk_V, backend=backend, return_parts=return_parts,
         )
-    if divergence == "jsd":
-        ck.check_unit_interval("beta", beta)
-    if divergence in ("skew_kl", "skew_reverse_kl"):
-        ck.check_unit_interval("alpha", alpha)
-    name, param = dv.canonical(divergence, beta if divergence == "jsd" else alpha)
+    name, param = ck.divergence_param(divergence, beta, alpha)
     _validate(xs, ws, topk_ids, topk_logprobs, bs, labels, normalize, divergence, tail, temperature,
               teacher_temperature, reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend,
               mode=mode, memory_budget=memory_budget)
