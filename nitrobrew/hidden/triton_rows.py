@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .. import divergences as dv
 from .config import LossConfig
+from .._launch import launch
 
 # Columns of the per-row state tensor.
 M_S, L_S, M_T, L_T, ACC, M_Z, L_Z, Z_LABEL, PHI_SUM, U_SUM = range(10)
@@ -263,7 +264,7 @@ def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no:
         return
     inv_temp, a, log_a, log_1ma = _math_args(cfg)
     has_labels = cfg.with_ce and labels is not None and pass_no == 1
-    stats_kernel[(rows,)](
+    launch(stats_kernel, (rows,),
         z, t, z.stride(0), t.stride(0), state, labels if has_labels else state,
         n_cols, col_offset, inv_temp, a, log_a, log_1ma,
         DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence], PASS=pass_no,
@@ -281,7 +282,7 @@ def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, c
         return
     inv_temp, a, log_a, log_1ma = _math_args(cfg)
     with_ce = cfg.with_ce and labels is not None
-    grad_kernel[(rows,)](
+    launch(grad_kernel, (rows,),
         z, t, g, z.stride(0), t.stride(0), g.stride(0), rowvals, kd_scale,
         ce_scale if with_ce else kd_scale, labels if with_ce else kd_scale,
         active if active is not None else kd_scale,

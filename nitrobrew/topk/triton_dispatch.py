@@ -25,6 +25,7 @@ from ..hidden.chunked import Online
 from . import triton_kernels as kern
 from .chunked import chunked_rows, combine_rows, finish, row_coefficients
 from .rowmath import DenseCoef, TopKConfig
+from .._launch import launch
 
 Tensor = torch.Tensor
 
@@ -119,7 +120,7 @@ def gather_logits(xs: Tensor, ws: Tensor, bs: Optional[Tensor], ids: Tensor, lo:
         return out
     block_k = 16 if _interpreting() else 32
     block_d = 16 if _interpreting() else 256
-    kern._gather_kernel[(N, triton.cdiv(K, block_k))](
+    launch(kern._gather_kernel, (N, triton.cdiv(K, block_k)),
         xs, ws, bs if bs is not None else xs, ids, out, K, D, ws.shape[0], lo,
         xs.stride(0), ws.stride(0), ids.stride(0), out.stride(0),
         HAS_BIAS=bs is not None, ACC=tl.float32, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4,
@@ -136,7 +137,7 @@ def gather_dx(ws: Tensor, coef: Tensor, ids: Tensor) -> Tensor:
         return dx
     block_k = 16 if _interpreting() else 32
     block_d = 16 if _interpreting() else 256
-    kern._gather_dx_kernel[(N, triton.cdiv(D, block_d))](
+    launch(kern._gather_dx_kernel, (N, triton.cdiv(D, block_d)),
         ws, coef, ids, dx, K, D, ws.stride(0), coef.stride(0), ids.stride(0), dx.stride(0),
         ACC=tl.float32, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4,
     )
@@ -169,7 +170,7 @@ def scatter_dw(xs: Tensor, entries: IdRows, coef: Tensor, V: int, dtype: torch.d
     c = coef[entries.order].to(torch.float32).contiguous()
     block_r = 4 if _interpreting() else 32
     block_d = 16 if _interpreting() else 256
-    kern._scatter_dw_kernel[(triton.cdiv(V, block_r), triton.cdiv(D, block_d))](
+    launch(kern._scatter_dw_kernel, (triton.cdiv(V, block_r), triton.cdiv(D, block_d)),
         xs, c, entries.rows, entries.offs, dw, V, D, xs.stride(0), dw.stride(0),
         ACC=tl.float32, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
     )
@@ -192,7 +193,7 @@ def lse_range(xs: Tensor, ws: Tensor, bs: Optional[Tensor], temperature: float, 
     grid = (triton.cdiv(N, c.block_b) * triton.cdiv(V, c.block_v),)
     ids = outside.ids if outside is not None else locks
     K = ids.shape[1] if outside is not None else 1
-    kern._lse_kernel[grid](
+    launch(kern._lse_kernel, grid,
         xs, ws, bs if bs is not None else xs, lse_s, lse_z, locks, ids, N, V, D, K, lo,
         outside.steps if outside is not None else 0, 1.0 / temperature, xs.stride(0), ws.stride(0), K,
         HAS_BIAS=bs is not None, HAS_Z=with_raw, TAIL=outside is not None, DOT_PREC=_dot_prec(xs.dtype),
@@ -226,7 +227,7 @@ def full_backward_range(xs, ws, bs, lse_s, lse_z, dense: DenseCoef, ce_scale, la
     locks_x = torch.zeros(n_rb * n_dch, dtype=torch.int32, device=xs.device)
     locks_w = torch.zeros(n_vt * n_dch if need_w else 1, dtype=torch.int32, device=xs.device)
     if N > 0 and V > 0:
-        kern._full_bwd_kernel[(n_rb * n_vt,)](
+        launch(kern._full_bwd_kernel, (n_rb * n_vt,),
             xs, ws, bs if bs is not None else xs, lse_s, lse_z if has_ce else lse_s,
             f32(dense.q) if not tail else lse_s,
             f32(ce_scale) if has_ce else lse_s, labels.to(torch.int32).contiguous() if has_ce else locks_x,

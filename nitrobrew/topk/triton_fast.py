@@ -34,6 +34,7 @@ from ..hidden.triton_dispatch import accumulate_dw, alloc_grads, finish_grads, r
 from ..hidden.triton_rows import _f32, _online
 from .chunked import combine_rows, finish
 from .rowmath import RowResult, TopKConfig, full_lse
+from .._launch import launch
 
 F32 = torch.float32
 DEFAULT_BUDGET = 896 << 20  # bytes of fp32 logit slab per row block (the gradient slab reuses them)
@@ -152,8 +153,8 @@ def _rest_lse(z: torch.Tensor, cfg: TopKConfig) -> torch.Tensor:
     raw = cfg.with_ce and cfg.temperature != 1.0
     out = torch.empty(rows, 2, dtype=F32, device=z.device)
     if rows:
-        _slab_lse_kernel[(rows,)](z, out, z.stride(0), n_cols, 1.0 / cfg.temperature, RAW=raw,
-                                  BLOCK_V=_block_v(n_cols), num_warps=NUM_WARPS)
+        launch(_slab_lse_kernel, (rows,), z, out, z.stride(0), n_cols, 1.0 / cfg.temperature, RAW=raw,
+               BLOCK_V=_block_v(n_cols), num_warps=NUM_WARPS)
     return out
 
 
@@ -206,9 +207,9 @@ def block_backward(z, xs, ws, bs, ids, valid, labels, mask, grad_rows, blk: Bloc
     g_ids = torch.where(valid, g_ids, torch.zeros_like(g_ids))
     g = _gradient_slab(z, xs.dtype)
     rows, n_cols = z.shape
-    _slab_grad_kernel[(rows,)](z, g, coef, kernel_labels if cfg.with_ce else coef, z.stride(0), g.stride(0),
-                               n_cols, 1.0 / cfg.temperature, HAS_B=cfg.with_ce, BLOCK_V=_block_v(n_cols),
-                               num_warps=NUM_WARPS)
+    launch(_slab_grad_kernel, (rows,), z, g, coef, kernel_labels if cfg.with_ce else coef, z.stride(0),
+           g.stride(0), n_cols, 1.0 / cfg.temperature, HAS_B=cfg.with_ce, BLOCK_V=_block_v(n_cols),
+           num_warps=NUM_WARPS)
     g.scatter_add_(1, ids, g_ids.to(g.dtype))  # the kernel wrote exact zeros at the ids
     if dx_out is not None:
         torch.mm(g, ws, out=dx_out)  # g has xs's dtype: cuBLAS accumulates in fp32

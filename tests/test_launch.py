@@ -1,0 +1,106 @@
+"""The direct-launch cache of nitrobrew._launch: which launches reuse a compiled kernel.
+
+The direct path only runs on CUDA; here a stand-in kernel records how it was called, so the
+keying (what Triton specializes on) is checked on CPU."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from nitrobrew import _launch  # noqa: E402
+
+
+class FakeCompiled:
+    function = "fn-handle"
+    packed_metadata = "meta"
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, gx, gy, gz, stream, function, metadata, launch_meta, enter, exit_, *args):
+        self.log.append(("direct", (gx, gy, gz), args))
+
+
+class FakeKernel:
+    arg_names = ["x", "out", "n", "stride", "scale", "BLOCK", "FLAG"]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def jit(*args, **kwargs):
+            self.log.append(("jit", grid, args, kwargs))
+            return FakeCompiled(self.log)
+        return jit
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    monkeypatch.setattr(_launch, "_direct_ok", lambda first: True)
+    monkeypatch.setattr(_launch, "_stream", lambda device: 7)
+    monkeypatch.setattr(_launch, "_CACHE", {})
+
+
+def _kinds(k):
+    return [entry[0] for entry in k.log]
+
+
+def test_second_launch_goes_direct_with_constexprs_appended(direct):
+    k = FakeKernel()
+    x, out = torch.zeros(64), torch.zeros(64)
+    for _ in range(2):
+        _launch.launch(k, (3,), x, out, 64, 32, 0.5, BLOCK=16, FLAG=True, num_warps=4)
+    assert _kinds(k) == ["jit", "direct"]
+    assert k.log[1][1] == (3, 1, 1)
+    assert k.log[1][2] == (x, out, 64, 32, 0.5, 16, True)  # positional args, then BLOCK, FLAG in order
+
+
+@pytest.mark.parametrize("change", ["one", "not16", "int64", "misaligned", "dtype", "constexpr", "warps"])
+def test_a_change_triton_specializes_on_compiles_again(direct, change):
+    k = FakeKernel()
+    x, out = torch.zeros(64), torch.zeros(64)
+    base = dict(args=[x, out, 64, 32, 0.5], kw=dict(BLOCK=16, FLAG=True, num_warps=4))
+    _launch.launch(k, (3,), *base["args"], **base["kw"])
+    args, kw = list(base["args"]), dict(base["kw"])
+    if change == "one":
+        args[3] = 1                       # an int equal to 1 is a constant to Triton
+    elif change == "not16":
+        args[2] = 63                      # divisibility by 16 is an attribute
+    elif change == "int64":
+        args[2] = 2**33                   # needs a 64-bit parameter
+    elif change == "misaligned":
+        args[0] = torch.zeros(65)[1:]     # 4-byte offset: not 16-byte aligned
+    elif change == "dtype":
+        args[1] = torch.zeros(64, dtype=torch.float64)
+    elif change == "constexpr":
+        kw["BLOCK"] = 32
+    else:
+        kw["num_warps"] = 8
+    _launch.launch(k, (3,), *args, **kw)
+    assert _kinds(k) == ["jit", "jit"]
+
+
+def test_values_triton_does_not_specialize_on_reuse_the_kernel(direct):
+    k = FakeKernel()
+    x, out = torch.zeros(64), torch.zeros(64)
+    _launch.launch(k, (3,), x, out, 64, 32, 0.5, BLOCK=16, FLAG=True)
+    _launch.launch(k, (5, 2), torch.ones(64), torch.ones(64), 128, 48, 2.0, BLOCK=16, FLAG=True)
+    assert _kinds(k) == ["jit", "direct"]
+    assert k.log[1][1] == (5, 2, 1)
+
+
+def test_off_cuda_every_launch_is_the_jit_one():
+    k = FakeKernel()
+    for _ in range(2):
+        _launch.launch(k, (3,), torch.zeros(4), torch.zeros(4), 4, 1, 0.5, BLOCK=16, FLAG=False)
+    assert _kinds(k) == ["jit", "jit"]
+
+
+def test_an_empty_hook_chain_is_no_hook():
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+    assert not _launch._hook_active(None)
+    assert not _launch._hook_active(Chain([]))
+    assert _launch._hook_active(Chain([print]))
+    assert _launch._hook_active(print)
