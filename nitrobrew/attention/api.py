@@ -196,8 +196,7 @@ def attention_kl(
         # every row sees a key and counts: the reduction is a known scale, done inside the Function
         from .triton_function import triton_total
 
-        return triton_total(q_s, k_s, q_t, k_t, lse_t, spec, block_config,
-                            1.0 if reduction == "sum" else 1.0 / (B * H * Nq))
+        return triton_total(q_s, k_s, q_t, k_t, lse_t, spec, block_config, reduction)
     w = row_weights(Nq, Nk, is_causal, spec.causal_offset, kpm, query_mask, B, q_s.device)
     if B * H * Nq == 0 or Nk == 0:
         rows = torch.zeros((B, H, Nq), dtype=torch.float32, device=q_s.device)

@@ -31,18 +31,23 @@ from .triton_tiles import (centred_diff, dot, exp2_pair, flat_rows, hide_invisib
 
 
 @triton.jit
-def _row_stats(LSEX, LSEY, KL, G, rows, row_ok, EVEN: tl.constexpr):
+def _row_stats(LSEX, LSEY, KL, G, rows, row_ok, EVEN: tl.constexpr, G_SCALAR: tl.constexpr):
     """Per-row statistics for the backward: lse_x, lse_y, KL (all log2 units) and the upstream
-    gradient g (rows outside the mask read 0 unless EVEN)."""
+    gradient g (rows outside the mask read 0 unless EVEN). G_SCALAR: one upstream gradient for
+    every row, at G itself (a scalar loss: no [B, H, Nq] gradient is built on the host)."""
     if EVEN:
         lsex = tl.load(LSEX + rows)
         lsey = tl.load(LSEY + rows)
         kl2 = tl.load(KL + rows) * 1.4426950408889634
-        g = tl.load(G + rows)
     else:
         lsex = tl.load(LSEX + rows, mask=row_ok, other=0.0)
         lsey = tl.load(LSEY + rows, mask=row_ok, other=0.0)
         kl2 = tl.load(KL + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+    if G_SCALAR:
+        g = tl.zeros_like(lsex) + tl.load(G).to(tl.float32)
+    elif EVEN:
+        g = tl.load(G + rows)
+    else:
         g = tl.load(G + rows, mask=row_ok, other=0.0)
     return lsex, lsey, kl2, g
 
@@ -96,6 +101,7 @@ def attn_kl_bwd_dq_kernel(
     BM: tl.constexpr, BN: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     NEED_X: tl.constexpr, NEED_Y: tl.constexpr, PREC_X: tl.constexpr, PREC_Y: tl.constexpr,
+    G_SCALAR: tl.constexpr,
 ):
     pid_bh, h, b64, start_m, offs_m, offs_n0, offs_dx, offs_dy = program_block(H, BM, BN, BDX, BDY, True)
     h64 = h.to(tl.int64)
@@ -103,7 +109,7 @@ def attn_kl_bwd_dq_kernel(
     qy = load_tile(QY + b64 * s_qy_b + h64 * s_qy_h, offs_m, offs_dy, s_qy_m, Nq, DY, BDY, EVEN_M)
     KXb, KYb, KPMb = key_heads(KX, KY, KPM, b64, h, GX, GY, s_kx_b, s_kx_h, s_ky_b, s_ky_h, s_kpm_b)
     row, row_ok = flat_rows(pid_bh, Nq, offs_m)
-    lsex, lsey, kl2, g = _row_stats(LSEX, LSEY, KL, GROW, row, row_ok, False)
+    lsex, lsey, kl2, g = _row_stats(LSEX, LSEY, KL, GROW, row, row_ok, False, G_SCALAR)
     if NEED_X:
         dqx = tl.zeros([BM, BDX], tl.float32)
     else:
@@ -133,11 +139,12 @@ def _dk_tile(ka, kb, QAb, QBb, KPMb, s_qa_m, s_qb_m, start_m, offs_n, offs_m0, o
              LSEAb, LSEBb, KLb, Gb, dka, dkb, Nq, Nk, scale_a, scale_b, causal_offset,
              DA: tl.constexpr, DB: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr,
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, EVEN_M: tl.constexpr,
-             A_IS_X: tl.constexpr, ALSO_B: tl.constexpr, PREC_A: tl.constexpr, PREC_B: tl.constexpr):
+             A_IS_X: tl.constexpr, ALSO_B: tl.constexpr, PREC_A: tl.constexpr, PREC_B: tl.constexpr,
+             G_SCALAR: tl.constexpr):
     offs_m = start_m + offs_m0
     qa = load_tile(QAb, offs_m, offs_da, s_qa_m, Nq, DA, BDA, EVEN_M)
     qb = load_tile(QBb, offs_m, offs_db, s_qb_m, Nq, DB, BDB, EVEN_M)
-    lsea, lseb, kl2, g = _row_stats(LSEAb, LSEBb, KLb, Gb, offs_m, offs_m < Nq, EVEN_M)
+    lsea, lseb, kl2, g = _row_stats(LSEAb, LSEBb, KLb, Gb, offs_m, offs_m < Nq, EVEN_M, G_SCALAR)
     sa = scores(ka, qa, scale_a, PREC_A)     # [BN, BM]
     sb = scores(kb, qb, scale_b, PREC_B)
     sam, sbm = hide_invisible(sa, sb, offs_m, offs_n, KPMb, Nk, causal_offset, MASKED, CAUSAL, HAS_KPM, True)
@@ -163,7 +170,8 @@ def _dk_head(h, b64, offs_n, offs_m0, offs_da, offs_db, ka, dka, dkb,
              H, Nq, Nk, GB, scale_a, scale_b, causal_offset, m_lo, m_full,
              DA: tl.constexpr, DB: tl.constexpr, BDA: tl.constexpr, BDB: tl.constexpr, BM: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-             A_IS_X: tl.constexpr, ALSO_B: tl.constexpr, PREC_A: tl.constexpr, PREC_B: tl.constexpr):
+             A_IS_X: tl.constexpr, ALSO_B: tl.constexpr, PREC_A: tl.constexpr, PREC_B: tl.constexpr,
+             G_SCALAR: tl.constexpr):
     """All query blocks of query head h against this program's key block."""
     h64 = h.to(tl.int64)
     hb = h // GB
@@ -171,16 +179,20 @@ def _dk_head(h, b64, offs_n, offs_m0, offs_da, offs_db, ka, dka, dkb,
     QAb = QA + b64 * s_qa_b + h64 * s_qa_h
     QBb = QB + b64 * s_qb_b + h64 * s_qb_h
     rowb = (b64 * H + h64) * Nq
+    if G_SCALAR:
+        Gb = GROW
+    else:
+        Gb = GROW + rowb
     for start_m in range(m_lo, m_full, BM):
         dka, dkb = _dk_tile(ka, kb, QAb, QBb, KPMb, s_qa_m, s_qb_m, start_m, offs_n, offs_m0, offs_da, offs_db,
-                            LSEA + rowb, LSEB + rowb, KL + rowb, GROW + rowb, dka, dkb, Nq, Nk, scale_a, scale_b,
+                            LSEA + rowb, LSEB + rowb, KL + rowb, Gb, dka, dkb, Nq, Nk, scale_a, scale_b,
                             causal_offset, DA, DB, BDA, BDB, True, CAUSAL, HAS_KPM, EVEN_M, A_IS_X, ALSO_B,
-                            PREC_A, PREC_B)
+                            PREC_A, PREC_B, G_SCALAR)
     for start_m in range(m_full, Nq, BM):
         dka, dkb = _dk_tile(ka, kb, QAb, QBb, KPMb, s_qa_m, s_qb_m, start_m, offs_n, offs_m0, offs_da, offs_db,
-                            LSEA + rowb, LSEB + rowb, KL + rowb, GROW + rowb, dka, dkb, Nq, Nk, scale_a, scale_b,
+                            LSEA + rowb, LSEB + rowb, KL + rowb, Gb, dka, dkb, Nq, Nk, scale_a, scale_b,
                             causal_offset, DA, DB, BDA, BDB, False, CAUSAL, HAS_KPM, EVEN_M, A_IS_X, ALSO_B,
-                            PREC_A, PREC_B)
+                            PREC_A, PREC_B, G_SCALAR)
     return dka, dkb
 
 
@@ -196,7 +208,7 @@ def attn_kl_bwd_dk_kernel(
     BM: tl.constexpr, BN: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     A_IS_X: tl.constexpr, ALSO_B: tl.constexpr, PREC_A: tl.constexpr, PREC_B: tl.constexpr,
-    GROUPED: tl.constexpr,
+    GROUPED: tl.constexpr, G_SCALAR: tl.constexpr,
 ):
     _pid_bk, kvh, b64, start_n, offs_n, offs_m0, offs_da, offs_db = program_block(HKVA, BN, BM, BDA, BDB, False)
     ka = load_tile(KA + b64 * s_ka_b + kvh.to(tl.int64) * s_ka_h, offs_n, offs_da, s_ka_n, Nk, DA, BDA, EVEN_N)
@@ -226,14 +238,14 @@ def attn_kl_bwd_dk_kernel(
                                 s_qa_b, s_qa_h, s_qa_m, s_qb_b, s_qb_h, s_qb_m, s_kb_b, s_kb_h, s_kb_n,
                                 H, Nq, Nk, GB, scale_a, scale_b, causal_offset, m_lo, m_full,
                                 DA, DB, BDA, BDB, BM, CAUSAL, HAS_KPM, EVEN_M, EVEN_N, A_IS_X, ALSO_B,
-                                PREC_A, PREC_B)
+                                PREC_A, PREC_B, G_SCALAR)
     else:  # one query head per kv head: no head loop (nested loops cost registers and spills)
         dka, dkb = _dk_head(kvh, b64, offs_n, offs_m0, offs_da, offs_db, ka, dka, dkb,
                             QA, QB, KB, KPMb, LSEA, LSEB, KL, GROW,
                             s_qa_b, s_qa_h, s_qa_m, s_qb_b, s_qb_h, s_qb_m, s_kb_b, s_kb_h, s_kb_n,
                             H, Nq, Nk, GB, scale_a, scale_b, causal_offset, m_lo, m_full,
                             DA, DB, BDA, BDB, BM, CAUSAL, HAS_KPM, EVEN_M, EVEN_N, A_IS_X, ALSO_B,
-                            PREC_A, PREC_B)
+                            PREC_A, PREC_B, G_SCALAR)
     store_tile(DKA + b64 * s_dka_b + kvh.to(tl.int64) * s_dka_h, offs_n, offs_da, s_dka_n, Nk, DA, dka, out_scale_a)
     if ALSO_B:
         store_tile(DKB + b64 * s_dkb_b + kvh.to(tl.int64) * s_dkb_h, offs_n, offs_db, s_dkb_n, Nk, DB, dkb,

@@ -1,43 +1,34 @@
 """Autograd Function and launchers around the Triton attention-KL kernels."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 
 from .._checks import interpreter_enabled
+from .._launch import launch
 from .common import AttnSpec
 from .triton_bwd import attn_kl_bwd_dk_kernel, attn_kl_bwd_dq_kernel
 from .triton_fwd import DEFAULT_CONFIGS, LOG2E, attn_kl_fwd_kernel, next_pow2_dim
 
 
-@dataclass
 class _SideT:
-    q: torch.Tensor
-    k: torch.Tensor
-    scale: float  # natural units (alpha / T)
+    """One side's (q, k, scale) and what its launches derive from them, worked out once per call."""
 
-    @property
-    def G(self) -> int:
-        return self.q.shape[1] // self.k.shape[1]
+    __slots__ = ("q", "k", "scale", "G", "D", "BD", "prec")
 
-    @property
-    def D(self) -> int:
-        return self.q.shape[-1]
-
-    @property
-    def BD(self) -> int:
-        return next_pow2_dim(self.D)
-
-    @property
-    def prec(self) -> str:
-        if self.q.dtype == torch.float32:
-            return "ieee"
-        if self.q.dtype == torch.bfloat16 and interpreter_enabled():
-            return "upcast"
-        return "tf32"  # ignored for 16-bit inputs
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, scale: float):
+        self.q, self.k, self.scale = q, k, scale  # scale in natural units (alpha / T)
+        self.G = q.shape[1] // k.shape[1]
+        self.D = q.shape[-1]
+        self.BD = next_pow2_dim(self.D)
+        if q.dtype == torch.float32:
+            self.prec = "ieee"
+        elif q.dtype == torch.bfloat16 and interpreter_enabled():
+            self.prec = "upcast"
+        else:
+            self.prec = "tf32"  # ignored for 16-bit inputs
 
 
 def _last_contig(t: torch.Tensor) -> torch.Tensor:
@@ -86,7 +77,8 @@ def triton_forward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lse_x=None, lse_y=
     lx_in, x_fixed = fixed(lse_x)
     ly_in, y_fixed = fixed(lse_y)
     grid = (triton.cdiv(Nq, BM), B * H)
-    attn_kl_fwd_kernel[grid](
+    launch(
+        attn_kl_fwd_kernel, grid,
         X.q, X.k, Y.q, Y.k, lx_in, ly_in, kpm_t, kl, lsx, lsy,
         X.q.stride(0), X.q.stride(1), X.q.stride(2), X.k.stride(0), X.k.stride(1), X.k.stride(2),
         Y.q.stride(0), Y.q.stride(1), Y.q.stride(2), Y.k.stride(0), Y.k.stride(1), Y.k.stride(2),
@@ -100,8 +92,10 @@ def triton_forward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lse_x=None, lse_y=
     return kl, lsx, lsy
 
 
-def triton_backward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lsx, lsy, kl, g, need, cfg=None):
-    """need = dict(qx=bool, kx=bool, qy=bool, ky=bool). Returns dict of gradients (or None)."""
+def triton_backward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lsx, lsy, kl, g, need, cfg=None, g_mult=None):
+    """need = dict(qx=bool, kx=bool, qy=bool, ky=bool). Returns dict of gradients (or None).
+    g: the upstream gradient per row [B, H, Nq] float32, or with g_mult given a 0-dim tensor,
+    the gradient of g_mult * (sum of the rows)."""
     B, H, Nq, _ = X.q.shape
     Nk = X.k.shape[2]
     dev = X.q.device
@@ -110,21 +104,24 @@ def triton_backward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lsx, lsy, kl, g, 
     off = spec.causal_offset if spec.is_causal else 0
     max_bd = max(X.BD, Y.BD)
     fp32 = torch.float32 in (X.q.dtype, Y.q.dtype)
+    g_scalar = g_mult is not None
+    mult = g_mult if g_scalar else 1.0
     if need["qx"] or need["qy"]:
         BM, BN, warps, stages = resolve_config("dq", cfg, dev, max_bd, fp32)
         dqx = torch.empty_like(X.q) if need["qx"] else kl
         dqy = torch.empty_like(Y.q) if need["qy"] else kl
         sx3 = dqx.stride()[:3] if need["qx"] else (0, 0, 0)
         sy3 = dqy.stride()[:3] if need["qy"] else (0, 0, 0)
-        attn_kl_bwd_dq_kernel[(triton.cdiv(Nq, BM), B * H)](
+        launch(
+            attn_kl_bwd_dq_kernel, (triton.cdiv(Nq, BM), B * H),
             X.q, X.k, Y.q, Y.k, kpm_t, lsx, lsy, kl, g, dqx, dqy,
             X.q.stride(0), X.q.stride(1), X.q.stride(2), X.k.stride(0), X.k.stride(1), X.k.stride(2),
             Y.q.stride(0), Y.q.stride(1), Y.q.stride(2), Y.k.stride(0), Y.k.stride(1), Y.k.stride(2),
             *sx3, *sy3, s_kpm,
-            H, Nq, Nk, X.G, Y.G, X.scale * LOG2E, Y.scale * LOG2E, X.scale, Y.scale, off,
+            H, Nq, Nk, X.G, Y.G, X.scale * LOG2E, Y.scale * LOG2E, X.scale * mult, Y.scale * mult, off,
             DX=X.D, DY=Y.D, BDX=X.BD, BDY=Y.BD, BM=BM, BN=BN,
             CAUSAL=spec.is_causal, HAS_KPM=has_kpm, EVEN_M=Nq % BM == 0, EVEN_N=Nk % BN == 0,
-            NEED_X=need["qx"], NEED_Y=need["qy"], PREC_X=X.prec, PREC_Y=Y.prec,
+            NEED_X=need["qx"], NEED_Y=need["qy"], PREC_X=X.prec, PREC_Y=Y.prec, G_SCALAR=g_scalar,
             num_warps=warps, num_stages=stages,
         )
         out["qx"] = dqx if need["qx"] else None
@@ -136,15 +133,16 @@ def triton_backward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lsx, lsy, kl, g, 
         dka = torch.empty_like(A.k)
         dkb = torch.empty_like(Bs.k) if also_b else kl
         sb3 = dkb.stride()[:3] if also_b else (0, 0, 0)
-        attn_kl_bwd_dk_kernel[(triton.cdiv(Nk, BN), B * Hkva)](
+        launch(
+            attn_kl_bwd_dk_kernel, (triton.cdiv(Nk, BN), B * Hkva),
             A.q, A.k, Bs.q, Bs.k, kpm_t, lsa, lsb, kl, g, dka, dkb,
             A.q.stride(0), A.q.stride(1), A.q.stride(2), A.k.stride(0), A.k.stride(1), A.k.stride(2),
             Bs.q.stride(0), Bs.q.stride(1), Bs.q.stride(2), Bs.k.stride(0), Bs.k.stride(1), Bs.k.stride(2),
             *dka.stride()[:3], *sb3, s_kpm,
-            H, Hkva, Nq, Nk, A.G, Bs.G, A.scale * LOG2E, Bs.scale * LOG2E, A.scale, Bs.scale, off,
+            H, Hkva, Nq, Nk, A.G, Bs.G, A.scale * LOG2E, Bs.scale * LOG2E, A.scale * mult, Bs.scale * mult, off,
             DA=A.D, DB=Bs.D, BDA=A.BD, BDB=Bs.BD, BM=BM, BN=BN,
             CAUSAL=spec.is_causal, HAS_KPM=has_kpm, EVEN_M=Nq % BM == 0, EVEN_N=Nk % BN == 0,
-            A_IS_X=a_is_x, ALSO_B=also_b, PREC_A=A.prec, PREC_B=Bs.prec, GROUPED=A.G > 1,
+            A_IS_X=a_is_x, ALSO_B=also_b, PREC_A=A.prec, PREC_B=Bs.prec, GROUPED=A.G > 1, G_SCALAR=g_scalar,
             num_warps=warps, num_stages=stages,
         )
         return dka, (dkb if also_b else None)
@@ -160,12 +158,13 @@ def triton_backward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lsx, lsy, kl, g, 
 
 
 class TritonAttentionKL(torch.autograd.Function):
-    """Per-row KL [B, H, Nq] float32 (0 at rows with no visible key), or with ``scale`` given the
-    scalar scale * sum of the rows (one autograd node in all: the reduction's host work is the
-    dominant cost of small problems)."""
+    """Per-row KL [B, H, Nq] float32 (0 at rows with no visible key), or with ``reduce`` ("sum" or
+    "mean") the scalar sum or mean of the rows: one autograd node and no host-side ops around the
+    kernels (their host work is the dominant cost of small problems); the backward kernels read
+    the scalar upstream gradient themselves."""
 
     @staticmethod
-    def forward(ctx, q_s, k_s, q_t, k_t, lse_t, kpm, spec: AttnSpec, cfg, scale: Optional[float] = None):
+    def forward(ctx, q_s, k_s, q_t, k_t, lse_t, kpm, spec: AttnSpec, cfg, reduce: Optional[str] = None):
         q_s, k_s, q_t, k_t = (_last_contig(t) for t in (q_s, k_s, q_t, k_t))
         S = _SideT(q_s, k_s, spec.scale_s)
         T = _SideT(q_t, k_t, spec.scale_t)
@@ -174,8 +173,11 @@ class TritonAttentionKL(torch.autograd.Function):
         else:
             kl, lsx, lsy = triton_forward(S, T, kpm, spec, lse_y=lse_t, cfg=cfg)
         ctx.save_for_backward(q_s, k_s, q_t, k_t, kpm, lsx, lsy, kl)
-        ctx.spec, ctx.cfg, ctx.scale = spec, cfg, scale
-        return kl if scale is None else kl.sum() * scale
+        ctx.spec, ctx.cfg = spec, cfg
+        ctx.g_mult = None if reduce is None else (1.0 if reduce == "sum" else 1.0 / kl.numel())
+        if reduce is None:
+            return kl
+        return kl.sum() if reduce == "sum" else kl.mean()
 
     @staticmethod
     def backward(ctx, grad_rows):
@@ -184,14 +186,14 @@ class TritonAttentionKL(torch.autograd.Function):
         n = ctx.needs_input_grad
         S = _SideT(q_s, k_s, spec.scale_s)
         T = _SideT(q_t, k_t, spec.scale_t)
-        if ctx.scale is not None:
-            grad_rows = (grad_rows * ctx.scale).expand(kl.shape)
-        g = grad_rows.to(torch.float32).contiguous()
+        g = grad_rows if grad_rows.dtype == torch.float32 else grad_rows.float()
+        if ctx.g_mult is None:
+            g = g.contiguous()
         if spec.teacher_is_x:
             X, Y, need = T, S, dict(qx=n[2], kx=n[3], qy=n[0], ky=n[1])
         else:
             X, Y, need = S, T, dict(qx=n[0], kx=n[1], qy=n[2], ky=n[3])
-        out = triton_backward(X, Y, kpm, spec, lsx, lsy, kl, g, need, ctx.cfg)
+        out = triton_backward(X, Y, kpm, spec, lsx, lsy, kl, g, need, ctx.cfg, ctx.g_mult)
         if spec.teacher_is_x:
             dq_t, dk_t, dq_s, dk_s = out["qx"], out["kx"], out["qy"], out["ky"]
         else:
@@ -203,6 +205,6 @@ def triton_rows(q_s, k_s, q_t, k_t, lse_t, kpm, spec: AttnSpec, cfg: Optional[di
     return TritonAttentionKL.apply(q_s, k_s, q_t, k_t, lse_t, kpm, spec, cfg)
 
 
-def triton_total(q_s, k_s, q_t, k_t, lse_t, spec: AttnSpec, cfg: Optional[dict], scale: float):
-    """scale * sum of the per-row KL (every row counts: no masks)."""
-    return TritonAttentionKL.apply(q_s, k_s, q_t, k_t, lse_t, None, spec, cfg, scale)
+def triton_total(q_s, k_s, q_t, k_t, lse_t, spec: AttnSpec, cfg: Optional[dict], reduce: str):
+    """Sum or mean of the per-row KL (every row counts: no masks)."""
+    return TritonAttentionKL.apply(q_s, k_s, q_t, k_t, lse_t, None, spec, cfg, reduce)
