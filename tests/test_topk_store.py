@@ -267,3 +267,24 @@ def test_writer_reader_and_extract_errors(tmp_path):
         teacher_from_hf(model)
     with pytest.raises(ValueError, match="empty batch"):
         TopKCollator()([])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype,group,chunk,T", [(torch.bfloat16, 16, 211, 0.8), (torch.float32, 8, 500, 1.0),
+                                                 (torch.bfloat16, 32, 3001, 2.0)])
+def test_streaming_topk_triton_scan_matches_float64(dtype, group, chunk, T):
+    """The fused chunk pass (tempering, log-sum-exp, group maxima) at chunk ends that cut groups."""
+    g = torch.Generator().manual_seed(1)
+    R, D, V = 29, 24, 3001
+    h = torch.randn(R, D, generator=g).to(dtype)
+    w = (torch.randn(V, D, generator=g) * 0.6).to(dtype)
+    b = torch.randn(V, generator=g).to(dtype)
+    ids, lp = streaming_topk(h, w, b, 11, T, vocab_size=2999, chunk=chunk, backend="triton", group=group)
+    want_lp, want_ids = torch.log_softmax(
+        (h.double() @ w[:2999].double().t() + b[:2999].double()) / T, -1).topk(11)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(lp.double(), want_lp, rtol=0, atol=2e-5)
+    ids_t, lp_t = streaming_topk(h, w, b, 11, T, vocab_size=2999, chunk=chunk, backend="torch", group=group)
+    assert torch.equal(ids, ids_t)
+    with pytest.raises(ValueError, match="power of 2"):
+        streaming_topk(h, w, b, 11, group=12)

@@ -26,8 +26,8 @@ against the float64 reference (at the first N only).
 
 --extract measures `topk-extract`'s core on a random Qwen2-style model: tokens/s of the
 teacher's own forward with logits (model(input_ids).logits), of the naive extraction (those
-logits in fp32, log_softmax, torch.topk) and of the decoder + streaming top-k, and the peak
-memory of each.
+logits in fp32, log_softmax, torch.topk) and of the decoder + streaming top-k (on GPU also with
+the PyTorch chunk pass in place of the fused Triton one), and the peak memory of each.
 """
 from __future__ import annotations
 
@@ -284,9 +284,15 @@ def run_extract(args) -> List[Row]:
     def extract():
         return teacher_topk(teacher, seqs, ks[0], 1.0, batch_tokens=tokens)
 
-    for name, fn in (("teacher forward + logits", with_logits), ("teacher forward (hidden only)", hidden_only),
-                     (f"naive top-{ks[0]} (logits, log_softmax, topk)", naive_extract),
-                     (f"extract top-{ks[0]} (hidden + streaming top-k)", extract)):
+    def extract_torch_scan():  # the same selection with PyTorch ops in place of the fused chunk pass
+        return teacher_topk(teacher, seqs, ks[0], 1.0, batch_tokens=tokens, backend="torch")
+
+    methods = [("teacher forward + logits", with_logits), ("teacher forward (hidden only)", hidden_only),
+               (f"naive top-{ks[0]} (logits, log_softmax, topk)", naive_extract)]
+    if gpu:
+        methods.append((f"extract top-{ks[0]}, PyTorch chunk pass", extract_torch_scan))
+    methods.append((f"extract top-{ks[0]} (hidden + streaming top-k)", extract))
+    for name, fn in methods:
         row = Row("extract", name, dict(size))
         try:
             row.ms = time_ms(fn, dev, warmup=1, reps=max(2, reps // 2))

@@ -32,40 +32,57 @@ Tensor = torch.Tensor
 
 # ----------------------------------------------------------------------------- the streaming top-k
 
-GROUP = 16  # vocab entries per group of the grouped top-k
+GROUP = 16  # vocab entries per group of the grouped top-k (a power of 2)
 
 
-def _chunk_candidates(z: Tensor, thresh: Tensor, k: int):
-    """The entries of chunk z [R, C] that can still enter a running top-k whose k-th best is thresh.
-
-    Exact: the k largest entries of z lie in the k groups (of GROUP consecutive entries) with the
-    largest maxima, and a group whose maximum is <= thresh holds nothing that beats the running
-    top-k. So only min(k, groups above thresh) groups are gathered (one host sync per chunk for
-    that count); torch.topk then runs on those few groups instead of the whole chunk.
-    Returns (values [R, c], column indices [R, c]) or None when no row can improve.
-    """
+def _group_max(z: Tensor, group: int) -> Tensor:
+    """[R, ceil(C / group)]: the maximum of each run of `group` consecutive entries of z [R, C]."""
     R, C = z.shape
-    pad = (-C) % GROUP
+    pad = (-C) % group
     if pad:
         z = torch.nn.functional.pad(z, (0, pad), value=float("-inf"))
-    groups = z.view(R, -1, GROUP)
-    gmax = groups.amax(-1)
+    return z.view(R, -1, group).amax(-1)
+
+
+def _chunk_candidates(z: Tensor, gmax: Tensor, thresh: Tensor, k: int, group: int, scale: float):
+    """The entries of chunk z [R, C] that can still enter a running top-k whose k-th best is thresh.
+
+    Exact: the k largest entries of z lie in the k groups (of `group` consecutive entries) with the
+    largest maxima gmax, and a group whose maximum is <= thresh holds nothing that beats the running
+    top-k. So only min(k, groups above thresh) groups are gathered (one host sync per chunk for
+    that count); torch.topk then runs on those few groups instead of the whole chunk.
+    gmax is of the tempered logits z * scale. Returns (tempered values [R, c], column indices
+    [R, c]; -inf past the chunk's end) or None when no row can improve.
+    """
+    R, C = z.shape
     need = int((gmax > thresh[:, None]).sum(1).max())
     if need == 0:
         return None
     kk = min(k, need, gmax.shape[1])
     gi = gmax.topk(kk, dim=1).indices                                   # [R, kk]
-    vals = groups.gather(1, gi[:, :, None].expand(-1, -1, GROUP)).reshape(R, kk * GROUP)
-    cols = (gi[:, :, None] * GROUP + torch.arange(GROUP, device=z.device)).reshape(R, kk * GROUP)
-    return vals, cols
+    cols = (gi[:, :, None] * group + torch.arange(group, device=z.device)).reshape(R, kk * group)
+    vals = z.gather(1, cols.clamp(max=C - 1))
+    if scale != 1.0:
+        vals = vals * scale
+    return torch.where(cols < C, vals, float("-inf")), cols
+
+
+def _use_triton(hidden: Tensor, backend: str) -> bool:
+    from .. import _checks as ck
+
+    ck.check_backend(backend)
+    return hidden.dtype != torch.float64 and ck.resolve_backend(backend, hidden.device) == "triton"
 
 
 def streaming_topk(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], k: int, temperature: float = 1.0,
-                   vocab_size: Optional[int] = None, chunk: Optional[int] = None):
+                   vocab_size: Optional[int] = None, chunk: Optional[int] = None, backend: str = "auto",
+                   group: Optional[int] = None):
     """Top-k ids (int64) and log-probs (fp32) of softmax((hidden @ weight[:V].T + b) / T), [R, k] each.
 
     One pass over vocab chunks: online log-sum-exp plus a running top-k, merged with each chunk's
-    candidates (see ``_chunk_candidates``); memory O(R * (chunk + k)), never [R, V].
+    candidates (see ``_chunk_candidates``); memory O(R * (chunk + k)), never [R, V]. With the Triton
+    backend (default on CUDA) one kernel per chunk does the tempering, the log-sum-exp update and the
+    group maxima in a single read of the chunk (``triton_scan.py``).
     """
     V = weight.shape[0] if vocab_size is None else int(vocab_size)
     if not 0 < V <= weight.shape[0]:
@@ -74,24 +91,39 @@ def streaming_topk(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], k: in
         raise ValueError(f"k must be an int in [1, {V}], got {k!r}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    group = group or GROUP
+    if group & (group - 1):
+        raise ValueError(f"group must be a power of 2, got {group}")
+    triton_scan = _use_triton(hidden, backend)
     R = hidden.shape[0]
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    chunk = chunk or max(auto_chunk_v(R, V, budget_elems=1 << 27), k)  # <= 512 MiB of fp32 logits
+    # <= 1 GiB of fp32 logits per chunk: fewer, larger chunks mean fewer top-k merges (2x faster than 512 MiB)
+    chunk = chunk or max(auto_chunk_v(R, V, budget_elems=1 << 28), k)
     best_v = torch.full((R, k), float("-inf"), dtype=acc, device=hidden.device)
     best_i = torch.zeros((R, k), dtype=torch.int64, device=hidden.device)
-    state = Online.empty(R, acc, hidden.device)
+    if triton_scan:
+        from .triton_scan import new_scan_state, scan_chunk
+
+        scan_state = new_scan_state(R, hidden.device)
+    else:
+        state = Online.empty(R, acc, hidden.device)
     for c0, c1 in vocab_chunks(V, chunk):
         z = linear_logits(hidden, weight[c0:c1], None if bias is None else bias[c0:c1], acc)
-        if temperature != 1.0:
-            z = z / temperature
-        state.update(z)
-        cand = _chunk_candidates(z, best_v[:, -1], k)
+        if triton_scan:
+            gmax, scale = scan_chunk(z, scan_state, 1.0 / temperature, group), 1.0 / temperature
+        else:
+            if temperature != 1.0:
+                z = z / temperature
+            state.update(z)
+            gmax, scale = _group_max(z, group), 1.0
+        cand = _chunk_candidates(z, gmax, best_v[:, -1], k, group, scale)
         if cand is None:
             continue
         v, i = cand
         best_v, pos = torch.cat([best_v, v], 1).topk(k, dim=1)
         best_i = torch.cat([best_i, i + c0], 1).gather(1, pos)
-    return best_i, (best_v - state.lse()[:, None]).to(torch.float32)
+    lse = scan_state[:, 0] + scan_state[:, 1].log() if triton_scan else state.lse()
+    return best_i, (best_v - lse[:, None]).to(torch.float32)
 
 
 # ----------------------------------------------------------------------------------- the teacher
@@ -227,7 +259,7 @@ def _batches(lengths: Sequence[int], batch_tokens: int):
 
 @torch.no_grad()
 def teacher_topk(teacher: Teacher, seqs: Sequence[Sequence[int]], k: int, temperature: float = 1.0,
-                 batch_tokens: int = 16384, chunk: Optional[int] = None):
+                 batch_tokens: int = 16384, chunk: Optional[int] = None, backend: str = "auto"):
     """Per sequence: (ids [L - 1, k] int64, log-probs [L - 1, k] fp32), on the CPU."""
     out_ids: List[Tensor] = []
     out_lp: List[Tensor] = []
@@ -253,7 +285,7 @@ def teacher_topk(teacher: Teacher, seqs: Sequence[Sequence[int]], k: int, temper
         sel = [(i, max(len(s) - 1, 0)) for i, s in enumerate(group)]
         rows = torch.cat([hidden[i, :n] for i, n in sel]) if any(n for _, n in sel) else hidden[:0, 0]
         top_i, top_lp = streaming_topk(rows, teacher.weight, teacher.bias, k, temperature,
-                                       teacher.vocab_size, chunk)
+                                       teacher.vocab_size, chunk, backend)
         top_i, top_lp = top_i.cpu(), top_lp.cpu()
         r = 0
         for _, n in sel:

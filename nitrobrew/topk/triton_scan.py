@@ -1,0 +1,59 @@
+"""Triton pass of the streaming top-k extraction over one fp32 logit chunk.
+
+One program per row reads the chunk's raw logits once and does what took five PyTorch passes:
+scales them by 1/T, updates the row's online log-sum-exp (max m, rescaled sum l) and writes the
+maximum of every group of GROUP consecutive entries (the grouped top-k of ``extract.py`` picks
+its candidate groups from those).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._launch import launch
+from ..hidden.triton_rows import _f32, _online
+
+BLOCK = 4096
+
+
+@triton.jit
+def chunk_scan_kernel(z_ptr, state_ptr, gmax_ptr, n_cols, n_groups, stride_z, stride_g, inv_temp,
+                      GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    inv_temp = _f32(inv_temp)
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * stride_z
+    g_row = gmax_ptr + row * stride_g
+    m = tl.load(state_ptr + row * 2)
+    s = tl.load(state_ptr + row * 2 + 1)
+    cols = tl.arange(0, BLOCK)
+    groups = tl.arange(0, BLOCK // GROUP)
+    for start in range(0, n_cols, BLOCK):
+        idx = start + cols
+        valid = idx < n_cols
+        x = tl.load(z_row + idx, mask=valid, other=float("-inf")) * inv_temp
+        m, s, _e, _scale = _online(m, s, x, valid)
+        gidx = start // GROUP + groups
+        tl.store(g_row + gidx, tl.max(tl.reshape(x, (BLOCK // GROUP, GROUP)), axis=1), mask=gidx < n_groups)
+    tl.store(state_ptr + row * 2, m)
+    tl.store(state_ptr + row * 2 + 1, s)
+
+
+def new_scan_state(rows: int, device) -> torch.Tensor:
+    """[rows, 2] fp32 (m, l) of an empty online log-sum-exp."""
+    st = torch.zeros(rows, 2, dtype=torch.float32, device=device)
+    st[:, 0] = float("-inf")
+    return st
+
+
+def scan_chunk(z: torch.Tensor, state: torch.Tensor, inv_temp: float, group: int) -> torch.Tensor:
+    """Update state with the chunk z [R, C] (raw fp32 logits, tempered here); returns the group
+    maxima of the tempered logits, [R, ceil(C / group)] fp32."""
+    rows, n_cols = z.shape
+    n_groups = triton.cdiv(n_cols, group)
+    gmax = torch.empty(rows, n_groups, dtype=torch.float32, device=z.device)
+    if rows and n_cols:
+        block = max(group, min(BLOCK, triton.next_power_of_2(n_cols)))
+        launch(chunk_scan_kernel, (rows,), z, state, gmax, n_cols, n_groups, z.stride(0), gmax.stride(0),
+               inv_temp, GROUP=group, BLOCK=block, num_warps=4)
+    return gmax
