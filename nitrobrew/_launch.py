@@ -28,6 +28,16 @@ _OPTIONS = ("num_warps", "num_stages")
 _CACHE: Dict[Tuple, Any] = {}
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids (triton.cdiv is a constexpr function: ~2 us per host call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of 2 >= n (n >= 1), as triton.next_power_of_2 on the host."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def _enabled() -> bool:
     if os.environ.get("NITROBREW_DIRECT_LAUNCH", "1") in ("0", ""):
         return False

@@ -104,3 +104,13 @@ def test_an_empty_hook_chain_is_no_hook():
     assert not _launch._hook_active(Chain([]))
     assert _launch._hook_active(Chain([print]))
     assert _launch._hook_active(print)
+
+
+def test_host_grid_helpers_match_triton():
+    import triton
+
+    for n in range(1, 300):
+        assert _launch.next_pow2(n) == triton.next_power_of_2(n)
+        for b in (1, 16, 64, 100):
+            assert _launch.cdiv(n, b) == triton.cdiv(n, b)
+    assert _launch.cdiv(0, 16) == 0

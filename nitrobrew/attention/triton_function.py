@@ -4,10 +4,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from .._checks import interpreter_enabled
-from .._launch import launch
+from .._launch import cdiv, launch
 from .common import AttnSpec
 from .triton_bwd import attn_kl_bwd_dk_kernel, attn_kl_bwd_dq_kernel
 from .triton_fwd import DEFAULT_CONFIGS, LOG2E, attn_kl_fwd_kernel, next_pow2_dim
@@ -76,7 +75,7 @@ def triton_forward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lse_x=None, lse_y=
 
     lx_in, x_fixed = fixed(lse_x)
     ly_in, y_fixed = fixed(lse_y)
-    grid = (triton.cdiv(Nq, BM), B * H)
+    grid = (cdiv(Nq, BM), B * H)
     launch(
         attn_kl_fwd_kernel, grid,
         X.q, X.k, Y.q, Y.k, lx_in, ly_in, kpm_t, kl, lsx, lsy,
@@ -113,7 +112,7 @@ def triton_backward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lsx, lsy, kl, g, 
         sx3 = dqx.stride()[:3] if need["qx"] else (0, 0, 0)
         sy3 = dqy.stride()[:3] if need["qy"] else (0, 0, 0)
         launch(
-            attn_kl_bwd_dq_kernel, (triton.cdiv(Nq, BM), B * H),
+            attn_kl_bwd_dq_kernel, (cdiv(Nq, BM), B * H),
             X.q, X.k, Y.q, Y.k, kpm_t, lsx, lsy, kl, g, dqx, dqy,
             X.q.stride(0), X.q.stride(1), X.q.stride(2), X.k.stride(0), X.k.stride(1), X.k.stride(2),
             Y.q.stride(0), Y.q.stride(1), Y.q.stride(2), Y.k.stride(0), Y.k.stride(1), Y.k.stride(2),
@@ -134,7 +133,7 @@ def triton_backward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lsx, lsy, kl, g, 
         dkb = torch.empty_like(Bs.k) if also_b else kl
         sb3 = dkb.stride()[:3] if also_b else (0, 0, 0)
         launch(
-            attn_kl_bwd_dk_kernel, (triton.cdiv(Nk, BN), B * Hkva),
+            attn_kl_bwd_dk_kernel, (cdiv(Nk, BN), B * Hkva),
             A.q, A.k, Bs.q, Bs.k, kpm_t, lsa, lsb, kl, g, dka, dkb,
             A.q.stride(0), A.q.stride(1), A.q.stride(2), A.k.stride(0), A.k.stride(1), A.k.stride(2),
             Bs.q.stride(0), Bs.q.stride(1), Bs.q.stride(2), Bs.k.stride(0), Bs.k.stride(1), Bs.k.stride(2),

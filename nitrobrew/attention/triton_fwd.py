@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._launch import next_pow2
 from .triton_tiles import (centred_diff, exp2_pair, flat_rows, key_block_scores, key_heads, key_ranges, load_tile,
                            program_block)
 
@@ -114,4 +115,4 @@ def attn_kl_fwd_kernel(
 
 
 def next_pow2_dim(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_pow2(d))

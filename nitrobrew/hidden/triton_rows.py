@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .. import divergences as dv
 from .config import LossConfig
-from .._launch import launch
+from .._launch import launch, next_pow2
 
 # Columns of the per-row state tensor.
 M_S, L_S, M_T, L_T, ACC, M_Z, L_Z, Z_LABEL, PHI_SUM, U_SUM = range(10)
@@ -247,7 +247,7 @@ NUM_WARPS = 4
 
 
 def _block(n_cols: int) -> int:
-    return min(BLOCK_V, triton.next_power_of_2(max(n_cols, 16)))
+    return min(BLOCK_V, next_pow2(max(n_cols, 16)))
 
 
 def new_state(n: int, device) -> torch.Tensor:

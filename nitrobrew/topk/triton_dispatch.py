@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-import triton
 import triton.language as tl
 
 from .. import _checks as ck
@@ -25,7 +24,7 @@ from ..hidden.chunked import Online
 from . import triton_kernels as kern
 from .chunked import chunked_rows, combine_rows, finish, row_coefficients
 from .rowmath import DenseCoef, TopKConfig
-from .._launch import launch
+from .._launch import cdiv, launch
 
 Tensor = torch.Tensor
 
@@ -120,7 +119,7 @@ def gather_logits(xs: Tensor, ws: Tensor, bs: Optional[Tensor], ids: Tensor, lo:
         return out
     block_k = 16 if _interpreting() else 32
     block_d = 16 if _interpreting() else 256
-    launch(kern._gather_kernel, (N, triton.cdiv(K, block_k)),
+    launch(kern._gather_kernel, (N, cdiv(K, block_k)),
         xs, ws, bs if bs is not None else xs, ids, out, K, D, ws.shape[0], lo,
         xs.stride(0), ws.stride(0), ids.stride(0), out.stride(0),
         HAS_BIAS=bs is not None, ACC=tl.float32, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4,
@@ -137,7 +136,7 @@ def gather_dx(ws: Tensor, coef: Tensor, ids: Tensor) -> Tensor:
         return dx
     block_k = 16 if _interpreting() else 32
     block_d = 16 if _interpreting() else 256
-    launch(kern._gather_dx_kernel, (N, triton.cdiv(D, block_d)),
+    launch(kern._gather_dx_kernel, (N, cdiv(D, block_d)),
         ws, coef, ids, dx, K, D, ws.stride(0), coef.stride(0), ids.stride(0), dx.stride(0),
         ACC=tl.float32, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4,
     )
@@ -170,7 +169,7 @@ def scatter_dw(xs: Tensor, entries: IdRows, coef: Tensor, V: int, dtype: torch.d
     c = coef[entries.order].to(torch.float32).contiguous()
     block_r = 4 if _interpreting() else 32
     block_d = 16 if _interpreting() else 256
-    launch(kern._scatter_dw_kernel, (triton.cdiv(V, block_r), triton.cdiv(D, block_d)),
+    launch(kern._scatter_dw_kernel, (cdiv(V, block_r), cdiv(D, block_d)),
         xs, c, entries.rows, entries.offs, dw, V, D, xs.stride(0), dw.stride(0),
         ACC=tl.float32, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
     )
@@ -189,8 +188,8 @@ def lse_range(xs: Tensor, ws: Tensor, bs: Optional[Tensor], temperature: float, 
     lse_z = torch.full((N,), float("-inf"), dtype=torch.float32, device=xs.device) if with_raw else lse_s
     if N == 0 or V == 0:
         return lse_s, (lse_z if with_raw else None)
-    locks = torch.zeros(triton.cdiv(N, c.block_b), dtype=torch.int32, device=xs.device)
-    grid = (triton.cdiv(N, c.block_b) * triton.cdiv(V, c.block_v),)
+    locks = torch.zeros(cdiv(N, c.block_b), dtype=torch.int32, device=xs.device)
+    grid = (cdiv(N, c.block_b) * cdiv(V, c.block_v),)
     ids = outside.ids if outside is not None else locks
     K = ids.shape[1] if outside is not None else 1
     launch(kern._lse_kernel, grid,
@@ -214,7 +213,7 @@ def full_backward_range(xs, ws, bs, lse_s, lse_z, dense: DenseCoef, ce_scale, la
     c = _bwd_cfg(xs.dtype)
     accum = accum or GRAD_ACCUM
     acc_dtype = torch.float32 if accum == "fp32" else xs.dtype
-    n_rb, n_vt = triton.cdiv(N, c.block_b), triton.cdiv(V, c.block_v)
+    n_rb, n_vt = cdiv(N, c.block_b), cdiv(V, c.block_v)
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     coef_s = row_ids.sorted_values(coef)
     has_ce = ce_scale is not None
@@ -223,7 +222,7 @@ def full_backward_range(xs, ws, bs, lse_s, lse_z, dense: DenseCoef, ce_scale, la
     dx = torch.zeros(N, D, dtype=acc_dtype, device=xs.device)
     dw = torch.zeros(V, D, dtype=torch.float32 if accum == "fp32" else ws.dtype, device=xs.device) if need_w else dx
     db = torch.zeros(V, dtype=torch.float32, device=xs.device) if (bs is not None and need_w) else dx
-    n_dch = triton.cdiv(D, c.mm_block_d)
+    n_dch = cdiv(D, c.mm_block_d)
     locks_x = torch.zeros(n_rb * n_dch, dtype=torch.int32, device=xs.device)
     locks_w = torch.zeros(n_vt * n_dch if need_w else 1, dtype=torch.int32, device=xs.device)
     if N > 0 and V > 0:

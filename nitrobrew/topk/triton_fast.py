@@ -34,7 +34,7 @@ from ..hidden.triton_dispatch import accumulate_dw, alloc_grads, finish_grads, r
 from ..hidden.triton_rows import _f32, _online
 from .chunked import combine_rows, finish
 from .rowmath import RowResult, TopKConfig, full_lse
-from .._launch import launch
+from .._launch import launch, next_pow2
 
 F32 = torch.float32
 DEFAULT_BUDGET = 896 << 20  # bytes of fp32 logit slab per row block (the gradient slab reuses them)
@@ -100,7 +100,7 @@ def _slab_grad_kernel(Z, G, COEF, LABELS, stride_z, stride_g, n_cols, inv_temp,
 
 
 def _block_v(n_cols: int) -> int:
-    return min(BLOCK_V, triton.next_power_of_2(max(n_cols, 16)))
+    return min(BLOCK_V, next_pow2(max(n_cols, 16)))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import launch
+from .._launch import cdiv, launch, next_pow2
 from ..hidden.triton_rows import _f32, _online
 
 BLOCK = 4096
@@ -50,10 +50,10 @@ def scan_chunk(z: torch.Tensor, state: torch.Tensor, inv_temp: float, group: int
     """Update state with the chunk z [R, C] (raw fp32 logits, tempered here); returns the group
     maxima of the tempered logits, [R, ceil(C / group)] fp32."""
     rows, n_cols = z.shape
-    n_groups = triton.cdiv(n_cols, group)
+    n_groups = cdiv(n_cols, group)
     gmax = torch.empty(rows, n_groups, dtype=torch.float32, device=z.device)
     if rows and n_cols:
-        block = max(group, min(BLOCK, triton.next_power_of_2(n_cols)))
+        block = max(group, min(BLOCK, next_pow2(n_cols)))
         launch(chunk_scan_kernel, (rows,), z, state, gmax, n_cols, n_groups, z.stride(0), gmax.stride(0),
                inv_temp, GROUP=group, BLOCK=block, num_warps=4)
     return gmax
