@@ -24,7 +24,6 @@ except Exception:  # pragma: no cover - the PyTorch paths never import this modu
     triton = None
 
 _I32 = (-(2**31), 2**31 - 1)
-_OPTIONS = ("num_warps", "num_stages")
 _CACHE: Dict[Tuple, Any] = {}
 
 
