@@ -261,3 +261,64 @@ def test_triton_memory_has_no_vocab_wide_rows_tensor():
             out = topk_kl(xs, ws, ids, lp, normalize=norm, backend="triton", mode="constant_memory")
             out.backward()
         assert tr.largest <= v * d * 4 < n * v * 4, (norm, tr.largest_shape)
+
+
+def _support_case(seed=7, n=13, k=7, v=53, d=24, hot=3):
+    """Rows whose ids include one id in every row (walked as a hot dW row), K over several id blocks,
+    D over several column blocks, padding entries, an all-padding row and an ignored row."""
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(n, d, generator=g)
+    ws = torch.randn(v, d, generator=g) * 1.5
+    bs = torch.randn(v, generator=g)
+    lp, ids = torch.log_softmax(torch.randn(n, v, generator=g, dtype=torch.float64) * 4, -1).topk(k, -1)
+    lp, ids = lp.float().clone(), ids.clone()
+    for row in ids:  # ids hot and hot + 1 in every row (adjacent long rows of dW), ids kept distinct
+        for j, h in ((k - 1, hot), (k - 2, hot + 1)):
+            if not (row == h).any():
+                free = [i for i in range(j, -1, -1) if row[i] not in (hot, hot + 1)]
+                row[free[0]] = h
+    lp[3, 4:] = float("-inf")
+    ids[3, 4:] = -5  # padding entries may hold any id
+    lp[6] = float("-inf")
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[9] = -100
+    return xs.requires_grad_(), ws.requires_grad_(), bs.requires_grad_(), ids, lp, labels
+
+
+@pytest.mark.parametrize("case", [
+    dict(), dict(divergence="reverse_kl", temperature=0.5, bias=True), dict(divergence="jsd", beta=0.3),
+    dict(divergence="tvd", reduction="sum"), dict(divergence="skew_kl", alpha=0.2, reduction="none", bias=True),
+    dict(divergence="skew_reverse_kl", alpha=0.4, temperature=3.0, kd_weight=0.5, scale_t2=True),
+], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "default")
+def test_support_kernels_match_reference(case):
+    """normalize="topk" kernels: long dW rows (two of them adjacent, so windows meet both), several id
+    and column blocks, padding entries, an all-padding row, an ignored row."""
+    case = dict(case)
+    bias = case.pop("bias", False)
+    xs, ws, bs, ids, lp, labels = _support_case()
+    ts_ = [xs, ws] + ([bs] if bias else [])
+    kw = dict(normalize="topk", labels=labels, bs=bs if bias else None, **case)
+    out = topk_kl(xs, ws, ids, lp, backend="triton", **kw)
+    param = kw.pop("beta", kw.pop("alpha", 0.0))
+    ref = reference_topk_loss(xs, ws, ids, lp, param=param, **kw)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=1e-6)
+    up = torch.randn_like(ref) if ref.dim() else torch.tensor(0.7, dtype=ref.dtype)
+    grads = torch.autograd.grad(out, ts_, up.to(out.dtype))
+    for a, b in zip(grads, torch.autograd.grad(ref, ts_, up)):
+        assert _rel(a, b) < 1e-4
+    untouched = torch.ones(ws.shape[0], dtype=torch.bool)
+    untouched[ids[lp.isfinite()]] = False
+    assert untouched.any() and not grads[1][untouched].any()  # rows of dW no entry reaches are exact zeros
+
+
+def test_support_all_ignored_and_expanded_upstream():
+    xs, ws, bs, ids, lp, labels = _support_case(seed=8)
+    ignored = torch.full_like(labels, -100)
+    out = topk_kl(xs, ws, ids, lp, normalize="topk", labels=ignored, backend="triton")
+    gx, gw = torch.autograd.grad(out, [xs, ws])
+    assert out.item() == 0.0 and not gx.any() and not gw.any()
+    rows = topk_kl(xs, ws, ids, lp, normalize="topk", reduction="none", backend="triton")
+    gx, gw = torch.autograd.grad(rows.sum(), [xs, ws])  # a stride-0 upstream gradient
+    ref = reference_topk_loss(xs, ws, ids, lp, normalize="topk", reduction="sum")
+    rx, rw = torch.autograd.grad(ref, [xs, ws])
+    assert _rel(gx, rx) < 1e-4 and _rel(gw, rw) < 1e-4

@@ -94,6 +94,12 @@ def _check_stored(ids, lp, V: Optional[int]) -> None:
         ck.check_ids_in_range("topk_ids (at entries whose log-prob is finite)", ids[torch.isfinite(lp)], V)
 
 
+def _safe_ids(topk_ids: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """[N, K] int64 ids with 0 at padding entries (which may hold any id)."""
+    ids = topk_ids.reshape(lp.shape).long()
+    return torch.where(torch.isfinite(lp), ids, torch.zeros((), dtype=torch.long, device=lp.device))
+
+
 def topk_kl(
     xs: torch.Tensor,
     ws: torch.Tensor,
@@ -185,8 +191,6 @@ def topk_kl(
     K = topk_ids.shape[-1]
     x = xs.reshape(-1, xs.shape[-1])
     lp = topk_logprobs.reshape(-1, K)
-    ids = torch.where(torch.isfinite(lp), topk_ids.reshape(-1, K).long(), torch.zeros((), dtype=torch.long,
-                                                                                      device=lp.device))
     flat_labels = None if labels is None else labels.reshape(-1)
     mask = ck.row_weights(flat_labels, ignore_index, x.shape[0], xs.device)
     ce_labels = None
@@ -202,13 +206,21 @@ def topk_kl(
         ce_weight=float(ce_weight),
         chunk_V=chunk_V,
     )
-    if impl == "triton" and cfg.full and mode != "constant_memory" and x.dtype != torch.float64:
+    fused = impl == "triton" and x.dtype != torch.float64
+    if fused and not cfg.full:
+        # the K gathered rows are all it touches: three kernels, the reduction inside the Function
+        from .triton_support import support_topk
+
+        out = support_topk(x, ws, bs, topk_ids.reshape(-1, K), lp, mask, cfg, reduction)
+        total, kd, ce = (r.reshape(lead) for r in out) if reduction == "none" else out
+    elif fused and mode != "constant_memory":
         # the fast mode reduces inside its autograd Function (it forms gradients in the forward)
         from .triton_fast import fast_topk
 
-        out = fast_topk(x, ws, bs, ids, lp, ce_labels, mask, cfg, reduction, memory_budget)
+        out = fast_topk(x, ws, bs, _safe_ids(topk_ids, lp), lp, ce_labels, mask, cfg, reduction, memory_budget)
         total, kd, ce = (r.reshape(lead) for r in out) if reduction == "none" else out
     else:
+        ids = _safe_ids(topk_ids, lp)
         if impl == "triton":
             from .triton_dispatch import triton_rows as rows_fn
         else:

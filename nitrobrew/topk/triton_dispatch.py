@@ -1,8 +1,9 @@
-"""Launchers and the autograd Function of the Triton top-k path.
+"""Launchers and the autograd Function of the constant-memory Triton path of normalize="full".
 
 The [rows, K] math (``rowmath``) and the statistics plumbing (``chunked.finish``,
-``row_coefficients``) are shared with the PyTorch path; only the vocab-wide and gather/scatter
-work runs in the kernels of ``triton_kernels``. float64 inputs take the PyTorch path.
+``row_coefficients``) are shared with the PyTorch path; only the vocab-wide and gather work runs
+in the kernels of ``triton_kernels``. float64 inputs take the PyTorch path; normalize="topk" has
+its own kernels (``triton_support``).
 
 Vocab-parallel pieces (a rank holding head rows [lo, lo + V_local)): ``lse_range`` (the
 student's log-sum-exp over the local rows, with the tail bucket over the entries outside each
@@ -127,55 +128,6 @@ def gather_logits(xs: Tensor, ws: Tensor, bs: Optional[Tensor], ids: Tensor, lo:
     return out
 
 
-def gather_dx(ws: Tensor, coef: Tensor, ids: Tensor) -> Tensor:
-    """fp32 [N, D]: sum_k coef_nk w_{id_nk}."""
-    N, K = ids.shape
-    D = ws.shape[1]
-    dx = torch.empty(N, D, dtype=torch.float32, device=ws.device)
-    if N == 0:
-        return dx
-    block_k = 16 if _interpreting() else 32
-    block_d = 16 if _interpreting() else 256
-    launch(kern._gather_dx_kernel, (N, cdiv(D, block_d)),
-        ws, coef, ids, dx, K, D, ws.stride(0), coef.stride(0), ids.stride(0), dx.stride(0),
-        ACC=tl.float32, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4,
-    )
-    return dx
-
-
-@dataclass
-class IdRows:
-    """A batch's (row, id) entries sorted by id, as CSR over the vocabulary, built without a host sync:
-    padding entries get the key V (after every real id, outside every row's range)."""
-
-    ids: Tensor    # [N * K] int64 sorted keys (V at padding entries)
-    rows: Tensor   # [N * K] int32 row of each entry
-    order: Tensor  # [N * K] int64 position of each entry in the row-major [N, K] layout
-    offs: Tensor   # [V + 1] int32: entries of vocab row v are [offs[v], offs[v + 1])
-
-    @staticmethod
-    def build(ids: Tensor, valid: Tensor, V: int) -> "IdRows":
-        key = torch.where(valid, ids.long(), torch.full_like(ids, V, dtype=torch.long)).reshape(-1)
-        srt, order = torch.sort(key)
-        rows = torch.div(order, ids.shape[1], rounding_mode="floor").to(torch.int32)
-        offs = torch.searchsorted(srt, torch.arange(V + 1, device=ids.device)).to(torch.int32)
-        return IdRows(srt, rows, order, offs)
-
-
-def scatter_dw(xs: Tensor, entries: IdRows, coef: Tensor, V: int, dtype: torch.dtype) -> Tensor:
-    """[V, D] in `dtype`: row v = sum over the entries with id v of coef * x_row (zeros elsewhere)."""
-    D = xs.shape[1]
-    dw = torch.empty(V, D, dtype=dtype, device=xs.device)
-    c = coef[entries.order].to(torch.float32).contiguous()
-    block_r = 4 if _interpreting() else 32
-    block_d = 16 if _interpreting() else 256
-    launch(kern._scatter_dw_kernel, (cdiv(V, block_r), cdiv(D, block_d)),
-        xs, c, entries.rows, entries.offs, dw, V, D, xs.stride(0), dw.stride(0),
-        ACC=tl.float32, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
-    )
-    return dw
-
-
 def lse_range(xs: Tensor, ws: Tensor, bs: Optional[Tensor], temperature: float, with_raw: bool,
               outside: Optional[RowIds] = None, lo: int = 0) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-row log-sum-exp of the tempered logits over the rows of ws = global ids [lo, lo + V)
@@ -249,20 +201,15 @@ class TritonTopK(torch.autograd.Function):
         valid = torch.isfinite(lp)
         N, K = ids.shape
         lpc = lp.to(torch.float32)
-        row_ids = None
-        if cfg.full:
-            row_ids = RowIds.build(ids, valid)
-            ids_g = ids if not cfg.with_ce else torch.cat([ids, labels.clamp_min(0)[:, None]], 1)
-            z = gather_logits(xs, ws, bs, ids_g.contiguous())
-            lse_s, lse_z = lse_range(xs, ws, bs, cfg.temperature, cfg.with_ce and cfg.temperature != 1.0,
-                                     outside=row_ids if cfg.tail else None)
-            ones = torch.ones_like(lse_s)
-            res, lse_s, lse_z, ce = finish(
-                z[:, :K].reshape(-1), lpc, valid, Online(lse_s, ones),
-                None if lse_z is None else Online(lse_z, ones), z[:, K] if cfg.with_ce else None, cfg)
-        else:
-            z = gather_logits(xs, ws, bs, ids)
-            res, lse_s, lse_z, ce = finish(z.reshape(-1), lpc, valid, None, None, None, cfg)
+        row_ids = RowIds.build(ids, valid)
+        ids_g = ids if not cfg.with_ce else torch.cat([ids, labels.clamp_min(0)[:, None]], 1)
+        z = gather_logits(xs, ws, bs, ids_g.contiguous())
+        lse_s, lse_z = lse_range(xs, ws, bs, cfg.temperature, cfg.with_ce and cfg.temperature != 1.0,
+                                 outside=row_ids if cfg.tail else None)
+        ones = torch.ones_like(lse_s)
+        res, lse_s, lse_z, ce = finish(
+            z[:, :K].reshape(-1), lpc, valid, Online(lse_s, ones),
+            None if lse_z is None else Online(lse_z, ones), z[:, K] if cfg.with_ce else None, cfg)
         total, kd, ce_rows = combine_rows(res, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, ids, labels, mask, valid)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.cfg, ctx.row_ids = res, lse_s, lse_z, cfg, row_ids
@@ -275,22 +222,10 @@ class TritonTopK(torch.autograd.Function):
         cfg = ctx.cfg
         coef, dense, ce_scale = row_coefficients(grad_total, mask, ctx.res, cfg)
         need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        if cfg.full:
-            dx, dw, db = full_backward_range(xs, ws, bs, ctx.lse_s, ctx.lse_z, dense, ce_scale, labels, ctx.row_ids,
-                                             coef, cfg.temperature, need_w=need_w)
-            dw = None if dw is None else dw.to(ws.dtype)
-            db = None if db is None else db.to(bs.dtype)
-        else:
-            N, K = ids.shape
-            dx = gather_dx(ws, coef.view(N, K).to(torch.float32).contiguous(), ids)
-            dw = db = None
-            if need_w:
-                V = ws.shape[0]
-                entries = IdRows.build(ids, valid, V)
-                dw = scatter_dw(xs, entries, coef, V, ws.dtype)
-                if bs is not None:  # padding entries (key V, coefficient 0) land in a spare slot
-                    db = torch.zeros(V + 1, dtype=torch.float32, device=bs.device).index_add_(
-                        0, entries.ids, coef[entries.order].float())[:V].to(bs.dtype)
+        dx, dw, db = full_backward_range(xs, ws, bs, ctx.lse_s, ctx.lse_z, dense, ce_scale, labels, ctx.row_ids,
+                                         coef, cfg.temperature, need_w=need_w)
+        dw = None if dw is None else dw.to(ws.dtype)
+        db = None if db is None else db.to(bs.dtype)
         dx = dx.to(xs.dtype) if ctx.needs_input_grad[0] else None
         dw = dw if ctx.needs_input_grad[1] else None
         db = db if ctx.needs_input_grad[2] else None

@@ -21,12 +21,8 @@ min(K, BLOCK_V) and usually 0-3 (K ids spread over V / BLOCK_V tiles), so the co
 fraction of the tile's 2 * BLOCK_B * BLOCK_V * D matmul FLOPs for K up to 256 and beyond; ids
 clustered in one tile (c = BLOCK_V in the worst case) cost BLOCK_V elementwise passes there.
 
-normalize="topk" and the ids of "full" (bandwidth-bound, no vocab-wide work):
-- ``_gather_kernel``: s_nk = x_n . w_{id_nk} (+ b).
-- ``_gather_dx_kernel``: dX_n = sum_k c_nk w_{id_nk}.
-- ``_scatter_dw_kernel``: dW_v = sum over v's entries of c x_row (entries sorted by id, CSR by
-  vocab row; tiles of vocab rows walk their entries in lock step; every row of dW written once,
-  zeros included: no atomics, no memset).
+The ids of "full" (bandwidth-bound): ``_gather_kernel``: s_nk = x_n . w_{id_nk} (+ b).
+normalize="topk" has its own kernels (``triton_support``).
 """
 from __future__ import annotations
 
@@ -55,48 +51,6 @@ def _gather_kernel(X, W, B, IDS, OUT, K, D, V_LOCAL, LO, stride_xn, stride_wv, s
         acc += tl.load(B + ids, mask=inside, other=0.0).to(ACC)
     acc = tl.where(inside, acc, 0.0)
     tl.store(OUT + n * stride_on + offs_k, acc, mask=kmask)
-
-
-@triton.jit
-def _gather_dx_kernel(W, C, IDS, DX, K, D, stride_wv, stride_cn, stride_in, stride_dn,
-                      ACC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    acc = tl.zeros([BLOCK_D], dtype=ACC)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        kmask = offs_k < K
-        ids = tl.load(IDS + n * stride_in + offs_k, mask=kmask, other=0).to(tl.int64)
-        c = tl.load(C + n * stride_cn + offs_k, mask=kmask, other=0.0).to(ACC)
-        w = tl.load(W + ids[:, None] * stride_wv + offs_d[None, :], mask=kmask[:, None] & dmask[None, :],
-                    other=0.0).to(ACC)
-        acc += tl.sum(w * c[:, None], axis=0)
-    tl.store(DX + n * stride_dn + offs_d, acc, mask=dmask)
-
-
-@triton.jit
-def _scatter_dw_kernel(X, COEF, ROWS, OFFS, DW, V, D, stride_xn, stride_wv,
-                       ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A [BLOCK_R vocab rows, BLOCK_D] tile of dW: every row walks its own entries in lock step with
-    the others (j-th entry of each row at once), so the tile's loads run in parallel rather than row
-    after row; a row without entries stores zeros."""
-    offs_v = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    vmask = offs_v < V
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    start = tl.load(OFFS + offs_v, mask=vmask, other=0)
-    count = tl.load(OFFS + offs_v + 1, mask=vmask, other=0) - start
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=ACC)
-    for j in range(0, tl.max(count, axis=0)):
-        has = j < count
-        rows = tl.load(ROWS + start + j, mask=has, other=0).to(tl.int64)
-        c = tl.load(COEF + start + j, mask=has, other=0.0).to(ACC)
-        x = tl.load(X + rows[:, None] * stride_xn + offs_d[None, :], mask=has[:, None] & dmask[None, :],
-                    other=0.0).to(ACC)
-        acc += c[:, None] * x
-    tl.store(DW + offs_v.to(tl.int64)[:, None] * stride_wv + offs_d[None, :], acc.to(DW.dtype.element_ty),
-             mask=vmask[:, None] & dmask[None, :])
 
 
 @triton.jit

@@ -1,0 +1,370 @@
+"""``topk_kl(normalize="topk")`` on the GPU: the K stored ids of a row are all it touches.
+
+The student is renormalized over each row's valid ids, so the loss needs no vocabulary-wide work:
+it is bandwidth-bound on the K rows of ws each row gathers (x_n . w_id for the logits, again for
+dX) and on writing dW (x rows, N * D, are small and read from L2). The kernels:
+
+- ``_support_fwd_kernel`` (one program per row): gathers the K logits (fp32 sums of exact products
+  of the inputs), applies the [K] math of ``rowmath.topk_rows`` for normalize="topk" (the
+  divergences of ``nitrobrew.divergences`` through ``phi_u``), and writes the row's divergence, its
+  gradient coefficients per unit upstream gradient (raw-logit units) and each entry's sort key (its
+  id; V at padding entries and ignored rows).
+- ``_support_dx_kernel``: dX_n = g_n sum_k c_nk w_{id_nk}, one program per row walking D with
+  256 columns per warp, so the sum over ids never crosses warps.
+- dW_v = sum over the entries with id v of g_row c x_row, from the entries sorted by key (CSR
+  over the vocabulary). ``_dw_rows_kernel``: a tile of vocab rows walks its rows' entries in lock
+  step, J entries of every row per step; every row of dW is written once, zeros included (no
+  memset). A row with more than CAP entries (an id in many rows' top-k, as frequent tokens are
+  with a trained teacher) would hold its whole tile for count / J steps: those rows are summed
+  beforehand by ``_dw_long_kernel``, one program per window of CAP sorted entries, into fp32
+  accumulators (atomic adds of window sums; at most ~4096 rows of them), which the tile kernel
+  then copies. db comes out of the same walks.
+
+g is the upstream gradient per row (times kd_weight and the mean's 1 / rows): a 1-element tensor
+with stride 0 for "mean"/"sum", per row for "none".
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _checks as ck
+from ..hidden.triton_rows import _f32, phi_u
+from .._launch import cdiv, launch, next_pow2
+from .. import divergences as dv
+from .rowmath import TopKConfig
+
+F32 = torch.float32
+
+
+@dataclass(frozen=True)
+class SupportTiles:
+    block_kb: int = 64    # forward: ids gathered at once
+    block_d: int = 64     # forward: hidden columns per step
+    warps: int = 2
+    dx_block_kb: int = 16
+    dx_block_d: int = 512  # 256 columns per warp: the sum over ids stays inside each warp
+    dx_warps: int = 2
+    dw_block_r: int = 16  # vocab rows per dW tile
+    dw_j: int = 4         # entries of every row per lock step
+    dw_block_d: int = 64
+    dw_d_steps: int = 4   # column blocks per program (the rows' entries are found once for all four)
+    dw_warps: int = 2
+    dw_min_cap: int = 64  # rows with more entries are summed by windows
+    dw_sub: int = 32      # entries per step of a window
+    dw_long_block_d: int = 256
+
+
+TILES = SupportTiles()
+# small: several blocks at the tests' odd shapes, long rows from 2 entries on
+INTERPRETER_TILES = SupportTiles(block_kb=4, block_d=16, warps=1, dx_block_kb=4, dx_block_d=16, dx_warps=1,
+                                 dw_block_r=4, dw_j=2, dw_block_d=16, dw_d_steps=2, dw_warps=1, dw_min_cap=2,
+                                 dw_sub=2, dw_long_block_d=16)
+
+
+def tiles() -> SupportTiles:
+    return INTERPRETER_TILES if ck.interpreter_enabled() else TILES
+
+
+@triton.jit
+def _masked_lse(x, ok):
+    m = tl.max(tl.where(ok, x, float("-inf")), axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.where(ok, tl.exp(x - m_safe), 0.0), axis=0)  # >= 1 when any entry is valid
+    return m_safe + tl.log(tl.maximum(total, 1.0))  # no valid entry: 0 (every entry is masked anyway)
+
+
+@triton.jit
+def _row_dots(x_row, W, ids, ok, D, stride_wv, BLOCK_D: tl.constexpr):
+    """[BLOCK_KB] fp32: x_row . W[ids] over the D columns (0 where not ok)."""
+    acc = tl.zeros(ids.shape, dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        dm = offs_d < D
+        x = tl.load(x_row + offs_d, mask=dm, other=0.0).to(tl.float32)
+        w = tl.load(W + ids[:, None] * stride_wv + offs_d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _weighted_rows(W, key_row, c_row, K, V, offs_d, dm, stride_wv, BLOCK_KB: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[BLOCK_D] fp32: sum_k c_k W[key_k, offs_d] over the row's valid entries (key < V)."""
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_KB):
+        offs_k = k0 + tl.arange(0, BLOCK_KB)
+        km = offs_k < K
+        key = tl.load(key_row + offs_k, mask=km, other=V)
+        ok = key < V
+        c = tl.load(c_row + offs_k, mask=ok, other=0.0)
+        w = tl.load(W + tl.where(ok, key, 0).to(tl.int64)[:, None] * stride_wv + offs_d[None, :],
+                    mask=ok[:, None] & dm[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * c[:, None], axis=0)
+    return acc
+
+
+@triton.jit
+def _support_fwd_kernel(X, W, B, IDS, LP, MASK, KD, COEF, KEY, K, D, V,
+                        stride_xn, stride_wv, stride_in, stride_ln,
+                        inv_temp, param, log_a, log_1ma,
+                        HAS_BIAS: tl.constexpr, RENORM_T: tl.constexpr, DIVERGENCE: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_KB: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    inv_temp = _f32(inv_temp)
+    n = tl.program_id(0).to(tl.int64)
+    counted = tl.load(MASK + n) != 0.0
+    x_row = X + n * stride_xn
+    c_row = COEF + n * K
+    key_row = KEY + n * K
+    # pass 1: the raw logits, BLOCK_KB ids at a time, parked in the row's coefficient slots
+    for k0 in range(0, K, BLOCK_KB):
+        offs_k = k0 + tl.arange(0, BLOCK_KB)
+        km = offs_k < K
+        lp = tl.load(LP + n * stride_ln + offs_k, mask=km, other=float("-inf"))
+        ids = tl.load(IDS + n * stride_in + offs_k, mask=km, other=0).to(tl.int64)
+        # ids outside [0, V) at valid entries are rejected before the launch; never read them anyway
+        ok = tl.where(counted, km & (lp != float("-inf")) & (ids >= 0) & (ids < V), False)
+        ids = tl.where(ok, ids, 0)
+        z = _row_dots(x_row, W, ids, ok, D, stride_wv, BLOCK_D)
+        if HAS_BIAS:
+            z += tl.load(B + ids, mask=ok, other=0.0).to(tl.float32)
+        tl.store(c_row + offs_k, z, mask=km)
+        tl.store(key_row + offs_k, tl.where(ok, ids, V).to(tl.int32), mask=km)
+    tl.debug_barrier()  # the row's logits, written by every warp, are read back whole
+    offs = tl.arange(0, BLOCK_K)
+    km = offs < K
+    ok = tl.load(key_row + offs, mask=km, other=V) < V
+    s = tl.load(c_row + offs, mask=km, other=0.0) * inv_temp
+    lq = tl.where(ok, s - _masked_lse(s, ok), float("-inf"))
+    lp = tl.where(ok, tl.load(LP + n * stride_ln + offs, mask=km, other=0.0).to(tl.float32), float("-inf"))
+    if RENORM_T:  # compared distributions: the teacher renormalized over the same support
+        lp = tl.where(ok, lp - _masked_lse(lp, ok), float("-inf"))
+    phi, u = phi_u(lp, lq, _f32(param), _f32(log_a), _f32(log_1ma), DIVERGENCE)
+    phi = tl.where(ok, phi, 0.0)
+    u = tl.where(ok, u, 0.0)
+    coef = (u - tl.exp(lq) * tl.sum(u, axis=0)) * inv_temp  # dD/dz: rowmath's u + q~ (-sum u), / T
+    tl.debug_barrier()  # every warp has read the logits before they are overwritten
+    tl.store(c_row + offs, coef, mask=km)
+    tl.store(KD + n, tl.sum(phi, axis=0))
+
+
+@triton.jit
+def _support_dx_kernel(W, KEY, COEF, SCALE, DX, K, D, V, stride_wv, stride_dn, scale_stride,
+                       BLOCK_KB: tl.constexpr, BLOCK_D: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    g = tl.load(SCALE + n * scale_stride)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        dm = offs_d < D
+        acc = _weighted_rows(W, KEY + n * K, COEF + n * K, K, V, offs_d, dm, stride_wv, BLOCK_KB, BLOCK_D)
+        tl.store(DX + n * stride_dn + offs_d, (acc * g).to(DX.dtype.element_ty), mask=dm)
+
+
+@triton.jit
+def _entry_terms(X, COEF, SCALE, ORDER, pos, has, offs_d, dm, K, stride_xn, scale_stride):
+    """For sorted entries at positions pos (any shape): (g_row c, x_row[offs_d]) in fp32, 0 where not has;
+    the x tile has pos's shape + [BLOCK_D]. Two dependent loads: the entry, then its x row and c."""
+    e = tl.load(ORDER + pos, mask=has, other=0)
+    row = e // K
+    c = tl.load(COEF + e, mask=has, other=0.0) * tl.load(SCALE + row * scale_stride, mask=has, other=0.0)
+    x = tl.load(X + tl.expand_dims(row * stride_xn, -1) + offs_d, mask=tl.expand_dims(has, -1) & dm, other=0.0)
+    return c, x.to(tl.float32)
+
+
+@triton.jit
+def _dw_long_kernel(X, COEF, SCALE, ORDER, KEYS, OFFS, RANK, ACC, ACC_B, E, V, K, D, stride_xn, scale_stride,
+                    HAS_BIAS: tl.constexpr, CAP: tl.constexpr, SUB: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One window of CAP sorted entries: the sums over the entries of long rows (count > CAP) are added
+    into those rows' fp32 accumulators. A long row has more than CAP entries, so a window meets at most
+    two of them (one ending, one starting); windows without any return at once."""
+    w0 = tl.program_id(0) * CAP
+    pos = w0 + tl.arange(0, CAP)
+    key = tl.load(KEYS + pos, mask=pos < E, other=V)
+    inside = key < V
+    cnt = tl.load(OFFS + key + 1, mask=inside, other=0) - tl.load(OFFS + key, mask=inside, other=0)
+    is_long = inside & (cnt > CAP)
+    if tl.sum(is_long.to(tl.int32), axis=0) > 0:
+        k1 = tl.min(tl.where(is_long, key, V), axis=0)
+        k2 = tl.max(tl.where(is_long, key, -1), axis=0)
+        r1 = tl.load(RANK + k1).to(tl.int64)
+        r2 = tl.load(RANK + k2).to(tl.int64)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            dm = offs_d < D
+            a1 = tl.zeros([BLOCK_D], dtype=tl.float32)
+            a2 = tl.zeros([BLOCK_D], dtype=tl.float32)
+            b1 = tl.zeros([SUB], dtype=tl.float32)
+            b2 = tl.zeros([SUB], dtype=tl.float32)
+            for s0 in range(0, CAP, SUB):
+                p = w0 + s0 + tl.arange(0, SUB)
+                kk = tl.load(KEYS + p, mask=p < E, other=V)
+                sel1 = kk == k1
+                sel2 = tl.where(k2 != k1, kk == k2, False)
+                c, x = _entry_terms(X, COEF, SCALE, ORDER, p, sel1 | sel2, offs_d, dm, K, stride_xn, scale_stride)
+                c1 = tl.where(sel1, c, 0.0)
+                c2 = tl.where(sel2, c, 0.0)
+                a1 += tl.sum(c1[:, None] * x, axis=0)
+                a2 += tl.sum(c2[:, None] * x, axis=0)
+                b1 += c1
+                b2 += c2
+            tl.atomic_add(ACC + r1 * D + offs_d, a1, mask=dm)
+            if k2 != k1:
+                tl.atomic_add(ACC + r2 * D + offs_d, a2, mask=dm)
+            if HAS_BIAS:
+                if d0 == 0:
+                    tl.atomic_add(ACC_B + r1, tl.sum(b1, axis=0))
+                    if k2 != k1:
+                        tl.atomic_add(ACC_B + r2, tl.sum(b2, axis=0))
+
+
+@triton.jit
+def _dw_rows_kernel(X, COEF, SCALE, ORDER, OFFS, RANK, ACC, ACC_B, DW, DB, V, K, D, stride_xn, stride_wv,
+                    scale_stride, HAS_BIAS: tl.constexpr, CAP: tl.constexpr, BLOCK_R: tl.constexpr,
+                    J: tl.constexpr, BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr):
+    """A [BLOCK_R vocab rows, D_STEPS * BLOCK_D] tile of dW (and db): the rows' entries walked in lock
+    step, J entries of every row per step (their loads in flight together); long rows (count > CAP)
+    take their sums from the accumulators of ``_dw_long_kernel``; rows without entries get zeros."""
+    offs_v = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    vm = offs_v < V
+    start = tl.load(OFFS + offs_v, mask=vm, other=0)
+    count = tl.load(OFFS + offs_v + 1, mask=vm, other=0) - start
+    is_long = count > CAP
+    any_long = tl.sum(is_long.to(tl.int32), axis=0) > 0
+    r = tl.load(RANK + offs_v, mask=is_long, other=0).to(tl.int64)
+    steps = tl.where(is_long, 0, count)
+    jj = tl.arange(0, J)
+    for i in range(0, D_STEPS):
+        offs_d = (tl.program_id(1) * D_STEPS + i) * BLOCK_D + tl.arange(0, BLOCK_D)
+        dm = offs_d < D
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for j0 in range(0, tl.max(steps, axis=0), J):
+            has = (j0 + jj)[None, :] < steps[:, None]
+            c, x = _entry_terms(X, COEF, SCALE, ORDER, start[:, None] + j0 + jj[None, :], has,
+                                offs_d[None, None, :], dm[None, None, :], K, stride_xn, scale_stride)
+            acc += tl.sum(c[:, :, None] * x, axis=1)
+            acc_b += tl.sum(c, axis=1)
+        if any_long:
+            acc = tl.where(is_long[:, None],
+                           tl.load(ACC + r[:, None] * D + offs_d[None, :], mask=is_long[:, None] & dm[None, :],
+                                   other=0.0), acc)
+            acc_b = tl.where(is_long, tl.load(ACC_B + r, mask=is_long, other=0.0), acc_b)
+        tl.store(DW + offs_v.to(tl.int64)[:, None] * stride_wv + offs_d[None, :], acc.to(DW.dtype.element_ty),
+                 mask=vm[:, None] & dm[None, :])
+        if HAS_BIAS:
+            if tl.program_id(1) + i == 0:
+                tl.store(DB + offs_v, acc_b.to(DB.dtype.element_ty), mask=vm)
+
+
+def _math_args(cfg: TopKConfig):
+    a = cfg.param
+    return 1.0 / cfg.temperature, a, (math.log(a) if a > 0 else float("-inf")), \
+        (math.log(1.0 - a) if a < 1 else float("-inf"))
+
+
+def support_forward(xs, ws, bs, ids, lp, mask, cfg: TopKConfig):
+    """(kd [N], coef [N, K] per unit upstream gradient, key [N, K] int32: the id, V where not counted)."""
+    N, K = ids.shape
+    D, V = xs.shape[1], ws.shape[0]
+    t = tiles()
+    kd = torch.empty(N, dtype=F32, device=xs.device)
+    coef = torch.empty(N, K, dtype=F32, device=xs.device)
+    key = torch.empty(N, K, dtype=torch.int32, device=xs.device)
+    if N == 0:
+        return kd, coef, key
+    inv_temp, param, log_a, log_1ma = _math_args(cfg)
+    launch(_support_fwd_kernel, (N,),
+           xs, ws, bs if bs is not None else xs, ids, lp, mask, kd, coef, key, K, D, V,
+           xs.stride(0), ws.stride(0), ids.stride(0), lp.stride(0), inv_temp, param, log_a, log_1ma,
+           HAS_BIAS=bs is not None, RENORM_T=cfg.renormalize_teacher, DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence],
+           BLOCK_K=next_pow2(K), BLOCK_KB=min(t.block_kb, next_pow2(K)), BLOCK_D=t.block_d, num_warps=t.warps)
+    return kd, coef, key
+
+
+def support_dx(ws, key, coef, scale, dtype):
+    N, K = key.shape
+    D, V = ws.shape[1], ws.shape[0]
+    t = tiles()
+    dx = torch.empty(N, D, dtype=dtype, device=ws.device)
+    if N:
+        launch(_support_dx_kernel, (N,), ws, key, coef, scale, dx, K, D, V, ws.stride(0), dx.stride(0),
+               scale.stride(0), BLOCK_KB=min(t.dx_block_kb, next_pow2(K)), BLOCK_D=t.dx_block_d,
+               num_warps=t.dx_warps)
+    return dx
+
+
+def long_cap(entries: int, min_cap: int) -> int:
+    """Entries above which a vocab row is summed by windows (``_dw_long_kernel``): at most ~4096
+    accumulator rows whatever the batch, and lock-step walks of at most that many entries."""
+    return max(min_cap, next_pow2(cdiv(entries, 4096)))
+
+
+def support_dw(xs, key, coef, scale, V, bs):
+    """(dW [V, D] in xs's dtype, db [V] or None) from the entries sorted by key."""
+    N, K = key.shape
+    D, E = xs.shape[1], key.numel()
+    t = tiles()
+    dev = xs.device
+    srt, order = torch.sort(key.view(-1))
+    offs = torch.searchsorted(srt, torch.arange(V + 1, dtype=torch.int32, device=dev), out_int32=True)
+    cap = long_cap(E, t.dw_min_cap)
+    rank = torch.cumsum(offs.diff() > cap, 0, dtype=torch.int32) - 1  # row v's accumulator if long
+    n_acc = E // cap + 1  # a long row has more than cap entries
+    acc = torch.zeros(n_acc, D, dtype=F32, device=dev)
+    acc_b = torch.zeros(n_acc if bs is not None else 1, dtype=F32, device=dev)
+    dw = torch.empty(V, D, dtype=xs.dtype, device=dev)
+    db = torch.empty(V, dtype=bs.dtype, device=dev) if bs is not None else None
+    if E:
+        launch(_dw_long_kernel, (cdiv(E, cap),), xs, coef, scale, order, srt, offs, rank, acc, acc_b, E, V, K, D,
+               xs.stride(0), scale.stride(0), HAS_BIAS=bs is not None, CAP=cap, SUB=min(t.dw_sub, cap),
+               BLOCK_D=t.dw_long_block_d, num_warps=t.dw_warps)
+    if V:
+        launch(_dw_rows_kernel, (cdiv(V, t.dw_block_r), cdiv(D, t.dw_block_d * t.dw_d_steps)),
+               xs, coef, scale, order, offs, rank, acc, acc_b, dw, db if db is not None else dw, V, K, D,
+               xs.stride(0), dw.stride(0), scale.stride(0), HAS_BIAS=bs is not None, CAP=cap,
+               BLOCK_R=t.dw_block_r, J=t.dw_j, BLOCK_D=t.dw_block_d, D_STEPS=t.dw_d_steps,
+               num_warps=t.dw_warps)
+    return dw, db
+
+
+class SupportTopK(torch.autograd.Function):
+    """Reduced (total, kd, ce) of normalize="topk" (ce is 0: the hard-label CE needs normalize="full")."""
+
+    @staticmethod
+    def forward(ctx, xs, ws, bs, ids, lp, mask, cfg: TopKConfig, reduction: str):
+        kd_rows, coef, key = support_forward(xs, ws, bs, ids, lp, mask, cfg)
+        if reduction == "none":
+            kd, per_row = kd_rows, None
+        else:
+            per_row = ck.reduction_scale(mask, reduction)
+            kd = kd_rows.sum() * per_row
+        ctx.save_for_backward(xs, ws, bs, coef, key, per_row)
+        ctx.cfg = cfg
+        ctx.mark_non_differentiable(kd)
+        return kd * cfg.kd_weight, kd, torch.zeros_like(kd)
+
+    @staticmethod
+    def backward(ctx, grad_total, _gkd, _gce):
+        xs, ws, bs, coef, key, per_row = ctx.saved_tensors
+        g = grad_total.to(F32) * ctx.cfg.kd_weight
+        scale = (g if per_row is None else g * per_row).reshape(-1).contiguous()
+        if scale.numel() == 1:
+            scale = scale.as_strided((1,), (0,))  # one value for every row
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = support_dx(ws, key, coef, scale, xs.dtype)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            dw, db = support_dw(xs, key, coef, scale, ws.shape[0], bs)
+        return (dx, dw if ctx.needs_input_grad[1] else None, db if ctx.needs_input_grad[2] else None,
+                None, None, None, None, None)
+
+
+def support_topk(xs, ws, bs, ids, lp, mask, cfg: TopKConfig, reduction: str):
+    """Entry used by the public API (flattened rows; "none" gives [N])."""
+    xs, ws = xs.contiguous(), ws.contiguous()
+    bs = None if bs is None else bs.contiguous()
+    return SupportTopK.apply(xs, ws, bs, ids.contiguous(), lp.contiguous(), mask.contiguous(), cfg, reduction)
