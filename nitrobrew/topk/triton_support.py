@@ -33,9 +33,9 @@ import triton
 import triton.language as tl
 
 from .. import _checks as ck
-from ..hidden.triton_rows import _f32, phi_u
-from .._launch import cdiv, launch, next_pow2
 from .. import divergences as dv
+from .._launch import cdiv, launch, next_pow2
+from ..hidden.triton_rows import _f32, phi_u
 from .rowmath import TopKConfig
 
 F32 = torch.float32
@@ -112,8 +112,7 @@ def _support_fwd_kernel(X, W, B, IDS, LP, MASK, KD, COEF, KEY, K, D, V,
                         stride_xn, stride_wv, stride_in, stride_ln,
                         inv_temp, param, log_a, log_1ma,
                         HAS_BIAS: tl.constexpr, RENORM_T: tl.constexpr, DIVERGENCE: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_KB: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+                        BLOCK_K: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_D: tl.constexpr):
     inv_temp = _f32(inv_temp)
     n = tl.program_id(0).to(tl.int64)
     counted = tl.load(MASK + n) != 0.0
