@@ -235,6 +235,8 @@ def grad_kernel(
 
 
 def _math_args(cfg: LossConfig):
+    """(1 / T, param, log param, log(1 - param)) of a config (any with .temperature and .param:
+    the top-k kernels use it too)."""
     a = cfg.param
     log_a = math.log(a) if a > 0 else float("-inf")
     log_1ma = math.log(1.0 - a) if a < 1 else float("-inf")

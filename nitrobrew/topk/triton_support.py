@@ -25,7 +25,6 @@ with stride 0 for "mean"/"sum", per row for "none".
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,7 @@ import triton.language as tl
 from .. import _checks as ck
 from .. import divergences as dv
 from .._launch import cdiv, launch, next_pow2
-from ..hidden.triton_rows import _f32, phi_u
+from ..hidden.triton_rows import _f32, _math_args, phi_u
 from .rowmath import TopKConfig
 
 F32 = torch.float32
@@ -257,12 +256,6 @@ def _dw_rows_kernel(X, COEF, SCALE, ORDER, OFFS, RANK, ACC, ACC_B, DW, DB, V, K,
         if HAS_BIAS:
             if tl.program_id(1) + i == 0:
                 tl.store(DB + offs_v, acc_b.to(DB.dtype.element_ty), mask=vm)
-
-
-def _math_args(cfg: TopKConfig):
-    a = cfg.param
-    return 1.0 / cfg.temperature, a, (math.log(a) if a > 0 else float("-inf")), \
-        (math.log(1.0 - a) if a < 1 else float("-inf"))
 
 
 def support_forward(xs, ws, bs, ids, lp, mask, cfg: TopKConfig):
