@@ -290,9 +290,13 @@ def _support_case(seed=7, n=13, k=7, v=53, d=24, hot=3):
     dict(divergence="tvd", reduction="sum"), dict(divergence="skew_kl", alpha=0.2, reduction="none", bias=True),
     dict(divergence="skew_reverse_kl", alpha=0.4, temperature=3.0, kd_weight=0.5, scale_t2=True),
 ], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "default")
-def test_support_kernels_match_reference(case):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_support_kernels_match_reference(case, deterministic, monkeypatch):
     """normalize="topk" kernels: long dW rows (two of them adjacent, so windows meet both), several id
-    and column blocks, padding entries, an all-padding row, an ignored row."""
+    and column blocks, padding entries, an all-padding row, an ignored row. Both forward paths: logits
+    by column blocks (atomic sums), and per row in a fixed order (with dW's long rows walked in place)
+    when deterministic algorithms are requested."""
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: deterministic)
     case = dict(case)
     bias = case.pop("bias", False)
     xs, ws, bs, ids, lp, labels = _support_case()
@@ -322,3 +326,25 @@ def test_support_all_ignored_and_expanded_upstream():
     ref = reference_topk_loss(xs, ws, ids, lp, normalize="topk", reduction="sum")
     rx, rw = torch.autograd.grad(ref, [xs, ws])
     assert _rel(gx, rx) < 1e-4 and _rel(gw, rw) < 1e-4
+
+
+@pytest.mark.parametrize("where", [0, -1])
+def test_stored_checks_kernel(where):
+    """The Triton check of the stored data (several blocks of entries): NaN / +inf log-probs and ids
+    outside [0, V) at finite entries raise; padding entries may hold any id."""
+    n, k, v = 70, 64, 61
+    g = torch.Generator().manual_seed(4)
+    xs, ws = torch.randn(n, 8, generator=g), torch.randn(v, 8, generator=g)
+    ids = torch.randint(0, v, (n, k), generator=g)
+    lp = torch.log_softmax(torch.randn(n, k, generator=g), -1)
+    lp[5, 3], ids[5, 3] = float("-inf"), 10**6  # padding: any id
+    for bad_lp, bad_id, match in ((float("nan"), None, "NaN"), (float("inf"), None, "NaN or \\+inf"),
+                                  (None, v, r"topk_ids .* must lie in \[0, 61\)"), (None, -1, r"must lie in")):
+        i, l = ids.clone(), lp.clone()
+        if bad_lp is not None:
+            l.view(-1)[where] = bad_lp
+        else:
+            i.view(-1)[where] = bad_id
+        with pytest.raises(ValueError, match=match):
+            topk_kl(xs, ws, i, l, normalize="topk", backend="triton")
+    assert torch.isfinite(topk_kl(xs, ws, ids, lp, normalize="topk", backend="triton"))

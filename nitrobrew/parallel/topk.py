@@ -128,7 +128,7 @@ def parallel_topk_kl(xs, ws, topk_ids, topk_logprobs, *, process_group=None, nor
         name, param = ck.divergence_param(divergence, beta, alpha)
         _validate(xs, ws, topk_ids, topk_logprobs, bs, labels, normalize, divergence, tail, temperature,
                   teacher_temperature, reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend,
-                  id_ranges=False)
+                  id_ranges=False)()
         K = topk_ids.shape[-1]
         options = fingerprint("topk", name, param, bool(tail), float(temperature), float(kd_weight),
                               float(ce_weight), bool(scale_t2), reduction, ignore_index,

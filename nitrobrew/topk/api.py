@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -15,8 +15,9 @@ NORMALIZE = ("full", "topk")
 
 def _validate(xs, ws, ids, lp, bs, labels, normalize, divergence, tail, temperature, teacher_temperature,
               reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend, id_ranges: bool = True,
-              mode=None, memory_budget=None) -> None:
-    """Every check before any kernel runs (id_ranges=False: the vocab-parallel path checks ids globally)."""
+              mode=None, memory_budget=None) -> Callable[[], None]:
+    """Every check before any kernel runs (id_ranges=False: the vocab-parallel path checks ids globally).
+    The checks of the stored data's values are launched here; the returned call reads them and raises."""
     for name, t in (("xs", xs), ("ws", ws), ("topk_ids", ids), ("topk_logprobs", lp)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -79,19 +80,36 @@ def _validate(xs, ws, ids, lp, bs, labels, normalize, divergence, tail, temperat
             ck.check_ids_in_range("labels", labels, ws.shape[0], ignore_index)
     capturing = lp.is_cuda and torch.cuda.is_current_stream_capturing()
     if lp.numel() and not torch.compiler.is_compiling() and not capturing:
-        _check_stored(ids, lp, ws.shape[0] if id_ranges else None)
+        return _stored_check(ids, lp, ws.shape[0] if id_ranges else None, ck.resolve_backend(backend, lp.device))
+    return _no_check
 
 
-def _check_stored(ids, lp, V: Optional[int]) -> None:
-    """NaN/+inf log-probs and (V given) ids outside [0, V) at finite entries, with one device sync."""
-    flags = [(torch.isnan(lp) | (lp == float("inf"))).any()]
-    if V is not None:
-        flags.append((torch.isfinite(lp) & ((ids < 0) | (ids >= V))).any())
-    bad_lp, *bad_ids = torch.stack(flags).tolist()
-    if bad_lp:
-        raise ValueError("topk_logprobs holds NaN or +inf; padding entries must be -inf")
-    if bad_ids and bad_ids[0]:  # the detailed message costs more syncs: only on failure
-        ck.check_ids_in_range("topk_ids (at entries whose log-prob is finite)", ids[torch.isfinite(lp)], V)
+def _no_check() -> None:
+    return None
+
+
+def _stored_check(ids, lp, V: Optional[int], impl: str) -> Callable[[], None]:
+    """Launch the checks of the stored data (NaN/+inf log-probs; with V, ids outside [0, V) at finite
+    entries) and return the call that reads their flags (one device sync) and raises. The caller reads
+    them as late as it can, right before the loss's first kernel, so the sync leaves the device idle
+    only for that launch."""
+    if impl == "triton":
+        from .triton_checks import stored_flags
+
+        flags = stored_flags(ids, lp, V)
+    else:
+        bad = [(torch.isnan(lp) | (lp == float("inf"))).any()]
+        if V is not None:
+            bad.append((torch.isfinite(lp) & ((ids < 0) | (ids >= V))).any())
+        flags = torch.stack(bad)
+
+    def raise_if_bad() -> None:
+        bad_lp, *bad_ids = flags.tolist()
+        if bad_lp:
+            raise ValueError("topk_logprobs holds NaN or +inf; padding entries must be -inf")
+        if bad_ids and bad_ids[0]:  # the detailed message costs more syncs: only on failure
+            ck.check_ids_in_range("topk_ids (at entries whose log-prob is finite)", ids[torch.isfinite(lp)], V)
+    return raise_if_bad
 
 
 def _safe_ids(topk_ids: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
@@ -182,9 +200,9 @@ def topk_kl(
             ce_weight=ce_weight, scale_t2=scale_t2, chunk_V=chunk_V, backend=backend, return_parts=return_parts,
         )
     name, param = ck.divergence_param(divergence, beta, alpha)
-    _validate(xs, ws, topk_ids, topk_logprobs, bs, labels, normalize, divergence, tail, temperature,
-              teacher_temperature, reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend,
-              mode=mode, memory_budget=memory_budget)
+    check_stored = _validate(xs, ws, topk_ids, topk_logprobs, bs, labels, normalize, divergence, tail,
+                             temperature, teacher_temperature, reduction, chunk_V, kd_weight, ce_weight,
+                             ignore_index, backend, mode=mode, memory_budget=memory_budget)
     impl = ck.resolve_backend(backend, xs.device)
 
     lead = xs.shape[:-1]
@@ -207,6 +225,7 @@ def topk_kl(
         chunk_V=chunk_V,
     )
     fused = impl == "triton" and x.dtype != torch.float64
+    check_stored()
     if fused and not cfg.full:
         # the K gathered rows are all it touches: three kernels, the reduction inside the Function
         from .triton_support import support_topk

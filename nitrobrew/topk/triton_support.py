@@ -1,16 +1,20 @@
 """``topk_kl(normalize="topk")`` on the GPU: the K stored ids of a row are all it touches.
 
 The student is renormalized over each row's valid ids, so the loss needs no vocabulary-wide work:
-it is bandwidth-bound on the K rows of ws each row gathers (x_n . w_id for the logits, again for
-dX) and on writing dW (x rows, N * D, are small and read from L2). The kernels:
+it is bound by gathering the K rows of ws of every row (x_n . w_id for the logits, again for dX) and
+x rows for dW, and by writing dW. A gather from L2 runs at about twice HBM's rate, so the gathering
+kernels walk D in column blocks, every row tile of one block before the next block: ws cut to 64
+columns (V * 128 bytes) stays in L2 and each row of ws comes from HBM about once per pass instead of
+once per entry. The kernels:
 
-- ``_support_fwd_kernel`` (one program per row): gathers the K logits (fp32 sums of exact products
-  of the inputs), applies the [K] math of ``rowmath.topk_rows`` for normalize="topk" (the
-  divergences of ``nitrobrew.divergences`` through ``phi_u``), and writes the row's divergence, its
-  gradient coefficients per unit upstream gradient (raw-logit units) and each entry's sort key (its
-  id; V at padding entries and ignored rows).
-- ``_support_dx_kernel``: dX_n = g_n sum_k c_nk w_{id_nk}, one program per row walking D with
-  256 columns per warp, so the sum over ids never crosses warps.
+- ``_support_logits_kernel``: the K raw logits of every row, summed over column blocks with fp32
+  atomic adds (so their last bits can vary between runs; with
+  ``torch.use_deterministic_algorithms(True)`` the row kernel gathers them itself, in a fixed order).
+- ``_support_fwd_kernel`` (one program per row): applies the [K] math of ``rowmath.topk_rows`` for
+  normalize="topk" (the divergences of ``nitrobrew.divergences`` through ``phi_u``) and writes the
+  row's divergence, its gradient coefficients per unit upstream gradient (raw-logit units) and each
+  entry's sort key (its id; V at padding entries and ignored rows).
+- ``_support_dx_kernel``: dX_n = g_n sum_k c_nk w_{id_nk}, one [rows, column block] tile per program.
 - dW_v = sum over the entries with id v of g_row c x_row, from the entries sorted by key (CSR
   over the vocabulary). ``_dw_rows_kernel``: a tile of vocab rows walks its rows' entries in lock
   step, J entries of every row per step; every row of dW is written once, zeros included (no
@@ -18,7 +22,8 @@ dX) and on writing dW (x rows, N * D, are small and read from L2). The kernels:
   with a trained teacher) would hold its whole tile for count / J steps: those rows are summed
   beforehand by ``_dw_long_kernel``, one program per window of CAP sorted entries, into fp32
   accumulators (atomic adds of window sums; at most ~4096 rows of them), which the tile kernel
-  then copies. db comes out of the same walks.
+  then copies (deterministic algorithms: no such rows, walked in place). db comes out of the same
+  walks.
 
 g is the upstream gradient per row (times kd_weight and the mean's 1 / rows): a 1-element tensor
 with stride 0 for "mean"/"sum", per row for "none".
@@ -42,26 +47,32 @@ F32 = torch.float32
 
 @dataclass(frozen=True)
 class SupportTiles:
-    block_kb: int = 64    # forward: ids gathered at once
-    block_d: int = 64     # forward: hidden columns per step
+    logit_block_r: int = 2   # forward logits by column blocks: rows per tile
+    logit_block_kb: int = 32
+    logit_block_d: int = 64  # W cut to 64 columns (V * 128 bytes in bf16) stays in L2
+    logit_warps: int = 2
+    block_kb: int = 64    # forward row kernel: ids at once (and gathered at once on the deterministic path)
+    block_d: int = 64     # deterministic path: hidden columns per step
     warps: int = 2
-    dx_block_kb: int = 16
-    dx_block_d: int = 512  # 256 columns per warp: the sum over ids stays inside each warp
-    dx_warps: int = 2
+    dx_block_r: int = 16   # rows per dX tile
+    dx_block_kb: int = 8   # ids of every row at once
+    dx_block_d: int = 64   # W cut to 64 columns (V * 128 bytes in bf16) stays in L2
+    dx_warps: int = 4
     dw_block_r: int = 16  # vocab rows per dW tile
     dw_j: int = 4         # entries of every row per lock step
     dw_block_d: int = 64
     dw_d_steps: int = 4   # column blocks per program (the rows' entries are found once for all four)
     dw_warps: int = 2
-    dw_min_cap: int = 64  # rows with more entries are summed by windows
-    dw_sub: int = 32      # entries per step of a window
+    dw_min_cap: int = 64   # rows with more entries are summed by windows
+    dw_sub: int = 32       # entries per step of a window
     dw_long_block_d: int = 256
 
 
 TILES = SupportTiles()
-# small: several blocks at the tests' odd shapes, long rows from 2 entries on
-INTERPRETER_TILES = SupportTiles(block_kb=4, block_d=16, warps=1, dx_block_kb=4, dx_block_d=16, dx_warps=1,
-                                 dw_block_r=4, dw_j=2, dw_block_d=16, dw_d_steps=2, dw_warps=1, dw_min_cap=2,
+# small: several blocks at the tests' odd shapes, long rows from 3 entries on
+INTERPRETER_TILES = SupportTiles(logit_block_r=2, logit_block_kb=4, logit_block_d=16, logit_warps=1,
+                                 block_kb=4, block_d=16, warps=1, dx_block_r=4, dx_block_kb=4, dx_block_d=16,
+                                 dx_warps=1, dw_block_r=4, dw_j=2, dw_block_d=16, dw_d_steps=2, dw_warps=1, dw_min_cap=2,
                                  dw_sub=2, dw_long_block_d=16)
 
 
@@ -91,19 +102,34 @@ def _row_dots(x_row, W, ids, ok, D, stride_wv, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _weighted_rows(W, key_row, c_row, K, V, offs_d, dm, stride_wv, BLOCK_KB: tl.constexpr, BLOCK_D: tl.constexpr):
-    """[BLOCK_D] fp32: sum_k c_k W[key_k, offs_d] over the row's valid entries (key < V)."""
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+def _entries(IDS, LP, at_i, at_l, valid, V):
+    """(ids as int64, ok): entries that count: valid (row counted, inside K), finite log-prob, id in
+    [0, V) (ids outside it at finite entries are rejected before the launch; never read them anyway)."""
+    lp = tl.load(LP + at_l, mask=valid, other=float("-inf"))
+    ids = tl.load(IDS + at_i, mask=valid, other=0).to(tl.int64)
+    ok = valid & (lp != float("-inf")) & (ids >= 0) & (ids < V)
+    return tl.where(ok, ids, 0), ok
+
+
+@triton.jit
+def _support_logits_kernel(X, W, IDS, LP, MASK, Z, N, K, D, V, stride_xn, stride_wv, stride_in, stride_ln,
+                           BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Z[n, k] += x_n . W[id_nk] over one block of columns (fp32 atomic adds into zeroed Z). The row tiles
+    of one column block run before the next block's, so W cut to the block (V * BLOCK_D) stays in L2:
+    each row of W comes from HBM about once per pass instead of once per entry."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    counted = (tl.load(MASK + rows, mask=rows < N, other=0.0) != 0.0)[:, None]
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = offs_d < D
+    x = tl.load(X + rows[:, None] * stride_xn + offs_d[None, :], mask=counted & dm[None, :], other=0.0)
     for k0 in range(0, K, BLOCK_KB):
-        offs_k = k0 + tl.arange(0, BLOCK_KB)
-        km = offs_k < K
-        key = tl.load(key_row + offs_k, mask=km, other=V)
-        ok = key < V
-        c = tl.load(c_row + offs_k, mask=ok, other=0.0)
-        w = tl.load(W + tl.where(ok, key, 0).to(tl.int64)[:, None] * stride_wv + offs_d[None, :],
-                    mask=ok[:, None] & dm[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * c[:, None], axis=0)
-    return acc
+        offs_k = (k0 + tl.arange(0, BLOCK_KB))[None, :]
+        ids, ok = _entries(IDS, LP, rows[:, None] * stride_in + offs_k, rows[:, None] * stride_ln + offs_k,
+                           counted & (offs_k < K), V)
+        w = tl.load(W + ids[:, :, None] * stride_wv + offs_d[None, None, :], mask=ok[:, :, None] & dm[None, None, :],
+                    other=0.0)
+        part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[:, None, :], axis=2)
+        tl.atomic_add(Z + rows[:, None] * K + offs_k, part, mask=ok, sem="relaxed")
 
 
 @triton.jit
@@ -111,32 +137,31 @@ def _support_fwd_kernel(X, W, B, IDS, LP, MASK, KD, COEF, KEY, K, D, V,
                         stride_xn, stride_wv, stride_in, stride_ln,
                         inv_temp, param, log_a, log_1ma,
                         HAS_BIAS: tl.constexpr, RENORM_T: tl.constexpr, DIVERGENCE: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_D: tl.constexpr):
+                        HAS_Z: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row: its keys, the [K] math, its coefficients and divergence. The raw logits are in the row's
+    coefficient slots already (HAS_Z: from ``_support_logits_kernel``) or gathered here (x_n . W[id],
+    the same fp32 sums, in a fixed order: the deterministic path)."""
     inv_temp = _f32(inv_temp)
     n = tl.program_id(0).to(tl.int64)
     counted = tl.load(MASK + n) != 0.0
-    x_row = X + n * stride_xn
     c_row = COEF + n * K
     key_row = KEY + n * K
-    # pass 1: the raw logits, BLOCK_KB ids at a time, parked in the row's coefficient slots
     for k0 in range(0, K, BLOCK_KB):
         offs_k = k0 + tl.arange(0, BLOCK_KB)
         km = offs_k < K
-        lp = tl.load(LP + n * stride_ln + offs_k, mask=km, other=float("-inf"))
-        ids = tl.load(IDS + n * stride_in + offs_k, mask=km, other=0).to(tl.int64)
-        # ids outside [0, V) at valid entries are rejected before the launch; never read them anyway
-        ok = tl.where(counted, km & (lp != float("-inf")) & (ids >= 0) & (ids < V), False)
-        ids = tl.where(ok, ids, 0)
-        z = _row_dots(x_row, W, ids, ok, D, stride_wv, BLOCK_D)
-        if HAS_BIAS:
-            z += tl.load(B + ids, mask=ok, other=0.0).to(tl.float32)
-        tl.store(c_row + offs_k, z, mask=km)
+        ids, ok = _entries(IDS, LP, n * stride_in + offs_k, n * stride_ln + offs_k, tl.where(counted, km, False), V)
+        if not HAS_Z:
+            tl.store(c_row + offs_k, _row_dots(X + n * stride_xn, W, ids, ok, D, stride_wv, BLOCK_D), mask=km)
         tl.store(key_row + offs_k, tl.where(ok, ids, V).to(tl.int32), mask=km)
-    tl.debug_barrier()  # the row's logits, written by every warp, are read back whole
+    tl.debug_barrier()  # the row's logits and keys, written by every warp, are read back whole
     offs = tl.arange(0, BLOCK_K)
     km = offs < K
-    ok = tl.load(key_row + offs, mask=km, other=V) < V
-    s = tl.load(c_row + offs, mask=km, other=0.0) * inv_temp
+    key = tl.load(key_row + offs, mask=km, other=V)
+    ok = key < V
+    z = tl.load(c_row + offs, mask=km, other=0.0)
+    if HAS_BIAS:
+        z += tl.load(B + key, mask=ok, other=0.0).to(tl.float32)
+    s = z * inv_temp
     lq = tl.where(ok, s - _masked_lse(s, ok), float("-inf"))
     lp = tl.where(ok, tl.load(LP + n * stride_ln + offs, mask=km, other=0.0).to(tl.float32), float("-inf"))
     if RENORM_T:  # compared distributions: the teacher renormalized over the same support
@@ -151,15 +176,27 @@ def _support_fwd_kernel(X, W, B, IDS, LP, MASK, KD, COEF, KEY, K, D, V,
 
 
 @triton.jit
-def _support_dx_kernel(W, KEY, COEF, SCALE, DX, K, D, V, stride_wv, stride_dn, scale_stride,
-                       BLOCK_KB: tl.constexpr, BLOCK_D: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    g = tl.load(SCALE + n * scale_stride)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        dm = offs_d < D
-        acc = _weighted_rows(W, KEY + n * K, COEF + n * K, K, V, offs_d, dm, stride_wv, BLOCK_KB, BLOCK_D)
-        tl.store(DX + n * stride_dn + offs_d, (acc * g).to(DX.dtype.element_ty), mask=dm)
+def _support_dx_kernel(W, KEY, COEF, SCALE, DX, N, K, D, V, stride_wv, stride_dn, scale_stride,
+                       BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A [BLOCK_R rows, BLOCK_D columns] tile of dX = g sum_k c_k W[key_k]. The row tiles of one column
+    block run before the next block's, so the gathered rows of W, cut to the block (V * BLOCK_D), stay in L2."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rm = rows < N
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = offs_d < D
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_KB):
+        offs_k = k0 + tl.arange(0, BLOCK_KB)
+        at = rows[:, None] * K + offs_k[None, :]
+        key = tl.load(KEY + at, mask=rm[:, None] & (offs_k < K)[None, :], other=V)
+        ok = key < V
+        c = tl.load(COEF + at, mask=ok, other=0.0)
+        w = tl.load(W + tl.where(ok, key, 0).to(tl.int64)[:, :, None] * stride_wv + offs_d[None, None, :],
+                    mask=ok[:, :, None] & dm[None, None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * c[:, :, None], axis=1)
+    g = tl.load(SCALE + rows * scale_stride, mask=rm, other=0.0)
+    tl.store(DX + rows[:, None] * stride_dn + offs_d[None, :], (acc * g[:, None]).to(DX.dtype.element_ty),
+             mask=rm[:, None] & dm[None, :])
 
 
 @triton.jit
@@ -264,16 +301,23 @@ def support_forward(xs, ws, bs, ids, lp, mask, cfg: TopKConfig):
     D, V = xs.shape[1], ws.shape[0]
     t = tiles()
     kd = torch.empty(N, dtype=F32, device=xs.device)
-    coef = torch.empty(N, K, dtype=F32, device=xs.device)
+    by_blocks = not torch.are_deterministic_algorithms_enabled()  # atomic sums: last bits vary between runs
+    coef = (torch.zeros if by_blocks else torch.empty)(N, K, dtype=F32, device=xs.device)
     key = torch.empty(N, K, dtype=torch.int32, device=xs.device)
     if N == 0:
         return kd, coef, key
+    if by_blocks:
+        launch(_support_logits_kernel, (cdiv(N, t.logit_block_r), cdiv(D, t.logit_block_d)),
+               xs, ws, ids, lp, mask, coef, N, K, D, V, xs.stride(0), ws.stride(0), ids.stride(0), lp.stride(0),
+               BLOCK_R=t.logit_block_r, BLOCK_KB=min(t.logit_block_kb, next_pow2(K)), BLOCK_D=t.logit_block_d,
+               num_warps=t.logit_warps)
     inv_temp, param, log_a, log_1ma = _math_args(cfg)
     launch(_support_fwd_kernel, (N,),
            xs, ws, bs if bs is not None else xs, ids, lp, mask, kd, coef, key, K, D, V,
            xs.stride(0), ws.stride(0), ids.stride(0), lp.stride(0), inv_temp, param, log_a, log_1ma,
            HAS_BIAS=bs is not None, RENORM_T=cfg.renormalize_teacher, DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence],
-           BLOCK_K=next_pow2(K), BLOCK_KB=min(t.block_kb, next_pow2(K)), BLOCK_D=t.block_d, num_warps=t.warps)
+           HAS_Z=by_blocks, BLOCK_K=next_pow2(K), BLOCK_KB=min(t.block_kb, next_pow2(K)), BLOCK_D=t.block_d,
+           num_warps=t.warps)
     return kd, coef, key
 
 
@@ -283,9 +327,9 @@ def support_dx(ws, key, coef, scale, dtype):
     t = tiles()
     dx = torch.empty(N, D, dtype=dtype, device=ws.device)
     if N:
-        launch(_support_dx_kernel, (N,), ws, key, coef, scale, dx, K, D, V, ws.stride(0), dx.stride(0),
-               scale.stride(0), BLOCK_KB=min(t.dx_block_kb, next_pow2(K)), BLOCK_D=t.dx_block_d,
-               num_warps=t.dx_warps)
+        launch(_support_dx_kernel, (cdiv(N, t.dx_block_r), cdiv(D, t.dx_block_d)), ws, key, coef, scale, dx,
+               N, K, D, V, ws.stride(0), dx.stride(0), scale.stride(0), BLOCK_R=t.dx_block_r,
+               BLOCK_KB=min(t.dx_block_kb, next_pow2(K)), BLOCK_D=t.dx_block_d, num_warps=t.dx_warps)
     return dx
 
 
@@ -303,14 +347,16 @@ def support_dw(xs, key, coef, scale, V, bs):
     dev = xs.device
     srt, order = torch.sort(key.view(-1))
     offs = torch.searchsorted(srt, torch.arange(V + 1, dtype=torch.int32, device=dev), out_int32=True)
-    cap = long_cap(E, t.dw_min_cap)
+    # rows of many entries are summed by windows with atomic adds, unless runs must repeat bit for bit
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    cap = 1 << 30 if deterministic else long_cap(E, t.dw_min_cap)
     rank = torch.cumsum(offs.diff() > cap, 0, dtype=torch.int32) - 1  # row v's accumulator if long
     n_acc = E // cap + 1  # a long row has more than cap entries
     acc = torch.zeros(n_acc, D, dtype=F32, device=dev)
     acc_b = torch.zeros(n_acc if bs is not None else 1, dtype=F32, device=dev)
     dw = torch.empty(V, D, dtype=xs.dtype, device=dev)
     db = torch.empty(V, dtype=bs.dtype, device=dev) if bs is not None else None
-    if E:
+    if E and not deterministic:
         launch(_dw_long_kernel, (cdiv(E, cap),), xs, coef, scale, order, srt, offs, rank, acc, acc_b, E, V, K, D,
                xs.stride(0), scale.stride(0), HAS_BIAS=bs is not None, CAP=cap, SUB=min(t.dw_sub, cap),
                BLOCK_D=t.dw_long_block_d, num_warps=t.dw_warps)

@@ -1,9 +1,9 @@
 """normalize="topk" kernels on the GPU: correctness against float64, component times over tile settings,
 id counts, a case with 8 ids in every row's top-k, and a profile of one default fwd+bwd.
 
-Usage: OUT=dir python support_sweep.py (writes dir/support_sweep.csv). The committed CSV also holds
-rows of two eviction-hint variants of the dW kernel (names with "s": dW stores evict-first; "k": x
-loads evict-last); neither helped and both were removed from the kernel.
+Usage: OUT=dir python support_sweep.py (writes dir/support_sweep.csv). Forward rows: the logits by
+column blocks (tile r x kb x d, warps) plus the row kernel; "deterministic": the per-row forward
+(torch.use_deterministic_algorithms(True)). dX rows: tile r x kb x d, warps.
 """
 import csv, os, sys, time, statistics, traceback
 import torch
@@ -55,11 +55,11 @@ def check():
 def ev(fn, reps=15):
     return time_ms(fn, dev, warmup=3, reps=reps)
 
-FWD = [(64, 64, 2)]
-DX = [(16, 512, 2)]
+# (rows, ids, columns, warps)
+FWD = [(2, 32, 64, 2), (1, 64, 64, 2), (4, 16, 64, 4), (2, 64, 64, 4)]
+DX = [(16, 8, 64, 4), (32, 8, 64, 8), (16, 4, 64, 4), (16, 8, 128, 8)]
 # (block_r, j, block_d, d_steps, warps)
-DW = [(16, 4, 64, 4, 2), (16, 4, 64, 8, 2), (16, 4, 64, 2, 2), (16, 4, 64, 1, 2), (16, 4, 32, 8, 1),
-      (16, 4, 64, 4, 4), (16, 8, 64, 4, 2), (8, 4, 64, 4, 1)]
+DW = [(16, 4, 64, 4, 2), (16, 4, 64, 2, 2), (16, 8, 64, 4, 2)]
 
 def sweep(N, K, hot=False):
     V, D = 152064, 3584
@@ -71,24 +71,30 @@ def sweep(N, K, hot=False):
     cfg = TopKConfig("forward_kl", 0.0, "topk", False, 1.0, 1.0, 0.0)
     tag = dict(N=N, K=K, hot=hot)
     scale = torch.full((1,), 1.0 / N, device=dev).as_strided((1,), (0,))
-    for (kb, bd, wp) in FWD:
-        ts.TILES = ts.SupportTiles(block_kb=kb, block_d=bd, warps=wp)
+    for (r, kb, bd, wp) in FWD:
+        ts.TILES = ts.SupportTiles(logit_block_r=r, logit_block_kb=kb, logit_block_d=bd, logit_warps=wp)
+        name = f"{r}x{kb}x{bd}w{wp}"
         try:
-            rec(kind="fwd", cfg=f"{kb}x{bd}w{wp}", ms=ev(lambda: ts.support_forward(xs, ws, None, ids, lp, mask, cfg)), **tag)
+            rec(kind="fwd", cfg=name, ms=ev(lambda: ts.support_forward(xs, ws, None, ids, lp, mask, cfg)), **tag)
         except Exception as e:
-            rec(kind="fwd", cfg=f"{kb}x{bd}w{wp}", err=repr(e)[:200], **tag)
+            rec(kind="fwd", cfg=name, err=repr(e)[:200], **tag)
+    ts.TILES = ts.SupportTiles()
+    torch.use_deterministic_algorithms(True)
+    rec(kind="fwd", cfg="deterministic", ms=ev(lambda: ts.support_forward(xs, ws, None, ids, lp, mask, cfg)), **tag)
+    torch.use_deterministic_algorithms(False)
     ts.TILES = ts.SupportTiles()
     kd, coef, key = ts.support_forward(xs, ws, None, ids, lp, mask, cfg)
     ref = None
-    for (kb, bd, wp) in DX:
-        ts.TILES = ts.SupportTiles(dx_block_kb=kb, dx_block_d=bd, dx_warps=wp)
+    for (r, kb, bd, wp) in DX:
+        ts.TILES = ts.SupportTiles(dx_block_r=r, dx_block_kb=kb, dx_block_d=bd, dx_warps=wp)
+        name = f"{r}x{kb}x{bd}w{wp}"
         try:
             dx = ts.support_dx(ws, key, coef, scale, xs.dtype)
             ref = dx.float() if ref is None else ref
-            rec(kind="dx", cfg=f"{kb}x{bd}w{wp}", ms=ev(lambda: ts.support_dx(ws, key, coef, scale, xs.dtype)),
+            rec(kind="dx", cfg=name, ms=ev(lambda: ts.support_dx(ws, key, coef, scale, xs.dtype)),
                 agree=rel(dx, ref), **tag)
         except Exception as e:
-            rec(kind="dx", cfg=f"{kb}x{bd}w{wp}", err=repr(e)[:200], **tag)
+            rec(kind="dx", cfg=name, err=repr(e)[:200], **tag)
     rec(kind="sort", ms=ev(lambda: torch.sort(key.view(-1))), **tag)
     counts = torch.bincount(key.view(-1).long(), minlength=V + 1)[:V]
     rec(kind="counts", max=int(counts.max()), mean=float(counts.float().mean()), over64=int((counts > 64).sum()),
@@ -104,6 +110,9 @@ def sweep(N, K, hot=False):
         except Exception as e:
             rec(kind="dw", cfg=name, err=repr(e)[:200], **tag)
     ts.TILES = ts.SupportTiles()
+    torch.use_deterministic_algorithms(True)  # no windows for long rows: they are walked in place
+    rec(kind="dw", cfg="deterministic", ms=ev(lambda: ts.support_dw(xs, key, coef, scale, V, None)), **tag)
+    torch.use_deterministic_algorithms(False)
     def step(norm):
         x = xs.detach().requires_grad_(); w = ws.detach().requires_grad_()
         topk_kl(x, w, ids, lp, normalize=norm, backend="triton").backward()
@@ -120,7 +129,7 @@ except Exception:
     traceback.print_exc()
 bw = copy_bandwidth(dev)
 rec(kind="copy", GBps=bw)
-for N, K, hot in ((4096, 64, False), (16384, 64, False), (16384, 64, True)):
+for N, K, hot in ((4096, 64, False), (4096, 256, False), (16384, 64, False), (16384, 64, True)):
     try:
         sweep(N, K, hot)
     except Exception:
