@@ -203,13 +203,7 @@ class TritonDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool):
         out, grads, rs = distill_forward(xs, xt, ws, wt, bs, bt, labels, mask, cfg, plan, need_grad)
-        ctx.cfg, ctx.plan, ctx.precompute = cfg, plan, grads is not None
-        if grads is not None:
-            ctx.grads = grads
-            ctx.save_for_backward()
-        else:
-            ctx.stats = rs
-            ctx.save_for_backward(xs, xt, ws, wt, bs, bt, labels, mask)
+        keep_for_backward(ctx, cfg, plan, grads, rs, (xs, xt, ws, wt, bs, bt, labels, mask))
         ctx.mark_non_differentiable(out[1], out[2])
         return out
 
@@ -219,9 +213,21 @@ class TritonDistill(torch.autograd.Function):
         if ctx.precompute:
             dx, dw, db = take_precomputed_grads(ctx, grad_total)
         else:
-            dx, dw, db = distill_backward(*ctx.saved_tensors, ctx.stats, ctx.cfg, ctx.plan, grad_total)
+            dx, dw, db = distill_backward(*ctx.saved_tensors, ctx.state, ctx.cfg, ctx.plan, grad_total)
         return (dx if need[0] else None, None, dw if need[2] else None, None,
                 db if need[4] else None, None, None, None, None, None, None)
+
+
+def keep_for_backward(ctx, cfg, plan, grads, state, saved) -> None:
+    """What a fast mode's backward needs: the gradients formed in the forward (grads, when not None),
+    or the inputs (saved) and the row state to form them again."""
+    ctx.cfg, ctx.plan, ctx.precompute = cfg, plan, grads is not None
+    if grads is not None:
+        ctx.grads = grads
+        ctx.save_for_backward()
+    else:
+        ctx.state = state
+        ctx.save_for_backward(*saved)
 
 
 def _is_one(grad: torch.Tensor) -> bool:

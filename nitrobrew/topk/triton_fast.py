@@ -30,7 +30,8 @@ import triton.language as tl
 from .. import _checks as ck
 from .._ops import linear_logits
 from ..hidden.chunked import Online, row_scales
-from ..hidden.triton_dispatch import accumulate_dw, alloc_grads, finish_grads, row_upstream, take_precomputed_grads
+from ..hidden.triton_dispatch import (accumulate_dw, alloc_grads, finish_grads, keep_for_backward, row_upstream,
+                                      take_precomputed_grads)
 from ..hidden.triton_rows import _f32, _online
 from .chunked import combine_rows, finish
 from .rowmath import RowResult, TopKConfig, full_lse
@@ -266,13 +267,8 @@ class FastTopK(torch.autograd.Function):
         else:
             per_row = combine_rows(rows.res, rows.ce, mask, cfg)
         out = tuple(ck.reduce_rows(r, mask, plan.reduction, (n,)) for r in per_row)
-        ctx.cfg, ctx.plan, ctx.precompute = cfg, plan, precompute
-        if precompute:
-            ctx.grads = finish_grads(*grads, ws, bs)
-            ctx.save_for_backward()
-        else:
-            ctx.rows = rows
-            ctx.save_for_backward(xs, ws, bs, ids, lp, labels, mask)
+        keep_for_backward(ctx, cfg, plan, finish_grads(*grads, ws, bs) if precompute else None, rows,
+                          (xs, ws, bs, ids, lp, labels, mask))
         ctx.mark_non_differentiable(out[1], out[2])
         return out
 
@@ -289,7 +285,7 @@ class FastTopK(torch.autograd.Function):
 
 def _recomputed_grads(ctx, grad_total):
     xs, ws, bs, ids, lp, labels, mask = ctx.saved_tensors
-    cfg, plan, rows = ctx.cfg, ctx.plan, ctx.rows
+    cfg, plan, rows = ctx.cfg, ctx.plan, ctx.state
     n = xs.shape[0]
     upstream = row_upstream(grad_total, mask, plan.reduction, n)
     need = ctx.needs_input_grad

@@ -72,8 +72,8 @@ TILES = SupportTiles()
 # small: several blocks at the tests' odd shapes, long rows from 3 entries on
 INTERPRETER_TILES = SupportTiles(logit_block_r=2, logit_block_kb=4, logit_block_d=16, logit_warps=1,
                                  block_kb=4, block_d=16, warps=1, dx_block_r=4, dx_block_kb=4, dx_block_d=16,
-                                 dx_warps=1, dw_block_r=4, dw_j=2, dw_block_d=16, dw_d_steps=2, dw_warps=1, dw_min_cap=2,
-                                 dw_sub=2, dw_long_block_d=16)
+                                 dx_warps=1, dw_block_r=4, dw_j=2, dw_block_d=16, dw_d_steps=2, dw_warps=1,
+                                 dw_min_cap=2, dw_sub=2, dw_long_block_d=16)
 
 
 def tiles() -> SupportTiles:
