@@ -328,6 +328,20 @@ def test_support_all_ignored_and_expanded_upstream():
     assert _rel(gx, rx) < 1e-4 and _rel(gw, rw) < 1e-4
 
 
+def test_support_counting_sort_twice_and_deterministic_backward(monkeypatch):
+    """dW's counting sort counts in its own buffer: a second backward of the same graph gives the same
+    gradients; a backward under deterministic algorithms after an atomic forward sorts instead."""
+    xs, ws, bs, ids, lp, labels = _support_case(seed=3)
+    out = topk_kl(xs, ws, ids, lp, normalize="topk", labels=labels, bs=bs, backend="triton")
+    first = torch.autograd.grad(out, [xs, ws, bs], retain_graph=True)
+    second = torch.autograd.grad(out, [xs, ws, bs], retain_graph=True)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    third = torch.autograd.grad(out, [xs, ws, bs])
+    ref = reference_topk_loss(xs, ws, ids, lp, normalize="topk", labels=labels, bs=bs)
+    for a, b, c, r in zip(first, second, third, torch.autograd.grad(ref, [xs, ws, bs])):
+        assert _rel(a, r) < 1e-4 and _rel(b, r) < 1e-4 and _rel(c, r) < 1e-4
+
+
 @pytest.mark.parametrize("where", [0, -1])
 def test_stored_checks_kernel(where):
     """The Triton check of the stored data (several blocks of entries): NaN / +inf log-probs and ids

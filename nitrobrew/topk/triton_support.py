@@ -15,15 +15,17 @@ once per entry. The kernels:
   row's divergence, its gradient coefficients per unit upstream gradient (raw-logit units) and each
   entry's sort key (its id; V at padding entries and ignored rows).
 - ``_support_dx_kernel``: dX_n = g_n sum_k c_nk w_{id_nk}, one [rows, column block] tile per program.
-- dW_v = sum over the entries with id v of g_row c x_row, from the entries sorted by key (CSR
-  over the vocabulary). ``_dw_rows_kernel``: a tile of vocab rows walks its rows' entries in lock
-  step, J entries of every row per step; every row of dW is written once, zeros included (no
-  memset). A row with more than CAP entries (an id in many rows' top-k, as frequent tokens are
-  with a trained teacher) would hold its whole tile for count / J steps: those rows are summed
-  beforehand by ``_dw_long_kernel``, one program per window of CAP sorted entries, into fp32
-  accumulators (atomic adds of window sums; at most ~4096 rows of them), which the tile kernel
-  then copies (deterministic algorithms: no such rows, walked in place). db comes out of the same
-  walks.
+- dW_v = sum over the entries with id v of g_row c x_row, from the entries sorted by key (CSR over
+  the vocabulary): a counting sort, its buckets counted by the row kernel and filled by
+  ``_sorted_entries_kernel``, which also writes each sorted entry's row and term g_row c (so dW reads
+  them contiguously). ``_dw_rows_kernel``: a tile of vocab rows walks its rows' entries in lock step,
+  J entries of every row per step; every row of dW is written once, zeros included (no memset). A row
+  with more than CAP entries (an id in many rows' top-k, as frequent tokens are with a trained
+  teacher) would hold its whole tile for count / J steps: those rows are summed beforehand by
+  ``_dw_long_kernel``, one program per window of CAP sorted entries, into fp32 accumulators (atomic
+  adds of window sums; at most ~4096 rows of them), which the tile kernel then copies. db comes out
+  of the same walks. Under deterministic algorithms a stable sort replaces the counting sort (whose
+  order inside a bucket varies) and long rows are walked in place.
 
 g is the upstream gradient per row (times kd_weight and the mean's 1 / rows): a 1-element tensor
 with stride 0 for "mean"/"sum", per row for "none".
@@ -58,14 +60,17 @@ class SupportTiles:
     dx_block_kb: int = 8   # ids of every row at once
     dx_block_d: int = 64   # W cut to 64 columns (V * 128 bytes in bf16) stays in L2
     dx_warps: int = 4
-    dw_block_r: int = 16  # vocab rows per dW tile
+    dw_block_r: int = 8   # vocab rows per dW tile
     dw_j: int = 4         # entries of every row per lock step
     dw_block_d: int = 64
-    dw_d_steps: int = 4   # column blocks per program (the rows' entries are found once for all four)
-    dw_warps: int = 2
+    dw_d_steps: int = 7   # column blocks per program, one after the other (the entries' loads hit L1 again)
+    dw_warps: int = 1
+    dw_d_fast: bool = False  # grid order: a row tile's column groups side by side (else a group's row tiles)
+    scatter_block: int = 1024  # entries per program of the counting sort's scatter
     dw_min_cap: int = 64   # rows with more entries are summed by windows
     dw_sub: int = 32       # entries per step of a window
     dw_long_block_d: int = 256
+    dw_long_warps: int = 2
 
 
 TILES = SupportTiles()
@@ -73,7 +78,7 @@ TILES = SupportTiles()
 INTERPRETER_TILES = SupportTiles(logit_block_r=2, logit_block_kb=4, logit_block_d=16, logit_warps=1,
                                  block_kb=4, block_d=16, warps=1, dx_block_r=4, dx_block_kb=4, dx_block_d=16,
                                  dx_warps=1, dw_block_r=4, dw_j=2, dw_block_d=16, dw_d_steps=2, dw_warps=1,
-                                 dw_min_cap=2, dw_sub=2, dw_long_block_d=16)
+                                 dw_min_cap=2, dw_sub=2, dw_long_block_d=16, scatter_block=16)
 
 
 def tiles() -> SupportTiles:
@@ -133,14 +138,15 @@ def _support_logits_kernel(X, W, IDS, LP, MASK, Z, N, K, D, V, stride_xn, stride
 
 
 @triton.jit
-def _support_fwd_kernel(X, W, B, IDS, LP, MASK, KD, COEF, KEY, K, D, V,
+def _support_fwd_kernel(X, W, B, IDS, LP, MASK, KD, COEF, KEY, COUNTS, K, D, V,
                         stride_xn, stride_wv, stride_in, stride_ln,
                         inv_temp, param, log_a, log_1ma,
                         HAS_BIAS: tl.constexpr, RENORM_T: tl.constexpr, DIVERGENCE: tl.constexpr,
                         HAS_Z: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_D: tl.constexpr):
     """One row: its keys, the [K] math, its coefficients and divergence. The raw logits are in the row's
     coefficient slots already (HAS_Z: from ``_support_logits_kernel``) or gathered here (x_n . W[id],
-    the same fp32 sums, in a fixed order: the deterministic path)."""
+    the same fp32 sums, in a fixed order: the deterministic path). HAS_Z also counts the entries of
+    every id into COUNTS[1 + id] (the buckets of dW's counting sort)."""
     inv_temp = _f32(inv_temp)
     n = tl.program_id(0).to(tl.int64)
     counted = tl.load(MASK + n) != 0.0
@@ -150,7 +156,9 @@ def _support_fwd_kernel(X, W, B, IDS, LP, MASK, KD, COEF, KEY, K, D, V,
         offs_k = k0 + tl.arange(0, BLOCK_KB)
         km = offs_k < K
         ids, ok = _entries(IDS, LP, n * stride_in + offs_k, n * stride_ln + offs_k, tl.where(counted, km, False), V)
-        if not HAS_Z:
+        if HAS_Z:
+            tl.atomic_add(COUNTS + 1 + ids, 1, mask=ok, sem="relaxed")
+        else:
             tl.store(c_row + offs_k, _row_dots(X + n * stride_xn, W, ids, ok, D, stride_wv, BLOCK_D), mask=km)
         tl.store(key_row + offs_k, tl.where(ok, ids, V).to(tl.int32), mask=km)
     tl.debug_barrier()  # the row's logits and keys, written by every warp, are read back whole
@@ -200,24 +208,56 @@ def _support_dx_kernel(W, KEY, COEF, SCALE, DX, N, K, D, V, stride_wv, stride_dn
 
 
 @triton.jit
-def _entry_terms(X, COEF, SCALE, ORDER, pos, has, offs_d, dm, K, stride_xn, scale_stride):
-    """For sorted entries at positions pos (any shape): (g_row c, x_row[offs_d]) in fp32, 0 where not has;
-    the x tile has pos's shape + [BLOCK_D]. Two dependent loads: the entry, then its x row and c."""
-    e = tl.load(ORDER + pos, mask=has, other=0)
-    row = e // K
-    c = tl.load(COEF + e, mask=has, other=0.0) * tl.load(SCALE + row * scale_stride, mask=has, other=0.0)
-    x = tl.load(X + tl.expand_dims(row * stride_xn, -1) + offs_d, mask=tl.expand_dims(has, -1) & dm, other=0.0)
+def _entry_terms(X, ROWS, CS, pos, has, offs_d, dm, stride_xn):
+    """For sorted positions pos (any shape): (g_row c, x_row[offs_d]) in fp32, 0 where not has; the x
+    tile has pos's shape + [BLOCK_D]. Two dependent loads: the entry's row and term, then its x row."""
+    row = tl.load(ROWS + pos, mask=has, other=0)
+    c = tl.load(CS + pos, mask=has, other=0.0)
+    x = tl.load(X + tl.expand_dims(row.to(tl.int64) * stride_xn, -1) + offs_d, mask=tl.expand_dims(has, -1) & dm,
+                other=0.0)
     return c, x.to(tl.float32)
 
 
 @triton.jit
-def _dw_long_kernel(X, COEF, SCALE, ORDER, KEYS, OFFS, RANK, ACC, ACC_B, E, V, K, D, stride_xn, scale_stride,
+def _sorted_entries_kernel(KEY, COEF, SCALE, CURSOR, OFFS, ORDER, ROWS, CS, SORTED, RANK, E, V, K, CAP,
+                           scale_stride, COUNTING: tl.constexpr, BLOCK: tl.constexpr):
+    """What dW reads at each sorted position: the entry's row, its term g_row c and its key.
+    COUNTING (a counting sort's last step): entry e with key v < V takes the next slot of v's bucket
+    [OFFS[v], OFFS[v + 1]) from the zeroed counter CURSOR[v]; the order inside a bucket is whatever the
+    atomics give. The entry taking slot CAP of a bucket (a long row: more than CAP entries) numbers that
+    row's accumulator from the counter CURSOR[V]. Else ORDER holds the entries already sorted (a stable
+    sort) and the keys are there too."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < E
+    if COUNTING:
+        e = i
+        key = tl.load(KEY + e, mask=inside, other=V)
+        ok = key < V
+        slot = tl.atomic_add(CURSOR + key, 1, mask=ok, sem="relaxed")
+        pos = tl.load(OFFS + key, mask=ok, other=0) + slot
+        tl.store(SORTED + pos, key, mask=ok)
+        starts_long = ok & (slot == CAP)
+        r = tl.atomic_add(CURSOR + V + 0 * key, 1, mask=starts_long, sem="relaxed")
+        tl.store(RANK + key, r, mask=starts_long)
+    else:
+        pos = i
+        ok = inside
+        e = tl.load(ORDER + i, mask=ok, other=0)
+    row = e // K
+    c = tl.load(COEF + e, mask=ok, other=0.0) * tl.load(SCALE + row * scale_stride, mask=ok, other=0.0)
+    tl.store(ROWS + pos, row.to(tl.int32), mask=ok)
+    tl.store(CS + pos, c, mask=ok)
+
+
+@triton.jit
+def _dw_long_kernel(X, ROWS, CS, KEYS, OFFS, RANK, ACC, ACC_B, E, V, D, stride_xn,
                     HAS_BIAS: tl.constexpr, CAP: tl.constexpr, SUB: tl.constexpr, BLOCK_D: tl.constexpr):
     """One window of CAP sorted entries: the sums over the entries of long rows (count > CAP) are added
     into those rows' fp32 accumulators. A long row has more than CAP entries, so a window meets at most
     two of them (one ending, one starting); windows without any return at once."""
     w0 = tl.program_id(0) * CAP
     pos = w0 + tl.arange(0, CAP)
+    E = tl.minimum(E, tl.load(OFFS + V))  # sorted entries with a key < V (the rest are not written)
     key = tl.load(KEYS + pos, mask=pos < E, other=V)
     inside = key < V
     cnt = tl.load(OFFS + key + 1, mask=inside, other=0) - tl.load(OFFS + key, mask=inside, other=0)
@@ -239,7 +279,7 @@ def _dw_long_kernel(X, COEF, SCALE, ORDER, KEYS, OFFS, RANK, ACC, ACC_B, E, V, K
                 kk = tl.load(KEYS + p, mask=p < E, other=V)
                 sel1 = kk == k1
                 sel2 = tl.where(k2 != k1, kk == k2, False)
-                c, x = _entry_terms(X, COEF, SCALE, ORDER, p, sel1 | sel2, offs_d, dm, K, stride_xn, scale_stride)
+                c, x = _entry_terms(X, ROWS, CS, p, sel1 | sel2, offs_d, dm, stride_xn)
                 c1 = tl.where(sel1, c, 0.0)
                 c2 = tl.where(sel2, c, 0.0)
                 a1 += tl.sum(c1[:, None] * x, axis=0)
@@ -257,13 +297,15 @@ def _dw_long_kernel(X, COEF, SCALE, ORDER, KEYS, OFFS, RANK, ACC, ACC_B, E, V, K
 
 
 @triton.jit
-def _dw_rows_kernel(X, COEF, SCALE, ORDER, OFFS, RANK, ACC, ACC_B, DW, DB, V, K, D, stride_xn, stride_wv,
-                    scale_stride, HAS_BIAS: tl.constexpr, CAP: tl.constexpr, BLOCK_R: tl.constexpr,
-                    J: tl.constexpr, BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr):
+def _dw_rows_kernel(X, ROWS, CS, OFFS, RANK, ACC, ACC_B, DW, DB, V, D, stride_xn, stride_wv, HAS_BIAS: tl.constexpr, CAP: tl.constexpr, BLOCK_R: tl.constexpr,
+                    J: tl.constexpr, BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, D_FAST: tl.constexpr):
     """A [BLOCK_R vocab rows, D_STEPS * BLOCK_D] tile of dW (and db): the rows' entries walked in lock
     step, J entries of every row per step (their loads in flight together); long rows (count > CAP)
-    take their sums from the accumulators of ``_dw_long_kernel``; rows without entries get zeros."""
-    offs_v = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    take their sums from the accumulators of ``_dw_long_kernel``; rows without entries get zeros.
+    D_FAST: the column groups of one row tile are neighbouring programs (else the row tiles of one group)."""
+    pid_v = tl.program_id(1) if D_FAST else tl.program_id(0)
+    pid_d = tl.program_id(0) if D_FAST else tl.program_id(1)
+    offs_v = pid_v * BLOCK_R + tl.arange(0, BLOCK_R)
     vm = offs_v < V
     start = tl.load(OFFS + offs_v, mask=vm, other=0)
     count = tl.load(OFFS + offs_v + 1, mask=vm, other=0) - start
@@ -273,14 +315,14 @@ def _dw_rows_kernel(X, COEF, SCALE, ORDER, OFFS, RANK, ACC, ACC_B, DW, DB, V, K,
     steps = tl.where(is_long, 0, count)
     jj = tl.arange(0, J)
     for i in range(0, D_STEPS):
-        offs_d = (tl.program_id(1) * D_STEPS + i) * BLOCK_D + tl.arange(0, BLOCK_D)
+        offs_d = (pid_d * D_STEPS + i) * BLOCK_D + tl.arange(0, BLOCK_D)
         dm = offs_d < D
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
         acc_b = tl.zeros([BLOCK_R], dtype=tl.float32)
         for j0 in range(0, tl.max(steps, axis=0), J):
             has = (j0 + jj)[None, :] < steps[:, None]
-            c, x = _entry_terms(X, COEF, SCALE, ORDER, start[:, None] + j0 + jj[None, :], has,
-                                offs_d[None, None, :], dm[None, None, :], K, stride_xn, scale_stride)
+            c, x = _entry_terms(X, ROWS, CS, start[:, None] + j0 + jj[None, :], has, offs_d[None, None, :],
+                                dm[None, None, :], stride_xn)
             acc += tl.sum(c[:, :, None] * x, axis=1)
             acc_b += tl.sum(c, axis=1)
         if any_long:
@@ -291,21 +333,26 @@ def _dw_rows_kernel(X, COEF, SCALE, ORDER, OFFS, RANK, ACC, ACC_B, DW, DB, V, K,
         tl.store(DW + offs_v.to(tl.int64)[:, None] * stride_wv + offs_d[None, :], acc.to(DW.dtype.element_ty),
                  mask=vm[:, None] & dm[None, :])
         if HAS_BIAS:
-            if tl.program_id(1) + i == 0:
+            if pid_d + i == 0:
                 tl.store(DB + offs_v, acc_b.to(DB.dtype.element_ty), mask=vm)
 
 
 def support_forward(xs, ws, bs, ids, lp, mask, cfg: TopKConfig):
-    """(kd [N], coef [N, K] per unit upstream gradient, key [N, K] int32: the id, V where not counted)."""
+    """(kd [N], coef [N, K] per unit upstream gradient, key [N, K] int32: the id, V where not counted,
+    counts: int32 [V + 1], 0 then each id's entries at 1 + id (None on the deterministic path))."""
     N, K = ids.shape
     D, V = xs.shape[1], ws.shape[0]
     t = tiles()
     kd = torch.empty(N, dtype=F32, device=xs.device)
     by_blocks = not torch.are_deterministic_algorithms_enabled()  # atomic sums: last bits vary between runs
-    coef = (torch.zeros if by_blocks else torch.empty)(N, K, dtype=F32, device=xs.device)
     key = torch.empty(N, K, dtype=torch.int32, device=xs.device)
+    if by_blocks:  # logits summed into zeroed coefficient slots, entries counted per id: one memset
+        zeroed = torch.zeros(N * K + V + 1, dtype=torch.int32, device=xs.device)
+        coef, counts = zeroed[:N * K].view(F32).view(N, K), zeroed[N * K:]
+    else:
+        coef, counts = torch.empty(N, K, dtype=F32, device=xs.device), None
     if N == 0:
-        return kd, coef, key
+        return kd, coef, key, counts
     if by_blocks:
         launch(_support_logits_kernel, (cdiv(N, t.logit_block_r), cdiv(D, t.logit_block_d)),
                xs, ws, ids, lp, mask, coef, N, K, D, V, xs.stride(0), ws.stride(0), ids.stride(0), lp.stride(0),
@@ -313,12 +360,12 @@ def support_forward(xs, ws, bs, ids, lp, mask, cfg: TopKConfig):
                num_warps=t.logit_warps)
     inv_temp, param, log_a, log_1ma = _math_args(cfg)
     launch(_support_fwd_kernel, (N,),
-           xs, ws, bs if bs is not None else xs, ids, lp, mask, kd, coef, key, K, D, V,
+           xs, ws, bs if bs is not None else xs, ids, lp, mask, kd, coef, key, counts if by_blocks else key, K, D, V,
            xs.stride(0), ws.stride(0), ids.stride(0), lp.stride(0), inv_temp, param, log_a, log_1ma,
            HAS_BIAS=bs is not None, RENORM_T=cfg.renormalize_teacher, DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence],
            HAS_Z=by_blocks, BLOCK_K=next_pow2(K), BLOCK_KB=min(t.block_kb, next_pow2(K)), BLOCK_D=t.block_d,
            num_warps=t.warps)
-    return kd, coef, key
+    return kd, coef, key, counts
 
 
 def support_dx(ws, key, coef, scale, dtype):
@@ -339,32 +386,63 @@ def long_cap(entries: int, min_cap: int) -> int:
     return max(min_cap, next_pow2(cdiv(entries, 4096)))
 
 
-def support_dw(xs, key, coef, scale, V, bs):
-    """(dW [V, D] in xs's dtype, db [V] or None) from the entries sorted by key."""
+def sorted_entries(key, coef, scale, counts, cursor, V: int, cap: int):
+    """The entries sorted by key, as dW walks them: (rows int32 [E]: each sorted entry's row, terms fp32
+    [E]: its g_row c, keys int32 [E], offs int32 [V + 1]: key v's entries are [offs[v], offs[v + 1]),
+    rank int32 [V]: the accumulator of a row with more than cap entries). With the forward's counts, a
+    counting sort (one cumsum and one kernel, counting in cursor: V + 1 zeroed int32; the order inside a
+    bucket varies between runs); without them (deterministic algorithms, where no row is long) a
+    stable sort."""
+    flat = key.view(-1)
+    E, K, dev = flat.numel(), key.shape[1], key.device
+    rows = torch.empty(E, dtype=torch.int32, device=dev)
+    terms = torch.empty(E, dtype=F32, device=dev)
+    if counts is None:
+        srt, order = torch.sort(flat, stable=True)
+        offs = torch.searchsorted(srt, torch.arange(V + 1, dtype=torch.int32, device=dev), out_int32=True)
+        cursor = rank = offs  # not read
+    else:
+        srt, order = torch.empty(E, dtype=torch.int32, device=dev), flat
+        offs = torch.cumsum(counts[:V + 1], 0, dtype=torch.int32)
+        rank = torch.empty(V, dtype=torch.int32, device=dev)
+    if E:
+        blk = tiles().scatter_block
+        launch(_sorted_entries_kernel, (cdiv(E, blk),), flat, coef, scale, cursor, offs, order, rows, terms, srt,
+               rank, E, V, K, cap, scale.stride(0), COUNTING=counts is not None, BLOCK=blk, num_warps=4)
+    return rows, terms, srt, offs, rank
+
+
+def support_dw(xs, key, coef, scale, V, bs, counts=None):
+    """(dW [V, D] in xs's dtype, db [V] or None) from the entries sorted by key (counts: the forward's
+    per-id entry counts, or None to sort)."""
     N, K = key.shape
     D, E = xs.shape[1], key.numel()
     t = tiles()
     dev = xs.device
-    srt, order = torch.sort(key.view(-1))
-    offs = torch.searchsorted(srt, torch.arange(V + 1, dtype=torch.int32, device=dev), out_int32=True)
     # rows of many entries are summed by windows with atomic adds, unless runs must repeat bit for bit
-    deterministic = torch.are_deterministic_algorithms_enabled()
+    deterministic = counts is None or torch.are_deterministic_algorithms_enabled()
+    counts = None if deterministic else counts
     cap = 1 << 30 if deterministic else long_cap(E, t.dw_min_cap)
-    rank = torch.cumsum(offs.diff() > cap, 0, dtype=torch.int32) - 1  # row v's accumulator if long
     n_acc = E // cap + 1  # a long row has more than cap entries
-    acc = torch.zeros(n_acc, D, dtype=F32, device=dev)
-    acc_b = torch.zeros(n_acc if bs is not None else 1, dtype=F32, device=dev)
+    if deterministic:
+        acc = acc_b = cursor = None
+    else:  # fp32 sums of long rows and the counting sort's counters: one memset
+        zeroed = torch.zeros(n_acc * (D + 1) + V + 1, dtype=torch.int32, device=dev)
+        acc = zeroed[:n_acc * D].view(F32).view(n_acc, D)
+        acc_b, cursor = zeroed[n_acc * D:n_acc * (D + 1)].view(F32), zeroed[n_acc * (D + 1):]
+    rows, terms, srt, offs, rank = sorted_entries(key, coef, scale, counts, cursor, V, cap)
     dw = torch.empty(V, D, dtype=xs.dtype, device=dev)
     db = torch.empty(V, dtype=bs.dtype, device=dev) if bs is not None else None
     if E and not deterministic:
-        launch(_dw_long_kernel, (cdiv(E, cap),), xs, coef, scale, order, srt, offs, rank, acc, acc_b, E, V, K, D,
-               xs.stride(0), scale.stride(0), HAS_BIAS=bs is not None, CAP=cap, SUB=min(t.dw_sub, cap),
-               BLOCK_D=t.dw_long_block_d, num_warps=t.dw_warps)
+        launch(_dw_long_kernel, (cdiv(E, cap),), xs, rows, terms, srt, offs, rank, acc, acc_b, E, V, D,
+               xs.stride(0), HAS_BIAS=bs is not None, CAP=cap, SUB=min(t.dw_sub, cap),
+               BLOCK_D=t.dw_long_block_d, num_warps=t.dw_long_warps)
     if V:
-        launch(_dw_rows_kernel, (cdiv(V, t.dw_block_r), cdiv(D, t.dw_block_d * t.dw_d_steps)),
-               xs, coef, scale, order, offs, rank, acc, acc_b, dw, db if db is not None else dw, V, K, D,
-               xs.stride(0), dw.stride(0), scale.stride(0), HAS_BIAS=bs is not None, CAP=cap,
-               BLOCK_R=t.dw_block_r, J=t.dw_j, BLOCK_D=t.dw_block_d, D_STEPS=t.dw_d_steps,
+        grid = (cdiv(V, t.dw_block_r), cdiv(D, t.dw_block_d * t.dw_d_steps))
+        launch(_dw_rows_kernel, grid[::-1] if t.dw_d_fast else grid,
+               xs, rows, terms, offs, rank, terms if acc is None else acc, terms if acc_b is None else acc_b, dw,
+               dw if db is None else db, V, D, xs.stride(0), dw.stride(0), HAS_BIAS=bs is not None, CAP=cap,
+               BLOCK_R=t.dw_block_r, J=t.dw_j, BLOCK_D=t.dw_block_d, D_STEPS=t.dw_d_steps, D_FAST=t.dw_d_fast,
                num_warps=t.dw_warps)
     return dw, db
 
@@ -374,20 +452,20 @@ class SupportTopK(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, ws, bs, ids, lp, mask, cfg: TopKConfig, reduction: str):
-        kd_rows, coef, key = support_forward(xs, ws, bs, ids, lp, mask, cfg)
+        kd_rows, coef, key, counts = support_forward(xs, ws, bs, ids, lp, mask, cfg)
         if reduction == "none":
             kd, per_row = kd_rows, None
         else:
             per_row = ck.reduction_scale(mask, reduction)
             kd = kd_rows.sum() * per_row
-        ctx.save_for_backward(xs, ws, bs, coef, key, per_row)
+        ctx.save_for_backward(xs, ws, bs, coef, key, counts, per_row)
         ctx.cfg = cfg
         ctx.mark_non_differentiable(kd)
         return kd * cfg.kd_weight, kd, torch.zeros_like(kd)
 
     @staticmethod
     def backward(ctx, grad_total, _gkd, _gce):
-        xs, ws, bs, coef, key, per_row = ctx.saved_tensors
+        xs, ws, bs, coef, key, counts, per_row = ctx.saved_tensors
         g = grad_total.to(F32) * ctx.cfg.kd_weight
         scale = (g if per_row is None else g * per_row).reshape(-1).contiguous()
         if scale.numel() == 1:
@@ -396,7 +474,7 @@ class SupportTopK(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = support_dx(ws, key, coef, scale, xs.dtype)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            dw, db = support_dw(xs, key, coef, scale, ws.shape[0], bs)
+            dw, db = support_dw(xs, key, coef, scale, ws.shape[0], bs, counts)
         return (dx, dw if ctx.needs_input_grad[1] else None, db if ctx.needs_input_grad[2] else None,
                 None, None, None, None, None)
 

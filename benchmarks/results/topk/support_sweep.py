@@ -59,7 +59,7 @@ def ev(fn, reps=15):
 FWD = [(2, 32, 64, 2), (1, 64, 64, 2), (4, 16, 64, 4), (2, 64, 64, 4)]
 DX = [(16, 8, 64, 4), (32, 8, 64, 8), (16, 4, 64, 4), (16, 8, 128, 8)]
 # (block_r, j, block_d, d_steps, warps)
-DW = [(16, 4, 64, 4, 2), (16, 4, 64, 2, 2), (16, 8, 64, 4, 2)]
+DW = [(8, 4, 64, 7, 1), (16, 4, 64, 4, 2), (16, 4, 64, 7, 2), (8, 4, 64, 4, 1), (8, 4, 64, 14, 1)]
 
 def sweep(N, K, hot=False):
     V, D = 152064, 3584
@@ -83,7 +83,7 @@ def sweep(N, K, hot=False):
     rec(kind="fwd", cfg="deterministic", ms=ev(lambda: ts.support_forward(xs, ws, None, ids, lp, mask, cfg)), **tag)
     torch.use_deterministic_algorithms(False)
     ts.TILES = ts.SupportTiles()
-    kd, coef, key = ts.support_forward(xs, ws, None, ids, lp, mask, cfg)
+    kd, coef, key, counts = ts.support_forward(xs, ws, None, ids, lp, mask, cfg)
     ref = None
     for (r, kb, bd, wp) in DX:
         ts.TILES = ts.SupportTiles(dx_block_r=r, dx_block_kb=kb, dx_block_d=bd, dx_warps=wp)
@@ -95,7 +95,9 @@ def sweep(N, K, hot=False):
                 agree=rel(dx, ref), **tag)
         except Exception as e:
             rec(kind="dx", cfg=name, err=repr(e)[:200], **tag)
-    rec(kind="sort", ms=ev(lambda: torch.sort(key.view(-1))), **tag)
+    rec(kind="sort", cfg="torch.sort", ms=ev(lambda: torch.sort(key.view(-1))), **tag)
+    cursor = torch.zeros(V + 1, dtype=torch.int32, device=dev)
+    rec(kind="sort", cfg="counting", ms=ev(lambda: (cursor.zero_(), ts.sorted_entries(key, coef, scale, counts, cursor, V, 64))), **tag)
     counts = torch.bincount(key.view(-1).long(), minlength=V + 1)[:V]
     rec(kind="counts", max=int(counts.max()), mean=float(counts.float().mean()), over64=int((counts > 64).sum()),
         p99=float(counts.float().quantile(0.99)), **tag)
@@ -104,14 +106,14 @@ def sweep(N, K, hot=False):
         ts.TILES = ts.SupportTiles(dw_block_r=br, dw_j=j, dw_block_d=bd, dw_d_steps=st, dw_warps=wp)
         name = f"r{br}j{j}d{bd}x{st}w{wp}"
         try:
-            dw, _ = ts.support_dw(xs, key, coef, scale, V, None)
+            dw, _ = ts.support_dw(xs, key, coef, scale, V, None, counts)
             ref = dw.float() if ref is None else ref
-            rec(kind="dw", cfg=name, ms=ev(lambda: ts.support_dw(xs, key, coef, scale, V, None)), agree=rel(dw, ref), **tag)
+            rec(kind="dw", cfg=name, ms=ev(lambda: ts.support_dw(xs, key, coef, scale, V, None, counts)), agree=rel(dw, ref), **tag)
         except Exception as e:
             rec(kind="dw", cfg=name, err=repr(e)[:200], **tag)
     ts.TILES = ts.SupportTiles()
     torch.use_deterministic_algorithms(True)  # no windows for long rows: they are walked in place
-    rec(kind="dw", cfg="deterministic", ms=ev(lambda: ts.support_dw(xs, key, coef, scale, V, None)), **tag)
+    rec(kind="dw", cfg="deterministic", ms=ev(lambda: ts.support_dw(xs, key, coef, scale, V, None, None)), **tag)
     torch.use_deterministic_algorithms(False)
     def step(norm):
         x = xs.detach().requires_grad_(); w = ws.detach().requires_grad_()
