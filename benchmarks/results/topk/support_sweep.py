@@ -98,9 +98,9 @@ def sweep(N, K, hot=False):
     rec(kind="sort", cfg="torch.sort", ms=ev(lambda: torch.sort(key.view(-1))), **tag)
     cursor = torch.zeros(V + 1, dtype=torch.int32, device=dev)
     rec(kind="sort", cfg="counting", ms=ev(lambda: (cursor.zero_(), ts.sorted_entries(key, coef, scale, counts, cursor, V, 64))), **tag)
-    counts = torch.bincount(key.view(-1).long(), minlength=V + 1)[:V]
-    rec(kind="counts", max=int(counts.max()), mean=float(counts.float().mean()), over64=int((counts > 64).sum()),
-        p99=float(counts.float().quantile(0.99)), **tag)
+    hist = torch.bincount(key.view(-1).long(), minlength=V + 1)[:V]
+    rec(kind="counts", max=int(hist.max()), mean=float(hist.float().mean()), over64=int((hist > 64).sum()),
+        p99=float(hist.float().quantile(0.99)), **tag)
     ref = None
     for (br, j, bd, st, wp) in DW:
         ts.TILES = ts.SupportTiles(dw_block_r=br, dw_j=j, dw_block_d=bd, dw_d_steps=st, dw_warps=wp)
