@@ -18,14 +18,15 @@ once per entry. The kernels:
 - dW_v = sum over the entries with id v of g_row c x_row, from the entries sorted by key (CSR over
   the vocabulary): a counting sort, its buckets counted by the row kernel and filled by
   ``_sorted_entries_kernel``, which also writes each sorted entry's row and term g_row c (so dW reads
-  them contiguously). ``_dw_rows_kernel``: a tile of vocab rows walks its rows' entries in lock step,
-  J entries of every row per step; every row of dW is written once, zeros included (no memset). A row
-  with more than CAP entries (an id in many rows' top-k, as frequent tokens are with a trained
-  teacher) would hold its whole tile for count / J steps: those rows are summed beforehand by
-  ``_dw_long_kernel``, one program per window of CAP sorted entries, into fp32 accumulators (atomic
-  adds of window sums; at most ~4096 rows of them), which the tile kernel then copies. db comes out
-  of the same walks. Under deterministic algorithms a stable sort replaces the counting sort (whose
-  order inside a bucket varies) and long rows are walked in place.
+  them contiguously); under deterministic algorithms a stable sort instead (the order inside a
+  counting-sort bucket varies between runs). ``_dw_rows_kernel``: a tile of vocab rows walks its
+  rows' entries in lock step, J entries of every row per step; every row of dW is written once, zeros
+  included (no memset). A row with more than CAP entries (an id in many rows' top-k, as frequent
+  tokens are with a trained teacher) would hold its whole tile for count / J steps: its entries are
+  summed beforehand by ``_dw_long_kernel``, one program per window of CAP sorted entries, each window
+  storing its sums for the (at most two) long rows it meets in its own two slots; the tile then adds
+  the slots of its long rows window by window. No atomics, so this part is deterministic. db comes
+  out of the same walks.
 
 g is the upstream gradient per row (times kd_weight and the mean's 1 / rows): a 1-element tensor
 with stride 0 for "mean"/"sum", per row for "none".
@@ -219,14 +220,12 @@ def _entry_terms(X, ROWS, CS, pos, has, offs_d, dm, stride_xn):
 
 
 @triton.jit
-def _sorted_entries_kernel(KEY, COEF, SCALE, CURSOR, OFFS, ORDER, ROWS, CS, SORTED, RANK, E, V, K, CAP,
-                           scale_stride, COUNTING: tl.constexpr, BLOCK: tl.constexpr):
+def _sorted_entries_kernel(KEY, COEF, SCALE, CURSOR, OFFS, ORDER, ROWS, CS, SORTED, E, V, K, scale_stride,
+                           COUNTING: tl.constexpr, BLOCK: tl.constexpr):
     """What dW reads at each sorted position: the entry's row, its term g_row c and its key.
     COUNTING (a counting sort's last step): entry e with key v < V takes the next slot of v's bucket
     [OFFS[v], OFFS[v + 1]) from the zeroed counter CURSOR[v]; the order inside a bucket is whatever the
-    atomics give. The entry taking slot CAP of a bucket (a long row: more than CAP entries) numbers that
-    row's accumulator from the counter CURSOR[V]. Else ORDER holds the entries already sorted (a stable
-    sort) and the keys are there too."""
+    atomics give. Else ORDER holds the entries already sorted (a stable sort) and the keys are there too."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = i < E
     if COUNTING:
@@ -236,9 +235,6 @@ def _sorted_entries_kernel(KEY, COEF, SCALE, CURSOR, OFFS, ORDER, ROWS, CS, SORT
         slot = tl.atomic_add(CURSOR + key, 1, mask=ok, sem="relaxed")
         pos = tl.load(OFFS + key, mask=ok, other=0) + slot
         tl.store(SORTED + pos, key, mask=ok)
-        starts_long = ok & (slot == CAP)
-        r = tl.atomic_add(CURSOR + V + 0 * key, 1, mask=starts_long, sem="relaxed")
-        tl.store(RANK + key, r, mask=starts_long)
     else:
         pos = i
         ok = inside
@@ -250,12 +246,14 @@ def _sorted_entries_kernel(KEY, COEF, SCALE, CURSOR, OFFS, ORDER, ROWS, CS, SORT
 
 
 @triton.jit
-def _dw_long_kernel(X, ROWS, CS, KEYS, OFFS, RANK, ACC, ACC_B, E, V, D, stride_xn,
+def _dw_long_kernel(X, ROWS, CS, KEYS, OFFS, PART, PART_B, PKEYS, E, V, D, stride_xn,
                     HAS_BIAS: tl.constexpr, CAP: tl.constexpr, SUB: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One window of CAP sorted entries: the sums over the entries of long rows (count > CAP) are added
-    into those rows' fp32 accumulators. A long row has more than CAP entries, so a window meets at most
-    two of them (one ending, one starting); windows without any return at once."""
-    w0 = tl.program_id(0) * CAP
+    """One window of CAP sorted entries: its sums over the entries of long rows (count > CAP), in the
+    window's two slots (PART[2w], PART[2w + 1], their keys in PKEYS), no atomics. A long row has more
+    than CAP entries, so a window meets at most two of them (one ending, one starting); windows
+    without any return at once and their slots are never read."""
+    w = tl.program_id(0)
+    w0 = w * CAP
     pos = w0 + tl.arange(0, CAP)
     E = tl.minimum(E, tl.load(OFFS + V))  # sorted entries with a key < V (the rest are not written)
     key = tl.load(KEYS + pos, mask=pos < E, other=V)
@@ -265,8 +263,9 @@ def _dw_long_kernel(X, ROWS, CS, KEYS, OFFS, RANK, ACC, ACC_B, E, V, D, stride_x
     if tl.sum(is_long.to(tl.int32), axis=0) > 0:
         k1 = tl.min(tl.where(is_long, key, V), axis=0)
         k2 = tl.max(tl.where(is_long, key, -1), axis=0)
-        r1 = tl.load(RANK + k1).to(tl.int64)
-        r2 = tl.load(RANK + k2).to(tl.int64)
+        tl.store(PKEYS + 2 * w, k1)
+        tl.store(PKEYS + 2 * w + 1, k2)
+        slot1 = (2 * w).to(tl.int64) * D
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             dm = offs_d < D
@@ -286,22 +285,21 @@ def _dw_long_kernel(X, ROWS, CS, KEYS, OFFS, RANK, ACC, ACC_B, E, V, D, stride_x
                 a2 += tl.sum(c2[:, None] * x, axis=0)
                 b1 += c1
                 b2 += c2
-            tl.atomic_add(ACC + r1 * D + offs_d, a1, mask=dm)
-            if k2 != k1:
-                tl.atomic_add(ACC + r2 * D + offs_d, a2, mask=dm)
+            tl.store(PART + slot1 + offs_d, a1, mask=dm)
+            tl.store(PART + slot1 + D + offs_d, a2, mask=dm)
             if HAS_BIAS:
                 if d0 == 0:
-                    tl.atomic_add(ACC_B + r1, tl.sum(b1, axis=0))
-                    if k2 != k1:
-                        tl.atomic_add(ACC_B + r2, tl.sum(b2, axis=0))
+                    tl.store(PART_B + 2 * w, tl.sum(b1, axis=0))
+                    tl.store(PART_B + 2 * w + 1, tl.sum(b2, axis=0))
 
 
 @triton.jit
-def _dw_rows_kernel(X, ROWS, CS, OFFS, RANK, ACC, ACC_B, DW, DB, V, D, stride_xn, stride_wv, HAS_BIAS: tl.constexpr, CAP: tl.constexpr, BLOCK_R: tl.constexpr,
+def _dw_rows_kernel(X, ROWS, CS, OFFS, PART, PART_B, PKEYS, DW, DB, V, D, stride_xn, stride_wv, HAS_BIAS: tl.constexpr, CAP: tl.constexpr, BLOCK_R: tl.constexpr,
                     J: tl.constexpr, BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, D_FAST: tl.constexpr):
     """A [BLOCK_R vocab rows, D_STEPS * BLOCK_D] tile of dW (and db): the rows' entries walked in lock
     step, J entries of every row per step (their loads in flight together); long rows (count > CAP)
-    take their sums from the accumulators of ``_dw_long_kernel``; rows without entries get zeros.
+    add up the slots ``_dw_long_kernel`` wrote for them, window by window (a fixed order); rows without
+    entries get zeros.
     D_FAST: the column groups of one row tile are neighbouring programs (else the row tiles of one group)."""
     pid_v = tl.program_id(1) if D_FAST else tl.program_id(0)
     pid_d = tl.program_id(0) if D_FAST else tl.program_id(1)
@@ -311,7 +309,8 @@ def _dw_rows_kernel(X, ROWS, CS, OFFS, RANK, ACC, ACC_B, DW, DB, V, D, stride_xn
     count = tl.load(OFFS + offs_v + 1, mask=vm, other=0) - start
     is_long = count > CAP
     any_long = tl.sum(is_long.to(tl.int32), axis=0) > 0
-    r = tl.load(RANK + offs_v, mask=is_long, other=0).to(tl.int64)
+    first_w = start // CAP
+    n_w = tl.where(is_long, (start + count - 1) // CAP - first_w + 1, 0)  # windows a long row spans
     steps = tl.where(is_long, 0, count)
     jj = tl.arange(0, J)
     for i in range(0, D_STEPS):
@@ -326,10 +325,14 @@ def _dw_rows_kernel(X, ROWS, CS, OFFS, RANK, ACC, ACC_B, DW, DB, V, D, stride_xn
             acc += tl.sum(c[:, :, None] * x, axis=1)
             acc_b += tl.sum(c, axis=1)
         if any_long:
-            acc = tl.where(is_long[:, None],
-                           tl.load(ACC + r[:, None] * D + offs_d[None, :], mask=is_long[:, None] & dm[None, :],
-                                   other=0.0), acc)
-            acc_b = tl.where(is_long, tl.load(ACC_B + r, mask=is_long, other=0.0), acc_b)
+            for j in range(0, tl.max(n_w, axis=0)):
+                has_w = j < n_w
+                w = first_w + j
+                slot = 2 * w + tl.where(tl.load(PKEYS + 2 * w, mask=has_w, other=-1) == offs_v, 0, 1)
+                acc += tl.load(PART + slot.to(tl.int64)[:, None] * D + offs_d[None, :],
+                               mask=has_w[:, None] & dm[None, :], other=0.0)
+                if HAS_BIAS:
+                    acc_b += tl.load(PART_B + slot, mask=has_w, other=0.0)
         tl.store(DW + offs_v.to(tl.int64)[:, None] * stride_wv + offs_d[None, :], acc.to(DW.dtype.element_ty),
                  mask=vm[:, None] & dm[None, :])
         if HAS_BIAS:
@@ -381,18 +384,17 @@ def support_dx(ws, key, coef, scale, dtype):
 
 
 def long_cap(entries: int, min_cap: int) -> int:
-    """Entries above which a vocab row is summed by windows (``_dw_long_kernel``): at most ~4096
-    accumulator rows whatever the batch, and lock-step walks of at most that many entries."""
-    return max(min_cap, next_pow2(cdiv(entries, 4096)))
+    """Entries above which a vocab row is summed by windows of that many sorted entries
+    (``_dw_long_kernel``): at most ~2048 windows whatever the batch (their two slots of partial sums
+    take 2 * 2048 * D * 4 bytes), and lock-step walks of at most that many entries."""
+    return max(min_cap, next_pow2(cdiv(entries, 2048)))
 
 
-def sorted_entries(key, coef, scale, counts, cursor, V: int, cap: int):
+def sorted_entries(key, coef, scale, counts, V: int):
     """The entries sorted by key, as dW walks them: (rows int32 [E]: each sorted entry's row, terms fp32
-    [E]: its g_row c, keys int32 [E], offs int32 [V + 1]: key v's entries are [offs[v], offs[v + 1]),
-    rank int32 [V]: the accumulator of a row with more than cap entries). With the forward's counts, a
-    counting sort (one cumsum and one kernel, counting in cursor: V + 1 zeroed int32; the order inside a
-    bucket varies between runs); without them (deterministic algorithms, where no row is long) a
-    stable sort."""
+    [E]: its g_row c, keys int32 [E], offs int32 [V + 1]: key v's entries are [offs[v], offs[v + 1])).
+    With the forward's counts (int32 [V + 1]: 0, then each id's count), a counting sort: one cumsum and
+    one kernel (the order inside a bucket varies between runs); without them a stable sort."""
     flat = key.view(-1)
     E, K, dev = flat.numel(), key.shape[1], key.device
     rows = torch.empty(E, dtype=torch.int32, device=dev)
@@ -400,50 +402,45 @@ def sorted_entries(key, coef, scale, counts, cursor, V: int, cap: int):
     if counts is None:
         srt, order = torch.sort(flat, stable=True)
         offs = torch.searchsorted(srt, torch.arange(V + 1, dtype=torch.int32, device=dev), out_int32=True)
-        cursor = rank = offs  # not read
+        cursor = offs  # not read
     else:
         srt, order = torch.empty(E, dtype=torch.int32, device=dev), flat
-        offs = torch.cumsum(counts[:V + 1], 0, dtype=torch.int32)
-        rank = torch.empty(V, dtype=torch.int32, device=dev)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        cursor = torch.zeros(V, dtype=torch.int32, device=dev)  # counted up: the forward's counts stay
     if E:
         blk = tiles().scatter_block
         launch(_sorted_entries_kernel, (cdiv(E, blk),), flat, coef, scale, cursor, offs, order, rows, terms, srt,
-               rank, E, V, K, cap, scale.stride(0), COUNTING=counts is not None, BLOCK=blk, num_warps=4)
-    return rows, terms, srt, offs, rank
+               E, V, K, scale.stride(0), COUNTING=counts is not None, BLOCK=blk, num_warps=4)
+    return rows, terms, srt, offs
 
 
 def support_dw(xs, key, coef, scale, V, bs, counts=None):
     """(dW [V, D] in xs's dtype, db [V] or None) from the entries sorted by key (counts: the forward's
-    per-id entry counts, or None to sort)."""
+    per-id entry counts, or None to sort: deterministic algorithms sort stably)."""
     N, K = key.shape
     D, E = xs.shape[1], key.numel()
     t = tiles()
     dev = xs.device
-    # rows of many entries are summed by windows with atomic adds, unless runs must repeat bit for bit
-    deterministic = counts is None or torch.are_deterministic_algorithms_enabled()
-    counts = None if deterministic else counts
-    cap = 1 << 30 if deterministic else long_cap(E, t.dw_min_cap)
-    n_acc = E // cap + 1  # a long row has more than cap entries
-    if deterministic:
-        acc = acc_b = cursor = None
-    else:  # fp32 sums of long rows and the counting sort's counters: one memset
-        zeroed = torch.zeros(n_acc * (D + 1) + V + 1, dtype=torch.int32, device=dev)
-        acc = zeroed[:n_acc * D].view(F32).view(n_acc, D)
-        acc_b, cursor = zeroed[n_acc * D:n_acc * (D + 1)].view(F32), zeroed[n_acc * (D + 1):]
-    rows, terms, srt, offs, rank = sorted_entries(key, coef, scale, counts, cursor, V, cap)
+    if torch.are_deterministic_algorithms_enabled():
+        counts = None
+    rows, terms, srt, offs = sorted_entries(key, coef, scale, counts, V)
+    cap = long_cap(E, t.dw_min_cap)
+    n_win = cdiv(E, cap)
+    part = torch.empty(2 * n_win, D, dtype=F32, device=dev)  # each window's two slots, read only if written
+    part_b = torch.empty(2 * n_win, dtype=F32, device=dev) if bs is not None else part
+    pkeys = torch.empty(2 * n_win, dtype=torch.int32, device=dev)
     dw = torch.empty(V, D, dtype=xs.dtype, device=dev)
     db = torch.empty(V, dtype=bs.dtype, device=dev) if bs is not None else None
-    if E and not deterministic:
-        launch(_dw_long_kernel, (cdiv(E, cap),), xs, rows, terms, srt, offs, rank, acc, acc_b, E, V, D,
-               xs.stride(0), HAS_BIAS=bs is not None, CAP=cap, SUB=min(t.dw_sub, cap),
-               BLOCK_D=t.dw_long_block_d, num_warps=t.dw_long_warps)
+    if E:
+        launch(_dw_long_kernel, (n_win,), xs, rows, terms, srt, offs, part, part_b, pkeys, E, V, D, xs.stride(0),
+               HAS_BIAS=bs is not None, CAP=cap, SUB=min(t.dw_sub, cap), BLOCK_D=t.dw_long_block_d,
+               num_warps=t.dw_long_warps)
     if V:
         grid = (cdiv(V, t.dw_block_r), cdiv(D, t.dw_block_d * t.dw_d_steps))
         launch(_dw_rows_kernel, grid[::-1] if t.dw_d_fast else grid,
-               xs, rows, terms, offs, rank, terms if acc is None else acc, terms if acc_b is None else acc_b, dw,
-               dw if db is None else db, V, D, xs.stride(0), dw.stride(0), HAS_BIAS=bs is not None, CAP=cap,
-               BLOCK_R=t.dw_block_r, J=t.dw_j, BLOCK_D=t.dw_block_d, D_STEPS=t.dw_d_steps, D_FAST=t.dw_d_fast,
-               num_warps=t.dw_warps)
+               xs, rows, terms, offs, part, part_b, pkeys, dw, dw if db is None else db, V, D, xs.stride(0),
+               dw.stride(0), HAS_BIAS=bs is not None, CAP=cap, BLOCK_R=t.dw_block_r, J=t.dw_j,
+               BLOCK_D=t.dw_block_d, D_STEPS=t.dw_d_steps, D_FAST=t.dw_d_fast, num_warps=t.dw_warps)
     return dw, db
 
 

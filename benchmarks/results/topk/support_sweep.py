@@ -96,8 +96,7 @@ def sweep(N, K, hot=False):
         except Exception as e:
             rec(kind="dx", cfg=name, err=repr(e)[:200], **tag)
     rec(kind="sort", cfg="torch.sort", ms=ev(lambda: torch.sort(key.view(-1))), **tag)
-    cursor = torch.zeros(V + 1, dtype=torch.int32, device=dev)
-    rec(kind="sort", cfg="counting", ms=ev(lambda: (cursor.zero_(), ts.sorted_entries(key, coef, scale, counts, cursor, V, 64))), **tag)
+    rec(kind="sort", cfg="counting", ms=ev(lambda: ts.sorted_entries(key, coef, scale, counts, V)), **tag)
     hist = torch.bincount(key.view(-1).long(), minlength=V + 1)[:V]
     rec(kind="counts", max=int(hist.max()), mean=float(hist.float().mean()), over64=int((hist > 64).sum()),
         p99=float(hist.float().quantile(0.99)), **tag)
@@ -112,7 +111,7 @@ def sweep(N, K, hot=False):
         except Exception as e:
             rec(kind="dw", cfg=name, err=repr(e)[:200], **tag)
     ts.TILES = ts.SupportTiles()
-    torch.use_deterministic_algorithms(True)  # no windows for long rows: they are walked in place
+    torch.use_deterministic_algorithms(True)  # a stable sort instead of the counting sort
     rec(kind="dw", cfg="deterministic", ms=ev(lambda: ts.support_dw(xs, key, coef, scale, V, None, None)), **tag)
     torch.use_deterministic_algorithms(False)
     def step(norm):
