@@ -66,7 +66,6 @@ class SupportTiles:
     dw_block_d: int = 64
     dw_d_steps: int = 7   # column blocks per program, one after the other (the entries' loads hit L1 again)
     dw_warps: int = 1
-    dw_d_fast: bool = False  # grid order: a row tile's column groups side by side (else a group's row tiles)
     scatter_block: int = 1024  # entries per program of the counting sort's scatter
     dw_min_cap: int = 64   # rows with more entries are summed by windows
     dw_sub: int = 32       # entries per step of a window
@@ -294,16 +293,16 @@ def _dw_long_kernel(X, ROWS, CS, KEYS, OFFS, PART, PART_B, PKEYS, E, V, D, strid
 
 
 @triton.jit
-def _dw_rows_kernel(X, ROWS, CS, OFFS, PART, PART_B, PKEYS, DW, DB, V, D, stride_xn, stride_wv, HAS_BIAS: tl.constexpr, CAP: tl.constexpr, BLOCK_R: tl.constexpr,
-                    J: tl.constexpr, BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr, D_FAST: tl.constexpr):
+def _dw_rows_kernel(X, ROWS, CS, OFFS, PART, PART_B, PKEYS, DW, DB, V, D, stride_xn, stride_wv,
+                    HAS_BIAS: tl.constexpr, CAP: tl.constexpr, BLOCK_R: tl.constexpr, J: tl.constexpr,
+                    BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr):
     """A [BLOCK_R vocab rows, D_STEPS * BLOCK_D] tile of dW (and db): the rows' entries walked in lock
     step, J entries of every row per step (their loads in flight together); long rows (count > CAP)
     add up the slots ``_dw_long_kernel`` wrote for them, window by window (a fixed order); rows without
-    entries get zeros.
-    D_FAST: the column groups of one row tile are neighbouring programs (else the row tiles of one group)."""
-    pid_v = tl.program_id(1) if D_FAST else tl.program_id(0)
-    pid_d = tl.program_id(0) if D_FAST else tl.program_id(1)
-    offs_v = pid_v * BLOCK_R + tl.arange(0, BLOCK_R)
+    entries get zeros. The row tiles of one column group are neighbouring programs (the group's
+    columns of x stay in L2)."""
+    pid_d = tl.program_id(1)
+    offs_v = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     vm = offs_v < V
     start = tl.load(OFFS + offs_v, mask=vm, other=0)
     count = tl.load(OFFS + offs_v + 1, mask=vm, other=0) - start
@@ -417,7 +416,6 @@ def sorted_entries(key, coef, scale, counts, V: int):
 def support_dw(xs, key, coef, scale, V, bs, counts=None):
     """(dW [V, D] in xs's dtype, db [V] or None) from the entries sorted by key (counts: the forward's
     per-id entry counts, or None to sort: deterministic algorithms sort stably)."""
-    N, K = key.shape
     D, E = xs.shape[1], key.numel()
     t = tiles()
     dev = xs.device
@@ -436,11 +434,10 @@ def support_dw(xs, key, coef, scale, V, bs, counts=None):
                HAS_BIAS=bs is not None, CAP=cap, SUB=min(t.dw_sub, cap), BLOCK_D=t.dw_long_block_d,
                num_warps=t.dw_long_warps)
     if V:
-        grid = (cdiv(V, t.dw_block_r), cdiv(D, t.dw_block_d * t.dw_d_steps))
-        launch(_dw_rows_kernel, grid[::-1] if t.dw_d_fast else grid,
+        launch(_dw_rows_kernel, (cdiv(V, t.dw_block_r), cdiv(D, t.dw_block_d * t.dw_d_steps)),
                xs, rows, terms, offs, part, part_b, pkeys, dw, dw if db is None else db, V, D, xs.stride(0),
                dw.stride(0), HAS_BIAS=bs is not None, CAP=cap, BLOCK_R=t.dw_block_r, J=t.dw_j,
-               BLOCK_D=t.dw_block_d, D_STEPS=t.dw_d_steps, D_FAST=t.dw_d_fast, num_warps=t.dw_warps)
+               BLOCK_D=t.dw_block_d, D_STEPS=t.dw_d_steps, num_warps=t.dw_warps)
     return dw, db
 
 
