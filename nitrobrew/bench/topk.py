@@ -13,6 +13,9 @@ inputs for every method (design §8), fwd+bwd with gradients to xs and ws:
   full-const        mode="constant_memory": fused kernels, fp32 accumulation of dX/dW
   full-native       the same with dX/dW accumulated in the input dtype, as CCE does
   topk              topk_kl(normalize="topk"): K gathered rows of ws, no vocab-wide matmul
+  topk-graph        the same fwd+bwd captured once in a CUDA graph and replayed: the device time
+                    alone, without the host's launches and the stored data's checks (not run
+                    under capture); its memory is the graph's pool, not reported
   torch full/topk   the PyTorch backend (the CPU methods)
 
 peak MiB = peak allocated during one fwd+bwd above what was allocated before it; each step makes
@@ -46,7 +49,8 @@ from .common import Row, environment, is_oom, peak_mib, plot, print_table, rel_e
 GPU_DEFAULTS = dict(vocab=152064, seq_lens=[4096, 16384], d_model=3584, ks=[64, 256], dtype="bfloat16",
                     reps=5, warmup=2)
 CPU_DEFAULTS = dict(vocab=4096, seq_lens=[128, 512], d_model=128, ks=[8, 32], dtype="float32", reps=3, warmup=1)
-METHODS = ("floor", "cce", "full", "full-256m", "full-const", "full-native", "topk", "torch-full", "torch-topk")
+METHODS = ("floor", "cce", "full", "full-256m", "full-const", "full-native", "topk", "topk-graph", "torch-full",
+           "torch-topk")
 # topk_kl keyword arguments of each nitrobrew method
 METHOD_KWARGS = {
     "full": dict(normalize="full", backend="triton"),
@@ -54,6 +58,7 @@ METHOD_KWARGS = {
     "full-const": dict(normalize="full", backend="triton", mode="constant_memory"),
     "full-native": dict(normalize="full", backend="triton", mode="constant_memory"),
     "topk": dict(normalize="topk", backend="triton"),
+    "topk-graph": dict(normalize="topk", backend="triton"),
     "torch-full": dict(normalize="full", backend="torch"),
     "torch-topk": dict(normalize="topk", backend="torch"),
 }
@@ -85,7 +90,7 @@ def _settings(args):
                        ("cpu" if args.device == "auto" else args.device))
     d = GPU_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else d[name]  # noqa: E731
-    methods = args.methods or (["floor", "cce", "full", "full-256m", "full-const", "full-native", "topk"]
+    methods = args.methods or (["floor", "cce", "full", "full-256m", "full-const", "full-native", "topk", "topk-graph"]
                                if dev.type == "cuda"
                                else ["torch-full", "torch-topk"])
     return dev, pick("vocab"), pick("seq_lens"), pick("d_model"), pick("ks"), DTYPES[pick("dtype")], \
@@ -143,9 +148,36 @@ def _method_fn(method: str, ids, lp, labels):
     return lambda x, w: topk_kl(x, w, ids, lp, **kwargs)
 
 
+def _graph_step(fn, xs, ws):
+    """fn's fwd+bwd captured in a CUDA graph (after warm-up on a side stream); the step replays it and
+    returns the graph's static (loss, dX, dW)."""
+    x = xs.detach().requires_grad_()
+    w = ws.detach().requires_grad_()
+
+    def fwd_bwd():
+        loss = fn(x, w)
+        return (loss.detach(), *torch.autograd.grad(loss, [x, w]))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # compiles the kernels, fills the launch caches
+            fwd_bwd()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fwd_bwd()
+
+    def step():
+        graph.replay()
+        return out
+    return step
+
+
 def _step(method: str, xs, ws, ids, lp, labels):
     if method == "floor":
         return _floor(xs, ws)
+    if method == "topk-graph":
+        return _graph_step(_method_fn(method, ids, lp, labels), xs, ws)
     return _fwd_bwd(_method_fn(method, ids, lp, labels), xs, ws, "native" if method == "full-native" else "fp32")
 
 
@@ -207,8 +239,9 @@ def run_loss(args, env: Dict[str, str]) -> List[Row]:
                 try:
                     step = _step(method, xs, ws, ids, lp, labels)
                     row.ms = time_ms(step, dev, warmup=warmup, reps=reps)
-                    row.peak_mib = peak_mib(step, dev)
-                    if method != "floor":  # the step allocates dX and dW anew: report the peak above them too
+                    row.peak_mib = None if method == "topk-graph" else peak_mib(step, dev)
+                    # the step allocates dX and dW anew: report the peak above them too
+                    if row.peak_mib is not None and method != "floor":
                         grads = (xs.numel() + ws.numel()) * xs.element_size() / 2**20
                         row.extra["above_grads_mib"] = row.peak_mib - grads
                     if N == seq_lens[0]:  # the accuracy check does not depend on N
@@ -217,6 +250,7 @@ def run_loss(args, env: Dict[str, str]) -> List[Row]:
                     row.note = ("OOM" if is_oom(err) else f"error: {type(err).__name__}: {err}")[:160]
                     if not is_oom(err):
                         traceback.print_exc()
+                step = None  # a captured graph holds its memory pool until it goes
                 gc.collect()
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
@@ -226,8 +260,8 @@ def run_loss(args, env: Dict[str, str]) -> List[Row]:
                         row.extra["x_cce"] = row.ms / base["cce"]
                     if "floor" in base and method != "floor":
                         row.extra["x_floor"] = row.ms / base["floor"]
-                    if method.endswith("topk"):
-                        full = base.get(label.replace("topk", "full"))
+                    if "topk" in method:
+                        full = base.get(f"{method.replace('topk-graph', 'full').replace('topk', 'full')} K={K}")
                         if full:
                             row.extra["full_over_topk"] = full / row.ms
                         gbps = topk_bytes(N, V, D, K, xs.element_size()) / (row.ms * 1e-3) / 1e9

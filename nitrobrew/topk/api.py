@@ -225,20 +225,22 @@ def topk_kl(
         chunk_V=chunk_V,
     )
     fused = impl == "triton" and x.dtype != torch.float64
-    check_stored()
     if fused and not cfg.full:
-        # the K gathered rows are all it touches: three kernels, the reduction inside the Function
+        # the K gathered rows are all it touches; the stored data's checks are read right before its
+        # first kernel (their sync then idles the device for the launch alone)
         from .triton_support import support_topk
 
-        out = support_topk(x, ws, bs, topk_ids.reshape(-1, K), lp, mask, cfg, reduction)
+        out = support_topk(x, ws, bs, topk_ids.reshape(-1, K), lp, mask, cfg, reduction, check_stored)
         total, kd, ce = (r.reshape(lead) for r in out) if reduction == "none" else out
     elif fused and mode != "constant_memory":
+        check_stored()
         # the fast mode reduces inside its autograd Function (it forms gradients in the forward)
         from .triton_fast import fast_topk
 
         out = fast_topk(x, ws, bs, _safe_ids(topk_ids, lp), lp, ce_labels, mask, cfg, reduction, memory_budget)
         total, kd, ce = (r.reshape(lead) for r in out) if reduction == "none" else out
     else:
+        check_stored()
         ids = _safe_ids(topk_ids, lp)
         if impl == "triton":
             from .triton_dispatch import triton_rows as rows_fn

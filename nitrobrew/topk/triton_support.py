@@ -339,9 +339,11 @@ def _dw_rows_kernel(X, ROWS, CS, OFFS, PART, PART_B, PKEYS, DW, DB, V, D, stride
                 tl.store(DB + offs_v, acc_b.to(DB.dtype.element_ty), mask=vm)
 
 
-def support_forward(xs, ws, bs, ids, lp, mask, cfg: TopKConfig):
+def support_forward(xs, ws, bs, ids, lp, mask, cfg: TopKConfig, check=None):
     """(kd [N], coef [N, K] per unit upstream gradient, key [N, K] int32: the id, V where not counted,
-    counts: int32 [V + 1], 0 then each id's entries at 1 + id (None on the deterministic path))."""
+    counts: int32 [V + 1], 0 then each id's entries at 1 + id (None on the deterministic path)).
+    ``check`` (the stored data's checks: one device sync) is called right before the first kernel,
+    after the host's work, so the sync idles the device for one launch."""
     N, K = ids.shape
     D, V = xs.shape[1], ws.shape[0]
     t = tiles()
@@ -353,6 +355,9 @@ def support_forward(xs, ws, bs, ids, lp, mask, cfg: TopKConfig):
         coef, counts = zeroed[:N * K].view(F32).view(N, K), zeroed[N * K:]
     else:
         coef, counts = torch.empty(N, K, dtype=F32, device=xs.device), None
+    inv_temp, param, log_a, log_1ma = _math_args(cfg)
+    if check is not None:
+        check()
     if N == 0:
         return kd, coef, key, counts
     if by_blocks:
@@ -360,7 +365,6 @@ def support_forward(xs, ws, bs, ids, lp, mask, cfg: TopKConfig):
                xs, ws, ids, lp, mask, coef, N, K, D, V, xs.stride(0), ws.stride(0), ids.stride(0), lp.stride(0),
                BLOCK_R=t.logit_block_r, BLOCK_KB=min(t.logit_block_kb, next_pow2(K)), BLOCK_D=t.logit_block_d,
                num_warps=t.logit_warps)
-    inv_temp, param, log_a, log_1ma = _math_args(cfg)
     launch(_support_fwd_kernel, (N,),
            xs, ws, bs if bs is not None else xs, ids, lp, mask, kd, coef, key, counts if by_blocks else key, K, D, V,
            xs.stride(0), ws.stride(0), ids.stride(0), lp.stride(0), inv_temp, param, log_a, log_1ma,
@@ -445,8 +449,8 @@ class SupportTopK(torch.autograd.Function):
     """Reduced (total, kd, ce) of normalize="topk" (ce is 0: the hard-label CE needs normalize="full")."""
 
     @staticmethod
-    def forward(ctx, xs, ws, bs, ids, lp, mask, cfg: TopKConfig, reduction: str):
-        kd_rows, coef, key, counts = support_forward(xs, ws, bs, ids, lp, mask, cfg)
+    def forward(ctx, xs, ws, bs, ids, lp, mask, cfg: TopKConfig, reduction: str, check):
+        kd_rows, coef, key, counts = support_forward(xs, ws, bs, ids, lp, mask, cfg, check)
         if reduction == "none":
             kd, per_row = kd_rows, None
         else:
@@ -470,11 +474,11 @@ class SupportTopK(torch.autograd.Function):
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             dw, db = support_dw(xs, key, coef, scale, ws.shape[0], bs, counts)
         return (dx, dw if ctx.needs_input_grad[1] else None, db if ctx.needs_input_grad[2] else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
-def support_topk(xs, ws, bs, ids, lp, mask, cfg: TopKConfig, reduction: str):
-    """Entry used by the public API (flattened rows; "none" gives [N])."""
+def support_topk(xs, ws, bs, ids, lp, mask, cfg: TopKConfig, reduction: str, check=None):
+    """Entry used by the public API (flattened rows; "none" gives [N]; ``check``: see ``support_forward``)."""
     xs, ws = xs.contiguous(), ws.contiguous()
     bs = None if bs is None else bs.contiguous()
-    return SupportTopK.apply(xs, ws, bs, ids.contiguous(), lp.contiguous(), mask.contiguous(), cfg, reduction)
+    return SupportTopK.apply(xs, ws, bs, ids.contiguous(), lp.contiguous(), mask.contiguous(), cfg, reduction, check)
