@@ -194,7 +194,7 @@ def _accuracy(method, xs, ws, ids, lp, labels, rows: int) -> Optional[float]:
     if method == "cce":
         ref = torch.nn.functional.cross_entropy(x64 @ w64.t(), lab)
     else:
-        ref = reference_topk_loss(x64, w64, i, p, normalize="topk" if method.endswith("topk") else "full")
+        ref = reference_topk_loss(x64, w64, i, p, normalize="topk" if "topk" in method else "full")
     ref.backward()
     r = float(ref.detach())
     errs = [abs(float(loss) - r) / max(abs(r), 1e-30), rel_err(dx, x64.grad), rel_err(dw, w64.grad)]
