@@ -328,6 +328,19 @@ def test_support_all_ignored_and_expanded_upstream():
     assert _rel(gx, rx) < 1e-4 and _rel(gw, rw) < 1e-4
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_support_parts(reduction):
+    """return_parts of normalize="topk": kd unweighted, ce 0, loss = kd_weight * kd (the scalar
+    reductions come from one kernel)."""
+    xs, ws, bs, ids, lp, labels = _support_case(seed=4)
+    out = topk_kl(xs, ws, ids, lp, normalize="topk", labels=labels, reduction=reduction, kd_weight=0.25,
+                  return_parts=True, backend="triton")
+    ref = reference_topk_loss(xs, ws, ids, lp, normalize="topk", labels=labels, reduction=reduction)
+    torch.testing.assert_close(out.kd.double(), ref.detach(), rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(out.loss.double(), 0.25 * ref.detach(), rtol=2e-5, atol=1e-6)
+    assert not out.ce.any() and out.ce.shape == ref.shape and not out.kd.requires_grad
+
+
 def test_support_counting_sort_twice_and_deterministic_backward(monkeypatch):
     """dW's counting sort counts in its own buffer: a second backward of the same graph gives the same
     gradients; a backward under deterministic algorithms after an atomic forward sorts instead."""

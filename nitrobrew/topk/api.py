@@ -118,6 +118,9 @@ def _safe_ids(topk_ids: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(lp), ids, torch.zeros((), dtype=torch.long, device=lp.device))
 
 
+# Under torch.compile the loss runs eagerly (one graph break around it), with all its checks: its paths
+# are autograd Functions around host-side loops and Triton launches that Dynamo cannot trace.
+@torch.compiler.disable
 def topk_kl(
     xs: torch.Tensor,
     ws: torch.Tensor,

@@ -339,6 +339,35 @@ def _dw_rows_kernel(X, ROWS, CS, OFFS, PART, PART_B, PKEYS, DW, DB, V, D, stride
                 tl.store(DB + offs_v, acc_b.to(DB.dtype.element_ty), mask=vm)
 
 
+@triton.jit
+def _reduce_rows_kernel(KD, MASK, TOTAL, KD_OUT, CE, UNIT, N, kd_weight, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """The scalar reduction in one program: kd = sum of the rows' divergences (/ counted rows for the
+    mean, 0 when none counts), total = kd_weight kd, ce = 0, and UNIT = d total / d row value."""
+    kd = tl.zeros([BLOCK], dtype=tl.float32)
+    counted = tl.zeros([BLOCK], dtype=tl.float32)
+    for n0 in range(0, N, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        kd += tl.load(KD + offs, mask=offs < N, other=0.0)
+        counted += tl.load(MASK + offs, mask=offs < N, other=0.0)
+    per_row = tl.full((), 1.0, tl.float32)
+    if MEAN:
+        per_row = 1.0 / tl.maximum(tl.sum(counted, axis=0), 1.0)
+    kd_total = tl.sum(kd, axis=0) * per_row
+    tl.store(KD_OUT, kd_total)
+    tl.store(TOTAL, kd_total * _f32(kd_weight))
+    tl.store(CE, 0.0)
+    tl.store(UNIT, per_row * _f32(kd_weight))
+
+
+def reduce_rows(kd_rows, mask, reduction: str, kd_weight: float):
+    """(total, kd, ce, unit): the "mean"/"sum" reduction of the rows' divergences, as 0-dim fp32 tensors
+    from one launch; unit = d total / d row value (times the upstream gradient in the backward)."""
+    outs = [torch.empty((), dtype=F32, device=kd_rows.device) for _ in range(4)]
+    launch(_reduce_rows_kernel, (1,), kd_rows, mask, *outs, kd_rows.shape[0], kd_weight, MEAN=reduction == "mean",
+           BLOCK=min(4096, next_pow2(max(kd_rows.shape[0], 16))), num_warps=4)
+    return outs
+
+
 def support_forward(xs, ws, bs, ids, lp, mask, cfg: TopKConfig, check=None):
     """(kd [N], coef [N, K] per unit upstream gradient, key [N, K] int32: the id, V where not counted,
     counts: int32 [V + 1], 0 then each id's entries at 1 + id (None on the deterministic path)).
@@ -452,20 +481,19 @@ class SupportTopK(torch.autograd.Function):
     def forward(ctx, xs, ws, bs, ids, lp, mask, cfg: TopKConfig, reduction: str, check):
         kd_rows, coef, key, counts = support_forward(xs, ws, bs, ids, lp, mask, cfg, check)
         if reduction == "none":
-            kd, per_row = kd_rows, None
+            kd, unit = kd_rows, None
+            total, ce = kd_rows * cfg.kd_weight, torch.zeros_like(kd_rows)
         else:
-            per_row = ck.reduction_scale(mask, reduction)
-            kd = kd_rows.sum() * per_row
-        ctx.save_for_backward(xs, ws, bs, coef, key, counts, per_row)
+            total, kd, ce, unit = reduce_rows(kd_rows, mask, reduction, cfg.kd_weight)
+        ctx.save_for_backward(xs, ws, bs, coef, key, counts, unit)
         ctx.cfg = cfg
-        ctx.mark_non_differentiable(kd)
-        return kd * cfg.kd_weight, kd, torch.zeros_like(kd)
+        ctx.mark_non_differentiable(kd, ce)
+        return total, kd, ce
 
     @staticmethod
     def backward(ctx, grad_total, _gkd, _gce):
-        xs, ws, bs, coef, key, counts, per_row = ctx.saved_tensors
-        g = grad_total.to(F32) * ctx.cfg.kd_weight
-        scale = (g if per_row is None else g * per_row).reshape(-1).contiguous()
+        xs, ws, bs, coef, key, counts, unit = ctx.saved_tensors
+        scale = (grad_total.to(F32) * (ctx.cfg.kd_weight if unit is None else unit)).reshape(-1).contiguous()
         if scale.numel() == 1:
             scale = scale.as_strided((1,), (0,))  # one value for every row
         dx = dw = db = None
