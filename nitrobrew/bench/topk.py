@@ -10,6 +10,8 @@ inputs for every method (design §8), fwd+bwd with gradients to xs and ws:
   full              topk_kl(normalize="full"), the default fast mode: cuBLAS logit slabs of rows in
                     blocks (896 MiB of slab), Triton row passes, gradient formed in the forward
   full-256m         the same with memory_budget = 256 MiB (smaller row blocks)
+  full-64m          the same with memory_budget = 64 MiB (blocks of ~110 rows: the fixed part of the
+                    memory is then this budget, the rest O(N·K))
   full-const        mode="constant_memory": fused kernels, fp32 accumulation of dX/dW
   full-native       the same with dX/dW accumulated in the input dtype, as CCE does
   topk              topk_kl(normalize="topk"): K gathered rows of ws, no vocab-wide matmul
@@ -49,12 +51,13 @@ from .common import Row, environment, is_oom, peak_mib, plot, print_table, rel_e
 GPU_DEFAULTS = dict(vocab=152064, seq_lens=[4096, 16384], d_model=3584, ks=[64, 256], dtype="bfloat16",
                     reps=5, warmup=2)
 CPU_DEFAULTS = dict(vocab=4096, seq_lens=[128, 512], d_model=128, ks=[8, 32], dtype="float32", reps=3, warmup=1)
-METHODS = ("floor", "cce", "full", "full-256m", "full-const", "full-native", "topk", "topk-graph", "torch-full",
-           "torch-topk")
+GPU_METHODS = ["floor", "cce", "full", "full-256m", "full-64m", "full-const", "full-native", "topk", "topk-graph"]
+METHODS = (*GPU_METHODS, "torch-full", "torch-topk")
 # topk_kl keyword arguments of each nitrobrew method
 METHOD_KWARGS = {
     "full": dict(normalize="full", backend="triton"),
     "full-256m": dict(normalize="full", backend="triton", memory_budget=256 << 20),
+    "full-64m": dict(normalize="full", backend="triton", memory_budget=64 << 20),
     "full-const": dict(normalize="full", backend="triton", mode="constant_memory"),
     "full-native": dict(normalize="full", backend="triton", mode="constant_memory"),
     "topk": dict(normalize="topk", backend="triton"),
@@ -90,9 +93,7 @@ def _settings(args):
                        ("cpu" if args.device == "auto" else args.device))
     d = GPU_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else d[name]  # noqa: E731
-    methods = args.methods or (["floor", "cce", "full", "full-256m", "full-const", "full-native", "topk", "topk-graph"]
-                               if dev.type == "cuda"
-                               else ["torch-full", "torch-topk"])
+    methods = args.methods or (GPU_METHODS if dev.type == "cuda" else ["torch-full", "torch-topk"])
     return dev, pick("vocab"), pick("seq_lens"), pick("d_model"), pick("ks"), DTYPES[pick("dtype")], \
         pick("reps"), pick("warmup"), methods
 
