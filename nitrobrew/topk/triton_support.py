@@ -340,7 +340,7 @@ def _dw_rows_kernel(X, ROWS, CS, OFFS, PART, PART_B, PKEYS, DW, DB, V, D, stride
 
 
 @triton.jit
-def _reduce_rows_kernel(KD, MASK, TOTAL, KD_OUT, CE, UNIT, N, kd_weight, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+def _scalar_reduction_kernel(KD, MASK, TOTAL, KD_OUT, CE, UNIT, N, kd_weight, MEAN: tl.constexpr, BLOCK: tl.constexpr):
     """The scalar reduction in one program: kd = sum of the rows' divergences (/ counted rows for the
     mean, 0 when none counts), total = kd_weight kd, ce = 0, and UNIT = d total / d row value."""
     kd = tl.zeros([BLOCK], dtype=tl.float32)
@@ -359,11 +359,11 @@ def _reduce_rows_kernel(KD, MASK, TOTAL, KD_OUT, CE, UNIT, N, kd_weight, MEAN: t
     tl.store(UNIT, per_row * _f32(kd_weight))
 
 
-def reduce_rows(kd_rows, mask, reduction: str, kd_weight: float):
+def scalar_reduction(kd_rows, mask, reduction: str, kd_weight: float):
     """(total, kd, ce, unit): the "mean"/"sum" reduction of the rows' divergences, as 0-dim fp32 tensors
     from one launch; unit = d total / d row value (times the upstream gradient in the backward)."""
     outs = [torch.empty((), dtype=F32, device=kd_rows.device) for _ in range(4)]
-    launch(_reduce_rows_kernel, (1,), kd_rows, mask, *outs, kd_rows.shape[0], kd_weight, MEAN=reduction == "mean",
+    launch(_scalar_reduction_kernel, (1,), kd_rows, mask, *outs, kd_rows.shape[0], kd_weight, MEAN=reduction == "mean",
            BLOCK=min(4096, next_pow2(max(kd_rows.shape[0], 16))), num_warps=4)
     return outs
 
@@ -484,7 +484,7 @@ class SupportTopK(torch.autograd.Function):
             kd, unit = kd_rows, None
             total, ce = kd_rows * cfg.kd_weight, torch.zeros_like(kd_rows)
         else:
-            total, kd, ce, unit = reduce_rows(kd_rows, mask, reduction, cfg.kd_weight)
+            total, kd, ce, unit = scalar_reduction(kd_rows, mask, reduction, cfg.kd_weight)
         ctx.save_for_backward(xs, ws, bs, coef, key, counts, unit)
         ctx.cfg = cfg
         ctx.mark_non_differentiable(kd, ce)
