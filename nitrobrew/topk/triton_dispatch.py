@@ -211,14 +211,14 @@ class TritonTopK(torch.autograd.Function):
             z[:, :K].reshape(-1), lpc, valid, Online(lse_s, ones),
             None if lse_z is None else Online(lse_z, ones), z[:, K] if cfg.with_ce else None, cfg)
         total, kd, ce_rows = combine_rows(res, ce, mask, cfg)
-        ctx.save_for_backward(xs, ws, bs, ids, labels, mask, valid)
+        ctx.save_for_backward(xs, ws, bs, labels, mask)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.cfg, ctx.row_ids = res, lse_s, lse_z, cfg, row_ids
         ctx.mark_non_differentiable(kd, ce_rows)
         return total, kd, ce_rows
 
     @staticmethod
     def backward(ctx, grad_total, _gkd, _gce):
-        xs, ws, bs, ids, labels, mask, valid = ctx.saved_tensors
+        xs, ws, bs, labels, mask = ctx.saved_tensors
         cfg = ctx.cfg
         coef, dense, ce_scale = row_coefficients(grad_total, mask, ctx.res, cfg)
         need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
