@@ -59,11 +59,17 @@ def grad_needed(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def teacher_in_student_dtype(xs, xt, wt, bt):
+    """(xt, wt, bt) cast to xs's dtype: the Triton row kernels read both slabs in one dtype."""
+    if xt.dtype == xs.dtype:
+        return xt, wt, bt
+    return xt.to(xs.dtype), wt.to(xs.dtype), None if bt is None else bt.to(xs.dtype)
+
+
 def kernel_operands(xs, xt, ws, wt, bt, labels, match_teacher: bool):
-    """(xs, xt, ws, wt, bt, labels) contiguous, with the teacher cast to the student's dtype when
-    match_teacher (the Triton row kernels read both slabs in one dtype)."""
-    if match_teacher and xt.dtype != xs.dtype:
-        xt, wt = xt.to(xs.dtype), wt.to(xs.dtype)
-        bt = None if bt is None else bt.to(xs.dtype)
+    """(xs, xt, ws, wt, bt, labels) contiguous, with the teacher in the student's dtype when
+    match_teacher (``teacher_in_student_dtype``)."""
+    if match_teacher:
+        xt, wt, bt = teacher_in_student_dtype(xs, xt, wt, bt)
     xs, xt, ws, wt = (t.contiguous() for t in (xs, xt, ws, wt))
     return xs, xt, ws, wt, bt, None if labels is None else labels.contiguous()

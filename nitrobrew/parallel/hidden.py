@@ -22,7 +22,7 @@ import torch
 
 from .. import _checks as ck
 from .. import divergences as dv
-from .._ops import compute_dtype
+from .._ops import compute_dtype, teacher_in_student_dtype
 from ..hidden.chunked import RowStats, TorchLocal, combine_rows, finish_stats, row_scales
 from ..hidden import grad_filter as gf
 from ..hidden.config import LossConfig
@@ -257,9 +257,8 @@ def parallel_hidden_loss(xs, xt, ws, wt, *, process_group=None, divergence="forw
     cfg = LossConfig.build(name, param, temperature, kd_weight, ce_weight, scale_t2, chunk_V,
                            gf.resolve_eps(grad_filter, xs.dtype))
     local = local_impl(x_s, ws, cfg, backend, memory_budget)
-    if not isinstance(local, TorchLocal) and x_t.dtype != x_s.dtype:  # the row kernels take one dtype
-        x_t, wt = x_t.to(x_s.dtype), wt.to(x_s.dtype)
-        bt = None if bt is None else bt.to(x_s.dtype)
+    if not isinstance(local, TorchLocal):
+        x_t, wt, bt = teacher_in_student_dtype(x_s, x_t, wt, bt)
     rows = VocabParallelDistill.apply(x_s, x_t, ws, wt, bs, bt, local_labels, mask, cfg, group, local)
     total, kd, ce = (ck.reduce_rows(r, mask, reduction, lead) for r in rows)
     if return_parts:
