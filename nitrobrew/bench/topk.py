@@ -262,7 +262,7 @@ def run_loss(args, env: Dict[str, str]) -> List[Row]:
                     if "floor" in base and method != "floor":
                         row.extra["x_floor"] = row.ms / base["floor"]
                     if "topk" in method:
-                        full = base.get(f"{method.replace('topk-graph', 'full').replace('topk', 'full')} K={K}")
+                        full = base.get(label.replace("topk-graph", "full").replace("topk", "full"))
                         if full:
                             row.extra["full_over_topk"] = full / row.ms
                         gbps = topk_bytes(N, V, D, K, xs.element_size()) / (row.ms * 1e-3) / 1e9
