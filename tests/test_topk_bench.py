@@ -29,3 +29,21 @@ def test_bench_topk_extract_only(tmp_path):
     assert [r["method"] for r in rows][0] == "teacher forward + logits"
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
     assert "ids agree 1.0000" in rows[-1]["note"]
+
+
+def test_bench_topk_triton_methods_under_the_interpreter(tmp_path):
+    """The Triton methods at CPU sizes (TRITON_INTERPRET=1): their errors against float64, and each
+    top-k row's ratio to the full row of its K."""
+    from nitrobrew import _checks as ck
+
+    if not ck.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (make test sets it)")
+    out = tmp_path / "topk.csv"
+    assert cli_main(["bench", "topk", "--device", "cpu", "--vocab", "300", "--seq-lens", "16", "--d-model", "16",
+                     "--ks", "4", "--reps", "1", "--warmup", "0", "--ref-rows", "8", "--methods", "full", "full-64m",
+                     "topk", "--csv", str(out)]) == 0
+    rows = {r["method"]: r for r in csv.DictReader(open(out))}
+    assert set(rows) == {"full K=4", "full-64m K=4", "topk K=4"}
+    assert all(float(r["rel_err"]) < 1e-4 for r in rows.values())
+    ratio = float(rows["full K=4"]["ms"]) / float(rows["topk K=4"]["ms"])
+    assert float(rows["topk K=4"]["full_over_topk"]) == pytest.approx(ratio)
