@@ -11,16 +11,24 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _has_mm_out_dtype() -> bool:
+def _has_out_dtype(op) -> bool:
     try:
         a = torch.zeros(1, 1, dtype=torch.bfloat16, device="meta")
-        torch.mm(a, a, out_dtype=torch.float32)
+        op(a)
         return True
     except Exception:
         return False
 
 
-_MM_OUT_DTYPE = _has_mm_out_dtype()
+_MM_OUT_DTYPE = _has_out_dtype(lambda a: torch.mm(a, a, out_dtype=torch.float32))
+# addmm with out_dtype has no meta kernel in some torch versions: found out on the first CUDA call
+_addmm_out_dtype = [True]
+
+
+def _cublas_f32_out(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> bool:
+    """Whether cuBLAS can take 16-bit operands a, b to an fp32 result directly."""
+    return (a.is_cuda and acc == torch.float32 and a.dtype in (torch.bfloat16, torch.float16)
+            and a.dtype == b.dtype and a.dim() == 2 and b.dim() == 2)
 
 
 def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -31,17 +39,21 @@ def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """
     if a.dtype == acc and b.dtype == acc:
         return a @ b
-    if (
-        _MM_OUT_DTYPE
-        and a.is_cuda
-        and acc == torch.float32
-        and a.dtype in (torch.bfloat16, torch.float16)
-        and a.dtype == b.dtype
-        and a.dim() == 2
-        and b.dim() == 2
-    ):
+    if _MM_OUT_DTYPE and _cublas_f32_out(a, b, acc):
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.to(acc) @ b.to(acc)
+
+
+def mm_acc_add(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a @ b, accumulated in out's dtype. On CUDA, 16-bit operands into an fp32 `out` take
+    one cuBLAS call with beta = 1: no product temporary, one read-modify-write of `out`."""
+    if _addmm_out_dtype[0] and _cublas_f32_out(a, b, out.dtype):
+        try:
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+            return
+        except (RuntimeError, TypeError, NotImplementedError):  # rejected at dispatch: nothing written
+            _addmm_out_dtype[0] = False
+    out += mm_acc(a, b, out.dtype)
 
 
 def linear_logits(

@@ -20,7 +20,7 @@ from typing import Optional, Union
 
 import torch
 
-from .._ops import mm_acc
+from .._ops import mm_acc, mm_acc_add
 
 F32 = torch.float32
 PIECE = 4096  # active columns per product: bounds the gathered copies (G, W rows, dW rows)
@@ -71,6 +71,6 @@ def add_column_grads(g: torch.Tensor, idx: torch.Tensor, xs: torch.Tensor, w: to
         cols = idx[p0:p0 + PIECE]
         g_act = g.index_select(1, cols)
         if dx_acc is not None:
-            dx_acc += mm_acc(g_act, w.index_select(0, cols).to(g_act.dtype), dx_acc.dtype)
+            mm_acc_add(dx_acc, g_act, w.index_select(0, cols).to(g_act.dtype))
         if dw is not None:
             dw.index_add_(0, cols, mm_acc(g_act.t(), xs.to(g_act.dtype), dw.dtype))

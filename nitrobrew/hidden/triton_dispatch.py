@@ -18,7 +18,7 @@ import torch
 
 from .. import _checks as ck
 from .. import divergences as dv
-from .._ops import grad_needed, kernel_operands, linear_logits, mm_acc
+from .._ops import grad_needed, kernel_operands, linear_logits, mm_acc, mm_acc_add
 from . import grad_filter as gf
 from . import triton_rows as tr
 from .chunked import FirstPass, Online, RowStats, combine_rows, finish_stats, row_scales, vocab_chunks
@@ -53,6 +53,11 @@ def make_plan(n: int, v: int, ds: int, dtype, mode, chunk_V, memory_budget, redu
     budget = memory_budget or DEFAULT_CONST_BUDGET
     rows = _round_rows(budget // (8 * vc + 4 * ds))
     return Plan(mode, max(1, min(rows, max(n, 1))), vc, reduction, dtype == F32)
+
+
+def row_blocks(n: int, rows: int):
+    """(r0, r1) blocks of `rows` rows (the last one shorter) over n rows."""
+    return vocab_chunks(n, rows)
 
 
 def _round_rows(rows: int) -> int:
@@ -144,7 +149,7 @@ def _all_column_grads(g, xs, w, dx_out, dx_acc, dw, first: bool) -> None:
         elif dx_acc is None:
             dx_out.copy_(mm_acc(g, w, dx_out.dtype))
         else:
-            dx_acc += mm_acc(g, w, F32)
+            mm_acc_add(dx_acc, g, w)
     if dw is not None:
         accumulate_dw(dw, g, xs, first)
 
@@ -156,7 +161,7 @@ def accumulate_dw(dw: torch.Tensor, g: torch.Tensor, xs: torch.Tensor, first: bo
     elif first:
         dw.copy_(mm_acc(g.t(), xs, dw.dtype))
     else:
-        dw += mm_acc(g.t(), xs, dw.dtype)
+        mm_acc_add(dw, g.t(), xs)
 
 
 def distill_forward(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool):
@@ -167,8 +172,7 @@ def distill_forward(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, plan:
     grads = alloc_grads(xs, ws, bs, plan.dw_fp32) if precompute else None
     red = ck.reduction_scale(mask, plan.reduction) if precompute else None
     stats = []
-    for r0 in range(0, n, plan.row_chunk):
-        r1 = min(r0 + plan.row_chunk, n)
+    for r0, r1 in row_blocks(n, plan.row_chunk):
         lab = None if labels is None else labels[r0:r1]
         rs, slabs = block_stats(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, lab, cfg, plan.vocab_chunk)
         stats.append(rs)
@@ -188,8 +192,7 @@ def distill_backward(xs, xt, ws, wt, bs, bt, labels, mask, rs: RowStats, cfg: Lo
     n = xs.shape[0]
     kd_scale, ce_scale = row_scales(row_upstream(grad_total, mask, plan.reduction, n), mask, cfg)
     dx, dw, db = alloc_grads(xs, ws, bs, plan.dw_fp32)
-    for r0 in range(0, n, plan.row_chunk):
-        r1 = min(r0 + plan.row_chunk, n)
+    for r0, r1 in row_blocks(n, plan.row_chunk):
         sub = rs.rows(r0, r1)
         block_grads(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, None if labels is None else labels[r0:r1], sub,
                     kd_scale[r0:r1].contiguous(), ce_scale[r0:r1].contiguous(), cfg, plan.vocab_chunk,
@@ -295,8 +298,7 @@ class TritonLocal:
                               memory_budget, "none")
 
     def _row_blocks(self, n: int):
-        for r0 in range(0, n, self.plan.row_chunk):
-            yield r0, min(r0 + self.plan.row_chunk, n)
+        return row_blocks(n, self.plan.row_chunk)
 
     def first_pass(self, xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig) -> FirstPass:
         st = tr.new_state(xs.shape[0], xs.device)
