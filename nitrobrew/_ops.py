@@ -51,6 +51,8 @@ def mm_acc_add(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         try:
             torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
             return
+        except torch.OutOfMemoryError:
+            raise
         except (RuntimeError, TypeError, NotImplementedError):  # rejected at dispatch: nothing written
             _addmm_out_dtype[0] = False
     out += mm_acc(a, b, out.dtype)
