@@ -15,7 +15,6 @@ import math
 import torch
 
 from .. import _checks as ck
-from .. import divergences as dv
 from .._ops import compute_dtype
 from ..hidden.config import auto_chunk_v
 from .comm import (all_reduce, checked_exchange, comm_device, fingerprint, group_rank_world, ids_summary,

@@ -30,8 +30,8 @@ import triton.language as tl
 from .. import _checks as ck
 from .._ops import linear_logits
 from ..hidden.chunked import Online, row_scales
-from ..hidden.triton_dispatch import (accumulate_dw, alloc_grads, finish_grads, keep_for_backward, row_upstream,
-                                      take_precomputed_grads)
+from ..hidden.triton_dispatch import (accumulate_dw, alloc_grads, finish_grads, keep_for_backward, row_blocks,
+                                      row_upstream, take_precomputed_grads)
 from ..hidden.triton_rows import _f32, _online
 from .chunked import combine_rows, finish
 from .rowmath import RowResult, TopKConfig, full_lse
@@ -220,11 +220,6 @@ def block_backward(z, xs, ws, bs, ids, valid, labels, mask, grad_rows, blk: Bloc
         db += g.sum(0, dtype=F32)
 
 
-def _blocks(n: int, step: int):
-    for r0 in range(0, n, step):
-        yield r0, min(r0 + step, n)
-
-
 def _cat_rows(blocks: List[BlockRows]) -> BlockRows:
     if len(blocks) == 1:
         return blocks[0]
@@ -251,7 +246,7 @@ class FastTopK(torch.autograd.Function):
         grads = alloc_grads(xs, ws, bs, plan.dw_fp32, need[0], need[1] or need[2]) if precompute else (None,) * 3
         red = ck.reduction_scale(mask, plan.reduction) if precompute else None
         blocks = []
-        for r0, r1 in _blocks(n, plan.row_chunk):
+        for r0, r1 in row_blocks(n, plan.row_chunk):
             z = linear_logits(xs[r0:r1], ws, bs, F32)
             lab = None if labels is None else labels[r0:r1]
             blk = block_forward(z, ids[r0:r1], lp[r0:r1], valid[r0:r1], lab, cfg)
@@ -291,7 +286,7 @@ def _recomputed_grads(ctx, grad_total):
     need = ctx.needs_input_grad
     dx, dw, db = alloc_grads(xs, ws, bs, plan.dw_fp32, need[0], need[1] or need[2])
     valid = torch.isfinite(lp)
-    for r0, r1 in _blocks(n, plan.row_chunk):
+    for r0, r1 in row_blocks(n, plan.row_chunk):
         z = linear_logits(xs[r0:r1], ws, bs, F32)
         exclude_ids(z, ids[r0:r1], valid[r0:r1])
         block_backward(z, xs[r0:r1], ws, bs, ids[r0:r1], valid[r0:r1], None if labels is None else labels[r0:r1],
