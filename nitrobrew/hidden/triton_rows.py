@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _checks as ck
 from .. import divergences as dv
 from .config import LossConfig
 from .._launch import launch, next_pow2
@@ -97,6 +98,33 @@ def _online(m, l, x, valid):
 
 
 @triton.jit
+def _lane_update(m, l, x, valid):
+    """Per-lane online (max, rescaled sum) with one exp per element, exp(-|x - m|). Returns the new
+    (m, l), the element's weight w = exp(x - m_new) and the factor the lane's old sums are rescaled by."""
+    hi = tl.maximum(m, x)
+    e = tl.where(hi == float("-inf"), 0.0, tl.exp(tl.minimum(m, x) - hi))  # 0 while both are -inf
+    up = x > m
+    l_new = tl.where(up, l * e + 1.0, l + e)
+    return (tl.where(valid, hi, m), tl.where(valid, l_new, l), tl.where(valid, tl.where(up, 1.0, e), 0.0),
+            tl.where(valid & up, e, 1.0))
+
+
+@triton.jit
+def _lanes_to_row(m, l, acc, m0, l0, a0):
+    """Merge the lanes' (max, sum, accumulator) into one row state, then with the row's carried state."""
+    mx = tl.max(m, axis=0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    sc = tl.exp(m - mx_safe)
+    l_row = tl.sum(l * sc, axis=0)
+    a_row = tl.sum(tl.where(sc > 0, acc * sc, 0.0), axis=0)
+    m_new = tl.maximum(m0, mx)
+    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    s_old = tl.exp(m0 - safe)
+    s_row = tl.exp(mx - safe)
+    return m_new, l0 * s_old + l_row * s_row, a0 * s_old + a_row * s_row
+
+
+@triton.jit
 def stats_kernel(
     z_ptr, t_ptr, stride_z, stride_t, state_ptr, labels_ptr,
     n_cols, col_offset, inv_temp, param, log_a, log_1ma,
@@ -104,66 +132,76 @@ def stats_kernel(
     BLOCK_V: tl.constexpr,
 ):
     """PASS 1: online log-sum-exps (+ the one-pass KL accumulator, CE pieces).
-    PASS 2: sum of phi and of u given the final log-sum-exps (stored in M_S/M_T as lse)."""
+    PASS 2: sum of phi and of u given the final log-sum-exps (stored in M_S/M_T as lse).
+    Every lane keeps its own running values over the row's tiles; they are reduced once at the end
+    (a reduction per tile synchronizes the program's warps and costs more than the exps)."""
     inv_temp, param, log_a, log_1ma = _f32(inv_temp), _f32(param), _f32(log_a), _f32(log_1ma)
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     t_row = t_ptr + row * stride_t
     st = state_ptr + row * 10
     cols = tl.arange(0, BLOCK_V)
+    zero = tl.zeros([BLOCK_V], dtype=tl.float32)
     if PASS == 1:
-        m_s = tl.load(st + 0)
-        l_s = tl.load(st + 1)
-        m_t = tl.load(st + 2)
-        l_t = tl.load(st + 3)
-        acc = tl.load(st + 4)
-        m_z = tl.load(st + 5)
-        l_z = tl.load(st + 6)
-        z_lab = tl.load(st + 7)
         label = -1
         if HAS_LABELS:
             label = tl.load(labels_ptr + row).to(tl.int32) - col_offset
+        m_s = zero + float("-inf")
+        m_t = zero + float("-inf")
+        m_z = zero + float("-inf")
+        l_s = zero
+        l_t = zero
+        l_z = zero
+        acc = zero
+        z_lab = zero
         for start in range(0, n_cols, BLOCK_V):
             idx = start + cols
             valid = idx < n_cols
             z = tl.load(z_row + idx, mask=valid, other=float("-inf"))
             t = tl.load(t_row + idx, mask=valid, other=float("-inf")) * inv_temp
             s = z * inv_temp
-            m_s_new, l_s, e_s, sc_s = _online(m_s, l_s, s, valid)
-            m_t_new, l_t, e_t, sc_t = _online(m_t, l_t, t, valid)
+            m_s, l_s, w_s, sc_s = _lane_update(m_s, l_s, s, valid)
+            m_t, l_t, w_t, sc_t = _lane_update(m_t, l_t, t, valid)
             if DIVERGENCE == 0:
-                acc = acc * sc_t + tl.sum(tl.where(e_t > 0, e_t * (t - s), 0.0), axis=0)
+                acc = acc * sc_t + tl.where(w_t > 0, w_t * (t - s), 0.0)
             elif DIVERGENCE == 1:
-                acc = acc * sc_s + tl.sum(tl.where(e_s > 0, e_s * (s - t), 0.0), axis=0)
-            m_s = m_s_new
-            m_t = m_t_new
+                acc = acc * sc_s + tl.where(w_s > 0, w_s * (s - t), 0.0)
             if RAW_LSE:
-                m_z, l_z, _e, _sc = _online(m_z, l_z, z, valid)
+                m_z, l_z, _w, _sc = _lane_update(m_z, l_z, z, valid)
             if HAS_LABELS:
-                z_lab += tl.sum(tl.where(valid & (idx == label), z, 0.0), axis=0)
-        tl.store(st + 0, m_s)
-        tl.store(st + 1, l_s)
-        tl.store(st + 2, m_t)
-        tl.store(st + 3, l_t)
-        tl.store(st + 4, acc)
-        tl.store(st + 5, m_z)
-        tl.store(st + 6, l_z)
-        tl.store(st + 7, z_lab)
+                z_lab += tl.where(valid & (idx == label), z, 0.0)
+        # the accumulator is relative to the teacher's maxima (forward KL) or the student's (reverse KL)
+        acc_s = acc if DIVERGENCE == 1 else zero
+        acc_t = acc if DIVERGENCE == 0 else zero
+        acc0 = tl.load(st + 4)
+        ms_row, ls_row, a_s = _lanes_to_row(m_s, l_s, acc_s, tl.load(st + 0), tl.load(st + 1), acc0)
+        mt_row, lt_row, a_t = _lanes_to_row(m_t, l_t, acc_t, tl.load(st + 2), tl.load(st + 3), acc0)
+        tl.store(st + 0, ms_row)
+        tl.store(st + 1, ls_row)
+        tl.store(st + 2, mt_row)
+        tl.store(st + 3, lt_row)
+        tl.store(st + 4, a_s if DIVERGENCE == 1 else a_t)
+        if RAW_LSE:
+            mz_row, lz_row, _a = _lanes_to_row(m_z, l_z, zero, tl.load(st + 5), tl.load(st + 6), 0.0)
+            tl.store(st + 5, mz_row)
+            tl.store(st + 6, lz_row)
+        if HAS_LABELS:
+            tl.store(st + 7, tl.load(st + 7) + tl.sum(z_lab, axis=0))
     else:
         lse_s = tl.load(st + 0)
         lse_t = tl.load(st + 2)
-        phi_sum = tl.load(st + 8)
-        u_sum = tl.load(st + 9)
+        phi_sum = zero
+        u_sum = zero
         for start in range(0, n_cols, BLOCK_V):
             idx = start + cols
             valid = idx < n_cols
             lq = tl.load(z_row + idx, mask=valid, other=0.0) * inv_temp - lse_s
             lp = tl.load(t_row + idx, mask=valid, other=0.0) * inv_temp - lse_t
             phi, u = phi_u(lp, lq, param, log_a, log_1ma, DIVERGENCE)
-            phi_sum += tl.sum(tl.where(valid, phi, 0.0), axis=0)
-            u_sum += tl.sum(tl.where(valid, u, 0.0), axis=0)
-        tl.store(st + 8, phi_sum)
-        tl.store(st + 9, u_sum)
+            phi_sum += tl.where(valid, phi, 0.0)
+            u_sum += tl.where(valid, u, 0.0)
+        tl.store(st + 8, tl.load(st + 8) + tl.sum(phi_sum, axis=0))
+        tl.store(st + 9, tl.load(st + 9) + tl.sum(u_sum, axis=0))
 
 
 @triton.jit
@@ -243,13 +281,20 @@ def _math_args(cfg: LossConfig):
     return 1.0 / cfg.temperature, a, log_a, log_1ma
 
 
-# Launch configuration of the row kernels (tuned on an H200: see benchmarks/results/hidden/).
+# Launch configuration of the row kernels, also those of topk's fast mode (tuned on an H200: see
+# benchmarks/results/hidden/row_kernel_sweep.md).
 BLOCK_V = 4096
-NUM_WARPS = 4
+NUM_WARPS = 4     # gradient pass
+STATS_WARPS = 8   # statistics passes
 
 
-def _block(n_cols: int) -> int:
-    return min(BLOCK_V, next_pow2(max(n_cols, 16)))
+INTERPRETER_BLOCK_V = 64  # the tests' rows then span several tiles, the last one ragged
+
+
+def row_block(n_cols: int) -> int:
+    """Columns per tile of a row pass over n_cols columns."""
+    cap = INTERPRETER_BLOCK_V if ck.interpreter_enabled() else BLOCK_V
+    return min(cap, next_pow2(max(n_cols, 16)))
 
 
 def new_state(n: int, device) -> torch.Tensor:
@@ -271,7 +316,7 @@ def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no:
         n_cols, col_offset, inv_temp, a, log_a, log_1ma,
         DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence], PASS=pass_no,
         RAW_LSE=cfg.with_ce and cfg.temperature != 1.0, HAS_LABELS=has_labels,
-        BLOCK_V=_block(n_cols), num_warps=NUM_WARPS,
+        BLOCK_V=row_block(n_cols), num_warps=STATS_WARPS,
     )
 
 
@@ -290,5 +335,5 @@ def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, c
         active if active is not None else kd_scale,
         n_cols, col_offset, inv_temp, a, log_a, log_1ma, cfg.filter_eps or 0.0,
         DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence], WITH_CE=with_ce, FILTER=active is not None,
-        BLOCK_V=_block(n_cols), num_warps=NUM_WARPS,
+        BLOCK_V=row_block(n_cols), num_warps=NUM_WARPS,
     )
