@@ -32,7 +32,7 @@ from .._ops import linear_logits
 from ..hidden.chunked import Online, row_scales
 from ..hidden.triton_dispatch import (accumulate_dw, alloc_grads, finish_grads, keep_for_backward, row_blocks,
                                       row_upstream, take_precomputed_grads)
-from ..hidden.triton_rows import NUM_WARPS, STATS_WARPS, _f32, _lane_update, _lanes_to_row, row_block
+from ..hidden.triton_rows import NUM_WARPS, _f32, _online, row_block
 from .chunked import combine_rows, finish
 from .rowmath import RowResult, TopKConfig, full_lse
 from .._launch import launch
@@ -44,28 +44,25 @@ DEFAULT_BUDGET = 896 << 20  # bytes of fp32 logit slab per row block (the gradie
 @triton.jit
 def _slab_lse_kernel(Z, OUT, stride_z, n_cols, inv_temp, RAW: tl.constexpr, BLOCK_V: tl.constexpr):
     """OUT[row] = (logsumexp_j z_j * inv_temp, logsumexp_j z_j) over a row of an fp32 slab (-inf entries
-    are skipped; a row of -inf only gives -inf). Per-lane running values, reduced once per row."""
+    are skipped; a row of -inf only gives -inf)."""
     inv_temp = _f32(inv_temp)
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
     cols = tl.arange(0, BLOCK_V)
-    zero = tl.zeros([BLOCK_V], dtype=tl.float32)
-    m_s = zero + float("-inf")
-    m_z = zero + float("-inf")
-    l_s = zero
-    l_z = zero
+    m_s = tl.full((), float("-inf"), tl.float32)
+    l_s = tl.zeros((), tl.float32)
+    m_z = tl.full((), float("-inf"), tl.float32)
+    l_z = tl.zeros((), tl.float32)
     for start in range(0, n_cols, BLOCK_V):
         idx = start + cols
         valid = idx < n_cols
         z = tl.load(z_row + idx, mask=valid, other=float("-inf"))
-        m_s, l_s, _w, _sc = _lane_update(m_s, l_s, z * inv_temp, valid)
+        m_s, l_s, _e, _sc = _online(m_s, l_s, z * inv_temp, valid)
         if RAW:
-            m_z, l_z, _w2, _sc2 = _lane_update(m_z, l_z, z, valid)
-    m_row, l_row, _a = _lanes_to_row(m_s, l_s, zero, float("-inf"), 0.0, 0.0)
-    tl.store(OUT + row * 2, tl.where(l_row > 0, m_row + tl.log(l_row), float("-inf")))
+            m_z, l_z, _e2, _sc2 = _online(m_z, l_z, z, valid)
+    tl.store(OUT + row * 2, tl.where(l_s > 0, m_s + tl.log(l_s), float("-inf")))
     if RAW:
-        m_row, l_row, _a = _lanes_to_row(m_z, l_z, zero, float("-inf"), 0.0, 0.0)
-        tl.store(OUT + row * 2 + 1, tl.where(l_row > 0, m_row + tl.log(l_row), float("-inf")))
+        tl.store(OUT + row * 2 + 1, tl.where(l_z > 0, m_z + tl.log(l_z), float("-inf")))
 
 
 @triton.jit
@@ -152,7 +149,7 @@ def _rest_lse(z: torch.Tensor, cfg: TopKConfig) -> torch.Tensor:
     out = torch.empty(rows, 2, dtype=F32, device=z.device)
     if rows:
         launch(_slab_lse_kernel, (rows,), z, out, z.stride(0), n_cols, 1.0 / cfg.temperature, RAW=raw,
-               BLOCK_V=row_block(n_cols), num_warps=STATS_WARPS)
+               BLOCK_V=row_block(n_cols), num_warps=NUM_WARPS)
     return out
 
 
