@@ -102,6 +102,10 @@ class FirstPass:
     t: Online
     z: Optional[Online]      # raw student logits, only when CE is on and T != 1
     z_label: Tensor          # raw student logit at the label (0 where no label)
+    # one-pass divergences (Triton): sum e^(x - m) expm1(other - x) over the accumulating side, on the
+    # scale of its accumulator, so that lse_other - lse_own = log1p(rel / l) without a difference of
+    # two large log-sum-exps
+    rel: Optional[Tensor] = None
 
 
 def first_pass(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, lo: int, hi: int, chunk: int) -> FirstPass:
@@ -144,14 +148,28 @@ def second_pass(xs, xt, ws, wt, bs, bt, cfg: LossConfig, lse_s, lse_t, lo, hi, c
     return phi_sum, u_sum
 
 
+def _one_pass_kd(own: Online, rel: Optional[Tensor], lse_gap: Tensor) -> Tensor:
+    """sum_j p_j (x_j - y_j) + lse_y - lse_x for the side p = softmax(x) that accumulated (a = sum e^(x - m)
+    (x - y)). With rel, where the two distributions are close (|rel / l| < 1/2, finite), lse_y - lse_x =
+    log1p(rel / l) in float64 from the row's own sums: the difference of two ~log V log-sum-exps would
+    leave their fp32 rounding (~1e-7 nats) in a KL that may be ~1e-4; far apart it has no cancellation."""
+    if rel is None:
+        return own.a / own.l + lse_gap
+    a_l = own.a.double() / own.l.double()
+    r = rel.double() / own.l.double()
+    close = torch.isfinite(r) & (r.abs() < 0.5) & torch.isfinite(a_l)
+    gap = torch.where(close, torch.log1p(torch.where(close, r, 0.0)), lse_gap.double())
+    return (a_l + gap).to(own.a.dtype)
+
+
 def finish_stats(fp: FirstPass, cfg: LossConfig, sums: Optional[Tuple[Tensor, Tensor]]) -> RowStats:
     """Turn (globally merged) first-pass state and second-pass sums into RowStats."""
     lse_s, lse_t = fp.s.lse(), fp.t.lse()
     if cfg.divergence == "forward_kl":
-        kd = fp.t.a / fp.t.l - lse_t + lse_s
+        kd = _one_pass_kd(fp.t, fp.rel, lse_s - lse_t)
         sum_u = torch.full_like(kd, -1.0)
     elif cfg.divergence == "reverse_kl":
-        kd = fp.s.a / fp.s.l - lse_s + lse_t
+        kd = _one_pass_kd(fp.s, fp.rel, lse_t - lse_s)
         sum_u = kd + 1.0
     else:
         kd, sum_u = sums

@@ -77,6 +77,7 @@ def _first_pass_from_state(st: torch.Tensor, cfg: LossConfig) -> FirstPass:
         t=Online(st[:, tr.M_T], st[:, tr.L_T], acc if cfg.divergence == "forward_kl" else None),
         z=Online(st[:, tr.M_Z], st[:, tr.L_Z]) if cfg.with_ce and cfg.temperature != 1.0 else None,
         z_label=st[:, tr.Z_LABEL],
+        rel=st[:, tr.REL] if cfg.divergence in ("forward_kl", "reverse_kl") else None,
     )
 
 

@@ -23,6 +23,7 @@ from .._launch import launch, next_pow2
 # Columns of the per-row state tensor.
 M_S, L_S, M_T, L_T, ACC, M_Z, L_Z, Z_LABEL, PHI_SUM, U_SUM = range(10)
 NSTATE = 10
+REL = PHI_SUM  # one-pass divergences (no second pass): chunked.FirstPass.rel, on ACC's scale
 # Columns of the per-row finished values the gradient kernel reads.
 LSE_S, LSE_T, LSE_Z, SUM_U = range(4)
 
@@ -98,6 +99,13 @@ def _online(m, l, x, valid):
 
 
 @triton.jit
+def _expm1(x):
+    """exp(x) - 1 to fp32 accuracy also for small |x| (a Taylor polynomial below 0.25)."""
+    poly = x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0 + x * (1.0 / 720.0))))))
+    return tl.where(tl.abs(x) < 0.25, poly, tl.exp(x) - 1.0)
+
+
+@triton.jit
 def _lane_update(m, l, x, valid):
     """Per-lane online (max, rescaled sum) with one exp per element, exp(-|x - m|). Returns the new
     (m, l), the element's weight w = exp(x - m_new) and the factor the lane's old sums are rescaled by."""
@@ -153,6 +161,7 @@ def stats_kernel(
         l_t = zero
         l_z = zero
         acc = zero
+        rel = zero  # sum of w expm1(other - own) for the side that accumulates (see chunked.FirstPass.rel)
         z_lab = zero
         for start in range(0, n_cols, BLOCK_V):
             idx = start + cols
@@ -164,8 +173,10 @@ def stats_kernel(
             m_t, l_t, w_t, sc_t = _lane_update(m_t, l_t, t, valid)
             if DIVERGENCE == 0:
                 acc = acc * sc_t + tl.where(w_t > 0, w_t * (t - s), 0.0)
+                rel = rel * sc_t + tl.where(w_t > 0, w_t * _expm1(s - t), 0.0)
             elif DIVERGENCE == 1:
                 acc = acc * sc_s + tl.where(w_s > 0, w_s * (s - t), 0.0)
+                rel = rel * sc_s + tl.where(w_s > 0, w_s * _expm1(t - s), 0.0)
             if RAW_LSE:
                 m_z, l_z, _w, _sc = _lane_update(m_z, l_z, z, valid)
             if HAS_LABELS:
@@ -173,14 +184,21 @@ def stats_kernel(
         # the accumulator is relative to the teacher's maxima (forward KL) or the student's (reverse KL)
         acc_s = acc if DIVERGENCE == 1 else zero
         acc_t = acc if DIVERGENCE == 0 else zero
+        m0_s, l0_s, m0_t, l0_t = tl.load(st + 0), tl.load(st + 1), tl.load(st + 2), tl.load(st + 3)
         acc0 = tl.load(st + 4)
-        ms_row, ls_row, a_s = _lanes_to_row(m_s, l_s, acc_s, tl.load(st + 0), tl.load(st + 1), acc0)
-        mt_row, lt_row, a_t = _lanes_to_row(m_t, l_t, acc_t, tl.load(st + 2), tl.load(st + 3), acc0)
+        ms_row, ls_row, a_s = _lanes_to_row(m_s, l_s, acc_s, m0_s, l0_s, acc0)
+        mt_row, lt_row, a_t = _lanes_to_row(m_t, l_t, acc_t, m0_t, l0_t, acc0)
+        if DIVERGENCE == 0:
+            _m, _l, rel_row = _lanes_to_row(m_t, l_t, rel, m0_t, l0_t, tl.load(st + 8))
+        else:
+            _m, _l, rel_row = _lanes_to_row(m_s, l_s, rel, m0_s, l0_s, tl.load(st + 8))
         tl.store(st + 0, ms_row)
         tl.store(st + 1, ls_row)
         tl.store(st + 2, mt_row)
         tl.store(st + 3, lt_row)
         tl.store(st + 4, a_s if DIVERGENCE == 1 else a_t)
+        if DIVERGENCE < 2:
+            tl.store(st + 8, rel_row)
         if RAW_LSE:
             mz_row, lz_row, _a = _lanes_to_row(m_z, l_z, zero, tl.load(st + 5), tl.load(st + 6), 0.0)
             tl.store(st + 5, mz_row)

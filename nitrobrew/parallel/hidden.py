@@ -68,6 +68,7 @@ def local_impl(xs, ws, cfg: LossConfig, backend: str, memory_budget=None):
 def parallel_stats(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, local, group) -> RowStats:
     """RowStats over the global vocabulary from this rank's block [0, ws.shape[0]) (labels local ids)."""
     fp = local.first_pass(xs, xt, ws, wt, bs, bt, labels, cfg)
+    fp.rel = None  # not merged across ranks: the KL takes the difference of the global log-sum-exps
     states = [fp.s, fp.t] + ([fp.z] if fp.z is not None else [])
     m = all_reduce(torch.stack([o.m for o in states]), "max", group, "fwd_max")
     for o, m_global in zip(states, m):
