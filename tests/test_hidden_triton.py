@@ -94,9 +94,11 @@ def test_float64_inputs_take_the_float64_path():
     assert chk.loss.dtype == torch.float64
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("impl", [dict(backend="triton", **MODES["fast"]),
+                                  dict(backend="triton", **MODES["constant_memory"]),
+                                  dict(backend="torch", chunk_V=1000)], ids=["fast", "constant_memory", "torch"])
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl"])
-def test_tiny_kl_of_close_distributions_keeps_its_digits(divergence, mode):
+def test_tiny_kl_of_close_distributions_keeps_its_digits(divergence, impl):
     # KL ~3e-5 nats over 4099 entries: as a difference of two ~5-nat log-sum-exps, fp32 rounding of the
     # two sums alone gives ~2e-2 relative error; formed from log1p(sum p expm1(s - t)) it stays ~1e-4
     import nitrobrew as nb
@@ -108,6 +110,6 @@ def test_tiny_kl_of_close_distributions_keeps_its_digits(divergence, mode):
     wt = ws + torch.randn(vocab, d, generator=g) * (0.01 / d**0.5)
     fn = getattr(nb, divergence)
     ref = fn(xs.double(), xs.double(), ws.double(), wt.double(), backend="torch", reduction="none")
-    got = fn(xs, xs, ws, wt, backend="triton", reduction="none", **MODES[mode])
+    got = fn(xs, xs, ws, wt, reduction="none", **impl)
     assert float(ref.max()) < 1e-4
     assert float(((got.double() - ref).abs() / ref).max()) < 1e-3

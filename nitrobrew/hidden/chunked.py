@@ -25,17 +25,20 @@ Tensor = torch.Tensor
 
 @dataclass
 class Online:
-    """Running max m, rescaled sum l = sum e^(x - m), and optional accumulator a = sum e^(x - m) d."""
+    """Running max m, rescaled sum l = sum e^(x - m), and optional accumulators a = sum e^(x - m) d and
+    r = sum e^(x - m) expm1(-d) for d = x - y: then lse_y - lse_x = log1p(r / l), which keeps its digits
+    where the difference of the two log-sum-exps would not (y close to x)."""
 
     m: Tensor
     l: Tensor
     a: Optional[Tensor] = None
+    r: Optional[Tensor] = None
 
     @staticmethod
     def empty(n: int, acc: torch.dtype, device, with_acc: bool = False) -> "Online":
         m = torch.full((n,), float("-inf"), dtype=acc, device=device)
         zero = torch.zeros(n, dtype=acc, device=device)
-        return Online(m, zero, zero.clone() if with_acc else None)
+        return Online(m, zero, zero.clone() if with_acc else None, zero.clone() if with_acc else None)
 
     def update(self, x: Tensor, d: Optional[Tensor] = None) -> None:
         m_new = torch.maximum(self.m, x.amax(-1))
@@ -45,15 +48,19 @@ class Online:
         self.l = self.l * scale + e.sum(-1)
         if self.a is not None:
             self.a = self.a * scale + torch.where(e > 0, e * d, torch.zeros_like(d)).sum(-1)
+        if self.r is not None:
+            self.r = self.r * scale + torch.where(e > 0, e * torch.expm1(-d), torch.zeros_like(d)).sum(-1)
         self.m = m_new
 
     def rescale_to(self, m_new: Tensor) -> None:
-        """Express l and a relative to a larger max (used when merging partial states)."""
+        """Express l, a and r relative to a larger max (used when merging partial states)."""
         safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
         scale = torch.exp(self.m - safe)
         self.l = self.l * scale
         if self.a is not None:
             self.a = self.a * scale
+        if self.r is not None:
+            self.r = self.r * scale
         self.m = m_new
 
     def lse(self) -> Tensor:
@@ -102,10 +109,6 @@ class FirstPass:
     t: Online
     z: Optional[Online]      # raw student logits, only when CE is on and T != 1
     z_label: Tensor          # raw student logit at the label (0 where no label)
-    # one-pass divergences (Triton): sum e^(x - m) expm1(other - x) over the accumulating side, on the
-    # scale of its accumulator, so that lse_other - lse_own = log1p(rel / l) without a difference of
-    # two large log-sum-exps
-    rel: Optional[Tensor] = None
 
 
 def first_pass(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, lo: int, hi: int, chunk: int) -> FirstPass:
@@ -148,15 +151,15 @@ def second_pass(xs, xt, ws, wt, bs, bt, cfg: LossConfig, lse_s, lse_t, lo, hi, c
     return phi_sum, u_sum
 
 
-def _one_pass_kd(own: Online, rel: Optional[Tensor], lse_gap: Tensor) -> Tensor:
-    """sum_j p_j (x_j - y_j) + lse_y - lse_x for the side p = softmax(x) that accumulated (a = sum e^(x - m)
-    (x - y)). With rel, where the two distributions are close (|rel / l| < 1/2, finite), lse_y - lse_x =
-    log1p(rel / l) in float64 from the row's own sums: the difference of two ~log V log-sum-exps would
-    leave their fp32 rounding (~1e-7 nats) in a KL that may be ~1e-4; far apart it has no cancellation."""
-    if rel is None:
+def _one_pass_kd(own: Online, lse_gap: Tensor) -> Tensor:
+    """sum_j p_j (x_j - y_j) + lse_y - lse_x for the side p = softmax(x) that accumulated a and r. Where
+    the two distributions are close (|r / l| < 1/2, finite), lse_y - lse_x = log1p(r / l) in float64 from
+    the row's own sums: the difference of two ~log V log-sum-exps would leave their fp32 rounding
+    (~1e-7 nats) in a KL that may be ~1e-4; far apart it has no cancellation."""
+    if own.r is None:
         return own.a / own.l + lse_gap
     a_l = own.a.double() / own.l.double()
-    r = rel.double() / own.l.double()
+    r = own.r.double() / own.l.double()
     close = torch.isfinite(r) & (r.abs() < 0.5) & torch.isfinite(a_l)
     gap = torch.where(close, torch.log1p(torch.where(close, r, 0.0)), lse_gap.double())
     return (a_l + gap).to(own.a.dtype)
@@ -166,10 +169,10 @@ def finish_stats(fp: FirstPass, cfg: LossConfig, sums: Optional[Tuple[Tensor, Te
     """Turn (globally merged) first-pass state and second-pass sums into RowStats."""
     lse_s, lse_t = fp.s.lse(), fp.t.lse()
     if cfg.divergence == "forward_kl":
-        kd = _one_pass_kd(fp.t, fp.rel, lse_s - lse_t)
+        kd = _one_pass_kd(fp.t, lse_s - lse_t)
         sum_u = torch.full_like(kd, -1.0)
     elif cfg.divergence == "reverse_kl":
-        kd = _one_pass_kd(fp.s, fp.rel, lse_t - lse_s)
+        kd = _one_pass_kd(fp.s, lse_t - lse_s)
         sum_u = kd + 1.0
     else:
         kd, sum_u = sums

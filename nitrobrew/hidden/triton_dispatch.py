@@ -71,13 +71,13 @@ def _slabs(xs, xt, ws, wt, bs, bt, v0, v1, cfg):
 
 
 def _first_pass_from_state(st: torch.Tensor, cfg: LossConfig) -> FirstPass:
-    acc = st[:, tr.ACC]
+    sums = (st[:, tr.ACC], st[:, tr.REL])  # on the scale of the side that accumulates them
+    none = (None, None)
     return FirstPass(
-        s=Online(st[:, tr.M_S], st[:, tr.L_S], acc if cfg.divergence == "reverse_kl" else None),
-        t=Online(st[:, tr.M_T], st[:, tr.L_T], acc if cfg.divergence == "forward_kl" else None),
+        s=Online(st[:, tr.M_S], st[:, tr.L_S], *(sums if cfg.divergence == "reverse_kl" else none)),
+        t=Online(st[:, tr.M_T], st[:, tr.L_T], *(sums if cfg.divergence == "forward_kl" else none)),
         z=Online(st[:, tr.M_Z], st[:, tr.L_Z]) if cfg.with_ce and cfg.temperature != 1.0 else None,
         z_label=st[:, tr.Z_LABEL],
-        rel=st[:, tr.REL] if cfg.divergence in ("forward_kl", "reverse_kl") else None,
     )
 
 

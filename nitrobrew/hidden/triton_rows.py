@@ -23,7 +23,7 @@ from .._launch import launch, next_pow2
 # Columns of the per-row state tensor.
 M_S, L_S, M_T, L_T, ACC, M_Z, L_Z, Z_LABEL, PHI_SUM, U_SUM = range(10)
 NSTATE = 10
-REL = PHI_SUM  # one-pass divergences (no second pass): chunked.FirstPass.rel, on ACC's scale
+REL = PHI_SUM  # one-pass divergences (no second pass): chunked.Online.r, on ACC's scale
 # Columns of the per-row finished values the gradient kernel reads.
 LSE_S, LSE_T, LSE_Z, SUM_U = range(4)
 
@@ -118,18 +118,20 @@ def _lane_update(m, l, x, valid):
 
 
 @triton.jit
-def _lanes_to_row(m, l, acc, m0, l0, a0):
-    """Merge the lanes' (max, sum, accumulator) into one row state, then with the row's carried state."""
+def _lanes_to_row(m, l, acc, rel, m0, l0, a0, r0):
+    """Merge the lanes' (max, sum, two accumulators on the sum's scale) into one row state, then with
+    the row's carried state (m0, l0, a0, r0)."""
     mx = tl.max(m, axis=0)
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
     sc = tl.exp(m - mx_safe)
     l_row = tl.sum(l * sc, axis=0)
     a_row = tl.sum(tl.where(sc > 0, acc * sc, 0.0), axis=0)
+    r_row = tl.sum(tl.where(sc > 0, rel * sc, 0.0), axis=0)
     m_new = tl.maximum(m0, mx)
     safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     s_old = tl.exp(m0 - safe)
     s_row = tl.exp(mx - safe)
-    return m_new, l0 * s_old + l_row * s_row, a0 * s_old + a_row * s_row
+    return m_new, l0 * s_old + l_row * s_row, a0 * s_old + a_row * s_row, r0 * s_old + r_row * s_row
 
 
 @triton.jit
@@ -161,7 +163,7 @@ def stats_kernel(
         l_t = zero
         l_z = zero
         acc = zero
-        rel = zero  # sum of w expm1(other - own) for the side that accumulates (see chunked.FirstPass.rel)
+        rel = zero  # sum of w expm1(other - own) for the side that accumulates (chunked.Online.r)
         z_lab = zero
         for start in range(0, n_cols, BLOCK_V):
             idx = start + cols
@@ -181,26 +183,23 @@ def stats_kernel(
                 m_z, l_z, _w, _sc = _lane_update(m_z, l_z, z, valid)
             if HAS_LABELS:
                 z_lab += tl.where(valid & (idx == label), z, 0.0)
-        # the accumulator is relative to the teacher's maxima (forward KL) or the student's (reverse KL)
+        # the accumulators are relative to the teacher's maxima (forward KL) or the student's (reverse KL)
         acc_s = acc if DIVERGENCE == 1 else zero
+        rel_s = rel if DIVERGENCE == 1 else zero
         acc_t = acc if DIVERGENCE == 0 else zero
-        m0_s, l0_s, m0_t, l0_t = tl.load(st + 0), tl.load(st + 1), tl.load(st + 2), tl.load(st + 3)
-        acc0 = tl.load(st + 4)
-        ms_row, ls_row, a_s = _lanes_to_row(m_s, l_s, acc_s, m0_s, l0_s, acc0)
-        mt_row, lt_row, a_t = _lanes_to_row(m_t, l_t, acc_t, m0_t, l0_t, acc0)
-        if DIVERGENCE == 0:
-            _m, _l, rel_row = _lanes_to_row(m_t, l_t, rel, m0_t, l0_t, tl.load(st + 8))
-        else:
-            _m, _l, rel_row = _lanes_to_row(m_s, l_s, rel, m0_s, l0_s, tl.load(st + 8))
+        rel_t = rel if DIVERGENCE == 0 else zero
+        acc0, rel0 = tl.load(st + 4), tl.load(st + 8)
+        ms_row, ls_row, a_s, r_s = _lanes_to_row(m_s, l_s, acc_s, rel_s, tl.load(st + 0), tl.load(st + 1), acc0, rel0)
+        mt_row, lt_row, a_t, r_t = _lanes_to_row(m_t, l_t, acc_t, rel_t, tl.load(st + 2), tl.load(st + 3), acc0, rel0)
         tl.store(st + 0, ms_row)
         tl.store(st + 1, ls_row)
         tl.store(st + 2, mt_row)
         tl.store(st + 3, lt_row)
         tl.store(st + 4, a_s if DIVERGENCE == 1 else a_t)
         if DIVERGENCE < 2:
-            tl.store(st + 8, rel_row)
+            tl.store(st + 8, r_s if DIVERGENCE == 1 else r_t)
         if RAW_LSE:
-            mz_row, lz_row, _a = _lanes_to_row(m_z, l_z, zero, tl.load(st + 5), tl.load(st + 6), 0.0)
+            mz_row, lz_row, _a, _r = _lanes_to_row(m_z, l_z, zero, zero, tl.load(st + 5), tl.load(st + 6), 0.0, 0.0)
             tl.store(st + 5, mz_row)
             tl.store(st + 6, lz_row)
         if HAS_LABELS:

@@ -68,12 +68,13 @@ def local_impl(xs, ws, cfg: LossConfig, backend: str, memory_budget=None):
 def parallel_stats(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, local, group) -> RowStats:
     """RowStats over the global vocabulary from this rank's block [0, ws.shape[0]) (labels local ids)."""
     fp = local.first_pass(xs, xt, ws, wt, bs, bt, labels, cfg)
-    fp.rel = None  # not merged across ranks: the KL takes the difference of the global log-sum-exps
     states = [fp.s, fp.t] + ([fp.z] if fp.z is not None else [])
     m = all_reduce(torch.stack([o.m for o in states]), "max", group, "fwd_max")
     for o, m_global in zip(states, m):
         o.rescale_to(m_global)
     with_acc = [o for o in states if o.a is not None]
+    for o in with_acc:
+        o.r = None  # not merged across ranks (one more row vector to send): the KL takes lse_y - lse_x
     parts = [o.l for o in states] + [o.a for o in with_acc] + ([fp.z_label] if cfg.with_ce else [])
     total = all_reduce(torch.stack(parts), "sum", group, "fwd_sum")
     it = iter(total)
