@@ -127,6 +127,26 @@ def check_case(r, group, world, divergence, sizes, *, dtype=torch.float32, case_
     assert "xs" in grads or not x_grad
 
 
+def tiny_kl_case(r, group, world, divergence, backend="torch"):
+    """A ~3e-5-nat KL between close distributions keeps its digits across ranks: the ranks merge the
+    sum of p expm1(s - t) with the other sums (as the difference of two log-sum-exps, fp32 rounding
+    alone would give ~2e-2 relative error here)."""
+    g = torch.Generator().manual_seed(0)
+    n, d, vocab = 6, 32, 4099
+    xs = torch.randn(n, d, generator=g)
+    ws = torch.randn(vocab, d, generator=g) * (3 / d**0.5)
+    wt = ws + torch.randn(vocab, d, generator=g) * (0.01 / d**0.5)
+    sizes = [vocab * (k + 1) // world - vocab * k // world + (k - world // 2) for k in range(world)]
+    sizes[-1] += vocab - sum(sizes)
+    sl = _block(sizes, r)
+    fn = LOSS_FNS[divergence]
+    ref = fn(xs.double(), xs.double(), ws.double(), wt.double(), backend="torch", reduction="none")
+    got = fn(xs, xs, ws[sl], wt[sl], process_group=group, backend=backend, reduction="none")
+    assert float(ref.max()) < 1e-4
+    err = float(((got.double() - ref).abs() / ref).max())
+    assert err < 1e-3, f"relative error {err:.2e}"
+
+
 def expect_error(r, fn, exc, text):
     try:
         fn()
@@ -206,6 +226,11 @@ def vocab_cases(r, world, group):
                 case_kw=dict(pad_s=3, pad_t=3, labels="some"))),
         ]
     cases += extra
+    triton_too = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    for div in ("forward_kl", "reverse_kl"):
+        for backend in ("torch", "triton") if triton_too else ("torch",):
+            cases.append((f"{div} tiny KL of close distributions ({backend})",
+                          lambda div=div, backend=backend: tiny_kl_case(r, group, world, div, backend)))
     cases += error_cases(r, world, group)
     cases.append(("DTensor heads Shard(0)", lambda: dtensor_case(r, world, group)))
     return cases
@@ -545,7 +570,7 @@ def test_comm_bytes_formula_is_independent_of_vocab():
     assert a["fwd_max"] == 4 * 4096 * 3 and a["fwd_sum"] == 4 * 4096 * 4 and a["fwd_second_pass"] == 4 * 4096 * 2
     assert a["bwd_dx"] == 4 * 4096 * 3584 and a["layout"] == 160
     b = comm_bytes(4096, 3584, divergence="forward_kl")
-    assert b["total"] == 160 + 4 * 4096 * (2 + 3) + 4 * 4096 * 3584
+    assert b["total"] == 160 + 4 * 4096 * (2 + 4) + 4 * 4096 * 3584
     assert comm_bytes(10, 4, divergence="jsd", param=0.0) == comm_bytes(10, 4, divergence="forward_kl")
     assert comm_bytes(10, 4, dtype=torch.float64)["fwd_max"] == 8 * 10 * 2
 

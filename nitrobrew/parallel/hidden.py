@@ -72,16 +72,16 @@ def parallel_stats(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, local, group
     m = all_reduce(torch.stack([o.m for o in states]), "max", group, "fwd_max")
     for o, m_global in zip(states, m):
         o.rescale_to(m_global)
+    # a and r (the KL's accumulators: r keeps the digits of a KL between close distributions) merge
+    # like l once every rank's state is on the global max
     with_acc = [o for o in states if o.a is not None]
-    for o in with_acc:
-        o.r = None  # not merged across ranks (one more row vector to send): the KL takes lse_y - lse_x
-    parts = [o.l for o in states] + [o.a for o in with_acc] + ([fp.z_label] if cfg.with_ce else [])
+    parts = [o.l for o in states] + [v for o in with_acc for v in (o.a, o.r)] + ([fp.z_label] if cfg.with_ce else [])
     total = all_reduce(torch.stack(parts), "sum", group, "fwd_sum")
     it = iter(total)
     for o in states:
         o.l = next(it)
     for o in with_acc:
-        o.a = next(it)
+        o.a, o.r = next(it), next(it)
     if cfg.with_ce:
         fp.z_label = next(it)
     sums = None
