@@ -2,11 +2,11 @@
 
     git show 6048236:nitrobrew/hidden/triton_rows.py > old_rows.py
     git show 6048236:nitrobrew/topk/triton_fast.py > old_topk_fast.py
-    python benchmarks/results/hidden/row_stats_ab.py old_rows.py [old_topk_fast.py | - [MODE ...]]
+    python benchmarks/results/hidden/row_stats_ab.py old_rows.py [old_topk_fast.py | - [MODE ...] [DIVERGENCE ...]]
 
-forward_kl (bf16, V=152064, Ds=3584, Dt=5120) in the MODEs given ("fast", the default, and/or
-"constant_memory") with the hidden-state row kernels of old_rows.py swapped in for the tree's, and
-topk_kl(normalize="full") (D=3584, K=64) with old_topk_fast.py's fast mode (skipped with "-");
+The DIVERGENCEs given (default forward_kl; bf16, V=152064, Ds=3584, Dt=5120) in the MODEs given
+("fast", the default, and/or "constant_memory") with the hidden-state row kernels of old_rows.py
+swapped in for the tree's, and topk_kl(normalize="full") (D=3584, K=64) with old_topk_fast.py's fast mode (skipped with "-");
 three alternating rounds of 5 timed calls each, N = 4096 and 16384, and the relative difference of
 loss, dX and dW between the two.
 """
@@ -17,12 +17,14 @@ import sys
 import torch
 
 import nitrobrew as nb
+from nitrobrew import divergences as dv
 from nitrobrew.bench.common import time_ms
 from nitrobrew.hidden import triton_dispatch as td
 from nitrobrew.hidden import triton_rows as rows_new
 
 DEV = torch.device("cuda")
-MODES = [m for m in ("fast", "constant_memory") if m in (sys.argv[3:] or ["fast"])]
+MODES = [m for m in ("fast", "constant_memory") if m in sys.argv[3:]] or ["fast"]
+DIVERGENCES = [d for d in dv.DIVERGENCE_IDS if d in sys.argv[3:]] or ["forward_kl"]
 V, DS, DT = 152064, 3584, 5120
 
 
@@ -67,10 +69,12 @@ def hidden(old_rows) -> None:
         xt = torch.randn(n, DT, device=DEV, generator=g).bfloat16()
         ws = (torch.randn(V, DS, device=DEV, generator=g) * (3 / DS**0.5)).bfloat16()
         wt = (torch.randn(V, DT, device=DEV, generator=g) * (3 / DT**0.5)).bfloat16()
-        for mode in MODES:
-            step = fwd_bwd(lambda x, w: nb.forward_kl(x, xt, w, wt, backend="triton", mode=mode), xs, ws)
-            ab(f"forward_kl {mode} N={n}", step, lambda: setattr(td, "tr", old_rows),
-               lambda: setattr(td, "tr", rows_new))
+        for div in DIVERGENCES:
+            for mode in MODES:
+                step = fwd_bwd(lambda x, w: nb.hidden_loss(x, xt, w, wt, divergence=div, backend="triton", mode=mode),
+                               xs, ws)
+                ab(f"{div} {mode} N={n}", step, lambda: setattr(td, "tr", old_rows),
+                   lambda: setattr(td, "tr", rows_new))
         del xs, xt, ws, wt
         torch.cuda.empty_cache()
 
