@@ -302,11 +302,12 @@ def _math_args(cfg: LossConfig):
 # Launch configuration of the row kernels, also those of topk's fast mode (tuned on an H200: see
 # benchmarks/results/hidden/row_kernel_sweep.md).
 BLOCK_V = 4096
-# The KLs' statistics pass keeps two more per-lane sums (a, r): with 4096-column tiles it needs more
-# than 128 registers a thread, which halves the programs an SM holds
-KL_STATS_BLOCK_V = 2048
 NUM_WARPS = 4     # gradient pass
 STATS_WARPS = 8   # statistics passes
+# The KLs' statistics pass keeps two more per-lane sums (a, r): with 4096-column tiles on 8 warps it
+# needs more than 128 registers a thread, which halves the programs an SM holds
+KL_STATS_BLOCK_V = 2048
+KL_STATS_WARPS = 4
 
 
 INTERPRETER_BLOCK_V = 64  # the tests' rows then span several tiles, the last one ragged
@@ -332,13 +333,13 @@ def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no:
         return
     inv_temp, a, log_a, log_1ma = _math_args(cfg)
     has_labels = cfg.with_ce and labels is not None and pass_no == 1
+    kl = pass_no == 1 and cfg.divergence in dv.ONE_PASS
     launch(stats_kernel, (rows,),
         z, t, z.stride(0), t.stride(0), state, labels if has_labels else state,
         n_cols, col_offset, inv_temp, a, log_a, log_1ma,
         DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence], PASS=pass_no,
         RAW_LSE=cfg.with_ce and cfg.temperature != 1.0, HAS_LABELS=has_labels,
-        BLOCK_V=row_block(n_cols, KL_STATS_BLOCK_V if pass_no == 1 and cfg.divergence in dv.ONE_PASS else 0),
-        num_warps=STATS_WARPS,
+        BLOCK_V=row_block(n_cols, KL_STATS_BLOCK_V if kl else 0), num_warps=KL_STATS_WARPS if kl else STATS_WARPS,
     )
 
 

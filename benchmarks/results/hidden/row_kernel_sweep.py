@@ -27,17 +27,17 @@ def main():
     rowvals = torch.randn(R, 4, device=dev).abs() + 10
     kd = torch.full((R,), 1.0 / R, device=dev)
     st = tr.new_state(R, dev)
-    default = (tr.BLOCK_V, tr.KL_STATS_BLOCK_V, tr.NUM_WARPS, tr.STATS_WARPS)
+    default = (tr.BLOCK_V, tr.KL_STATS_BLOCK_V, tr.NUM_WARPS, tr.STATS_WARPS, tr.KL_STATS_WARPS)
     print("| BLOCK_V | warps | KL stats ms | KL stats TB/s | jsd stats ms | jsd stats TB/s | grad ms | grad TB/s |\n"
           "|---|---|---|---|---|---|---|---|")
     for blk, nw in ((1024, 4), (2048, 4), (4096, 4), (2048, 8), (4096, 8), (8192, 8), (8192, 16), (4096, 16)):
-        tr.BLOCK_V, tr.KL_STATS_BLOCK_V, tr.NUM_WARPS, tr.STATS_WARPS = blk, blk, nw, nw
+        tr.BLOCK_V, tr.KL_STATS_BLOCK_V, tr.NUM_WARPS, tr.STATS_WARPS, tr.KL_STATS_WARPS = blk, blk, nw, nw, nw
         ms = time_ms(lambda: tr.launch_stats(z, t, st, None, 0, cfg, 1), dev, 2, 7)
         mj = time_ms(lambda: tr.launch_stats(z, t, st, None, 0, cfg_jsd, 1), dev, 2, 7)
         mg = time_ms(lambda: tr.launch_grad(z, t, gb, rowvals, kd, None, None, 0, cfg), dev, 2, 7)
         print(f"| {blk} | {nw} | {ms:.3f} | {8 * R * V / ms / 1e9:.2f} | {mj:.3f} | {8 * R * V / mj / 1e9:.2f} | "
               f"{mg:.3f} | {10 * R * V / mg / 1e9:.2f} |")
-    tr.BLOCK_V, tr.KL_STATS_BLOCK_V, tr.NUM_WARPS, tr.STATS_WARPS = default
+    tr.BLOCK_V, tr.KL_STATS_BLOCK_V, tr.NUM_WARPS, tr.STATS_WARPS, tr.KL_STATS_WARPS = default
     mc = time_ms(lambda: (z.clone(), t.clone()), dev, 2, 7)
     print(f"\nclone of both slabs: {mc:.3f} ms, {16 * R * V / mc / 1e9:.2f} TB/s (read + write)")
 
