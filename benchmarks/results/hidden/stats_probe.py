@@ -9,20 +9,15 @@ launch setting, registers and spills, for the tree's triton_rows.py and variants
 "rel" is the tree's module, "norel" the first file, the others by file name. Variants without the sum
 are for timing only (their KL is not valid).
 """
-import importlib.util, sys, torch
+import os, sys, torch
 import nitrobrew.hidden.triton_rows as tr
 from nitrobrew.bench.common import time_ms
 from nitrobrew.hidden.config import LossConfig
 from nitrobrew import divergences as dv
 from nitrobrew._launch import launch
 
-
-def load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from row_stats_ab import load  # noqa: E402  (a kernel module from a file, under a package name)
 
 
 def main():
