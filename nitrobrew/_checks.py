@@ -5,6 +5,7 @@ clear error instead of crashing inside a kernel or returning a silently wrong nu
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Optional, Sequence, Tuple
@@ -39,6 +40,12 @@ def check_backend(backend: str) -> None:
 def check_temperature(temperature: float) -> None:
     if not (is_number(temperature) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def check_softcap(name: str, cap) -> None:
+    if cap is not None and not (is_number(cap) and math.isfinite(cap) and cap > 0):
+        raise ValueError(f"{name} must be None or a finite number > 0 (the logit cap c of c * tanh(z / c)), "
+                         f"got {cap!r}")
 
 
 def check_unit_interval(name: str, value: float) -> None:
@@ -191,3 +198,21 @@ def _warn_once(msg: str) -> None:
         import warnings
 
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def no_double_backward(backward):
+    """Decorates an autograd Function's backward: nitrobrew's backward passes are not differentiable
+    themselves, so create_graph=True (double backward) is refused here with a clear error instead of
+    giving second-order gradients that are silently wrong or missing."""
+
+    @functools.wraps(backward)
+    def checked(ctx, *grads):
+        if torch.is_grad_enabled():  # the autograd engine enables grad mode only for create_graph=True
+            raise RuntimeError(
+                "nitrobrew losses do not support double backward (create_graph=True, e.g. for Hessian-vector "
+                "products or gradient penalties through the loss): their backward is not differentiable. Take "
+                "first-order gradients only, or use nitrobrew.hidden.reference_loss (materializing) for "
+                "higher-order derivatives.")
+        return backward(ctx, *grads)
+
+    return checked

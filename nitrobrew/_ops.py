@@ -68,22 +68,27 @@ def linear_logits(
     return z
 
 
+def softcap_(z: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """Final-logit softcapping in place (Gemma 2/3): z -> cap * tanh(z / cap); no-op for cap None."""
+    if cap is not None:
+        z.div_(cap).tanh_().mul_(cap)
+    return z
+
+
+def softcap_grad_(g: torch.Tensor, capped: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """g * d capped / d raw = g * (1 - (capped / cap)^2) in place; no-op for cap None."""
+    if cap is not None:
+        g.mul_(1.0 - (capped / cap).square())
+    return g
+
+
 def grad_needed(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether autograd will want gradients for any of these tensors from the current call."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def teacher_in_student_dtype(xs, xt, wt, bt):
-    """(xt, wt, bt) cast to xs's dtype: the Triton row kernels read both slabs in one dtype."""
-    if xt.dtype == xs.dtype:
-        return xt, wt, bt
-    return xt.to(xs.dtype), wt.to(xs.dtype), None if bt is None else bt.to(xs.dtype)
-
-
-def kernel_operands(xs, xt, ws, wt, bt, labels, match_teacher: bool):
-    """(xs, xt, ws, wt, bt, labels) contiguous, with the teacher in the student's dtype when
-    match_teacher (``teacher_in_student_dtype``)."""
-    if match_teacher:
-        xt, wt, bt = teacher_in_student_dtype(xs, xt, wt, bt)
+def kernel_operands(xs, xt, ws, wt, bt, labels):
+    """(xs, xt, ws, wt, bt, labels) contiguous. Each side keeps its own dtype: the logit slabs are
+    float32 whatever the inputs (a float32 teacher is never rounded to a bf16 student's dtype)."""
     xs, xt, ws, wt = (t.contiguous() for t in (xs, xt, ws, wt))
     return xs, xt, ws, wt, bt, None if labels is None else labels.contiguous()

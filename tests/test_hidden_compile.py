@@ -118,7 +118,7 @@ def test_opcheck(impl, reduction):
     xs = h.clone().requires_grad_()
     mask = (labels != -100).float()
     ce_labels = torch.where(labels == -100, -1, labels)
-    args = (xs, xt, ws, wt, bs, None, ce_labels, mask, "jsd", 0.4, 1.5, 1.0, 0.5, 64, -1.0, impl, reduction, "",
+    args = (xs, xt, ws, wt, bs, None, ce_labels, mask, "jsd", 0.4, 1.5, 1.0, 0.5, 64, -1.0, -1.0, -1.0, impl, reduction, "",
             -1, True)
     torch.library.opcheck(custom_op.hidden_distill, args, test_utils=("test_schema", "test_faketensor",
                                                                        "test_autograd_registration"))

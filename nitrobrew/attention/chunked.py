@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from .. import _checks as ck
 from .. import divergences as dv
 from .common import AttnSpec, visible
 
@@ -213,6 +214,7 @@ class ChunkedAttentionKL(torch.autograd.Function):
         return kl.to(torch.float64 if acc == torch.float64 else torch.float32)
 
     @staticmethod
+    @ck.no_double_backward
     def backward(ctx, grad_rows):
         q_s, k_s, q_t, k_t, kpm, lsx, lsy, kl = ctx.saved_tensors
         spec, chunk, acc = ctx.spec, ctx.chunk, ctx.acc

@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from .. import _checks as ck
 from .._checks import interpreter_enabled
 from .._launch import cdiv, launch
 from .common import AttnSpec
@@ -179,6 +180,7 @@ class TritonAttentionKL(torch.autograd.Function):
         return kl.sum() if reduce == "sum" else kl.mean()
 
     @staticmethod
+    @ck.no_double_backward
     def backward(ctx, grad_rows):
         q_s, k_s, q_t, k_t, kpm, lsx, lsy, kl = ctx.saved_tensors
         spec = ctx.spec

@@ -44,6 +44,9 @@ def check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels, heads: str = "[V, D] he
         )
     if ws.dim() != 2 or wt.dim() != 2:
         raise ValueError(f"ws and wt must be 2-D {heads}, got {tuple(ws.shape)} and {tuple(wt.shape)}")
+    for name, x in (("xs", xs), ("xt", xt)):
+        if x.shape[-1] == 0:
+            raise ValueError(f"{name} has hidden size 0 (shape {tuple(x.shape)}): the heads need at least one feature")
     if ws.shape[1] != xs.shape[-1]:
         raise ValueError(f"student hidden size {xs.shape[-1]} does not match ws {tuple(ws.shape)}")
     if wt.shape[1] != xt.shape[-1]:
@@ -54,9 +57,12 @@ def check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels, heads: str = "[V, D] he
     ck.check_labels(labels, xs.shape[:-1])
 
 
-def check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels) -> None:
+def check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels,
+                       softcap_s=None, softcap_t=None) -> None:
     """The scalar options every hidden-state loss shares."""
     ck.check_temperature(temperature)
+    ck.check_softcap("softcap_s", softcap_s)
+    ck.check_softcap("softcap_t", softcap_t)
     ck.check_reduction(reduction)
     ck.check_chunk("chunk_V", chunk_V)
     ck.check_backend(backend)
@@ -69,11 +75,14 @@ def check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_w
 
 def prepare_rows(xs, xt, ws, wt, bs, bt, labels, ignore_index, ce_weight, used: int, label_offset: int = 0):
     """Rows flattened to [N, D], the row mask, the CE targets as ids into the heads' rows (-1 where a
-    row has none here), and the heads cut to their first `used` rows."""
+    row has none here), and the heads cut to their first `used` rows. Student rows that do not
+    count are zeroed: dW sums over rows, and a NaN there must not reach it (0 * NaN is NaN)."""
     x_s = xs.reshape(-1, xs.shape[-1])
     x_t = xt.reshape(-1, xt.shape[-1])
     flat_labels = None if labels is None else labels.reshape(-1)
     mask = ck.row_weights(flat_labels, ignore_index, x_s.shape[0], xs.device)
+    if labels is not None:
+        x_s = torch.where(mask[:, None] > 0, x_s, torch.zeros((), dtype=x_s.dtype, device=x_s.device))
     ce_labels = None
     if ce_weight != 0:
         ce_labels = torch.where(mask > 0, flat_labels - label_offset, torch.full_like(flat_labels, -1))
@@ -85,7 +94,7 @@ def prepare_rows(xs, xt, ws, wt, bs, bt, labels, ignore_index, ce_weight, used: 
 
 
 def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction, chunk_V,
-              kd_weight, ce_weight, ignore_index, backend, mode, memory_budget) -> int:
+              kd_weight, ce_weight, ignore_index, backend, mode, memory_budget, softcap_s, softcap_t) -> int:
     """Check everything before any kernel runs; return the vocabulary size to use."""
     check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels)
     if vocab_size is None:
@@ -99,7 +108,7 @@ def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction
         raise ValueError(
             f"vocab_size must be an int in [1, {min(ws.shape[0], wt.shape[0])}], got {vocab_size!r}"
         )
-    check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels)
+    check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels, softcap_s, softcap_t)
     ck.check_mode(mode, memory_budget)
     if ce_weight != 0:
         ck.check_ids_in_range("labels", labels, vocab_size, ignore_index)
@@ -130,6 +139,8 @@ def hidden_loss(
     mode: Optional[str] = None,
     memory_budget: Optional[int] = None,
     grad_filter: Union[bool, float] = False,
+    softcap_s: Optional[float] = None,
+    softcap_t: Optional[float] = None,
     return_parts: bool = False,
     process_group=None,
 ):
@@ -145,11 +156,11 @@ def hidden_loss(
             labels=labels, ignore_index=ignore_index, temperature=temperature, reduction=reduction,
             chunk_V=chunk_V, vocab_size=vocab_size, bs=bs, bt=bt, kd_weight=kd_weight, ce_weight=ce_weight,
             scale_t2=scale_t2, backend=backend, mode=mode, memory_budget=memory_budget, grad_filter=grad_filter,
-            return_parts=return_parts,
+            softcap_s=softcap_s, softcap_t=softcap_t, return_parts=return_parts,
         )
     name, param = ck.divergence_param(divergence, beta, alpha)
     V = _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction, chunk_V,
-                  kd_weight, ce_weight, ignore_index, backend, mode, memory_budget)
+                  kd_weight, ce_weight, ignore_index, backend, mode, memory_budget, softcap_s, softcap_t)
     gf.check_grad_filter(grad_filter)
     impl = ck.resolve_backend(backend, xs.device)
 
@@ -157,10 +168,11 @@ def hidden_loss(
     x_s, x_t, ws, wt, bs, bt, ce_labels, mask = prepare_rows(xs, xt, ws, wt, bs, bt, labels, ignore_index,
                                                             ce_weight, V)
     cfg = LossConfig.build(name, param, temperature, kd_weight, ce_weight, scale_t2, chunk_V,
-                           gf.resolve_eps(grad_filter, xs.dtype))
+                           gf.resolve_eps(grad_filter, xs.dtype), softcap_s, softcap_t)
     if cfg.filter_eps is not None:
         gf.check_not_capturing(xs.device)
-    use_triton = impl == "triton" and xs.dtype != torch.float64  # float64 always takes the PyTorch path
+    # float64 always takes the PyTorch path; so does an empty batch (nothing to launch: loss 0, zero grads)
+    use_triton = impl == "triton" and xs.dtype != torch.float64 and x_s.shape[0] > 0
     if torch.compiler.is_compiling():
         # one registered op with a registered backward: the traced step keeps a single graph
         out = compiled_distill(x_s, x_t, ws, wt, bs, bt, ce_labels, mask, cfg, "triton" if use_triton else "torch",
@@ -201,6 +213,9 @@ _COMMON_DOC = """
         backend: "auto" (Triton on CUDA, PyTorch elsewhere), "torch" or "triton".
         mode, memory_budget: Triton only: "fast" (token-chunked, default) or
             "constant_memory"; memory_budget in bytes for the fast mode's logit slabs.
+        softcap_s, softcap_t: final-logit softcapping (Gemma 2/3) of the student's / teacher's
+            logits, z -> c * tanh(z / c) before the temperature and the softmax (the CE term
+            uses the capped student logits too); gradients flow through the cap. None = off.
         grad_filter: True (threshold finfo(dtype).eps / 2, 2^-8 for bf16) or a threshold in
             (0, 1): vocab entries whose logit gradient is below threshold x its row's largest
             entry, in every row of a block, skip the dX/dW products (those entries are dropped;

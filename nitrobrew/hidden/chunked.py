@@ -15,9 +15,11 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
+from .. import _checks as ck
 from .. import divergences as dv
 from . import grad_filter as gf
-from .._ops import compute_dtype, linear_logits
+from .._checks import reduction_scale
+from .._ops import compute_dtype, linear_logits, softcap_, softcap_grad_
 from .config import LossConfig, auto_chunk_v
 
 Tensor = torch.Tensor
@@ -26,21 +28,32 @@ Tensor = torch.Tensor
 @dataclass
 class Online:
     """Running max m, rescaled sum l = sum e^(x - m), and optional accumulators a = sum e^(x - m) d and
-    r = sum e^(x - m) expm1(-d) for d = x - y: then lse_y - lse_x = log1p(r / l), which keeps its digits
-    where the difference of the two log-sum-exps would not (y close to x)."""
+    r = sum e^(x - m) expm1(-d) for d = x - y: then lse_y - lse_x = log1p(r / l) - log1p(-b_y / l_y),
+    which keeps its digits where the difference of the two log-sum-exps would not (y close to x).
+    b, kept by the other side (y), is y's mass sum e^(y - m_y) over the entries where e^(x - m)
+    underflowed to 0: those entries are missing from r (docs/design.md §2)."""
 
     m: Tensor
     l: Tensor
     a: Optional[Tensor] = None
     r: Optional[Tensor] = None
+    b: Optional[Tensor] = None
 
     @staticmethod
-    def empty(n: int, acc: torch.dtype, device, with_acc: bool = False) -> "Online":
+    def empty(n: int, acc: torch.dtype, device, with_acc: bool = False, with_lost: bool = False) -> "Online":
         m = torch.full((n,), float("-inf"), dtype=acc, device=device)
         zero = torch.zeros(n, dtype=acc, device=device)
-        return Online(m, zero, zero.clone() if with_acc else None, zero.clone() if with_acc else None)
+        return Online(m, zero, zero.clone() if with_acc else None, zero.clone() if with_acc else None,
+                      zero.clone() if with_lost else None)
 
-    def update(self, x: Tensor, d: Optional[Tensor] = None) -> None:
+    def update(self, x: Tensor, d: Optional[Tensor] = None, lost: Optional[Tensor] = None,
+               other_scale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """Add a chunk x [n, c]; d = x - y feeds a and r. For b: lost (bool [n, c]) marks the entries
+        whose weight on the other side underflowed, and rows whose other_scale is 0 had the other
+        side's earlier sums underflow away (all of this side's mass so far is lost to them).
+        Returns this side's weights e^(x - m) and the factor its earlier sums were rescaled by."""
+        if other_scale is not None:
+            self.b = torch.where(other_scale == 0, self.l, self.b)
         m_new = torch.maximum(self.m, x.amax(-1))
         safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
         scale = torch.exp(self.m - safe)  # 0 while both are -inf
@@ -50,17 +63,19 @@ class Online:
             self.a = self.a * scale + torch.where(e > 0, e * d, torch.zeros_like(d)).sum(-1)
         if self.r is not None:
             self.r = self.r * scale + torch.where(e > 0, e * torch.expm1(-d), torch.zeros_like(d)).sum(-1)
+        if self.b is not None:
+            self.b = self.b * scale + torch.where(lost, e, torch.zeros_like(e)).sum(-1)
         self.m = m_new
+        return e, scale
 
     def rescale_to(self, m_new: Tensor) -> None:
-        """Express l, a and r relative to a larger max (used when merging partial states)."""
+        """Express l, a, r and b relative to a larger max (used when merging partial states)."""
         safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
         scale = torch.exp(self.m - safe)
         self.l = self.l * scale
-        if self.a is not None:
-            self.a = self.a * scale
-        if self.r is not None:
-            self.r = self.r * scale
+        for name in ("a", "r", "b"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name) * scale)
         self.m = m_new
 
     def lse(self) -> Tensor:
@@ -89,8 +104,10 @@ def vocab_chunks(vocab: int, chunk: int) -> Iterator[Tuple[int, int]]:
         yield lo, min(lo + chunk, vocab)
 
 
-def chunk_logits(x: Tensor, w: Tensor, b: Optional[Tensor], lo: int, hi: int, acc) -> Tensor:
-    return linear_logits(x, w[lo:hi], None if b is None else b[lo:hi], acc)
+def chunk_logits(x: Tensor, w: Tensor, b: Optional[Tensor], lo: int, hi: int, acc,
+                 softcap: Optional[float] = None) -> Tensor:
+    """Logits of the head rows [lo, hi) in `acc`, softcapped when softcap is given."""
+    return softcap_(linear_logits(x, w[lo:hi], None if b is None else b[lo:hi], acc), softcap)
 
 
 def gather_label_logit(z: Tensor, labels: Optional[Tensor], lo: int, hi: int) -> Tensor:
@@ -116,19 +133,27 @@ def first_pass(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, lo: int, hi: int
     acc = compute_dtype(xs.dtype)
     n, dev = xs.shape[0], xs.device
     one_pass = cfg.divergence in dv.ONE_PASS
+    fwd, rev = one_pass and cfg.divergence == "forward_kl", one_pass and cfg.divergence == "reverse_kl"
     st = FirstPass(
-        s=Online.empty(n, acc, dev, with_acc=one_pass and cfg.divergence == "reverse_kl"),
-        t=Online.empty(n, acc, dev, with_acc=one_pass and cfg.divergence == "forward_kl"),
+        s=Online.empty(n, acc, dev, with_acc=rev, with_lost=fwd),
+        t=Online.empty(n, acc, dev, with_acc=fwd, with_lost=rev),
         z=Online.empty(n, acc, dev) if cfg.with_ce and cfg.temperature != 1.0 else None,
         z_label=torch.zeros(n, dtype=acc, device=dev),
     )
     for c0 in range(lo, hi, chunk):
         c1 = min(c0 + chunk, hi)
-        z = chunk_logits(xs, ws, bs, c0, c1, acc)
+        z = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s)
         s = z / cfg.temperature
-        t = chunk_logits(xt, wt, bt, c0, c1, acc) / cfg.temperature
-        st.s.update(s, s - t if st.s.a is not None else None)
-        st.t.update(t, t - s if st.t.a is not None else None)
+        t = chunk_logits(xt, wt, bt, c0, c1, acc, cfg.softcap_t) / cfg.temperature
+        if rev:
+            e_s, sc_s = st.s.update(s, s - t)
+            st.t.update(t, lost=e_s == 0, other_scale=sc_s)
+        elif fwd:
+            e_t, sc_t = st.t.update(t, t - s)
+            st.s.update(s, lost=e_t == 0, other_scale=sc_t)
+        else:
+            st.t.update(t)
+            st.s.update(s)
         if st.z is not None:
             st.z.update(z)
         if cfg.with_ce:
@@ -143,25 +168,32 @@ def second_pass(xs, xt, ws, wt, bs, bt, cfg: LossConfig, lse_s, lse_t, lo, hi, c
     u_sum = torch.zeros_like(lse_s)
     for c0 in range(lo, hi, chunk):
         c1 = min(c0 + chunk, hi)
-        lq = chunk_logits(xs, ws, bs, c0, c1, acc) / cfg.temperature - lse_s[:, None]
-        lp = chunk_logits(xt, wt, bt, c0, c1, acc) / cfg.temperature - lse_t[:, None]
+        lq = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s) / cfg.temperature - lse_s[:, None]
+        lp = chunk_logits(xt, wt, bt, c0, c1, acc, cfg.softcap_t) / cfg.temperature - lse_t[:, None]
         phi, u = dv.elementwise(cfg.divergence, lp, lq, cfg.param)
         phi_sum += phi.sum(-1)
         u_sum += u.sum(-1)
     return phi_sum, u_sum
 
 
-def _one_pass_kd(own: Online, lse_gap: Tensor) -> Tensor:
-    """sum_j p_j (x_j - y_j) + lse_y - lse_x for the side p = softmax(x) that accumulated a and r. Where
-    the two distributions are close (|r / l| < 1/2, finite), lse_y - lse_x = log1p(r / l) in float64 from
-    the row's own sums: the difference of two ~log V log-sum-exps would leave their fp32 rounding
-    (~1e-7 nats) in a KL that may be ~1e-4; far apart it has no cancellation."""
+def _one_pass_kd(own: Online, other: Online, lse_gap: Tensor) -> Tensor:
+    """sum_j p_j (x_j - y_j) + lse_y - lse_x for the side p = softmax(x) that accumulated a and r.
+
+    lse_y - lse_x = log1p(r / l) - log1p(-b_y / l_y) exactly (Online's docstring): r sums
+    p_j expm1(y_j - x_j) over the entries where p_j is representable, b_y / l_y is the share of y's
+    mass on the others (p_j = 0 in float32: a mask, a gap of ~100 nats, a cold temperature). Taken in
+    float64 from the row's own sums it keeps its digits when x and y are close, where the difference
+    of two ~log V log-sum-exps would leave their fp32 rounding (~1e-7 nats) in a KL that may be ~1e-4.
+    When the form has nothing to gain (|r / l| >= 1/2, or most of y's mass dropped) or is not finite,
+    the difference of the log-sum-exps is used: it has no cancellation there."""
     if own.r is None:
         return own.a / own.l + lse_gap
     a_l = own.a.double() / own.l.double()
     r = own.r.double() / own.l.double()
-    close = torch.isfinite(r) & (r.abs() < 0.5) & torch.isfinite(a_l)
-    gap = torch.where(close, torch.log1p(torch.where(close, r, 0.0)), lse_gap.double())
+    lost = other.b.double() / other.l.double() if other.b is not None else torch.zeros_like(r)
+    close = torch.isfinite(r) & (r.abs() < 0.5) & torch.isfinite(a_l) & (lost >= 0) & (lost < 0.5)
+    r, lost = torch.where(close, r, 0.0), torch.where(close, lost, 0.0)
+    gap = torch.where(close, torch.log1p(r) - torch.log1p(-lost), lse_gap.double())
     return (a_l + gap).to(own.a.dtype)
 
 
@@ -169,10 +201,10 @@ def finish_stats(fp: FirstPass, cfg: LossConfig, sums: Optional[Tuple[Tensor, Te
     """Turn (globally merged) first-pass state and second-pass sums into RowStats."""
     lse_s, lse_t = fp.s.lse(), fp.t.lse()
     if cfg.divergence == "forward_kl":
-        kd = _one_pass_kd(fp.t, lse_s - lse_t)
+        kd = _one_pass_kd(fp.t, fp.s, lse_s - lse_t)
         sum_u = torch.full_like(kd, -1.0)
     elif cfg.divergence == "reverse_kl":
-        kd = _one_pass_kd(fp.s, lse_t - lse_s)
+        kd = _one_pass_kd(fp.s, fp.t, lse_t - lse_s)
         sum_u = kd + 1.0
     else:
         kd, sum_u = sums
@@ -185,7 +217,8 @@ def finish_stats(fp: FirstPass, cfg: LossConfig, sums: Optional[Tuple[Tensor, Te
 
 
 def grad_chunk(z, t, labels, st: RowStats, cfg: LossConfig, kd_scale, ce_scale, lo: int) -> Tensor:
-    """d loss / d raw student logits for one chunk: z raw student logits, t tempered teacher logits.
+    """d loss / d raw student logits for one chunk: z (softcapped) student logits at temperature 1,
+    t tempered teacher logits.
 
     kd_scale and ce_scale are per-row multipliers (upstream gradient, weights, row mask).
     """
@@ -193,13 +226,23 @@ def grad_chunk(z, t, labels, st: RowStats, cfg: LossConfig, kd_scale, ce_scale, 
     lp = t - st.lse_t[:, None]
     _, u = dv.elementwise(cfg.divergence, lp, lq, cfg.param)
     g = dv.student_logit_grad(u, lq, st.sum_u[:, None]) * (kd_scale / cfg.temperature)[:, None]
+    # rows that do not count (scale 0) get exactly 0, even where their logits are not finite
+    g = torch.where((kd_scale != 0)[:, None], g, torch.zeros_like(g))
     if cfg.with_ce:
-        g = g + torch.exp(z - st.lse_z[:, None]) * ce_scale[:, None]
+        ce_g = torch.exp(z - st.lse_z[:, None]) * ce_scale[:, None]
+        g = g + torch.where((ce_scale != 0)[:, None], ce_g, torch.zeros_like(ce_g))
         if labels is not None:
             inside = (labels >= lo) & (labels < lo + z.shape[1])
             col = torch.where(inside, labels - lo, torch.zeros_like(labels))
             g.scatter_add_(1, col[:, None], torch.where(inside, -ce_scale, torch.zeros_like(ce_scale))[:, None])
-    return g
+    return softcap_grad_(g, z, cfg.softcap_s)
+
+
+def row_upstream(grad_total: torch.Tensor, mask: torch.Tensor, reduction: str, n: int) -> torch.Tensor:
+    """d loss / d row value for each of the n rows, given the gradient of the reduced output."""
+    if reduction == "none":
+        return grad_total.to(torch.float32)
+    return (reduction_scale(mask, reduction) * grad_total.to(torch.float32)).expand(n)
 
 
 def row_scales(grad_rows: Tensor, mask: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor]:
@@ -235,8 +278,8 @@ def backward_chunks(xs, xt, ws, wt, bs, bt, labels, st, cfg, kd_scale, ce_scale,
     if cfg.filter_eps is not None:
         gf.check_not_capturing(xs.device)
     for c0, c1 in vocab_chunks(V, chunk):
-        z = chunk_logits(xs, ws, bs, c0, c1, acc)
-        t = chunk_logits(xt, wt, bt, c0, c1, acc) / cfg.temperature
+        z = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s)
+        t = chunk_logits(xt, wt, bt, c0, c1, acc, cfg.softcap_t) / cfg.temperature
         g = grad_chunk(z, t, None if labels is None else labels - lo, st, cfg, kd_scale, ce_scale, c0)
         idx = None if cfg.filter_eps is None else gf.compacted(gf.active_columns(g, cfg.filter_eps))
         if idx is None:
@@ -288,6 +331,7 @@ class ChunkedDistill(torch.autograd.Function):
         return total, kd, ce
 
     @staticmethod
+    @ck.no_double_backward
     def backward(ctx, grad_total, _gkd, _gce):
         xs, xt, ws, wt, bs, bt, labels, mask = ctx.saved_tensors
         cfg = ctx.cfg

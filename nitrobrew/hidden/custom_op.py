@@ -17,16 +17,18 @@ import torch
 
 from .. import _checks as ck
 from .._ops import compute_dtype, grad_needed, kernel_operands
-from .chunked import RowStats, backward_chunks, combine_rows, compute_stats, row_scales
+from .chunked import RowStats, backward_chunks, combine_rows, compute_stats, row_scales, row_upstream
 from .config import LossConfig, auto_chunk_v
 
 Tensor = torch.Tensor
 _NONE = -1  # stands for None in the integer options (custom ops take no Optional[int] defaults here)
 
 
-def _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps) -> LossConfig:
+def _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t) -> LossConfig:
+    # negative floats stand for None (filter off, no softcap)
     return LossConfig(divergence, param, temperature, kd_weight, ce_weight, None if chunk_V == _NONE else chunk_V,
-                      None if filter_eps < 0 else filter_eps)
+                      None if filter_eps < 0 else filter_eps, None if softcap_s < 0 else softcap_s,
+                      None if softcap_t < 0 else softcap_t)
 
 
 def _plan(xs, ws, cfg: LossConfig, reduction: str, mode: str, memory_budget: int):
@@ -58,11 +60,11 @@ def _empty(like: Tensor) -> Tensor:
 def hidden_distill(
     xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, bs: Optional[Tensor], bt: Optional[Tensor],
     labels: Optional[Tensor], mask: Tensor, divergence: str, param: float, temperature: float,
-    kd_weight: float, ce_weight: float, chunk_V: int, filter_eps: float, impl: str, reduction: str, mode: str,
-    memory_budget: int, need_grad: bool,
+    kd_weight: float, ce_weight: float, chunk_V: int, filter_eps: float, softcap_s: float, softcap_t: float,
+    impl: str, reduction: str, mode: str, memory_budget: int, need_grad: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(total, kd, ce, stats, dx, dw, db): unused entries are empty tensors."""
-    cfg = _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps)
+    cfg = _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t)
     if labels is not None:  # the eager path checked them before tracing could not (data-dependent)
         ck.check_ids_in_range("labels", labels, ws.shape[0], -1)
     if impl == "triton":
@@ -83,12 +85,12 @@ def hidden_distill(
 
 @hidden_distill.register_fake
 def _(xs, xt, ws, wt, bs, bt, labels, mask, divergence, param, temperature, kd_weight, ce_weight, chunk_V,
-      filter_eps, impl, reduction, mode, memory_budget, need_grad):
+      filter_eps, softcap_s, softcap_t, impl, reduction, mode, memory_budget, need_grad):
     acc = compute_dtype(xs.dtype)
     n = xs.shape[0]
     shape = (n,) if reduction == "none" else ()
     out = tuple(xs.new_empty(shape, dtype=acc) for _ in range(3))
-    cfg = _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps)
+    cfg = _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t)
     if _precomputes(impl, xs, ws, cfg, reduction, mode, memory_budget, need_grad):
         db = _empty(xs) if bs is None else torch.empty_like(bs)
         return (*out, out[0].new_empty((0,)), torch.empty_like(xs), torch.empty_like(ws), db)
@@ -99,11 +101,11 @@ def _(xs, xt, ws, wt, bs, bt, labels, mask, divergence, param, temperature, kd_w
 def hidden_distill_backward(
     grad_total: Tensor, stats: Tensor, xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, bs: Optional[Tensor],
     bt: Optional[Tensor], labels: Optional[Tensor], mask: Tensor, divergence: str, param: float,
-    temperature: float, kd_weight: float, ce_weight: float, chunk_V: int, filter_eps: float, impl: str, reduction: str,
-    mode: str, memory_budget: int,
+    temperature: float, kd_weight: float, ce_weight: float, chunk_V: int, filter_eps: float, softcap_s: float,
+    softcap_t: float, impl: str, reduction: str, mode: str, memory_budget: int,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dx, dw, db) recomputed from the row statistics; db is empty without a bias."""
-    cfg = _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps)
+    cfg = _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t)
     rs = _unpack_stats(stats)
     if impl == "triton":
         from .triton_dispatch import distill_backward
@@ -111,8 +113,6 @@ def hidden_distill_backward(
         plan = _plan(xs, ws, cfg, reduction, mode, memory_budget)
         dx, dw, db = distill_backward(xs, xt, ws, wt, bs, bt, labels, mask, rs, cfg, plan, grad_total)
     else:
-        from .triton_dispatch import row_upstream
-
         kd_scale, ce_scale = row_scales(row_upstream(grad_total, mask, reduction, xs.shape[0]).to(stats.dtype),
                                         mask.to(stats.dtype), cfg)
         chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0])
@@ -126,8 +126,8 @@ def _(grad_total, stats, xs, xt, ws, wt, bs, bt, labels, mask, *_options):
     return torch.empty_like(xs), torch.empty_like(ws), _empty(xs) if bs is None else torch.empty_like(bs)
 
 
-_OPTION_NAMES = ("divergence", "param", "temperature", "kd_weight", "ce_weight", "chunk_V", "filter_eps", "impl",
-                 "reduction", "mode", "memory_budget")
+_OPTION_NAMES = ("divergence", "param", "temperature", "kd_weight", "ce_weight", "chunk_V", "filter_eps",
+                 "softcap_s", "softcap_t", "impl", "reduction", "mode", "memory_budget")
 
 
 def _setup_context(ctx, inputs, output):
@@ -140,6 +140,7 @@ def _setup_context(ctx, inputs, output):
         ctx.save_for_backward(output[3], xs, xt, ws, wt, bs, bt, labels, mask)
 
 
+@ck.no_double_backward
 def _backward(ctx, grad_total, _gkd, _gce, *_grad_saved):
     if ctx.precomputed:
         grads = tuple(None if g is None else g * grad_total.to(g.dtype) for g in ctx.saved_tensors)
@@ -160,11 +161,12 @@ def compiled_distill(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, impl
                      mode: Optional[str], memory_budget: Optional[int]):
     """Reduced (total, kd, ce) through the custom op (kd and ce detached, like the eager path)."""
     need_grad = grad_needed(xs, ws, bs)
-    xs, xt, ws, wt, bt, labels = kernel_operands(xs, xt, ws, wt, bt, labels, match_teacher=impl == "triton")
+    xs, xt, ws, wt, bt, labels = kernel_operands(xs, xt, ws, wt, bt, labels)
     out = hidden_distill(
         xs, xt, ws, wt, bs, bt, labels, mask, cfg.divergence,
         float(cfg.param), cfg.temperature, cfg.kd_weight, cfg.ce_weight,
-        _NONE if cfg.chunk_V is None else cfg.chunk_V, -1.0 if cfg.filter_eps is None else cfg.filter_eps, impl,
+        _NONE if cfg.chunk_V is None else cfg.chunk_V, -1.0 if cfg.filter_eps is None else cfg.filter_eps,
+        -1.0 if cfg.softcap_s is None else cfg.softcap_s, -1.0 if cfg.softcap_t is None else cfg.softcap_t, impl,
         reduction, mode or "",
         _NONE if memory_budget is None else memory_budget, need_grad,
     )

@@ -31,6 +31,8 @@ def reference_loss(
     kd_weight: float = 1.0,
     ce_weight: float = 0.0,
     scale_t2: bool = False,
+    softcap_s: Optional[float] = None,
+    softcap_t: Optional[float] = None,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """kd_weight * D(p_T || q_T) [* T^2] + ce_weight * CE(labels, q_1), reduced over counted rows."""
@@ -45,6 +47,10 @@ def reference_loss(
         z = z + bs[:V].to(dtype)
     if bt is not None:
         t = t + bt[:V].to(dtype)
+    if softcap_s is not None:
+        z = softcap_s * torch.tanh(z / softcap_s)
+    if softcap_t is not None:
+        t = softcap_t * torch.tanh(t / softcap_t)
     kd = dv.divergence_rows(name, t / temperature, z / temperature, param)
     if scale_t2:
         kd = kd * temperature**2

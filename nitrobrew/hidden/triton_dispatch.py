@@ -18,10 +18,10 @@ import torch
 
 from .. import _checks as ck
 from .. import divergences as dv
-from .._ops import grad_needed, kernel_operands, linear_logits, mm_acc, mm_acc_add
+from .._ops import grad_needed, kernel_operands, linear_logits, mm_acc, mm_acc_add, softcap_
 from . import grad_filter as gf
 from . import triton_rows as tr
-from .chunked import FirstPass, Online, RowStats, combine_rows, finish_stats, row_scales, vocab_chunks
+from .chunked import FirstPass, Online, RowStats, combine_rows, finish_stats, row_scales, row_upstream, vocab_chunks
 from .config import LossConfig
 
 F32 = torch.float32
@@ -67,15 +67,17 @@ def _round_rows(rows: int) -> int:
 def _slabs(xs, xt, ws, wt, bs, bt, v0, v1, cfg):
     z = linear_logits(xs, ws[v0:v1], None if bs is None else bs[v0:v1], F32)
     t = linear_logits(xt, wt[v0:v1], None if bt is None else bt[v0:v1], F32)
-    return z, t
+    return softcap_(z, cfg.softcap_s), softcap_(t, cfg.softcap_t)
 
 
 def _first_pass_from_state(st: torch.Tensor, cfg: LossConfig) -> FirstPass:
-    sums = (st[:, tr.ACC], st[:, tr.REL])  # on the scale of the side that accumulates them
-    none = (None, None)
+    sums = (st[:, tr.ACC], st[:, tr.REL], None)  # on the scale of the side that accumulates them
+    lost = (None, None, st[:, tr.LOST])  # on the other side's scale
+    fwd, rev = cfg.divergence == "forward_kl", cfg.divergence == "reverse_kl"
+    none = (None, None, None)
     return FirstPass(
-        s=Online(st[:, tr.M_S], st[:, tr.L_S], *(sums if cfg.divergence == "reverse_kl" else none)),
-        t=Online(st[:, tr.M_T], st[:, tr.L_T], *(sums if cfg.divergence == "forward_kl" else none)),
+        s=Online(st[:, tr.M_S], st[:, tr.L_S], *(sums if rev else lost if fwd else none)),
+        t=Online(st[:, tr.M_T], st[:, tr.L_T], *(sums if fwd else lost if rev else none)),
         z=Online(st[:, tr.M_Z], st[:, tr.L_Z]) if cfg.with_ce and cfg.temperature != 1.0 else None,
         z_label=st[:, tr.Z_LABEL],
     )
@@ -212,6 +214,7 @@ class TritonDistill(torch.autograd.Function):
         return out
 
     @staticmethod
+    @ck.no_double_backward
     def backward(ctx, grad_total, _gkd, _gce):
         need = ctx.needs_input_grad
         if ctx.precompute:
@@ -245,18 +248,16 @@ def _is_one(grad: torch.Tensor) -> bool:
 def take_precomputed_grads(ctx, grad_total):
     """(dx, dw, db) formed in the forward (ctx.grads), times the upstream gradient unless it is 1.
     The context's reference is dropped so autograd can take the buffers as .grad without a copy."""
+    if ctx.grads is None:
+        raise RuntimeError(
+            "nitrobrew: this loss formed its gradients in the forward (Triton fast mode, scalar reduction) and "
+            "handed them out in the first backward; a second backward through the same graph (retain_graph=True) "
+            "is not supported. Compute the loss again, or use mode='constant_memory' or backend='torch'.")
     dx, dw, db = ctx.grads
     ctx.grads = None
     if not _is_one(grad_total):
         dx, dw, db = (None if g is None else g * grad_total.to(g.dtype) for g in (dx, dw, db))
     return dx, dw, db
-
-
-def row_upstream(grad_total: torch.Tensor, mask: torch.Tensor, reduction: str, n: int) -> torch.Tensor:
-    """d loss / d row value for each of the n rows, given the gradient of the reduced output."""
-    if reduction == "none":
-        return grad_total.to(F32)
-    return (ck.reduction_scale(mask, reduction) * grad_total.to(F32)).expand(n)
 
 
 def alloc_grads(xs, ws, bs, dw_fp32: bool, need_x: bool = True, need_w: bool = True):
@@ -286,7 +287,7 @@ def triton_distill(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, reduct
         raise TypeError("the Triton backend computes in float32; use backend='torch' for float64 inputs")
     plan = make_plan(xs.shape[0], ws.shape[0], ws.shape[1], xs.dtype, mode, cfg.chunk_V, memory_budget, reduction)
     need_grad = grad_needed(xs, ws, bs)
-    xs, xt, ws, wt, bt, labels = kernel_operands(xs, xt, ws, wt, bt, labels, match_teacher=True)
+    xs, xt, ws, wt, bt, labels = kernel_operands(xs, xt, ws, wt, bt, labels)
     return TritonDistill.apply(xs, xt, ws, wt, bs, bt, labels, mask, cfg, plan, need_grad)
 
 

@@ -24,6 +24,7 @@ from .._launch import launch, next_pow2
 M_S, L_S, M_T, L_T, ACC, M_Z, L_Z, Z_LABEL, PHI_SUM, U_SUM = range(10)
 NSTATE = 10
 REL = PHI_SUM  # one-pass divergences (no second pass): chunked.Online.r, on ACC's scale
+LOST = U_SUM   # one-pass divergences: chunked.Online.b, on the other side's scale
 # Columns of the per-row finished values the gradient kernel reads.
 LSE_S, LSE_T, LSE_Z, SUM_U = range(4)
 
@@ -110,8 +111,9 @@ def _lane_update(m, l, x):
     """Per-lane online (max, rescaled sum) with one exp per element, exp(-|x - m|). Returns the new
     (m, l), the element's weight w = exp(x - m_new) and the factor the lane's old sums are rescaled by.
     An entry x = -inf (past the row's end: loaded as -inf; or masked by the caller) changes nothing
-    and gets w = 0, so the loop needs no mask here (selects on every element cost as much as an exp)."""
-    hi = tl.maximum(m, x)
+    and gets w = 0, so the loop needs no mask here (selects on every element cost as much as an exp).
+    A NaN entry makes the lane's max NaN (and so the row's statistics): NaN never hides."""
+    hi = tl.maximum(m, x, propagate_nan=tl.PropagateNan.ALL)
     e = tl.where(hi == float("-inf"), 0.0, tl.exp(tl.minimum(m, x) - hi))  # 0 while both are -inf
     up = x > m
     return hi, tl.where(up, l * e + 1.0, l + e), tl.where(up, 1.0, e), tl.where(up, e, 1.0)
@@ -132,6 +134,35 @@ def _lanes_to_row(m, l, acc, rel, m0, l0, a0, r0):
     s_old = tl.exp(m0 - safe)
     s_row = tl.exp(mx - safe)
     return m_new, l0 * s_old + l_row * s_row, a0 * s_old + a_row * s_row, r0 * s_old + r_row * s_row
+
+
+@triton.jit
+def _kl_lanes_to_row(m_o, l_o, acc, rel, m_x, l_x, lost, mo0, lo0, a0, r0, mx0, lx0, b0):
+    """The KLs' lane merge: the accumulating side o (max, sum, a, r) and the other side x (max, sum, b),
+    then with the row's carried state. Wherever o's sums underflow on the merged scale (a lane, or the
+    carried state or this tile's, far below the row's max), x's mass there is lost to r: it moves to b."""
+    mo = tl.max(m_o, axis=0)
+    mo_safe = tl.where(mo == float("-inf"), 0.0, mo)
+    sc_o = tl.exp(m_o - mo_safe)
+    l_or = tl.sum(l_o * sc_o, axis=0)
+    a_r = tl.sum(tl.where(sc_o > 0, acc * sc_o, 0.0), axis=0)
+    r_r = tl.sum(tl.where(sc_o > 0, rel * sc_o, 0.0), axis=0)
+    mx = tl.max(m_x, axis=0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    sc_x = tl.exp(m_x - mx_safe)
+    l_xr = tl.sum(l_x * sc_x, axis=0)
+    b_r = tl.sum(tl.where(sc_x > 0, tl.where(sc_o > 0, lost, l_x) * sc_x, 0.0), axis=0)
+    mo_new = tl.maximum(mo0, mo)
+    so_safe = tl.where(mo_new == float("-inf"), 0.0, mo_new)
+    so_old = tl.exp(mo0 - so_safe)
+    so_row = tl.exp(mo - so_safe)
+    mx_new = tl.maximum(mx0, mx)
+    sx_safe = tl.where(mx_new == float("-inf"), 0.0, mx_new)
+    sx_old = tl.exp(mx0 - sx_safe)
+    sx_row = tl.exp(mx - sx_safe)
+    b_new = tl.where(so_old > 0, b0, lx0) * sx_old + tl.where(so_row > 0, b_r, l_xr) * sx_row
+    return (mo_new, lo0 * so_old + l_or * so_row, a0 * so_old + a_r * so_row, r0 * so_old + r_r * so_row,
+            mx_new, lx0 * sx_old + l_xr * sx_row, b_new)
 
 
 @triton.jit
@@ -164,6 +195,7 @@ def stats_kernel(
         l_z = zero
         acc = zero
         rel = zero  # sum of w expm1(other - own) for the side that accumulates (chunked.Online.r)
+        lost = zero  # the other side's weight where the accumulating side's w underflowed (Online.b)
         z_lab = zero
         for start in range(0, n_cols, BLOCK_V):
             idx = start + cols
@@ -171,6 +203,7 @@ def stats_kernel(
             z = tl.load(z_row + idx, mask=valid, other=float("-inf"))
             t = tl.load(t_row + idx, mask=valid, other=float("-inf")) * inv_temp
             s = z * inv_temp
+            l_s0, l_t0 = l_s, l_t
             m_s, l_s, w_s, sc_s = _lane_update(m_s, l_s, s)
             m_t, l_t, w_t, sc_t = _lane_update(m_t, l_t, t)
             if DIVERGENCE < 2:  # the side p that accumulates: the teacher (forward KL) or the student
@@ -180,25 +213,33 @@ def stats_kernel(
                 keep = w > 0  # w = 0 where d may be infinite
                 acc = acc * sc - tl.where(keep, w * d, 0.0)
                 rel = rel * sc + tl.where(keep, w * _expm1(d), 0.0)
+                # the other side's mass where p underflowed is missing from rel: count it on its own scale
+                # (all of the lane's mass so far when the lane's earlier sums underflowed, sc = 0)
+                lost = tl.where(sc > 0, lost, l_s0 if DIVERGENCE == 0 else l_t0)
+                lost = lost * (sc_s if DIVERGENCE == 0 else sc_t) + tl.where(keep, 0.0, w_s if DIVERGENCE == 0 else w_t)
             if RAW_LSE:
                 m_z, l_z, _w, _sc = _lane_update(m_z, l_z, z)
             if HAS_LABELS:
                 z_lab += tl.where(valid & (idx == label), z, 0.0)
-        # the accumulators are relative to the teacher's maxima (forward KL) or the student's (reverse KL)
-        acc_s = acc if DIVERGENCE == 1 else zero
-        rel_s = rel if DIVERGENCE == 1 else zero
-        acc_t = acc if DIVERGENCE == 0 else zero
-        rel_t = rel if DIVERGENCE == 0 else zero
-        acc0, rel0 = tl.load(st + 4), tl.load(st + 8)
-        ms_row, ls_row, a_s, r_s = _lanes_to_row(m_s, l_s, acc_s, rel_s, tl.load(st + 0), tl.load(st + 1), acc0, rel0)
-        mt_row, lt_row, a_t, r_t = _lanes_to_row(m_t, l_t, acc_t, rel_t, tl.load(st + 2), tl.load(st + 3), acc0, rel0)
+        if DIVERGENCE == 0:
+            mt_row, lt_row, a_row, r_row, ms_row, ls_row, b_row = _kl_lanes_to_row(
+                m_t, l_t, acc, rel, m_s, l_s, lost, tl.load(st + 2), tl.load(st + 3), tl.load(st + 4),
+                tl.load(st + 8), tl.load(st + 0), tl.load(st + 1), tl.load(st + 9))
+        elif DIVERGENCE == 1:
+            ms_row, ls_row, a_row, r_row, mt_row, lt_row, b_row = _kl_lanes_to_row(
+                m_s, l_s, acc, rel, m_t, l_t, lost, tl.load(st + 0), tl.load(st + 1), tl.load(st + 4),
+                tl.load(st + 8), tl.load(st + 2), tl.load(st + 3), tl.load(st + 9))
+        else:
+            ms_row, ls_row, _a, _r = _lanes_to_row(m_s, l_s, zero, zero, tl.load(st + 0), tl.load(st + 1), 0.0, 0.0)
+            mt_row, lt_row, _a, _r = _lanes_to_row(m_t, l_t, zero, zero, tl.load(st + 2), tl.load(st + 3), 0.0, 0.0)
         tl.store(st + 0, ms_row)
         tl.store(st + 1, ls_row)
         tl.store(st + 2, mt_row)
         tl.store(st + 3, lt_row)
-        tl.store(st + 4, a_s if DIVERGENCE == 1 else a_t)
         if DIVERGENCE < 2:
-            tl.store(st + 8, r_s if DIVERGENCE == 1 else r_t)
+            tl.store(st + 4, a_row)
+            tl.store(st + 8, r_row)
+            tl.store(st + 9, b_row)
         if RAW_LSE:
             mz_row, lz_row, _a, _r = _lanes_to_row(m_z, l_z, zero, zero, tl.load(st + 5), tl.load(st + 6), 0.0, 0.0)
             tl.store(st + 5, mz_row)
@@ -224,7 +265,8 @@ def stats_kernel(
 
 @triton.jit
 def _grad_tile(z_row, t_row, idx, valid, lse_s, lse_t, lse_z, sum_u, kd_scale, ce_scale, label,
-               inv_temp, param, log_a, log_1ma, DIVERGENCE: tl.constexpr, WITH_CE: tl.constexpr):
+               inv_temp, param, log_a, log_1ma, inv_cap, DIVERGENCE: tl.constexpr, WITH_CE: tl.constexpr,
+               SOFTCAP: tl.constexpr):
     z = tl.load(z_row + idx, mask=valid, other=0.0)
     t = tl.load(t_row + idx, mask=valid, other=0.0)
     lq = z * inv_temp - lse_s
@@ -235,14 +277,18 @@ def _grad_tile(z_row, t_row, idx, valid, lse_s, lse_t, lse_z, sum_u, kd_scale, c
     if WITH_CE:
         ce_g = (tl.exp(z - lse_z) - tl.where(idx == label, 1.0, 0.0)) * ce_scale
         g += tl.where(ce_scale != 0.0, ce_g, 0.0)
+    if SOFTCAP:  # z holds the capped logits c tanh(raw / c): d capped / d raw = 1 - (z / c)^2
+        zc = z * inv_cap
+        g = g * (1.0 - zc * zc)
     return g
 
 
 @triton.jit
 def grad_kernel(
     z_ptr, t_ptr, g_ptr, stride_z, stride_t, stride_g, rowvals_ptr, kd_scale_ptr, ce_scale_ptr,
-    labels_ptr, active_ptr, n_cols, col_offset, inv_temp, param, log_a, log_1ma, filter_eps,
-    DIVERGENCE: tl.constexpr, WITH_CE: tl.constexpr, FILTER: tl.constexpr, BLOCK_V: tl.constexpr,
+    labels_ptr, active_ptr, n_cols, col_offset, inv_temp, param, log_a, log_1ma, filter_eps, inv_cap,
+    DIVERGENCE: tl.constexpr, WITH_CE: tl.constexpr, FILTER: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """g = kd_scale/T * (u - q * sum_u) + ce_scale * (softmax(z) - onehot(label)), per entry.
 
@@ -253,7 +299,7 @@ def grad_kernel(
     active[j] = 1 where |g_j| > filter_eps * that (see grad_filter.py); every writer writes the
     same 1, so plain stores suffice.
     """
-    inv_temp, param, log_a, log_1ma = _f32(inv_temp), _f32(param), _f32(log_a), _f32(log_1ma)
+    inv_temp, param, log_a, log_1ma, inv_cap = _f32(inv_temp), _f32(param), _f32(log_a), _f32(log_1ma), _f32(inv_cap)
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     t_row = t_ptr + row * stride_t
@@ -276,14 +322,14 @@ def grad_kernel(
             idx = start + cols
             valid = idx < n_cols
             g = _grad_tile(z_row, t_row, idx, valid, lse_s, lse_t, lse_z, sum_u, kd_scale, ce_scale, label,
-                           inv_temp, param, log_a, log_1ma, DIVERGENCE, WITH_CE)
+                           inv_temp, param, log_a, log_1ma, inv_cap, DIVERGENCE, WITH_CE, SOFTCAP)
             g_max = tl.maximum(g_max, tl.max(tl.where(valid, tl.abs(g), 0.0), axis=0))
         thr = _f32(filter_eps) * g_max
     for start in range(0, n_cols, BLOCK_V):
         idx = start + cols
         valid = idx < n_cols
         g = _grad_tile(z_row, t_row, idx, valid, lse_s, lse_t, lse_z, sum_u, kd_scale, ce_scale, label,
-                       inv_temp, param, log_a, log_1ma, DIVERGENCE, WITH_CE)
+                       inv_temp, param, log_a, log_1ma, inv_cap, DIVERGENCE, WITH_CE, SOFTCAP)
         tl.debug_barrier()  # g may alias t: every warp has used its loads of this tile before any store
         tl.store(g_row + idx, g.to(g_ptr.dtype.element_ty), mask=valid)
         if FILTER:
@@ -357,6 +403,8 @@ def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, c
         ce_scale if with_ce else kd_scale, labels if with_ce else kd_scale,
         active if active is not None else kd_scale,
         n_cols, col_offset, inv_temp, a, log_a, log_1ma, cfg.filter_eps or 0.0,
+        0.0 if cfg.softcap_s is None else 1.0 / cfg.softcap_s,
         DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence], WITH_CE=with_ce, FILTER=active is not None,
+        SOFTCAP=cfg.softcap_s is not None,
         BLOCK_V=row_block(n_cols), num_warps=NUM_WARPS,
     )

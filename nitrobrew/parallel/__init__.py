@@ -28,7 +28,7 @@ def comm_bytes(n_rows: int, d_student: int, *, divergence: str = "forward_kl", p
     e = 8 for float64 inputs, else 4 (statistics are fp32). N rows, Ds the student hidden size.
       layout    8 * 10 * world               (int64 shard sizes + checks, before any kernel)
       fwd_max   e * N * (2 + c)               c = 1 if CE is on and T != 1 (a T=1 student lse)
-      fwd_sum   e * N * (2 + c + 2a + ce)     a = 1 for forward_kl/reverse_kl, ce = 1 if CE is on
+      fwd_sum   e * N * (2 + c + 3a + ce)     a = 1 for forward_kl/reverse_kl (a, r, b), ce = 1 if CE is on
       fwd_2nd   e * N * 2                     jsd, tvd, skew_kl, skew_reverse_kl only
       bwd_dx    e * N * Ds                    when xs requires grad
     Independent of the vocabulary size V. A ring all-reduce puts ~2 (world-1)/world of that on each link.
@@ -40,7 +40,7 @@ def comm_bytes(n_rows: int, d_student: int, *, divergence: str = "forward_kl", p
     out = {
         "layout": 8 * 10 * world,
         "fwd_max": e * n_rows * (2 + c),
-        "fwd_sum": e * n_rows * (2 + c + 2 * a + (1 if with_ce else 0)),
+        "fwd_sum": e * n_rows * (2 + c + 3 * a + (1 if with_ce else 0)),
     }
     if name not in dv.ONE_PASS:
         out["fwd_second_pass"] = e * n_rows * 2

@@ -22,7 +22,7 @@ import torch
 
 from .. import _checks as ck
 from .. import divergences as dv
-from .._ops import compute_dtype, teacher_in_student_dtype
+from .._ops import compute_dtype
 from ..hidden.chunked import RowStats, TorchLocal, combine_rows, finish_stats, row_scales
 from ..hidden import grad_filter as gf
 from ..hidden.config import LossConfig
@@ -70,18 +70,27 @@ def parallel_stats(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, local, group
     fp = local.first_pass(xs, xt, ws, wt, bs, bt, labels, cfg)
     states = [fp.s, fp.t] + ([fp.z] if fp.z is not None else [])
     m = all_reduce(torch.stack([o.m for o in states]), "max", group, "fwd_max")
+    for own, other, m_global in ((fp.s, fp.t, m[0]), (fp.t, fp.s, m[1])):
+        if other.b is not None:  # own's sums underflow on the global max: other's mass here is lost to them
+            safe = torch.where(torch.isfinite(m_global), m_global, torch.zeros_like(m_global))
+            other.b = torch.where(torch.exp(own.m - safe) == 0, other.l, other.b)
     for o, m_global in zip(states, m):
         o.rescale_to(m_global)
     # a and r (the KL's accumulators: r keeps the digits of a KL between close distributions) merge
     # like l once every rank's state is on the global max
+    # (and b, the other side's mass where the accumulating side's weight underflowed)
     with_acc = [o for o in states if o.a is not None]
-    parts = [o.l for o in states] + [v for o in with_acc for v in (o.a, o.r)] + ([fp.z_label] if cfg.with_ce else [])
+    with_lost = [o for o in states if o.b is not None]
+    parts = ([o.l for o in states] + [v for o in with_acc for v in (o.a, o.r)] + [o.b for o in with_lost]
+             + ([fp.z_label] if cfg.with_ce else []))
     total = all_reduce(torch.stack(parts), "sum", group, "fwd_sum")
     it = iter(total)
     for o in states:
         o.l = next(it)
     for o in with_acc:
         o.a, o.r = next(it), next(it)
+    for o in with_lost:
+        o.b = next(it)
     if cfg.with_ce:
         fp.z_label = next(it)
     sums = None
@@ -105,6 +114,7 @@ class VocabParallelDistill(torch.autograd.Function):
         return total, kd, ce
 
     @staticmethod
+    @ck.no_double_backward
     def backward(ctx, grad_total, _gkd, _gce):
         xs, xt, ws, wt, bs, bt, labels, mask = ctx.saved_tensors
         cfg, acc = ctx.cfg, ctx.stats.lse_s.dtype
@@ -127,13 +137,13 @@ class VocabParallelDistill(torch.autograd.Function):
 
 
 def _local_checks(xs, xt, ws, wt, bs, bt, labels, divergence, beta, alpha, temperature, reduction, chunk_V,
-                  vocab_size, kd_weight, ce_weight, backend) -> Tuple[str, float]:
+                  vocab_size, kd_weight, ce_weight, backend, softcap_s=None, softcap_t=None) -> Tuple[str, float]:
     """Checks that need nothing from other ranks; returns the canonical (divergence, param)."""
     from ..hidden.api import check_hidden_tensors, check_loss_options
 
     check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels, heads="[V_local, D] head shards")
     name, param = ck.divergence_param(divergence, beta, alpha)
-    check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels)
+    check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels, softcap_s, softcap_t)
     if vocab_size is not None and not (ck.is_int(vocab_size) and vocab_size > 0):
         raise ValueError(f"vocab_size must be a positive int (a global vocabulary size), got {vocab_size!r}")
     return name, param
@@ -202,12 +212,13 @@ def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabL
     def local():
         name, param = _local_checks(xs, xt, ws, wt, bs, bt, labels, opts["divergence"], opts["beta"], opts["alpha"],
                                     opts["temperature"], opts["reduction"], opts["chunk_V"], opts["vocab_size"],
-                                    opts["kd_weight"], opts["ce_weight"], opts["backend"])
+                                    opts["kd_weight"], opts["ce_weight"], opts["backend"], opts["softcap_s"],
+                                    opts["softcap_t"])
         acc = compute_dtype(xs.dtype)
         options = fingerprint(name, param, float(opts["temperature"]), float(opts["kd_weight"]),
                               float(opts["ce_weight"]), bool(opts["scale_t2"]), opts["reduction"], opts["vocab_size"],
                               opts["ignore_index"], str(acc), bool(xs.requires_grad), bs is None, bt is None,
-                              labels is None)
+                              labels is None, opts["softcap_s"], opts["softcap_t"])
         valid = None if labels is None else labels != opts["ignore_index"]
         head = torch.tensor([ws.shape[0], wt.shape[0], math.prod(xs.shape[:-1]), xs.shape[-1], xt.shape[-1], options])
         lab = ids_summary(labels, valid, opts["ce_weight"] != 0)
@@ -228,7 +239,8 @@ def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabL
 def parallel_hidden_loss(xs, xt, ws, wt, *, process_group=None, divergence="forward_kl", beta=0.5, alpha=0.1,
                          labels=None, ignore_index=-100, temperature=1.0, reduction="mean", chunk_V=None,
                          vocab_size=None, bs=None, bt=None, kd_weight=1.0, ce_weight=0.0, scale_t2=False,
-                         backend="auto", mode=None, memory_budget=None, grad_filter=False, return_parts=False):
+                         backend="auto", mode=None, memory_budget=None, grad_filter=False, softcap_s=None,
+                         softcap_t=None, return_parts=False):
     """``hidden_loss`` over a vocabulary split across the ranks of ``process_group``.
 
     ws, wt (and bs, bt) hold this rank's contiguous block of the vocabulary (rank r of the group the
@@ -245,7 +257,7 @@ def parallel_hidden_loss(xs, xt, ws, wt, *, process_group=None, divergence="forw
     xs, xt, ws, wt, bs, bt, labels, group = unwrap(xs, xt, ws, wt, bs, bt, labels, process_group)
     opts = dict(divergence=divergence, beta=beta, alpha=alpha, ignore_index=ignore_index, temperature=temperature,
                 reduction=reduction, chunk_V=chunk_V, vocab_size=vocab_size, kd_weight=kd_weight,
-                ce_weight=ce_weight, scale_t2=scale_t2, backend=backend)
+                ce_weight=ce_weight, scale_t2=scale_t2, backend=backend, softcap_s=softcap_s, softcap_t=softcap_t)
     if group is None:  # replicated DTensors: an ordinary single-process call on the local tensors
         return hidden_loss(xs, xt, ws, wt, labels=labels, bs=bs, bt=bt, mode=mode, memory_budget=memory_budget,
                            grad_filter=grad_filter, return_parts=return_parts, **opts)
@@ -257,10 +269,8 @@ def parallel_hidden_loss(xs, xt, ws, wt, *, process_group=None, divergence="forw
                                                                ce_weight, layout.used, layout.offset)
     gf.check_grad_filter(grad_filter)
     cfg = LossConfig.build(name, param, temperature, kd_weight, ce_weight, scale_t2, chunk_V,
-                           gf.resolve_eps(grad_filter, xs.dtype))
+                           gf.resolve_eps(grad_filter, xs.dtype), softcap_s, softcap_t)
     local = local_impl(x_s, ws, cfg, backend, memory_budget)
-    if not isinstance(local, TorchLocal):
-        x_t, wt, bt = teacher_in_student_dtype(x_s, x_t, wt, bt)
     rows = VocabParallelDistill.apply(x_s, x_t, ws, wt, bs, bt, local_labels, mask, cfg, group, local)
     total, kd, ce = (ck.reduce_rows(r, mask, reduction, lead) for r in rows)
     if return_parts:

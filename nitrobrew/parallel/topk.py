@@ -61,6 +61,7 @@ class VocabParallelTopK(torch.autograd.Function):
         return total, kd, ce_rows
 
     @staticmethod
+    @ck.no_double_backward
     def backward(ctx, grad_total, _gkd, _gce):
         from ..topk.chunked import backward_range, row_coefficients
 
@@ -95,7 +96,7 @@ def topk_comm_bytes(n_rows: int, k: int, d: int, *, with_ce: bool = False, tempe
 def parallel_topk_kl(xs, ws, topk_ids, topk_logprobs, *, process_group=None, normalize="full",
                      divergence="forward_kl", beta=0.5, alpha=0.1, tail=False, labels=None, ignore_index=-100,
                      temperature=1.0, teacher_temperature=None, reduction="mean", bs=None, kd_weight=1.0,
-                     ce_weight=0.0, scale_t2=False, chunk_V=None, backend="auto", return_parts=False):
+                     ce_weight=0.0, scale_t2=False, chunk_V=None, backend="auto", softcap_s=None, return_parts=False):
     """``topk_kl`` with ws (bs) holding this rank's contiguous vocabulary block (rank order).
 
     Everything else (xs, topk_ids as global ids, topk_logprobs, labels) is the same on every rank.
@@ -110,7 +111,7 @@ def parallel_topk_kl(xs, ws, topk_ids, topk_logprobs, *, process_group=None, nor
     kwargs = dict(normalize=normalize, divergence=divergence, beta=beta, alpha=alpha, tail=tail, labels=labels,
                   ignore_index=ignore_index, temperature=temperature, teacher_temperature=teacher_temperature,
                   reduction=reduction, bs=bs, kd_weight=kd_weight, ce_weight=ce_weight, scale_t2=scale_t2,
-                  chunk_V=chunk_V, backend=backend, return_parts=return_parts)
+                  chunk_V=chunk_V, backend=backend, softcap_s=softcap_s, return_parts=return_parts)
     if group is None:  # replicated DTensor head: an ordinary local call
         return topk_kl(xs, ws, topk_ids, topk_logprobs, **kwargs)
     require_initialized()
@@ -127,7 +128,7 @@ def parallel_topk_kl(xs, ws, topk_ids, topk_logprobs, *, process_group=None, nor
         name, param = ck.divergence_param(divergence, beta, alpha)
         _validate(xs, ws, topk_ids, topk_logprobs, bs, labels, normalize, divergence, tail, temperature,
                   teacher_temperature, reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend,
-                  id_ranges=False)()
+                  id_ranges=False, softcap_s=softcap_s)()
         K = topk_ids.shape[-1]
         options = fingerprint("topk", name, param, bool(tail), float(temperature), float(kd_weight),
                               float(ce_weight), bool(scale_t2), reduction, ignore_index,
@@ -162,7 +163,8 @@ def parallel_topk_kl(xs, ws, topk_ids, topk_logprobs, *, process_group=None, nor
         ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1)).long()
     cfg = TopKConfig(divergence=name, param=param, normalize=normalize, tail=bool(tail),
                      temperature=float(temperature), kd_weight=float(kd_weight) * (temperature**2 if scale_t2 else 1.0),
-                     ce_weight=float(ce_weight), chunk_V=chunk_V)
+                     ce_weight=float(ce_weight), chunk_V=chunk_V,
+                     softcap_s=None if softcap_s is None else float(softcap_s))
     rows = VocabParallelTopK.apply(x, ws, bs, ids, lp, ce_labels, mask, cfg, group, lo)
     total, kd, ce = (ck.reduce_rows(r, mask, reduction, lead) for r in rows)
     if return_parts:

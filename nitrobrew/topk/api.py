@@ -15,7 +15,7 @@ NORMALIZE = ("full", "topk")
 
 def _validate(xs, ws, ids, lp, bs, labels, normalize, divergence, tail, temperature, teacher_temperature,
               reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend, id_ranges: bool = True,
-              mode=None, memory_budget=None) -> Callable[[], None]:
+              mode=None, memory_budget=None, softcap_s=None) -> Callable[[], None]:
     """Every check before any kernel runs (id_ranges=False: the vocab-parallel path checks ids globally).
     The checks of the stored data's values are launched here; the returned call reads them and raises."""
     for name, t in (("xs", xs), ("ws", ws), ("topk_ids", ids), ("topk_logprobs", lp)):
@@ -54,6 +54,9 @@ def _validate(xs, ws, ids, lp, bs, labels, normalize, divergence, tail, temperat
             "renormalized over the K ids) or normalize='full' with tail=True (K ids + one tail bucket)"
         )
     ck.check_temperature(temperature)
+    ck.check_softcap("softcap_s", softcap_s)
+    if xs.shape[-1] == 0:
+        raise ValueError(f"xs has hidden size 0 (shape {tuple(xs.shape)}): the head needs at least one feature")
     if teacher_temperature is not None:
         ck.check_temperature(teacher_temperature)
         if teacher_temperature != temperature:
@@ -88,27 +91,50 @@ def _no_check() -> None:
     return None
 
 
+def _lse_tolerance(lp: torch.Tensor) -> float:
+    """How far above 0 a row's logsumexp of stored log-probs may lie: 1e-3, plus the rounding of
+    16-bit storage (each log-prob rounded to its dtype's precision, summed over up to log K nats)."""
+    K = lp.shape[-1]
+    return 1e-3 + (torch.finfo(lp.dtype).eps * math.log(max(K, 2)) if lp.element_size() < 4 else 0.0)
+
+
 def _stored_check(ids, lp, V: Optional[int], impl: str) -> Callable[[], None]:
     """Launch the checks of the stored data (NaN/+inf log-probs; with V, ids outside [0, V) at finite
-    entries) and return the call that reads their flags (one device sync) and raises. The caller reads
-    them as late as it can, right before the loss's first kernel, so the sync leaves the device idle
-    only for that launch."""
+    entries; ids repeated within a row; rows that are not a sub-distribution) and return the call that
+    reads their flags (one device sync) and raises. The caller reads them as late as it can, right
+    before the loss's first kernel, so the sync leaves the device idle only for that launch."""
+    tol = _lse_tolerance(lp)
     if impl == "triton":
         from .triton_checks import stored_flags
 
-        flags = stored_flags(ids, lp, V)
+        flags = stored_flags(ids, lp, V, tol)
     else:
+        finite = torch.isfinite(lp)
         bad = [(torch.isnan(lp) | (lp == float("inf"))).any()]
-        if V is not None:
-            bad.append((torch.isfinite(lp) & ((ids < 0) | (ids >= V))).any())
+        bad.append((finite & ((ids < 0) | (ids >= V))).any() if V is not None else torch.zeros((), dtype=torch.bool,
+                                                                                              device=lp.device))
+        # padding entries get distinct negative stand-ins, so only valid ids can collide
+        K = lp.shape[-1]
+        stand_in = -1 - torch.arange(K, device=lp.device)
+        sorted_ids = torch.where(finite, ids.long(), stand_in).sort(dim=-1).values
+        bad.append((sorted_ids[..., 1:] == sorted_ids[..., :-1]).any())
+        bad.append((torch.logsumexp(torch.where(finite, lp.float(), float("-inf")), dim=-1) > tol).any())
         flags = torch.stack(bad)
 
     def raise_if_bad() -> None:
-        bad_lp, *bad_ids = flags.tolist()
+        bad_lp, bad_ids, dup, over = flags.tolist()
         if bad_lp:
             raise ValueError("topk_logprobs holds NaN or +inf; padding entries must be -inf")
-        if bad_ids and bad_ids[0]:  # the detailed message costs more syncs: only on failure
+        if bad_ids:  # the detailed message costs more syncs: only on failure
             ck.check_ids_in_range("topk_ids (at entries whose log-prob is finite)", ids[torch.isfinite(lp)], V)
+        if dup:
+            raise ValueError("topk_ids repeats an id within a row (at entries whose log-prob is finite): each row's "
+                             "valid ids must be distinct (mark unused slots with log-prob -inf)")
+        if over:
+            raise ValueError(f"topk_logprobs are not a sub-distribution: a row's probabilities sum to more than 1 "
+                             f"(logsumexp over its K entries > {tol:.2g}); store log-probs (log_softmax over the "
+                             "whole vocabulary), not logits")
+
     return raise_if_bad
 
 
@@ -145,6 +171,7 @@ def topk_kl(
     backend: str = "auto",
     mode: Optional[str] = None,
     memory_budget: Optional[int] = None,
+    softcap_s: Optional[float] = None,
     return_parts: bool = False,
     process_group=None,
 ):
@@ -185,6 +212,10 @@ def topk_kl(
             [rows, V] logit slab fits in memory_budget bytes (default 896 MiB), logits from cuBLAS, the
             gradient formed while the slab exists (three GEMMs in all). "constant_memory": fused
             kernels in the manner of cut-cross-entropy, no slab, O(rows * K) memory, slower.
+        softcap_s: final-logit softcapping (Gemma 2/3) of the student's logits, z -> c tanh(z / c)
+            before the temperature (the stored teacher log-probs carry the teacher's own cap); the
+            gradient flows through the cap. Runs on the PyTorch path (the Triton top-k kernels do
+            not apply a cap). None = off.
         return_parts: return ``DistillOutput(loss, kd, ce)`` (kd and ce detached, reduced the same way).
         process_group: vocab-parallel head (normalize="full" only): ws (bs) hold this rank's contiguous
             block of the vocabulary, the other inputs are the same on every rank and ids are global;
@@ -200,12 +231,13 @@ def topk_kl(
             xs, ws, topk_ids, topk_logprobs, process_group=process_group, normalize=normalize, divergence=divergence,
             beta=beta, alpha=alpha, tail=tail, labels=labels, ignore_index=ignore_index, temperature=temperature,
             teacher_temperature=teacher_temperature, reduction=reduction, bs=bs, kd_weight=kd_weight,
-            ce_weight=ce_weight, scale_t2=scale_t2, chunk_V=chunk_V, backend=backend, return_parts=return_parts,
+            ce_weight=ce_weight, scale_t2=scale_t2, chunk_V=chunk_V, backend=backend, softcap_s=softcap_s,
+            return_parts=return_parts,
         )
     name, param = ck.divergence_param(divergence, beta, alpha)
     check_stored = _validate(xs, ws, topk_ids, topk_logprobs, bs, labels, normalize, divergence, tail,
                              temperature, teacher_temperature, reduction, chunk_V, kd_weight, ce_weight,
-                             ignore_index, backend, mode=mode, memory_budget=memory_budget)
+                             ignore_index, backend, mode=mode, memory_budget=memory_budget, softcap_s=softcap_s)
     impl = ck.resolve_backend(backend, xs.device)
 
     lead = xs.shape[:-1]
@@ -226,8 +258,10 @@ def topk_kl(
         kd_weight=float(kd_weight) * (temperature**2 if scale_t2 else 1.0),
         ce_weight=float(ce_weight),
         chunk_V=chunk_V,
+        softcap_s=None if softcap_s is None else float(softcap_s),
     )
-    fused = impl == "triton" and x.dtype != torch.float64
+    # float64, an empty batch and the softcap take the PyTorch path
+    fused = impl == "triton" and x.dtype != torch.float64 and x.shape[0] > 0 and softcap_s is None
     if fused and not cfg.full:
         # the K gathered rows are all it touches; the stored data's checks are read right before its
         # first kernel (their sync then idles the device for the launch alone)
@@ -245,7 +279,7 @@ def topk_kl(
     else:
         check_stored()
         ids = _safe_ids(topk_ids, lp)
-        if impl == "triton":
+        if fused:
             from .triton_dispatch import triton_rows as rows_fn
         else:
             from .chunked import chunked_rows as rows_fn

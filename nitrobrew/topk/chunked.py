@@ -28,7 +28,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .._ops import compute_dtype
+from .. import _checks as ck
+from .._ops import compute_dtype, softcap_, softcap_grad_
 from ..hidden.chunked import Online, chunk_logits, gather_label_logit, head_grads_from_chunk, row_scales, vocab_chunks
 from ..hidden.chunked import combine_rows as hidden_combine_rows
 from ..hidden.config import auto_chunk_v
@@ -109,7 +110,7 @@ def vocab_pass(xs, ws, bs, labels, entries: Entries, cfg: TopKConfig, lo: int = 
     )
     local_labels = None if labels is None else labels - lo
     for c0, c1 in vocab_chunks(V, chunk):
-        z = chunk_logits(xs, ws, bs, c0, c1, acc)
+        z = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s)
         a, b = entries.span(lo + c0, lo + c1)
         s = z / cfg.temperature
         st.s.update(without_ids(s, entries, a, b, lo + c0) if cfg.tail and b > a else s)
@@ -183,7 +184,7 @@ def backward_range(xs, ws, bs, labels, entries: Entries, coef: Tensor, lse_s: Te
         lse_tail = dense.lse_tail
         lse_tail = torch.where(torch.isfinite(lse_tail), lse_tail, torch.zeros_like(lse_tail))  # no outside ids: 0
     for c0, c1 in vocab_chunks(V, chunk):
-        z = chunk_logits(xs, ws, bs, c0, c1, acc)
+        z = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s)
         s = z / cfg.temperature
         a, b = entries.span(lo + c0, lo + c1)
         if dense.tail is None:
@@ -199,6 +200,7 @@ def backward_range(xs, ws, bs, labels, entries: Entries, coef: Tensor, lse_s: Te
                 g.scatter_add_(1, col[:, None], torch.where(inside, -ce_scale, torch.zeros_like(ce_scale))[:, None])
         if b > a:
             g.index_put_((entries.rows[a:b], entries.ids[a:b] - lo - c0), coef[entries.flat[a:b]], accumulate=True)
+        softcap_grad_(g, z, cfg.softcap_s)
         head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx, dw, db)
     return dx, dw, db
 
@@ -256,7 +258,8 @@ class ChunkedTopK(torch.autograd.Function):
             st = vocab_pass(xs, ws, bs, labels, entries, cfg)
             res, lse_s, lse_z, ce = finish(st.z_ids, lpc, valid, st.s, st.z, st.z_label, cfg)
         else:
-            z_ids = gather_logits(xs, ws, bs, ids).reshape(-1)
+            z_ids = softcap_(gather_logits(xs, ws, bs, ids).reshape(-1), cfg.softcap_s)
+            ctx.z_ids = z_ids
             res, lse_s, lse_z, ce = finish(z_ids, lpc, valid, None, None, None, cfg)
         total, kd, ce_rows = combine_rows(res, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, ids, labels, mask)
@@ -265,6 +268,7 @@ class ChunkedTopK(torch.autograd.Function):
         return total, kd, ce_rows
 
     @staticmethod
+    @ck.no_double_backward
     def backward(ctx, grad_total, _gkd, _gce):
         xs, ws, bs, ids, labels, mask = ctx.saved_tensors
         cfg = ctx.cfg
@@ -274,7 +278,8 @@ class ChunkedTopK(torch.autograd.Function):
             dx, dw, db = backward_range(xs, ws, bs, labels, ctx.entries, coef, ctx.lse_s, dense, ctx.lse_z,
                                         ce_scale, cfg, need_w=need_w)
         else:
-            dx, dw, db = sparse_grads(xs, ws, bs, ids, ctx.entries, coef, need_w=need_w)
+            dx, dw, db = sparse_grads(xs, ws, bs, ids, ctx.entries, softcap_grad_(coef, ctx.z_ids, cfg.softcap_s),
+                                      need_w=need_w)
         dx = dx.to(xs.dtype) if ctx.needs_input_grad[0] else None
         dw = dw if ctx.needs_input_grad[1] else None
         db = db if ctx.needs_input_grad[2] else None

@@ -40,6 +40,7 @@ def reference_topk_loss(
     kd_weight: float = 1.0,
     ce_weight: float = 0.0,
     scale_t2: bool = False,
+    softcap_s: Optional[float] = None,
     dtype: torch.dtype = torch.float64,
     return_parts: bool = False,
 ):
@@ -55,6 +56,8 @@ def reference_topk_loss(
     z = x @ ws.to(dtype).t()
     if bs is not None:
         z = z + bs.to(dtype)
+    if softcap_s is not None:
+        z = softcap_s * torch.tanh(z / softcap_s)
     s = z / temperature
     s_k = s.gather(1, ids)
     if normalize == "full":

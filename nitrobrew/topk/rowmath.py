@@ -66,6 +66,7 @@ class TopKConfig:
     kd_weight: float         # T^2 already folded in when asked for
     ce_weight: float         # hard-label CE at temperature 1 (normalize="full" only)
     chunk_V: Optional[int] = None
+    softcap_s: Optional[float] = None  # final-logit softcapping of the student (z -> c tanh(z / c)), None = off
 
     @property
     def with_ce(self) -> bool:

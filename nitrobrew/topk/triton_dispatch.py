@@ -217,6 +217,7 @@ class TritonTopK(torch.autograd.Function):
         return total, kd, ce_rows
 
     @staticmethod
+    @ck.no_double_backward
     def backward(ctx, grad_total, _gkd, _gce):
         xs, ws, bs, labels, mask = ctx.saved_tensors
         cfg = ctx.cfg

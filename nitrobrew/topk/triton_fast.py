@@ -29,9 +29,9 @@ import triton.language as tl
 
 from .. import _checks as ck
 from .._ops import linear_logits
-from ..hidden.chunked import Online, row_scales
+from ..hidden.chunked import Online, row_scales, row_upstream
 from ..hidden.triton_dispatch import (accumulate_dw, alloc_grads, finish_grads, keep_for_backward, row_blocks,
-                                      row_upstream, take_precomputed_grads)
+                                      take_precomputed_grads)
 from ..hidden.triton_rows import NUM_WARPS, _f32, _online, row_block
 from .chunked import combine_rows, finish
 from .rowmath import RowResult, TopKConfig, full_lse
@@ -262,6 +262,7 @@ class FastTopK(torch.autograd.Function):
         return out
 
     @staticmethod
+    @ck.no_double_backward
     def backward(ctx, grad_total, _gkd, _gce):
         need = ctx.needs_input_grad
         if ctx.precompute:

@@ -491,6 +491,7 @@ class SupportTopK(torch.autograd.Function):
         return total, kd, ce
 
     @staticmethod
+    @ck.no_double_backward
     def backward(ctx, grad_total, _gkd, _gce):
         xs, ws, bs, coef, key, counts, unit = ctx.saved_tensors
         scale = (grad_total.to(F32) * (ctx.cfg.kd_weight if unit is None else unit)).reshape(-1).contiguous()
