@@ -40,6 +40,7 @@ def compare(inputs, *, teacher_grad=False, rtol_val=1e-5, rtol_grad=1e-4, atol=1
     """Run attention_kl and the float64 reference on the same inputs; check value and gradients:
     ||out - ref|| <= rtol * ||ref|| + atol (atol: fp32 rounding of O(10)-unit scores, which
     matters when a value or gradient is itself ~0, e.g. saturated softmaxes)."""
+    kw.setdefault("is_causal", True)
     ins = [t.clone().requires_grad_(i < 2 or teacher_grad) for i, t in enumerate(inputs)]
     ref_ins = [t.detach().double().requires_grad_(i < 2 or teacher_grad) for i, t in enumerate(inputs)]
     out = attention_kl(*ins, reduction=reduction, lse_t=lse_t, **kw)

@@ -52,8 +52,8 @@ def test_kv_lengths_equal_padding_mask():
     ins = make_inputs(B=3, H=2, Nq=11, Ds=8, Dt=8, seed=4)
     lengths = torch.tensor([11, 4, 0])
     kpm = torch.arange(11)[None, :] < lengths[:, None]
-    a = attention_kl(*ins, backend="torch", kv_lengths=lengths, reduction="none")
-    b = attention_kl(*ins, backend="torch", key_padding_mask=kpm, reduction="none")
+    a = attention_kl(*ins, backend="torch", kv_lengths=lengths, reduction="none", is_causal=True)
+    b = attention_kl(*ins, backend="torch", key_padding_mask=kpm, reduction="none", is_causal=True)
     assert torch.equal(a, b)
     assert (a[2] == 0).all()
 
@@ -61,13 +61,13 @@ def test_kv_lengths_equal_padding_mask():
 def test_fully_masked_rows_zero_and_no_nan():
     ins = [t.requires_grad_() for t in make_inputs(B=1, H=2, Nq=6, Ds=8, Dt=8)]
     kpm = torch.zeros(1, 6, dtype=torch.bool)
-    loss = attention_kl(*ins, backend="torch", key_padding_mask=kpm)
+    loss = attention_kl(*ins, backend="torch", key_padding_mask=kpm, is_causal=True)
     loss.backward()
     assert float(loss.detach()) == 0.0
     assert all(t.grad is not None and (t.grad == 0).all() for t in ins[:2])
     # negative causal offset: the first rows see nothing
     ins = [t.detach().requires_grad_() for t in ins]
-    rows = attention_kl(*ins, backend="torch", causal_offset=-2, reduction="none")
+    rows = attention_kl(*ins, backend="torch", causal_offset=-2, reduction="none", is_causal=True)
     assert (rows[..., :3] == 0).all() and (rows[..., 3:] > 0).all()  # row 2 sees one key: KL 0
     rows.sum().backward()
     assert torch.isfinite(ins[0].grad).all()
@@ -89,7 +89,7 @@ def test_shifted_scores_no_cancellation():
     # append a constant-key coordinate: q_t . k_t = q . k + 300 * c_i for every key
     q_t = torch.cat([q, 300 * torch.rand(1, 2, 32, 1)], -1)
     k_t = torch.cat([k, torch.ones(1, 2, 32, 1)], -1)
-    rows = attention_kl(q, k, q_t, k_t, backend="torch", scale_s=0.25, scale_t=0.25, reduction="none")
+    rows = attention_kl(q, k, q_t, k_t, backend="torch", scale_s=0.25, scale_t=0.25, reduction="none", is_causal=True)
     assert rows.abs().max() < 1e-4
 
 
@@ -133,7 +133,7 @@ def test_reference_matches_kl_div():
     b = (q_s @ k_s.transpose(-1, -2) / math.sqrt(8)).masked_fill(~mask, float("-inf"))
     p, logq = torch.softmax(a, -1), torch.log_softmax(b, -1)
     expected = torch.where(p > 0, p * (torch.log(p) - logq), torch.zeros_like(p)).sum(-1)
-    got = reference_attention_kl(q_s, k_s, q_t, k_t, reduction="none")
+    got = reference_attention_kl(q_s, k_s, q_t, k_t, reduction="none", is_causal=True)
     assert torch.allclose(got, expected, atol=1e-12)
 
 
@@ -170,7 +170,7 @@ def test_rows_counted_in_mean():
     ins = make_inputs(B=2, H=2, Nq=8, Ds=8, Dt=8, seed=12)
     kpm = torch.ones(2, 8, dtype=torch.bool)
     kpm[1] = False
-    rows = attention_kl(*ins, backend="torch", key_padding_mask=kpm, reduction="none")
-    mean = attention_kl(*ins, backend="torch", key_padding_mask=kpm)
+    rows = attention_kl(*ins, backend="torch", key_padding_mask=kpm, reduction="none", is_causal=True)
+    mean = attention_kl(*ins, backend="torch", key_padding_mask=kpm, is_causal=True)
     assert torch.allclose(mean, rows.sum() / (1 * 2 * 8))
-    assert rel(attention_kl(*ins, backend="torch", key_padding_mask=kpm, reduction="sum"), rows.sum()) < 1e-6
+    assert rel(attention_kl(*ins, backend="torch", key_padding_mask=kpm, reduction="sum", is_causal=True), rows.sum()) < 1e-6

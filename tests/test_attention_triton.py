@@ -71,8 +71,8 @@ def test_even_tiles_and_block_override_match_torch():
     """Sizes that are multiples of the tiles (the unmasked fast path) and larger tiles."""
     ins = make_inputs(B=1, H=2, Nq=64, Ds=16, Dt=32, seed=7)
     a = attention_kl(*ins, backend="triton", reduction="none",
-                     block_config={"fwd": (32, 16, 4, 1), "dq": (16, 32, 4, 1), "dk": (32, 16, 4, 1)})
-    b = attention_kl(*ins, backend="torch", reduction="none")
+                     block_config={"fwd": (32, 16, 4, 1), "dq": (16, 32, 4, 1), "dk": (32, 16, 4, 1)}, is_causal=True)
+    b = attention_kl(*ins, backend="torch", reduction="none", is_causal=True)
     assert rel(a, b) < 1e-5
     compare(ins, backend="triton", block_config={"fwd": (32, 16, 4, 1), "dq": (16, 32, 4, 1), "dk": (32, 16, 4, 1)})
 

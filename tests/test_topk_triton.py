@@ -357,21 +357,31 @@ def test_support_counting_sort_twice_and_deterministic_backward(monkeypatch):
 
 @pytest.mark.parametrize("where", [0, -1])
 def test_stored_checks_kernel(where):
-    """The Triton check of the stored data (several blocks of entries): NaN / +inf log-probs and ids
-    outside [0, V) at finite entries raise; padding entries may hold any id."""
-    n, k, v = 70, 64, 61
+    """The Triton check of the stored data (several blocks of rows): NaN / +inf log-probs, ids outside
+    [0, V) at finite entries, an id repeated within a row and a row that is not a sub-distribution
+    raise; padding entries may hold any id (repeated ones too)."""
+    n, k, v = 70, 48, 61
     g = torch.Generator().manual_seed(4)
     xs, ws = torch.randn(n, 8, generator=g), torch.randn(v, 8, generator=g)
-    ids = torch.randint(0, v, (n, k), generator=g)
-    lp = torch.log_softmax(torch.randn(n, k, generator=g), -1)
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(n)])
+    lp = torch.log_softmax(torch.randn(n, v, generator=g), -1).gather(1, ids)
     lp[5, 3], ids[5, 3] = float("-inf"), 10**6  # padding: any id
-    for bad_lp, bad_id, match in ((float("nan"), None, "NaN"), (float("inf"), None, "NaN or \\+inf"),
-                                  (None, v, r"topk_ids .* must lie in \[0, 61\)"), (None, -1, r"must lie in")):
+    lp[5, 4], ids[5, 4] = float("-inf"), int(ids[5, 0])  # padding may repeat a valid id
+    row = 0 if where == 0 else n - 1
+    cases = ((float("nan"), None, None, "NaN"), (float("inf"), None, None, "NaN or \\+inf"),
+             (None, v, None, r"topk_ids .* must lie in \[0, 61\)"), (None, -1, None, r"must lie in"),
+             (None, None, "dup", "repeats an id"), (None, None, "sum", "not a sub-distribution"))
+    for bad_lp, bad_id, other, match in cases:
         i, l = ids.clone(), lp.clone()
         if bad_lp is not None:
             l.view(-1)[where] = bad_lp
-        else:
+        elif bad_id is not None:
             i.view(-1)[where] = bad_id
-        with pytest.raises(ValueError, match=match):
-            topk_kl(xs, ws, i, l, normalize="topk", backend="triton")
+        elif other == "dup":
+            i[row, -1] = i[row, 1]
+        else:
+            l[row] = torch.log_softmax(l[row], -1) + 0.01  # sums to e^0.01 > 1
+        for backend in ("triton", "torch"):
+            with pytest.raises(ValueError, match=match):
+                topk_kl(xs, ws, i, l, normalize="topk", backend=backend)
     assert torch.isfinite(topk_kl(xs, ws, ids, lp, normalize="topk", backend="triton"))

@@ -121,7 +121,7 @@ def attention_kl(
     q_t: torch.Tensor,
     k_t: torch.Tensor,
     *,
-    is_causal: bool = True,
+    is_causal: bool,
     causal_offset: int = 0,
     scale_s: Optional[float] = None,
     scale_t: Optional[float] = None,

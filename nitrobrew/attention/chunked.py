@@ -163,7 +163,7 @@ def forward_stats(X, Y, spec: AttnSpec, kpm, Nq: int, Nk: int, chunk: int, lse_x
         lx[:, :, r0:] = lxo * ax + ex.sum(-1)
         ly[:, :, r0:] = ly[:, :, r0:] * torch.exp(myo - myn) + ey.sum(-1)
         mx[:, :, r0:], my[:, :, r0:] = mxn, myn
-    ok = (lx > 0) & (ly > 0)
+    ok = (lx != 0) & (ly != 0)  # 0: a row with no visible key (its KL is 0); NaN stays NaN
     one = torch.ones_like(lx)
     lxs, lys = torch.where(ok, lx, one), torch.where(ok, ly, one)
     zero = torch.zeros_like(lx)

@@ -20,7 +20,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, dtype) -> torch.Tens
     return (q.to(dtype) @ kk.transpose(-1, -2)) * scale
 
 
-def reference_rows(q_s, k_s, q_t, k_t, *, is_causal=True, causal_offset=0, scale_s=None, scale_t=None,
+def reference_rows(q_s, k_s, q_t, k_t, *, is_causal, causal_offset=0, scale_s=None, scale_t=None,
                    temperature=1.0, direction="forward", target="per_head", key_padding_mask=None,
                    kv_lengths=None, dtype=torch.float64) -> torch.Tensor:
     """Per-row KL [B, H_s, Nq] in ``dtype`` (0 at rows that see no key)."""
@@ -49,7 +49,7 @@ def reference_rows(q_s, k_s, q_t, k_t, *, is_causal=True, causal_offset=0, scale
     return phi.sum(-1)
 
 
-def reference_attention_kl(q_s, k_s, q_t, k_t, *, is_causal=True, causal_offset=0, scale_s=None,
+def reference_attention_kl(q_s, k_s, q_t, k_t, *, is_causal, causal_offset=0, scale_s=None,
                            scale_t=None, temperature=1.0, direction="forward", reduction="mean",
                            target="per_head", key_padding_mask=None, kv_lengths=None, query_mask=None,
                            dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -105,7 +105,7 @@ def attn_kl_fwd_kernel(
                                       offs_dx, offs_dy, mx, my, lx, ly, c, Nk, scale_x, scale_y, causal_offset,
                                       DX, DY, BDX, BDY, True, CAUSAL, HAS_KPM, X_FIXED, Y_FIXED, EVEN_N, PREC_X, PREC_Y)
 
-    ok = (lx > 0) & (ly > 0)
+    ok = (lx != 0) & (ly != 0)  # 0: a row with no visible key (its KL is 0); NaN stays NaN
     lxs = tl.where(ok, lx, 1.0)
     lys = tl.where(ok, ly, 1.0)
     kl2 = c / lxs - tl.log2(lxs) + tl.log2(lys)

@@ -23,6 +23,9 @@ from .._ops import compute_dtype, linear_logits, softcap_, softcap_grad_
 from .config import LossConfig, auto_chunk_v
 
 Tensor = torch.Tensor
+# In the KLs' close-distribution sum r, an entry whose other side lies more than this many nats above
+# its own is counted in the other side's dropped mass b instead (p e^d could overflow float32 there).
+FAR_NATS = 64.0
 
 
 @dataclass
@@ -62,7 +65,9 @@ class Online:
         if self.a is not None:
             self.a = self.a * scale + torch.where(e > 0, e * d, torch.zeros_like(d)).sum(-1)
         if self.r is not None:
-            self.r = self.r * scale + torch.where(e > 0, e * torch.expm1(-d), torch.zeros_like(d)).sum(-1)
+            near = (e > 0) & (-d <= FAR_NATS)  # elsewhere only -e (the other side's mass goes to its b)
+            r_new = torch.where(near, e * torch.expm1(torch.where(near, -d, 0.0)), -e).sum(-1)
+            self.r = torch.where(scale > 0, self.r * scale, 0.0) + r_new
         if self.b is not None:
             self.b = self.b * scale + torch.where(lost, e, torch.zeros_like(e)).sum(-1)
         self.m = m_new
@@ -147,10 +152,10 @@ def first_pass(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, lo: int, hi: int
         t = chunk_logits(xt, wt, bt, c0, c1, acc, cfg.softcap_t) / cfg.temperature
         if rev:
             e_s, sc_s = st.s.update(s, s - t)
-            st.t.update(t, lost=e_s == 0, other_scale=sc_s)
+            st.t.update(t, lost=(e_s == 0) | (t - s > FAR_NATS), other_scale=sc_s)
         elif fwd:
             e_t, sc_t = st.t.update(t, t - s)
-            st.s.update(s, lost=e_t == 0, other_scale=sc_t)
+            st.s.update(s, lost=(e_t == 0) | (s - t > FAR_NATS), other_scale=sc_t)
         else:
             st.t.update(t)
             st.s.update(s)
@@ -208,6 +213,11 @@ def finish_stats(fp: FirstPass, cfg: LossConfig, sums: Optional[Tuple[Tensor, Te
         sum_u = kd + 1.0
     else:
         kd, sum_u = sums
+    # a NaN logit makes its row's log-sum-exps NaN; the elementwise sums skip p = 0 entries by design and
+    # would hide it (divergences._xmul), so the row's value says NaN explicitly
+    bad = torch.isnan(lse_s) | torch.isnan(lse_t)
+    kd = torch.where(bad, float("nan"), kd)
+    sum_u = torch.where(bad, float("nan"), sum_u)
     lse_z = None
     ce = None
     if cfg.with_ce:

@@ -25,6 +25,9 @@ M_S, L_S, M_T, L_T, ACC, M_Z, L_Z, Z_LABEL, PHI_SUM, U_SUM = range(10)
 NSTATE = 10
 REL = PHI_SUM  # one-pass divergences (no second pass): chunked.Online.r, on ACC's scale
 LOST = U_SUM   # one-pass divergences: chunked.Online.b, on the other side's scale
+# Entries whose other side lies more than this many nats above their own (w e^d could overflow fp32)
+# count in the other side's dropped mass (chunked.FAR_NATS).
+FAR_NATS = tl.constexpr(64.0)
 # Columns of the per-row finished values the gradient kernel reads.
 LSE_S, LSE_T, LSE_Z, SUM_U = range(4)
 
@@ -211,12 +214,14 @@ def stats_kernel(
                 sc = sc_t if DIVERGENCE == 0 else sc_s
                 d = s - t if DIVERGENCE == 0 else t - s  # other - own
                 keep = w > 0  # w = 0 where d may be infinite
+                # the other side's mass goes to `lost` (on its own scale) where p underflowed, and where
+                # w e^d could overflow (d > FAR_NATS: rel keeps only -w there, the "-1" of expm1)
+                near = keep & (d <= FAR_NATS)
                 acc = acc * sc - tl.where(keep, w * d, 0.0)
-                rel = rel * sc + tl.where(keep, w * _expm1(d), 0.0)
-                # the other side's mass where p underflowed is missing from rel: count it on its own scale
-                # (all of the lane's mass so far when the lane's earlier sums underflowed, sc = 0)
+                rel = tl.where(sc > 0, rel * sc, 0.0) + tl.where(near, w * _expm1(d), -w)
+                # all of the lane's mass so far is lost when the lane's earlier sums underflowed (sc = 0)
                 lost = tl.where(sc > 0, lost, l_s0 if DIVERGENCE == 0 else l_t0)
-                lost = lost * (sc_s if DIVERGENCE == 0 else sc_t) + tl.where(keep, 0.0, w_s if DIVERGENCE == 0 else w_t)
+                lost = lost * (sc_s if DIVERGENCE == 0 else sc_t) + tl.where(near, 0.0, w_s if DIVERGENCE == 0 else w_t)
             if RAW_LSE:
                 m_z, l_z, _w, _sc = _lane_update(m_z, l_z, z)
             if HAS_LABELS:
