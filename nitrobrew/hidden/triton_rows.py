@@ -218,7 +218,7 @@ def stats_kernel(
                 # w e^d could overflow (d > FAR_NATS: rel keeps only -w there, the "-1" of expm1)
                 near = keep & (d <= FAR_NATS)
                 acc = acc * sc - tl.where(keep, w * d, 0.0)
-                rel = tl.where(sc > 0, rel * sc, 0.0) + tl.where(near, w * _expm1(d), -w)
+                rel = rel * sc + tl.where(near, w * _expm1(d), -w)  # rel stays finite: near bounds w e^d
                 # all of the lane's mass so far is lost when the lane's earlier sums underflowed (sc = 0)
                 lost = tl.where(sc > 0, lost, l_s0 if DIVERGENCE == 0 else l_t0)
                 lost = lost * (sc_s if DIVERGENCE == 0 else sc_t) + tl.where(near, 0.0, w_s if DIVERGENCE == 0 else w_t)
