@@ -111,10 +111,10 @@ def hidden_distill_backward(
         plan = _plan(xs, ws, cfg, reduction, mode, memory_budget)
         dx, dw, db = distill_backward(xs, xt, ws, wt, bs, bt, labels, mask, rs, cfg, plan, grad_total)
     else:
-        from .triton_dispatch import row_upstream
-
-        kd_scale, ce_scale = row_scales(row_upstream(grad_total, mask, reduction, xs.shape[0]).to(stats.dtype),
-                                        mask.to(stats.dtype), cfg)
+        # triton_dispatch.row_upstream, without importing the Triton module (triton may be absent)
+        up = grad_total.float()
+        up = up if reduction == "none" else (ck.reduction_scale(mask, reduction) * up).expand(xs.shape[0])
+        kd_scale, ce_scale = row_scales(up.to(stats.dtype), mask.to(stats.dtype), cfg)
         chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0])
         dx, dw, db = backward_chunks(xs, xt, ws, wt, bs, bt, labels, rs, cfg, kd_scale, ce_scale, chunk)
         dx = dx.to(xs.dtype)
