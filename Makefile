@@ -27,8 +27,10 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/nitrobrew bench
 
+# ruff (pyflakes, import order), and the docs against the tree (design references, module layout).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(PY) tools/check_docs.py
 
 # Import, every loss on CPU with backward and a compiled training step, with no triton installed
 # (a CUDA build of torch pulls triton in: it is removed again).
