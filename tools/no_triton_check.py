@@ -1,5 +1,5 @@
 """The core install works without Triton: import, every loss on CPU with backward, and a compiled
-training step with .backward().
+training step with .backward(); none of it imports the benchmark harness.
 
 Run by `make test` in a second virtualenv that has torch (CPU) and `pip install .` only (no triton,
 no extras): the PyTorch paths must never import a module that imports triton. Prints one line per
@@ -152,6 +152,12 @@ def _():
     q_s, k_s = (torch.randn(1, 2, 7, 4, requires_grad=True) for _ in range(2))
     q_t, k_t = torch.randn(1, 2, 7, 4), torch.randn(1, 2, 7, 4)
     backward_ok(torch.compile(nitrobrew.attention_kl)(q_s, k_s, q_t, k_t), q_s, k_s)
+
+
+@check("no loss imported the benchmark harness (nitrobrew.bench)")
+def _():
+    loaded = sorted(m for m in sys.modules if m == "nitrobrew.bench" or m.startswith("nitrobrew.bench."))
+    assert not loaded, f"imported by the losses: {loaded}"
 
 
 def main() -> int:
