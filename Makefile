@@ -5,8 +5,11 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# The no-Triton leg: torch and the core package only, installed as a user would (`pip install .`).
+NOTRITON_VENV ?= .venv-notriton
+NT_PY := $(NOTRITON_VENV)/bin/python
 
-.PHONY: demo test bench clean venv
+.PHONY: demo test bench clean venv lint no-triton
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,9 +27,24 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/nitrobrew bench
 
-# Triton kernels run under the interpreter on CPU; -n 2 uses both cores of the CI machine.
-test: $(STAMP)
+# ruff (pyflakes, import order), and the docs against the tree (design references, module layout).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) tools/check_docs.py
+
+# Import, every loss on CPU with backward and a compiled training step, with no triton installed
+# (a CUDA build of torch pulls triton in: it is removed again).
+no-triton:
+	test -x $(NT_PY) || $(PYTHON) -m venv $(NOTRITON_VENV)
+	$(NT_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(NT_PY) -m pip install -q .
+	$(NT_PY) -m pip uninstall -q -y triton 2>/dev/null || true
+	$(NT_PY) tools/no_triton_check.py
+
+# Lint and the no-Triton leg first; then the suite, Triton kernels under the interpreter on CPU
+# (-n 2 uses both cores of the CI machine).
+test: lint no-triton
 	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(NOTRITON_VENV) .pytest_cache .hypothesis .ruff_cache build

@@ -8,7 +8,7 @@ mkdir -p "$OUT"/{hidden,attention,topk}
 PY=${PYTHON:-python3}
 run() { echo "== $*"; "$@"; }
 
-run $PY benchmarks/results/topk/gpu_check.py "$OUT/topk/gpu_check.md" 2>&1 | tail -16
+run $PY benchmarks/topk_gpu_check.py "$OUT/topk/gpu_check.md" 2>&1 | tail -16
 run $PY -m nitrobrew.cli bench attention --check --warm --md "$OUT/attention/attention.md" --csv "$OUT/attention/attention.csv" \
     --plot "$OUT/attention/attention.png" 2>&1 | tee "$OUT/attention/log.txt" | tail -25
 run $PY -m nitrobrew.cli bench topk --extract --csv "$OUT/topk/topk.csv" --plot "$OUT/topk/topk.png" 2>&1 \

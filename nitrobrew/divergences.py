@@ -32,7 +32,7 @@ DIVERGENCE_IDS: Dict[str, int] = {
     "skew_reverse_kl": 4,
     "tvd": 5,
 }
-# Divergences whose value and sum_k u_k come out of the one-pass online recurrence (design §2);
+# Divergences whose value and sum_k u_k come out of the one-pass online recurrence (docs/design.md §2.3);
 # the others need the final log-sum-exps, hence a second pass over the vocabulary.
 ONE_PASS = ("forward_kl", "reverse_kl")
 

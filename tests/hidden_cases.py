@@ -32,7 +32,7 @@ DEFAULT_PARAM = {name: _SIG[opt].default for name, opt in PARAM_NAME.items()}
 IGNORE = _SIG["ignore_index"].default
 
 # Standard deviation of the generated logits: they span tens of units across a vocabulary
-# (design §7: `rand`-like inputs with a tiny spread hide the bugs that matter); std 8 at T=0.5.
+# (docs/design.md §7: `rand`-like inputs with a tiny spread hide the bugs that matter); std 8 at T=0.5.
 SPREAD = 4.0
 # Relative perturbation of the "close" student (student = teacher + small noise).
 CLOSE_NOISE = 0.01
@@ -68,7 +68,7 @@ TOLERANCES: Dict[torch.dtype, Tuple[Tol, Tol]] = {
 
 
 def result_dtype(input_dtype: torch.dtype) -> torch.dtype:
-    """Documented result dtype: float32, float64 for float64 inputs (CONTRIBUTING, design §2)."""
+    """Documented result dtype: float32, float64 for float64 inputs (CONTRIBUTING, docs/design.md §2)."""
     return torch.float64 if input_dtype == torch.float64 else torch.float32
 
 

@@ -85,7 +85,7 @@ def test_inputs_have_realistic_spread():
 
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 def test_float64_inputs_stay_float64(backend, divergence):
-    """float64 in -> float64 result and gradients, at float64 accuracy (CONTRIBUTING, design §2)."""
+    """float64 in -> float64 result and gradients, at float64 accuracy (CONTRIBUTING, docs/design.md §2)."""
     for reduction in ("mean", "none"):
         check_against_reference(backend, F64, divergence=divergence, bias=True, labels="some", chunk_V=8,
                                 temperature=1.7, reduction=reduction)
@@ -112,7 +112,7 @@ def test_close_student(backend, divergence, dtype):
 
 def test_close_regime_detects_bf16_logits():
     """Negative control for the tolerance above: the same case with the logits rounded to bf16
-    before the softmax (the fault design §7 lists) has a far larger gradient error."""
+    before the softmax (the fault docs/design.md §7 lists) has a far larger gradient error."""
     case = make_case(shape=(4, 8), ds=32, vocab=257, close=True, bias=True, dtype=BF16)
     ref, (xs64, ws64, bs64) = run_reference(case, "forward_kl", reduction="none", temperature=1.3)
     up = upstream_grad(ref)

@@ -1,7 +1,7 @@
 """Attention KL in plain PyTorch over key chunks (any device, any float dtype).
 
 Forward: one online pass over key chunks with per-row state (m_x, l_x, m_y, l_y, c) in the
-*centred* form of design §3/§2:
+*centred* form of docs/design.md §3/§2.3:
 
     c = sum_j e^{x_j - m_x} ((x_j - m_x) - (y_j - m_y)),   KL = c / l_x - log l_x + log l_y,
 

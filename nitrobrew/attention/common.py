@@ -1,6 +1,6 @@
 """Pieces every attention-KL backend shares: the call's settings, visibility masks, side roles.
 
-Conventions (design §3):
+Conventions (docs/design.md §3):
 - Scores per (batch, head, query row i, key j): teacher ``a_j = scale_t * q_t.k_t[j] / T``,
   student ``b_j = scale_s * q_s.k_s[j] / T``; ``scale`` defaults to 1/sqrt(head_dim of that side).
 - Key j is visible to query i iff the key padding mask keeps it and, when causal,

@@ -1,7 +1,7 @@
 """Triton backward of attention KL: recompute score tiles from per-row statistics (FA-2 style).
 
 Per row the forward left lse_x, lse_y (log2 units) and KL; with the upstream row gradient g,
-the gradients w.r.t. the natural-unit scores are (design §3, and the recipe of
+the gradients w.r.t. the natural-unit scores are (docs/design.md §3, and the recipe of
 ``nitrobrew.divergences``: u = dphi/dlog q, grad = u - q sum(u)):
 
     dS_y = g (Y - X)                               (y: the "student" of a forward KL)

@@ -3,7 +3,7 @@
 Program = (query block of BM rows, batch * head). It keeps both query tiles (x side and y side,
 their own head dims) and streams the two key tiles of each key block: two score products
 ``x = q_x k_x^T``, ``y = q_y k_y^T`` with fp32 accumulation, in log2 units (the scale folds in
-log2(e), exponentials are exp2). Per row it carries the centred online state of design §3:
+log2(e), exponentials are exp2). Per row it carries the centred online state of docs/design.md §3:
 running maxima m_x, m_y, sums l_x, l_y and
 
     c = sum_j 2^{x_j - m_x} ((x_j - m_x) - (y_j - m_y))          (log2 units)

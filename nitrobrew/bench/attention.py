@@ -1,7 +1,7 @@
 """`nitrobrew bench attention`: attention_kl against SDPA flash attention and naive baselines.
 
 For each N in --seq-lens (B = --batch, H = --heads, head dim D = --head-dim, causal unless
---no-causal), one process, the same bf16 inputs for every method (design §8):
+--no-causal), one process, the same bf16 inputs for every method (docs/design.md §8):
 
   nitrobrew       attention_kl (Triton on GPU), forward + backward, gradients to q_s and k_s
   nitrobrew-fwd   its forward alone (no autograd state)

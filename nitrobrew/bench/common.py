@@ -1,4 +1,4 @@
-"""Timing, memory and reporting helpers shared by every benchmark mode (design §8 protocol)."""
+"""Timing, memory and reporting helpers shared by every benchmark mode (docs/design.md §8 protocol)."""
 from __future__ import annotations
 
 import csv

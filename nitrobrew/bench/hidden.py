@@ -1,7 +1,7 @@
 """`nitrobrew bench` / `nitrobrew bench hidden`: the hidden-state losses against their baselines.
 
 For each N in --seq-lens (V = --vocab, Ds, Dt = --d-models), one process, the same inputs for
-every method (design §8): forward_kl fwd+bwd (gradients to xs and ws) of
+every method (docs/design.md §8): forward_kl fwd+bwd (gradients to xs and ws) of
 
   gemm floor            the four bare GEMMs (s, t, dX = G ws, dW = G^T xs), the speed floor
   naive                 both logit sets materialized in the input dtype (as an lm_head returns

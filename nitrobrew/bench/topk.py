@@ -1,7 +1,7 @@
 """`nitrobrew bench topk`: topk_kl against cut-cross-entropy and the GEMM floor; extraction speed.
 
 For each N in --seq-lens (V = --vocab, D = --d-model) and K in --ks, one process, the same
-inputs for every method (design §8), fwd+bwd with gradients to xs and ws:
+inputs for every method (docs/design.md §8), fwd+bwd with gradients to xs and ws:
 
   gemm floor        the three bare GEMMs one exact vocab-wide loss needs (logits, dX = G ws,
                     dW = G^T xs), materialized, cuBLAS; independent of K

@@ -1,7 +1,7 @@
 """Vocab-chunked hidden-state losses in plain PyTorch (any device, any float dtype).
 
 Forward: one online pass over vocab chunks keeps per-row log-sum-exp state (and, for the two KL
-directions, the divergence itself: design §2); other divergences take a second pass once the
+directions, the divergence itself: docs/design.md §2.3); other divergences take a second pass once the
 log-sum-exps are known. Backward recomputes each chunk's logits, forms the gradient chunk and
 feeds it straight into dX and dW. Working memory is O(rows * chunk_V), never O(rows * V).
 

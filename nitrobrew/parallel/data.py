@@ -2,7 +2,7 @@
 
 With DDP or FSDP each rank sees a different slice of the batch, so a per-rank ``reduction="mean"``
 weights a token by 1 / (its rank's count): ranks with many ignored rows get their few tokens
-over-weighted, and gradient accumulation makes it worse (design §1). The exact recipe is the
+over-weighted, and gradient accumulation makes it worse (docs/design.md §1). The exact recipe is the
 sum over counted rows divided by the *global* count (HF's ``num_items_in_batch``)::
 
     count = global_token_count(labels, group=dp_group)           # one all-reduce of one number

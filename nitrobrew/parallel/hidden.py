@@ -1,4 +1,4 @@
-"""Vocab-parallel (tensor-parallel LM head) hidden-state losses (design §5).
+"""Vocab-parallel (tensor-parallel LM head) hidden-state losses (docs/design.md §5).
 
 Each rank of the process group holds a contiguous block of the vocabulary (rank r the r-th block,
 in group rank order; blocks may be uneven or empty) of both heads, and the *same* rows xs, xt,

@@ -1,7 +1,7 @@
 """GPU correctness check of the Triton top-k kernels against the float64 reference (one call).
 
 Shapes share the benchmark's kernel specializations (multiples of 16) but cut row blocks and
-vocab tiles (N = 528 rows, V = 5008) so the boundaries are exercised. Usage: gpu_check.py OUT.md
+vocab tiles (N = 528 rows, V = 5008) so the boundaries are exercised. Usage: benchmarks/topk_gpu_check.py OUT.md
 """
 import sys
 import time
