@@ -316,3 +316,33 @@ def test_refusals():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(TypeError, match="is_causal"):
         nb.attention_kl(q, q, q, q)
+
+
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+def test_no_grad_and_inference_mode(path):
+    xs, xt, ws, wt = _small()
+    ref = nb.forward_kl(xs, xt, ws, wt, **_opts(path, "forward_kl")).detach()
+    with torch.no_grad():
+        a = nb.forward_kl(xs, xt, ws, wt, **_opts(path, "forward_kl"))
+    with torch.inference_mode():
+        b = nb.forward_kl(xs, xt, ws, wt, **_opts(path, "forward_kl"))
+    assert not a.requires_grad and not b.requires_grad
+    assert float(a) == float(ref) == float(b)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tiny_divergences_at_hot_temperature_documented_limit(backend):
+    """The documented limit (README, Conventions): at T = 1e3 jsd is exact to ~1e-7 nats absolute and a
+    few 1e-3 relative; attention_kl to ~1e-7 nats absolute."""
+    g = torch.Generator().manual_seed(5)
+    xs, xt = torch.randn(4, 16, generator=g) * 3, torch.randn(4, 16, generator=g) * 3
+    ws, wt = torch.randn(300, 16, generator=g), torch.randn(300, 16, generator=g)
+    got = nb.jsd(xs, xt, ws, wt, temperature=1e3, backend=backend, reduction="none")
+    ref = reference_loss(xs, xt, ws, wt, divergence="jsd", param=0.5, temperature=1e3, reduction="none")
+    assert float((got.double() - ref).abs().max()) < 1e-7 and float(((got.double() - ref) / ref).abs().max()) < 5e-3
+    from nitrobrew.attention.reference import reference_attention_kl
+    q, k, qt, kt = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(4))
+    a = nb.attention_kl(q, k, qt, kt, is_causal=True, temperature=1e3, backend=backend, reduction="none")
+    r = reference_attention_kl(q.double(), k.double(), qt.double(), kt.double(), is_causal=True, temperature=1e3,
+                               reduction="none")
+    assert float((a.double() - r).abs().max()) < 1e-6
