@@ -206,7 +206,6 @@ def stats_kernel(
             z = tl.load(z_row + idx, mask=valid, other=float("-inf"))
             t = tl.load(t_row + idx, mask=valid, other=float("-inf")) * inv_temp
             s = z * inv_temp
-            l_s0, l_t0 = l_s, l_t
             m_s, l_s, w_s, sc_s = _lane_update(m_s, l_s, s)
             m_t, l_t, w_t, sc_t = _lane_update(m_t, l_t, t)
             if DIVERGENCE < 2:  # the side p that accumulates: the teacher (forward KL) or the student
@@ -219,8 +218,9 @@ def stats_kernel(
                 near = keep & (d <= FAR_NATS)
                 acc = acc * sc - tl.where(keep, w * d, 0.0)
                 rel = rel * sc + tl.where(near, w * _expm1(d), -w)  # rel stays finite: near bounds w e^d
-                # all of the lane's mass so far is lost when the lane's earlier sums underflowed (sc = 0)
-                lost = tl.where(sc > 0, lost, l_s0 if DIVERGENCE == 0 else l_t0)
+                # (when a lane's own max jumps by > 104 nats, its earlier near entries' other-side mass is
+                # below e^-40 of the new scale: negligible, so no per-element select for it; lanes, tiles
+                # and ranks whose sums underflow as a whole are handled where they merge)
                 lost = lost * (sc_s if DIVERGENCE == 0 else sc_t) + tl.where(near, 0.0, w_s if DIVERGENCE == 0 else w_t)
             if RAW_LSE:
                 m_z, l_z, _w, _sc = _lane_update(m_z, l_z, z)

@@ -214,8 +214,8 @@ def topk_kl(
             kernels in the manner of cut-cross-entropy, no slab, O(rows * K) memory, slower.
         softcap_s: final-logit softcapping (Gemma 2/3) of the student's logits, z -> c tanh(z / c)
             before the temperature (the stored teacher log-probs carry the teacher's own cap); the
-            gradient flows through the cap. Runs on the PyTorch path (the Triton top-k kernels do
-            not apply a cap). None = off.
+            gradient flows through the cap. Triton: the fast mode of normalize="full" applies it;
+            normalize="topk" and the constant-memory mode then run on the PyTorch path. None = off.
         return_parts: return ``DistillOutput(loss, kd, ce)`` (kd and ce detached, reduced the same way).
         process_group: vocab-parallel head (normalize="full" only): ws (bs) hold this rank's contiguous
             block of the vocabulary, the other inputs are the same on every rank and ids are global;
@@ -260,8 +260,9 @@ def topk_kl(
         chunk_V=chunk_V,
         softcap_s=None if softcap_s is None else float(softcap_s),
     )
-    # float64, an empty batch and the softcap take the PyTorch path
-    fused = impl == "triton" and x.dtype != torch.float64 and x.shape[0] > 0 and softcap_s is None
+    # float64 and an empty batch take the PyTorch path; so does the softcap outside the fast mode
+    fused = impl == "triton" and x.dtype != torch.float64 and x.shape[0] > 0
+    fused = fused and (softcap_s is None or (cfg.full and mode != "constant_memory"))
     if fused and not cfg.full:
         # the K gathered rows are all it touches; the stored data's checks are read right before its
         # first kernel (their sync then idles the device for the launch alone)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .. import _checks as ck
-from .._ops import linear_logits
+from .._ops import linear_logits, softcap_, softcap_grad_
 from ..hidden.chunked import Online, row_scales, row_upstream
 from ..hidden.triton_dispatch import (accumulate_dw, alloc_grads, finish_grads, keep_for_backward, row_blocks,
                                       take_precomputed_grads)
@@ -66,13 +66,13 @@ def _slab_lse_kernel(Z, OUT, stride_z, n_cols, inv_temp, RAW: tl.constexpr, BLOC
 
 
 @triton.jit
-def _slab_grad_kernel(Z, G, COEF, LABELS, stride_z, stride_g, n_cols, inv_temp,
-                      HAS_B: tl.constexpr, BLOCK_V: tl.constexpr):
+def _slab_grad_kernel(Z, G, COEF, LABELS, stride_z, stride_g, n_cols, inv_temp, inv_cap,
+                      HAS_B: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
     """g_j = a exp(z_j * inv_temp - lse_a) + b (exp(z_j - lse_b) - [j == label]) with COEF[row] =
     (a, lse_a, b, lse_b), written in G's dtype. G may alias Z's bytes (a 16-bit row over the first half
     of the fp32 row): the barrier makes every warp load a tile before any warp stores it, and a tile's
     store only reaches columns that earlier tiles (or this one) loaded."""
-    inv_temp = _f32(inv_temp)
+    inv_temp, inv_cap = _f32(inv_temp), _f32(inv_cap)
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
     g_row = G + row * stride_g
@@ -94,6 +94,9 @@ def _slab_grad_kernel(Z, G, COEF, LABELS, stride_z, stride_g, n_cols, inv_temp,
         g = tl.where(a != 0.0, a * tl.exp(z * inv_temp - lse_a), 0.0)
         if HAS_B:
             g += tl.where(b != 0.0, b * (tl.exp(z - lse_b) - tl.where(idx == label, 1.0, 0.0)), 0.0)
+        if SOFTCAP:  # z holds capped logits c tanh(raw / c) (-inf at the ids): d capped / d raw = 1 - (z / c)^2
+            zc = tl.where(z == float("-inf"), 0.0, z * inv_cap)
+            g = g * (1.0 - zc * zc)
         tl.debug_barrier()
         tl.store(g_row + idx, g.to(G.dtype.element_ty), mask=valid)
 
@@ -200,10 +203,12 @@ def block_backward(z, xs, ws, bs, ids, valid, labels, mask, grad_rows, blk: Bloc
         g_ids = g_ids - torch.where(at_label, coef[:, 2:3], torch.zeros_like(g_ids))
         kernel_labels = torch.where(at_label.any(1), torch.full_like(labels, -1), labels).to(torch.int32)
     g_ids = torch.where(valid, g_ids, torch.zeros_like(g_ids))
+    softcap_grad_(g_ids, blk.z_ids, cfg.softcap_s)
     g = _gradient_slab(z, xs.dtype)
     rows, n_cols = z.shape
     launch(_slab_grad_kernel, (rows,), z, g, coef, kernel_labels if cfg.with_ce else coef, z.stride(0),
-           g.stride(0), n_cols, 1.0 / cfg.temperature, HAS_B=cfg.with_ce, BLOCK_V=row_block(n_cols),
+           g.stride(0), n_cols, 1.0 / cfg.temperature, 0.0 if cfg.softcap_s is None else 1.0 / cfg.softcap_s,
+           HAS_B=cfg.with_ce, SOFTCAP=cfg.softcap_s is not None, BLOCK_V=row_block(n_cols),
            num_warps=NUM_WARPS)
     g.scatter_add_(1, ids, g_ids.to(g.dtype))  # the kernel wrote exact zeros at the ids
     if dx_out is not None:
@@ -241,7 +246,7 @@ class FastTopK(torch.autograd.Function):
         red = ck.reduction_scale(mask, plan.reduction) if precompute else None
         blocks = []
         for r0, r1 in row_blocks(n, plan.row_chunk):
-            z = linear_logits(xs[r0:r1], ws, bs, F32)
+            z = softcap_(linear_logits(xs[r0:r1], ws, bs, F32), cfg.softcap_s)
             lab = None if labels is None else labels[r0:r1]
             blk = block_forward(z, ids[r0:r1], lp[r0:r1], valid[r0:r1], lab, cfg)
             blocks.append(blk)
@@ -282,7 +287,7 @@ def _recomputed_grads(ctx, grad_total):
     dx, dw, db = alloc_grads(xs, ws, bs, plan.dw_fp32, need[0], need[1] or need[2])
     valid = torch.isfinite(lp)
     for r0, r1 in row_blocks(n, plan.row_chunk):
-        z = linear_logits(xs[r0:r1], ws, bs, F32)
+        z = softcap_(linear_logits(xs[r0:r1], ws, bs, F32), cfg.softcap_s)
         exclude_ids(z, ids[r0:r1], valid[r0:r1])
         block_backward(z, xs[r0:r1], ws, bs, ids[r0:r1], valid[r0:r1], None if labels is None else labels[r0:r1],
                        mask[r0:r1], upstream[r0:r1], _slice_rows(rows, r0, r1), cfg,
