@@ -16,8 +16,9 @@ import sys
 import torch
 
 sys.path.insert(0, sys.argv[1])
-import nitrobrew as new  # noqa: E402
 import nitrobrew_old as old  # noqa: E402
+
+import nitrobrew as new  # noqa: E402
 
 DEV = torch.device("cuda")
 V, DS, DT = 152064, 3584, 5120

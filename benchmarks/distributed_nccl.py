@@ -61,7 +61,6 @@ from nitrobrew.bench.common import Row, environment, is_oom, rel_err, write_csv 
 from nitrobrew.parallel import comm_bytes, count_comm  # noqa: E402
 from nitrobrew.parallel.comm import _record as record_bytes  # noqa: E402
 
-
 MAX_REL_ERR = 2e-2  # vocab-parallel vs single GPU (bf16 gradients round at ~4e-3)
 
 

@@ -9,7 +9,7 @@ import time
 import torch
 
 from nitrobrew.topk import reference_topk_loss, topk_kl
-from nitrobrew.topk import triton_dispatch as td
+from nitrobrew.topk import triton_cm as td
 from nitrobrew.topk.extract import streaming_topk
 
 

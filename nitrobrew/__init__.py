@@ -1,7 +1,21 @@
 """nitrobrew: exact, fast, memory-lean knowledge-distillation losses for LLMs."""
-from .hidden import (DistillLoss, DistillOutput, ForwardKLLoss, JSDLoss, ReverseKLLoss, SkewKLLoss,
-                     SkewReverseKLLoss, TVDLoss, forward_kl, hidden_loss, jsd, reverse_kl, skew_kl,
-                     skew_reverse_kl, tvd)
+from .hidden import (
+    DistillLoss,
+    DistillOutput,
+    ForwardKLLoss,
+    JSDLoss,
+    ReverseKLLoss,
+    SkewKLLoss,
+    SkewReverseKLLoss,
+    TVDLoss,
+    forward_kl,
+    hidden_loss,
+    jsd,
+    reverse_kl,
+    skew_kl,
+    skew_reverse_kl,
+    tvd,
+)
 
 __version__ = "0.1.0"
 

@@ -42,6 +42,15 @@ def check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
+def is_dtensor(t) -> bool:
+    """Whether t is a DTensor; torch.distributed is imported only when the type's name says so."""
+    if type(t).__name__ != "DTensor":
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def check_softcap(name: str, cap) -> None:
     if cap is not None and not (is_number(cap) and math.isfinite(cap) and cap > 0):
         raise ValueError(f"{name} must be None or a finite number > 0 (the logit cap c of c * tanh(z / c)), "

@@ -21,14 +21,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 import nitrobrew as nb
+from nitrobrew import divergences as dv
 from nitrobrew.hidden import reference_loss
 
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
+DIVERGENCES = dv.NAMES
 LOSS_FNS = {name: getattr(nb, name) for name in DIVERGENCES}
-# The option that carries each divergence's parameter, and its documented default.
-PARAM_NAME = {"jsd": "beta", "skew_kl": "alpha", "skew_reverse_kl": "alpha"}
+# The option that carries each divergence's parameter (from the registry), and the default its
+# function declares (tests check it against the registry's documented one).
+PARAM_NAME = {d.name: d.param for d in dv.REGISTRY.values() if d.param is not None}
+DEFAULT_PARAM = {name: inspect.signature(LOSS_FNS[name]).parameters[opt].default for name, opt in PARAM_NAME.items()}
 _SIG = inspect.signature(nb.hidden_loss).parameters
-DEFAULT_PARAM = {name: _SIG[opt].default for name, opt in PARAM_NAME.items()}
 IGNORE = _SIG["ignore_index"].default
 
 # Standard deviation of the generated logits: they span tens of units across a vocabulary

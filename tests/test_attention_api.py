@@ -1,9 +1,9 @@
 """attention_kl's argument checks (every message) and API-level behaviour."""
 import pytest
 import torch
-from attention_helpers import make_inputs, one_thread  # noqa: F401
 
 import nitrobrew
+from attention_helpers import make_inputs, one_thread  # noqa: F401
 from nitrobrew import attention_kl
 from nitrobrew._checks import interpreter_enabled
 

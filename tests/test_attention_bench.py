@@ -2,7 +2,6 @@
 import csv
 
 from attention_helpers import one_thread  # noqa: F401
-
 from nitrobrew.cli import main
 
 

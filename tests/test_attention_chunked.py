@@ -4,12 +4,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_helpers import compare, make_inputs, one_thread, rel  # noqa: F401
 
+from attention_helpers import compare, make_inputs, one_thread, rel  # noqa: F401
 from nitrobrew import attention_kl
 from nitrobrew._memory import TensorMemoryTracker
 from nitrobrew.attention import reference_attention_kl
-from nitrobrew.attention.common import rows_with_keys
 
 
 @pytest.mark.parametrize("direction", ["forward", "reverse"])

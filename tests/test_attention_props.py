@@ -1,10 +1,10 @@
 """Property tests (hypothesis): random shapes and options against the float64 reference."""
 import pytest
 import torch
-from attention_helpers import compare, one_thread  # noqa: F401
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from attention_helpers import compare, one_thread  # noqa: F401
 from nitrobrew import attention_kl
 from nitrobrew._checks import interpreter_enabled, triton_available
 

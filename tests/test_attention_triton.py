@@ -6,8 +6,8 @@ different groupings per side, different head dims, causal and not, padding masks
 """
 import pytest
 import torch
-from attention_helpers import compare, make_inputs, one_thread, rel  # noqa: F401
 
+from attention_helpers import compare, make_inputs, one_thread, rel  # noqa: F401
 from nitrobrew import attention_kl
 from nitrobrew._checks import interpreter_enabled, triton_available
 

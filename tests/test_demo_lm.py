@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("transformers")
 from nitrobrew.cli import main  # noqa: E402
-from nitrobrew.demo.lm import (METHODS, Interrupted, batch_indices, config_from, lr_at,  # noqa: E402
-                               run_demo, topk_available)
+from nitrobrew.demo.lm import METHODS, Interrupted, batch_indices, config_from, lr_at, run_demo, topk_available  # noqa: E402
+
 
 def test_batches_and_learning_rate_are_functions_of_the_step():
     cfg = config_from("tiny")

@@ -12,10 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import nitrobrew as nb
+from hidden_cases import DIVERGENCES, LOSS_FNS, PARAM_NAME, tiny_kl_case
 from nitrobrew.hidden import reference_loss
 from nitrobrew.topk.reference import reference_topk_loss
-
-from hidden_cases import DIVERGENCES, LOSS_FNS, PARAM_NAME, tiny_kl_case
 
 # (backend, mode): the PyTorch path, the Triton fast mode and the constant-memory mode (interpreted on CPU)
 PATHS = [("torch", None), ("triton", "fast"), ("triton", "constant_memory")]
@@ -85,14 +84,18 @@ def test_one_side_underflows(seed, gap, side, block, temperature, divergence, pa
     """Every divergence, every path, masks and gaps of 100-1000 nats on either side, cold and hot
     temperatures: value and gradient agree with float64 (where the divergence is finite)."""
     xs, xt, ws, wt, bs, bt = _underflow_case(seed, gap, side, block, temperature)
-    ref_kw = dict(divergence=divergence, param=_param(divergence), temperature=temperature, bs=bs, bt=bt,
-                  reduction="none")
-    x64 = xs.double().requires_grad_()
-    ref = reference_loss(x64, xt.double(), ws.double(), wt.double(), **{k: (v.double() if torch.is_tensor(v) else v)
-                                                                        for k, v in ref_kw.items()})
-    finite = torch.isfinite(ref)
-    if not bool(finite.all()):  # e.g. reverse KL against a masked teacher entry the student covers: inf
+    # the materializing reference differentiates -inf logits into NaN (0 * inf): it gets -1e6 there, which
+    # underflows the same way and has the same (zero) gradient
+    def finite(b):
+        return None if b is None else torch.where(torch.isinf(b), -1e6, b).double()
+
+    kw = dict(divergence=divergence, param=_param(divergence), temperature=temperature, reduction="none")
+    exact = reference_loss(xs.double(), xt.double(), ws.double(), wt.double(), bs=None if bs is None else bs.double(),
+                           bt=None if bt is None else bt.double(), **kw)
+    if not bool(torch.isfinite(exact).all()):  # e.g. reverse KL against a masked teacher entry the student covers
         return
+    x64 = xs.double().requires_grad_()
+    ref = reference_loss(x64, xt.double(), ws.double(), wt.double(), bs=finite(bs), bt=finite(bt), **kw)
     x = xs.clone().requires_grad_()
     got = LOSS_FNS[divergence](x, xt, ws, wt, bs=bs, bt=bt, temperature=temperature, reduction="none",
                                **_opts(path, divergence))
@@ -100,7 +103,9 @@ def test_one_side_underflows(seed, gap, side, block, temperature, divergence, pa
     w = torch.linspace(0.5, 1.5, got.numel())
     (g,) = torch.autograd.grad((got * w).sum(), x)
     (g64,) = torch.autograd.grad((ref * w.double()).sum(), x64)
-    assert _rel(g, g64) < 1e-3
+    # relative, with an fp32-rounding floor: a gradient may vanish exactly (e.g. tvd when every entry the
+    # student covers has q > p), leaving only rounding on our side
+    assert float((g.double() - g64).norm()) <= 1e-3 * float(g64.norm()) + 1e-5
 
 
 @pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)

@@ -9,11 +9,17 @@ import torch
 import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
-from transformers import (GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,  # noqa: E402
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from nitrobrew.hf import (IGNORE_INDEX, check_head, count_targets, distill_loss, final_hidden_states,  # noqa: E402
-                          lm_head, shift_labels)
+from nitrobrew.hf import (  # noqa: E402
+    IGNORE_INDEX,
+    check_head,
+    count_targets,
+    distill_loss,
+    final_hidden_states,
+    lm_head,
+    shift_labels,
+)
 
 V = 97
 

@@ -6,8 +6,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hidden_cases import (DIVERGENCES, PARAM_NAME, TOLERANCES, Case, assert_close, check_against_reference,
-                          make_case, run_loss, upstream_grad)
+from hidden_cases import (
+    DIVERGENCES,
+    PARAM_NAME,
+    TOLERANCES,
+    Case,
+    assert_close,
+    check_against_reference,
+    make_case,
+    run_loss,
+    upstream_grad,
+)
 
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 

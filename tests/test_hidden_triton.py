@@ -11,8 +11,17 @@ import os
 import pytest
 import torch
 
-from hidden_cases import (DIVERGENCES, LOSS_FNS, TOLERANCES, Tol, check_against_reference, make_case, run_loss,
-                          tiny_kl_case, tiny_kl_rel_err)
+from hidden_cases import (
+    DIVERGENCES,
+    LOSS_FNS,
+    TOLERANCES,
+    Tol,
+    check_against_reference,
+    make_case,
+    run_loss,
+    tiny_kl_case,
+    tiny_kl_rel_err,
+)
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="needs TRITON_INTERPRET=1 on CPU"

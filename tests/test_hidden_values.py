@@ -10,9 +10,25 @@ import torch
 import torch.nn.functional as F
 
 import nitrobrew as nb
-from hidden_cases import (Case, DEFAULT_PARAM, DIVERGENCES, LOSS_FNS, PARAM_NAME, SPREAD, TOLERANCES, Tol,
-                          assert_close, check_against_reference, make_case, pairwise, rel_norm_err,
-                          run_loss, run_reference, upstream_grad)
+from hidden_cases import (
+    DEFAULT_PARAM,
+    DIVERGENCES,
+    LOSS_FNS,
+    PARAM_NAME,
+    SPREAD,
+    TOLERANCES,
+    Case,
+    Tol,
+    assert_close,
+    check_against_reference,
+    make_case,
+    pairwise,
+    rel_norm_err,
+    run_loss,
+    run_reference,
+    upstream_grad,
+)
+from nitrobrew import divergences as dv
 
 BF16 = torch.bfloat16
 F32 = torch.float32
@@ -205,6 +221,8 @@ def test_documented_defaults():
     assert params["scale_t2"].default is False
     assert params["reduction"].default == "mean"
     assert DEFAULT_PARAM == {"jsd": 0.5, "skew_kl": 0.1, "skew_reverse_kl": 0.1}
+    assert DEFAULT_PARAM == {d.name: d.default for d in dv.REGISTRY.values() if d.param is not None}
+    assert inspect.signature(nb.hidden_loss).parameters["beta"].default == dv.REGISTRY["jsd"].default
     for name in DIVERGENCES:
         exposed = set(inspect.signature(LOSS_FNS[name]).parameters)
         assert ("beta" in exposed) == (name == "jsd")

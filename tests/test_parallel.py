@@ -23,11 +23,29 @@ import torch
 import torch.distributed as dist
 
 import nitrobrew as nb
-from nitrobrew.parallel import (comm_bytes, count_comm, data_parallel_loss, global_mean, global_token_count,
-                                topk_comm_bytes)
+from hidden_cases import (
+    DIVERGENCES,
+    LOSS_FNS,
+    TOLERANCES,
+    Tol,
+    assert_close,
+    make_case,
+    rel_norm_err,
+    run_loss,
+    run_reference,
+    tiny_kl_case,
+    tiny_kl_rel_err,
+    upstream_grad,
+)
+from nitrobrew.parallel import (
+    comm_bytes,
+    count_comm,
+    data_parallel_loss,
+    global_mean,
+    global_token_count,
+    topk_comm_bytes,
+)
 from nitrobrew.topk import reference_topk_loss, topk_kl
-from hidden_cases import (DIVERGENCES, LOSS_FNS, TOLERANCES, Tol, assert_close, make_case, rel_norm_err,
-                          run_loss, run_reference, tiny_kl_case, tiny_kl_rel_err, upstream_grad)
 
 LAUNCH_TIMEOUT_S = 150
 # vocab-parallel vs single process in the same dtype: only the order of the fp32 sums differs, so

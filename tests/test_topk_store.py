@@ -9,8 +9,14 @@ from nitrobrew._memory import TensorMemoryTracker
 from nitrobrew.cli import main as cli_main
 from nitrobrew.topk import topk_kl
 from nitrobrew.topk.data import TopKCollator, TopKDataset
-from nitrobrew.topk.extract import (Teacher, extract_topk, load_hf_teacher, load_sequences, streaming_topk,
-                                    teacher_from_hf)
+from nitrobrew.topk.extract import (
+    Teacher,
+    extract_topk,
+    load_hf_teacher,
+    load_sequences,
+    streaming_topk,
+    teacher_from_hf,
+)
 from nitrobrew.topk.store import StoreError, TopKStore
 
 transformers = pytest.importorskip("transformers")

@@ -9,12 +9,12 @@ from nitrobrew import _checks as ck
 if not ck.triton_available() or not ck.interpreter_enabled():
     pytest.skip("needs triton with TRITON_INTERPRET=1 (make test sets it)", allow_module_level=True)
 
-from nitrobrew.hidden.chunked import Online  # noqa: E402
-from nitrobrew.topk import reference_topk_loss, topk_kl  # noqa: E402
+from nitrobrew.core.online import Online  # noqa: E402
 from nitrobrew.topk import chunked as tc  # noqa: E402
-from nitrobrew.topk import triton_dispatch as td  # noqa: E402
+from nitrobrew.topk import reference_topk_loss, topk_kl  # noqa: E402
+from nitrobrew.topk import triton_cm as td  # noqa: E402
 from nitrobrew.topk.rowmath import TopKConfig  # noqa: E402
-from test_topk_loss import check_saturated, saturated_case  # noqa: E402
+from test_topk_loss import check_saturated, merge_states, saturated_case  # noqa: E402
 
 N, D, V, K = 13, 24, 53, 5
 
@@ -103,8 +103,8 @@ def test_triton_bf16_inputs():
 
 
 def test_vocab_range_pieces_merge_to_the_whole():
-    """Per-range statistics (as a vocab-parallel wrapper computes them) merge to the full result,
-    for both backends' pieces; with the tail, each range's state skips the rows' top-k ids."""
+    """Per-range statistics (as a vocab-parallel wrapper computes them) merge to the full result; with
+    the tail, each range's state skips the rows' top-k ids; the Triton launchers agree on the whole head."""
     xs, ws, bs, ids, lp, labels = make(seed=3)
     x, w, b = xs.detach(), ws.detach(), bs.detach()
     cfg = TopKConfig("forward_kl", 0.0, "full", True, 1.3, 1.0, 0.0)
@@ -114,50 +114,40 @@ def test_vocab_range_pieces_merge_to_the_whole():
     cuts = [0, 17, 30, V]
     parts = [tc.vocab_pass(x, w[lo:hi], b[lo:hi], None, tc.Entries.build(safe, valid), cfg, lo=lo, chunk=8)
              for lo, hi in zip(cuts, cuts[1:])]
-    merged = tc.merge_states([p.s for p in parts])
+    merged = merge_states([p.s for p in parts])
     torch.testing.assert_close(merged.lse(), whole.s.lse())
     torch.testing.assert_close(sum(p.z_ids for p in parts), whole.z_ids)
     s = (x.double() @ w.double().t() + b.double()) / 1.3
     outside = torch.where(valid, safe, V)  # padding entries point past the vocabulary
     outside = torch.cat([s, torch.zeros(N, 1, dtype=s.dtype)], 1).scatter(1, outside, float("-inf"))[:, :V]
     torch.testing.assert_close(whole.s.lse().double(), torch.logsumexp(outside, -1), rtol=1e-6, atol=1e-6)
-    # Triton pieces: lse per range as Online(lse, 1), logits at the ids of each range
+    # the Triton launchers over the whole head give the same statistics
     row_ids = td.RowIds.build(safe, valid)
-    tl_parts = [td.lse_range(x, w[lo:hi].contiguous(), b[lo:hi].contiguous(), 1.3, False, outside=row_ids, lo=lo)[0]
-                for lo, hi in zip(cuts, cuts[1:])]
-    ones = torch.ones(N)
-    merged_t = tc.merge_states([Online(p, ones) for p in tl_parts])
-    torch.testing.assert_close(merged_t.lse(), whole.s.lse(), rtol=1e-5, atol=1e-5)
-    z = sum(td.gather_logits(x, w[lo:hi].contiguous(), b[lo:hi].contiguous(), safe, lo=lo)
-            for lo, hi in zip(cuts, cuts[1:]))
+    lse_t = td.lse_range(x, w.contiguous(), b.contiguous(), 1.3, False, outside=row_ids)[0]
+    torch.testing.assert_close(lse_t, whole.s.lse(), rtol=1e-5, atol=1e-5)
+    z = td.gather_logits(x, w.contiguous(), b.contiguous(), safe)
     torch.testing.assert_close(torch.where(valid, z, 0).reshape(-1), whole.z_ids, rtol=1e-5, atol=1e-5)
 
 
-def _triton_pieces(xs, ws, bs, ids, lp, labels, cfg, cuts):
-    """Loss rows and gradients of normalize="full" assembled from Triton range pieces (lse_range,
-    gather_logits, full_backward_range with lo), as a vocab-parallel wrapper would."""
-    x, w, b = xs.detach(), ws.detach(), bs.detach()
+def _triton_pieces(xs, ws, bs, ids, lp, labels, cfg):
+    """Loss rows and gradients of normalize="full" assembled from the constant-memory launchers
+    (lse_range, gather_logits, full_backward_range) and the shared row math."""
+    x, w, b = xs.detach(), ws.detach().contiguous(), bs.detach().contiguous()
     n = x.shape[0]
     valid = torch.isfinite(lp)
     row_ids = td.RowIds.build(ids, valid)
-    ranges = list(zip(cuts, cuts[1:]))
     ones = torch.ones(n)
     ids_g = torch.cat([ids, labels.clamp_min(0)[:, None]], 1)
-    lse = [td.lse_range(x, w[lo:hi].contiguous(), b[lo:hi].contiguous(), cfg.temperature, True,
-                        outside=row_ids if cfg.tail else None, lo=lo) for lo, hi in ranges]
-    z = sum(td.gather_logits(x, w[lo:hi].contiguous(), b[lo:hi].contiguous(), ids_g.contiguous(), lo=lo)
-            for lo, hi in ranges)
-    s_state = tc.merge_states([Online(p[0], ones) for p in lse])
-    z_state = tc.merge_states([Online(p[1], ones) for p in lse])
+    lse = td.lse_range(x, w, b, cfg.temperature, True, outside=row_ids if cfg.tail else None)
+    z = td.gather_logits(x, w, b, ids_g.contiguous())
     K = ids.shape[1]
-    res, lse_s, lse_z, ce = tc.finish(z[:, :K].reshape(-1), lp, valid, s_state, z_state, z[:, K], cfg)
+    res, lse_s, lse_z, ce = tc.finish(z[:, :K].reshape(-1), lp, valid, Online(lse[0], ones), Online(lse[1], ones),
+                                      z[:, K], cfg)
     mask = ones
     total = tc.combine_rows(res, ce, mask, cfg)[0]
     up = torch.rand(n, generator=torch.Generator().manual_seed(7))
     coef, dense, ce_scale = tc.row_coefficients(up, mask, res, cfg)
-    pieces = [td.full_backward_range(x, w[lo:hi].contiguous(), b[lo:hi].contiguous(), lse_s, lse_z, dense,
-                                     ce_scale, labels, row_ids, coef, cfg.temperature, lo=lo) for lo, hi in ranges]
-    grads = (sum(p[0] for p in pieces), torch.cat([p[1] for p in pieces]), torch.cat([p[2] for p in pieces]))
+    grads = td.full_backward_range(x, w, b, lse_s, lse_z, dense, ce_scale, labels, row_ids, coef, cfg.temperature)
     return total, up, grads
 
 
@@ -187,7 +177,7 @@ def test_triton_tail_of_a_saturated_student(dtype, K, div):
     assert _rel(grads[1][cold], want[1][cold]) < tol and _rel(grads[2][cold], want[2][cold]) < tol
     if K == 20 and dtype == torch.float32:
         cfg = TopKConfig("forward_kl", 0.0, "full", True, 0.9, 1.0, 0.3)
-        total, up, (gx, gw, gb) = _triton_pieces(xs, ws, bs, ids, lp, labels, cfg, [0, 7, 23, 40, 53])
+        total, up, (gx, gw, gb) = _triton_pieces(xs, ws, bs, ids, lp, labels, cfg)
         torch.testing.assert_close(total.double(), ref, rtol=2e-5, atol=1e-6)
         rx, rw, rb = torch.autograd.grad((ref * up.double()).sum(), [xs, ws, bs])
         assert _rel(gx, rx) < 1e-4 and _rel(gw, rw) < 1e-4 and _rel(gb, rb) < 1e-4

@@ -31,7 +31,8 @@ def main() -> int:
     problems = []
     for path in tracked("*.py", "*.md"):
         for no, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            if "design" in line and "§" in line and not REF.search(line) and path.name != "design.md":
+            if ("design" in line and "§" in line and not REF.search(line) and path.name != "design.md"
+                    and path != Path(__file__).resolve()):
                 problems.append(f"{path.relative_to(ROOT)}:{no}: a design reference this check cannot read")
             for number in REF.findall(line):
                 if number not in known:

@@ -175,7 +175,7 @@ def attention_kl(
         backend: "auto" (Triton on CUDA for fp16/bf16/fp32 per_head, else PyTorch), "torch",
             "triton" (on CPU only under TRITON_INTERPRET=1).
         chunk_size: key chunk of the PyTorch path (None = automatic).
-        block_config: Triton tile settings override (see ``triton_fwd.DEFAULT_CONFIGS``).
+        block_config: Triton tile settings override (see ``kernels_fwd.DEFAULT_CONFIGS``).
 
     Returns:
         float32 loss (float64 when an input is float64 on the PyTorch path).
@@ -202,9 +202,9 @@ def attention_kl(
         rows = torch.zeros((B, H, Nq), dtype=torch.float32, device=q_s.device)
         rows = rows + 0.0 * (q_s.sum() + k_s.sum()).float()  # keeps the graph: zero gradients
     elif impl == "triton":
-        from .triton_function import triton_rows
+        from .triton_function import attention_rows
 
-        rows = triton_rows(q_s, k_s, q_t, k_t, lse_t, kpm, spec, block_config)
+        rows = attention_rows(q_s, k_s, q_t, k_t, lse_t, kpm, spec, block_config)
     else:
         from .chunked import chunked_rows
 

@@ -6,7 +6,6 @@ checks and small problems only. Uses the shared elementwise math of ``nitrobrew.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 

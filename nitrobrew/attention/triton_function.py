@@ -9,8 +9,8 @@ from .. import _checks as ck
 from .._checks import interpreter_enabled
 from .._launch import cdiv, launch
 from .common import AttnSpec
-from .triton_bwd import attn_kl_bwd_dk_kernel, attn_kl_bwd_dq_kernel
-from .triton_fwd import DEFAULT_CONFIGS, LOG2E, attn_kl_fwd_kernel, next_pow2_dim
+from .kernels_bwd import attn_kl_bwd_dk_kernel, attn_kl_bwd_dq_kernel
+from .kernels_fwd import DEFAULT_CONFIGS, LOG2E, attn_kl_fwd_kernel, next_pow2_dim
 
 
 class _SideT:
@@ -202,7 +202,7 @@ class TritonAttentionKL(torch.autograd.Function):
         return dq_s, dk_s, dq_t, dk_t, None, None, None, None, None
 
 
-def triton_rows(q_s, k_s, q_t, k_t, lse_t, kpm, spec: AttnSpec, cfg: Optional[dict] = None):
+def attention_rows(q_s, k_s, q_t, k_t, lse_t, kpm, spec: AttnSpec, cfg: Optional[dict] = None):
     return TritonAttentionKL.apply(q_s, k_s, q_t, k_t, lse_t, kpm, spec, cfg)
 
 

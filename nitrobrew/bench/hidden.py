@@ -268,7 +268,7 @@ def unavailable(key: str, device: torch.device, explicit: bool) -> Optional[str]
         if device.type != "cuda" and not (explicit and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
             return "needs CUDA (TRITON_INTERPRET=1 with --methods fast/const-mem forces it)"
         try:
-            importlib.import_module("nitrobrew.hidden.triton_dispatch")
+            importlib.import_module("nitrobrew.hidden.triton_function")
         except Exception as err:
             return f"triton backend not available ({type(err).__name__}: {err})"[:160]
     return None

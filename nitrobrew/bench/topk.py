@@ -114,7 +114,7 @@ def make_inputs(N: int, V: int, D: int, K: int, dtype, dev, seed: int = 0):
 
 def _fwd_bwd(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], xs, ws, accum: str = "fp32"):
     """One fwd+bwd; the gradients are new tensors each call (counted in the peak: see grads_mib)."""
-    from ..topk import triton_dispatch as td
+    from ..topk import triton_cm as td
 
     def step():
         x = xs.detach().requires_grad_()

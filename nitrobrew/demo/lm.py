@@ -22,12 +22,12 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..bench.common import environment, peak_mib
 from .._io import atomic_write_text
+from ..bench.common import environment, peak_mib
 from .checkpoint import load_checkpoint, save_checkpoint
 from .progress import Progress
 from .source import HMMSource
@@ -239,7 +239,8 @@ class Runner:
 
 def topk_available() -> bool:
     try:
-        from ..topk import data as _d, extract as _e  # noqa: F401
+        from ..topk import data as _d  # noqa: F401
+        from ..topk import extract as _e  # noqa: F401
     except ImportError:
         return False
     return True

@@ -7,8 +7,18 @@
 The helpers and ``distill_loss`` do not import transformers; the trainer does (on first use).
 """
 from .loss import DIVERGENCES, LMDistillOutput, distill_loss
-from .model import (IGNORE_INDEX, LMHead, check_head, count_targets, decoder, final_hidden_states,
-                    labels_from_inputs, lm_head, shift_labels, unwrap)
+from .model import (
+    IGNORE_INDEX,
+    LMHead,
+    check_head,
+    count_targets,
+    decoder,
+    final_hidden_states,
+    labels_from_inputs,
+    lm_head,
+    shift_labels,
+    unwrap,
+)
 
 
 def __getattr__(name):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..hidden.api import hidden_loss
-from .model import (IGNORE_INDEX, final_hidden_states, labels_from_inputs, lm_head, shift_labels)
+from .model import IGNORE_INDEX, final_hidden_states, labels_from_inputs, lm_head, shift_labels
 
 HIDDEN_DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
 DIVERGENCES = HIDDEN_DIVERGENCES + ("topk",)

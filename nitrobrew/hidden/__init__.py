@@ -1,7 +1,7 @@
 """Hidden-state distillation losses: reference, chunked PyTorch and Triton implementations."""
-from .api import DistillOutput, forward_kl, hidden_loss, jsd, reverse_kl, skew_kl, skew_reverse_kl, tvd
-from .modules import (DistillLoss, ForwardKLLoss, JSDLoss, ReverseKLLoss, SkewKLLoss,
-                      SkewReverseKLLoss, TVDLoss)
+from ..core.outputs import DistillOutput
+from .api import forward_kl, hidden_loss, jsd, reverse_kl, skew_kl, skew_reverse_kl, tvd
+from .modules import DistillLoss, ForwardKLLoss, JSDLoss, ReverseKLLoss, SkewKLLoss, SkewReverseKLLoss, TVDLoss
 from .reference import reference_loss
 
 __all__ = [

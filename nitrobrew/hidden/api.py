@@ -1,96 +1,19 @@
 """Public hidden-state distillation losses: validation, backend dispatch, reduction."""
 from __future__ import annotations
 
-import inspect
-import math
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from .. import _checks as ck
+from .. import divergences as dv
+from ..core.outputs import DistillOutput
 from . import grad_filter as gf
 from .config import LossConfig
 from .custom_op import compiled_distill
+from .validation import check_hidden_tensors, check_loss_options, prepare_rows
 
-
-class DistillOutput(NamedTuple):
-    """loss (differentiable) and its two terms, reduced the same way (detached, for logging)."""
-
-    loss: torch.Tensor
-    kd: torch.Tensor
-    ce: torch.Tensor
-
-
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor"  # no torch.distributed import on the single-process path
-
-
-def check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels, heads: str = "[V, D] heads") -> None:
-    """Types, devices, dtypes and shapes of the tensors of a hidden-state loss (also used by the
-    vocab-parallel path, whose heads are "[V_local, D] head shards")."""
-    for name, t in (("xs", xs), ("xt", xt), ("ws", ws), ("wt", wt), ("bs", bs), ("bt", bt)):
-        if t is None and name in ("bs", "bt"):
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        ck.check_float(name, t)
-    ck.check_same_device(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels)
-    ck.check_same_dtype(xs=xs, ws=ws, bs=bs)
-    ck.check_same_dtype(xt=xt, wt=wt, bt=bt)
-    if xs.dim() < 1 or xt.dim() < 1 or xs.shape[:-1] != xt.shape[:-1]:
-        raise ValueError(
-            f"xs {tuple(xs.shape)} and xt {tuple(xt.shape)} must share their leading shape "
-            "(one teacher row per student row)"
-        )
-    if ws.dim() != 2 or wt.dim() != 2:
-        raise ValueError(f"ws and wt must be 2-D {heads}, got {tuple(ws.shape)} and {tuple(wt.shape)}")
-    for name, x in (("xs", xs), ("xt", xt)):
-        if x.shape[-1] == 0:
-            raise ValueError(f"{name} has hidden size 0 (shape {tuple(x.shape)}): the heads need at least one feature")
-    if ws.shape[1] != xs.shape[-1]:
-        raise ValueError(f"student hidden size {xs.shape[-1]} does not match ws {tuple(ws.shape)}")
-    if wt.shape[1] != xt.shape[-1]:
-        raise ValueError(f"teacher hidden size {xt.shape[-1]} does not match wt {tuple(wt.shape)}")
-    for name, b, w in (("bs", bs, ws), ("bt", bt, wt)):
-        if b is not None and tuple(b.shape) != (w.shape[0],):
-            raise ValueError(f"{name} must have shape ({w.shape[0]},), got {tuple(b.shape)}")
-    ck.check_labels(labels, xs.shape[:-1])
-
-
-def check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels,
-                       softcap_s=None, softcap_t=None) -> None:
-    """The scalar options every hidden-state loss shares."""
-    ck.check_temperature(temperature)
-    ck.check_softcap("softcap_s", softcap_s)
-    ck.check_softcap("softcap_t", softcap_t)
-    ck.check_reduction(reduction)
-    ck.check_chunk("chunk_V", chunk_V)
-    ck.check_backend(backend)
-    for name, wgt in (("kd_weight", kd_weight), ("ce_weight", ce_weight)):
-        if not (ck.is_number(wgt) and math.isfinite(wgt)):
-            raise ValueError(f"{name} must be a finite number, got {wgt!r}")
-    if ce_weight != 0 and labels is None:
-        raise ValueError("ce_weight != 0 needs labels (the hard targets of each row)")
-
-
-def prepare_rows(xs, xt, ws, wt, bs, bt, labels, ignore_index, ce_weight, used: int, label_offset: int = 0):
-    """Rows flattened to [N, D], the row mask, the CE targets as ids into the heads' rows (-1 where a
-    row has none here), and the heads cut to their first `used` rows. Student rows that do not
-    count are zeroed: dW sums over rows, and a NaN there must not reach it (0 * NaN is NaN)."""
-    x_s = xs.reshape(-1, xs.shape[-1])
-    x_t = xt.reshape(-1, xt.shape[-1])
-    flat_labels = None if labels is None else labels.reshape(-1)
-    mask = ck.row_weights(flat_labels, ignore_index, x_s.shape[0], xs.device)
-    if labels is not None:
-        x_s = torch.where(mask[:, None] > 0, x_s, torch.zeros((), dtype=x_s.dtype, device=x_s.device))
-    ce_labels = None
-    if ce_weight != 0:
-        ce_labels = torch.where(mask > 0, flat_labels - label_offset, torch.full_like(flat_labels, -1))
-    if used != ws.shape[0] or used != wt.shape[0]:
-        ws, wt = ws[:used], wt[:used]
-        bs = None if bs is None else bs[:used]
-        bt = None if bt is None else bt[:used]
-    return x_s, x_t, ws, wt, bs, bt, ce_labels, mask
+Tensor = torch.Tensor
 
 
 def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction, chunk_V,
@@ -148,7 +71,11 @@ def hidden_loss(
 
     See the per-divergence functions (``forward_kl`` ...) for the meaning of each option.
     """
-    if process_group is not None or _is_dtensor(ws) or _is_dtensor(wt):
+    if process_group is not None or any(ck.is_dtensor(t) for t in (xs, xt, ws, wt, bs, bt)):
+        from ..parallel.dtensor import unwrap
+
+        xs, xt, ws, wt, bs, bt, labels, process_group = unwrap(xs, xt, ws, wt, bs, bt, labels, process_group)
+    if process_group is not None:  # vocab-parallel heads
         from ..parallel.hidden import parallel_hidden_loss
 
         return parallel_hidden_loss(
@@ -179,7 +106,7 @@ def hidden_loss(
                                reduction, mode, memory_budget)
     elif use_triton:
         # the Triton path reduces inside its autograd Function (it forms gradients in the forward)
-        from .triton_dispatch import triton_distill
+        from .triton_function import triton_distill
 
         out = triton_distill(x_s, x_t, ws, wt, bs, bt, ce_labels, mask, cfg, reduction, mode, memory_budget)
     else:
@@ -236,31 +163,78 @@ _COMMON_DOC = """
 """
 
 
-def _make_loss(divergence: str, summary: str, extra: str = ""):
-    def loss(xs, xt, ws, wt, **kwargs):
-        loss.__signature__.bind(xs, xt, ws, wt, **kwargs)  # e.g. beta= given to forward_kl: TypeError
-        return hidden_loss(xs, xt, ws, wt, divergence=divergence, **kwargs)
 
-    params = [p for p in inspect.signature(hidden_loss).parameters.values() if p.name != "divergence"]
-    if divergence != "jsd":
-        params = [p for p in params if p.name != "beta"]
-    if divergence not in ("skew_kl", "skew_reverse_kl"):
-        params = [p for p in params if p.name != "alpha"]
-    loss.__signature__ = inspect.Signature(params)
-    loss.__name__ = loss.__qualname__ = divergence
-    loss.__doc__ = summary + "\n" + extra + _COMMON_DOC
-    return loss
+def _doc(name: str) -> str:
+    d = dv.REGISTRY[name]
+    param = "" if d.param is None else f"\n    {d.param}: in [0, 1], default {d.default}.\n"
+    return d.summary + "\n" + param + _COMMON_DOC
 
 
-forward_kl = _make_loss("forward_kl", "KL(teacher || student): mean-seeking.")
-reverse_kl = _make_loss("reverse_kl", "KL(student || teacher): mode-seeking.")
-jsd = _make_loss(
-    "jsd",
-    "Generalized Jensen-Shannon divergence with M = beta p + (1 - beta) q:",
-    "    beta KL(p||M) + (1 - beta) KL(q||M); beta=0 is exactly forward_kl, beta=1 reverse_kl.\n",
-)
-tvd = _make_loss("tvd", "Total variation distance 1/2 sum |p - q|.")
-skew_kl = _make_loss("skew_kl", "Skew KL: KL(p || alpha p + (1 - alpha) q), alpha default 0.1.")
-skew_reverse_kl = _make_loss(
-    "skew_reverse_kl", "Skew reverse KL: KL(q || alpha q + (1 - alpha) p), alpha default 0.1."
-)
+# The six losses, written out (one docstring body, from the registry). Options are keyword-only.
+
+def forward_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, labels: Optional[Tensor] = None,
+               ignore_index: int = -100, temperature: float = 1.0, reduction: str = "mean",
+               chunk_V: Optional[int] = None, vocab_size: Optional[int] = None, bs: Optional[Tensor] = None,
+               bt: Optional[Tensor] = None, kd_weight: float = 1.0, ce_weight: float = 0.0, scale_t2: bool = False,
+               backend: str = "auto", mode: Optional[str] = None, memory_budget: Optional[int] = None,
+               grad_filter: Union[bool, float] = False, softcap_s: Optional[float] = None,
+               softcap_t: Optional[float] = None, return_parts: bool = False, process_group=None):
+    return hidden_loss(**locals(), divergence="forward_kl")
+
+
+def reverse_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, labels: Optional[Tensor] = None,
+               ignore_index: int = -100, temperature: float = 1.0, reduction: str = "mean",
+               chunk_V: Optional[int] = None, vocab_size: Optional[int] = None, bs: Optional[Tensor] = None,
+               bt: Optional[Tensor] = None, kd_weight: float = 1.0, ce_weight: float = 0.0, scale_t2: bool = False,
+               backend: str = "auto", mode: Optional[str] = None, memory_budget: Optional[int] = None,
+               grad_filter: Union[bool, float] = False, softcap_s: Optional[float] = None,
+               softcap_t: Optional[float] = None, return_parts: bool = False, process_group=None):
+    return hidden_loss(**locals(), divergence="reverse_kl")
+
+
+def jsd(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, beta: float = 0.5, labels: Optional[Tensor] = None,
+        ignore_index: int = -100, temperature: float = 1.0, reduction: str = "mean",
+        chunk_V: Optional[int] = None, vocab_size: Optional[int] = None, bs: Optional[Tensor] = None,
+        bt: Optional[Tensor] = None, kd_weight: float = 1.0, ce_weight: float = 0.0, scale_t2: bool = False,
+        backend: str = "auto", mode: Optional[str] = None, memory_budget: Optional[int] = None,
+        grad_filter: Union[bool, float] = False, softcap_s: Optional[float] = None,
+        softcap_t: Optional[float] = None, return_parts: bool = False, process_group=None):
+    return hidden_loss(**locals(), divergence="jsd")
+
+
+def tvd(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, labels: Optional[Tensor] = None,
+        ignore_index: int = -100, temperature: float = 1.0, reduction: str = "mean",
+        chunk_V: Optional[int] = None, vocab_size: Optional[int] = None, bs: Optional[Tensor] = None,
+        bt: Optional[Tensor] = None, kd_weight: float = 1.0, ce_weight: float = 0.0, scale_t2: bool = False,
+        backend: str = "auto", mode: Optional[str] = None, memory_budget: Optional[int] = None,
+        grad_filter: Union[bool, float] = False, softcap_s: Optional[float] = None,
+        softcap_t: Optional[float] = None, return_parts: bool = False, process_group=None):
+    return hidden_loss(**locals(), divergence="tvd")
+
+
+def skew_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, alpha: float = 0.1, labels: Optional[Tensor] = None,
+            ignore_index: int = -100, temperature: float = 1.0, reduction: str = "mean",
+            chunk_V: Optional[int] = None, vocab_size: Optional[int] = None, bs: Optional[Tensor] = None,
+            bt: Optional[Tensor] = None, kd_weight: float = 1.0, ce_weight: float = 0.0, scale_t2: bool = False,
+            backend: str = "auto", mode: Optional[str] = None, memory_budget: Optional[int] = None,
+            grad_filter: Union[bool, float] = False, softcap_s: Optional[float] = None,
+            softcap_t: Optional[float] = None, return_parts: bool = False, process_group=None):
+    return hidden_loss(**locals(), divergence="skew_kl")
+
+
+def skew_reverse_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, alpha: float = 0.1,
+                    labels: Optional[Tensor] = None, ignore_index: int = -100, temperature: float = 1.0,
+                    reduction: str = "mean", chunk_V: Optional[int] = None, vocab_size: Optional[int] = None,
+                    bs: Optional[Tensor] = None, bt: Optional[Tensor] = None, kd_weight: float = 1.0,
+                    ce_weight: float = 0.0, scale_t2: bool = False, backend: str = "auto", mode: Optional[str] = None,
+                    memory_budget: Optional[int] = None, grad_filter: Union[bool, float] = False,
+                    softcap_s: Optional[float] = None, softcap_t: Optional[float] = None, return_parts: bool = False,
+                    process_group=None):
+    return hidden_loss(**locals(), divergence="skew_reverse_kl")
+
+
+LOSSES = {f.__name__: f for f in (forward_kl, reverse_kl, jsd, tvd, skew_kl, skew_reverse_kl)}
+if set(LOSSES) != set(dv.NAMES):  # a divergence added to the registry needs its function here
+    raise ImportError(f"hidden.api writes out {sorted(LOSSES)}, the registry has {sorted(dv.NAMES)}")
+for _name, _fn in LOSSES.items():
+    _fn.__doc__ = _doc(_name)

@@ -5,88 +5,26 @@ directions, the divergence itself: docs/design.md §2.3); other divergences take
 log-sum-exps are known. Backward recomputes each chunk's logits, forms the gradient chunk and
 feeds it straight into dX and dW. Working memory is O(rows * chunk_V), never O(rows * V).
 
-The pieces (``Online``, ``chunk_logits``, ``first_pass``, ``second_pass``, ``grad_chunk``) are
-public to the package so that the vocab-parallel wrapper can combine per-rank partial states.
+The pieces (``first_pass``, ``second_pass``, ``finish_stats``, ``TorchLocal``) are public so that
+the vocab-parallel wrapper can combine per-rank partial states (the online state itself is
+``nitrobrew.core.online.Online``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from .. import _checks as ck
 from .. import divergences as dv
+from .._ops import compute_dtype, softcap_grad_
+from ..core.online import FAR_NATS, Online, auto_chunk_v, combine_rows, row_scales, spans
+from ..core.slabs import chunk_logits, gather_label_logit, head_grads_from_chunk
 from . import grad_filter as gf
-from .._checks import reduction_scale
-from .._ops import compute_dtype, linear_logits, softcap_, softcap_grad_
-from .config import LossConfig, auto_chunk_v
+from .config import LossConfig, Operands
 
 Tensor = torch.Tensor
-# In the KLs' close-distribution sum r, an entry whose other side lies more than this many nats above
-# its own is counted in the other side's dropped mass b instead (p e^d could overflow float32 there).
-FAR_NATS = 64.0
-
-
-@dataclass
-class Online:
-    """Running max m, rescaled sum l = sum e^(x - m), and optional accumulators a = sum e^(x - m) d and
-    r = sum e^(x - m) expm1(-d) for d = x - y: then lse_y - lse_x = log1p(r / l) - log1p(-b_y / l_y),
-    which keeps its digits where the difference of the two log-sum-exps would not (y close to x).
-    b, kept by the other side (y), is y's mass sum e^(y - m_y) over the entries where e^(x - m)
-    underflowed to 0: those entries are missing from r (docs/design.md §2)."""
-
-    m: Tensor
-    l: Tensor
-    a: Optional[Tensor] = None
-    r: Optional[Tensor] = None
-    b: Optional[Tensor] = None
-
-    @staticmethod
-    def empty(n: int, acc: torch.dtype, device, with_acc: bool = False, with_lost: bool = False) -> "Online":
-        m = torch.full((n,), float("-inf"), dtype=acc, device=device)
-        zero = torch.zeros(n, dtype=acc, device=device)
-        return Online(m, zero, zero.clone() if with_acc else None, zero.clone() if with_acc else None,
-                      zero.clone() if with_lost else None)
-
-    def update(self, x: Tensor, d: Optional[Tensor] = None, lost: Optional[Tensor] = None,
-               other_scale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-        """Add a chunk x [n, c]; d = x - y feeds a and r. For b: lost (bool [n, c]) marks the entries
-        whose weight on the other side underflowed, and rows whose other_scale is 0 had the other
-        side's earlier sums underflow away (all of this side's mass so far is lost to them).
-        Returns this side's weights e^(x - m) and the factor its earlier sums were rescaled by."""
-        if other_scale is not None:
-            self.b = torch.where(other_scale == 0, self.l, self.b)
-        m_new = torch.maximum(self.m, x.amax(-1))
-        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        scale = torch.exp(self.m - safe)  # 0 while both are -inf
-        e = torch.exp(x - safe[:, None])
-        self.l = self.l * scale + e.sum(-1)
-        if self.a is not None:
-            self.a = self.a * scale + torch.where(e > 0, e * d, torch.zeros_like(d)).sum(-1)
-        if self.r is not None:
-            near = (e > 0) & (-d <= FAR_NATS)  # elsewhere only -e (the other side's mass goes to its b)
-            r_new = torch.where(near, e * torch.expm1(torch.where(near, -d, 0.0)), -e).sum(-1)
-            self.r = torch.where(scale > 0, self.r * scale, 0.0) + r_new
-        if self.b is not None:
-            self.b = self.b * scale + torch.where(lost, e, torch.zeros_like(e)).sum(-1)
-        self.m = m_new
-        return e, scale
-
-    def rescale_to(self, m_new: Tensor) -> None:
-        """Express l, a, r and b relative to a larger max (used when merging partial states)."""
-        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        scale = torch.exp(self.m - safe)
-        self.l = self.l * scale
-        for name in ("a", "r", "b"):
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name) * scale)
-        self.m = m_new
-
-    def lse(self) -> Tensor:
-        return self.m + self.l.log()
-
-
 @dataclass
 class RowStats:
     """What the backward needs per row (all [N], compute dtype)."""
@@ -104,27 +42,6 @@ class RowStats:
                           for v in (self.lse_s, self.lse_t, self.lse_z, self.sum_u, self.kd, self.ce)))
 
 
-def vocab_chunks(vocab: int, chunk: int) -> Iterator[Tuple[int, int]]:
-    for lo in range(0, vocab, chunk):
-        yield lo, min(lo + chunk, vocab)
-
-
-def chunk_logits(x: Tensor, w: Tensor, b: Optional[Tensor], lo: int, hi: int, acc,
-                 softcap: Optional[float] = None) -> Tensor:
-    """Logits of the head rows [lo, hi) in `acc`, softcapped when softcap is given."""
-    return softcap_(linear_logits(x, w[lo:hi], None if b is None else b[lo:hi], acc), softcap)
-
-
-def gather_label_logit(z: Tensor, labels: Optional[Tensor], lo: int, hi: int) -> Tensor:
-    """z[row, label - lo] where the label falls in [lo, hi), else 0."""
-    if labels is None:
-        return torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
-    inside = (labels >= lo) & (labels < hi)
-    col = torch.where(inside, labels - lo, torch.zeros_like(labels))
-    picked = z.gather(1, col[:, None]).squeeze(1)
-    return torch.where(inside, picked, torch.zeros_like(picked))
-
-
 @dataclass
 class FirstPass:
     s: Online
@@ -133,8 +50,9 @@ class FirstPass:
     z_label: Tensor          # raw student logit at the label (0 where no label)
 
 
-def first_pass(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, lo: int, hi: int, chunk: int) -> FirstPass:
+def first_pass(ops: Operands, labels, cfg: LossConfig, lo: int, hi: int, chunk: int) -> FirstPass:
     """Online statistics over the rows [lo, hi) of the heads, in chunks (labels index those rows)."""
+    xs, xt, ws, wt, bs, bt = ops
     acc = compute_dtype(xs.dtype)
     n, dev = xs.shape[0], xs.device
     one_pass = cfg.divergence in dv.ONE_PASS
@@ -166,8 +84,9 @@ def first_pass(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, lo: int, hi: int
     return st
 
 
-def second_pass(xs, xt, ws, wt, bs, bt, cfg: LossConfig, lse_s, lse_t, lo, hi, chunk) -> Tuple[Tensor, Tensor]:
+def second_pass(ops: Operands, cfg: LossConfig, lse_s, lse_t, lo, hi, chunk) -> Tuple[Tensor, Tensor]:
     """sum_j phi_j and sum_j u_j over [lo, hi), given the final log-sum-exps."""
+    xs, xt, ws, wt, bs, bt = ops
     acc = compute_dtype(xs.dtype)
     phi_sum = torch.zeros_like(lse_s)
     u_sum = torch.zeros_like(lse_s)
@@ -248,37 +167,18 @@ def grad_chunk(z, t, labels, st: RowStats, cfg: LossConfig, kd_scale, ce_scale, 
     return softcap_grad_(g, z, cfg.softcap_s)
 
 
-def row_upstream(grad_total: torch.Tensor, mask: torch.Tensor, reduction: str, n: int) -> torch.Tensor:
-    """d loss / d row value for each of the n rows, given the gradient of the reduced output."""
-    if reduction == "none":
-        return grad_total.to(torch.float32)
-    return (reduction_scale(mask, reduction) * grad_total.to(torch.float32)).expand(n)
-
-
-def row_scales(grad_rows: Tensor, mask: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor]:
-    g = grad_rows * mask
-    return g * cfg.kd_weight, g * cfg.ce_weight
-
-
-def combine_rows(st: RowStats, mask: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor, Tensor]:
-    """Per-row (total, kd, ce) in the compute dtype (float32; float64 for float64 inputs), 0 at
-    ignored rows."""
-    kd = torch.where(mask > 0, st.kd, torch.zeros_like(st.kd))
-    ce = torch.zeros_like(kd) if st.ce is None else torch.where(mask > 0, st.ce, torch.zeros_like(st.ce))
-    return cfg.kd_weight * kd + cfg.ce_weight * ce, kd, ce
-
-
-def compute_stats(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, chunk: int) -> RowStats:
-    V = ws.shape[0]
-    fp = first_pass(xs, xt, ws, wt, bs, bt, labels, cfg, 0, V, chunk)
+def compute_stats(ops: Operands, labels, cfg: LossConfig, chunk: int) -> RowStats:
+    V = ops.vocab
+    fp = first_pass(ops, labels, cfg, 0, V, chunk)
     sums = None
     if cfg.divergence not in dv.ONE_PASS:
-        sums = second_pass(xs, xt, ws, wt, bs, bt, cfg, fp.s.lse(), fp.t.lse(), 0, V, chunk)
+        sums = second_pass(ops, cfg, fp.s.lse(), fp.t.lse(), 0, V, chunk)
     return finish_stats(fp, cfg, sums)
 
 
-def backward_chunks(xs, xt, ws, wt, bs, bt, labels, st, cfg, kd_scale, ce_scale, chunk, lo=0, need_w=True):
+def backward_chunks(ops: Operands, labels, st, cfg, kd_scale, ce_scale, chunk, lo=0, need_w=True):
     """Recompute chunk logits and accumulate (dX [acc], dW, db) over the local vocab."""
+    xs, xt, ws, wt, bs, bt = ops
     acc = compute_dtype(xs.dtype)
     V = ws.shape[0]
     dx = torch.zeros(xs.shape, dtype=acc, device=xs.device)
@@ -287,7 +187,7 @@ def backward_chunks(xs, xt, ws, wt, bs, bt, labels, st, cfg, kd_scale, ce_scale,
     xs_acc = xs.to(acc)
     if cfg.filter_eps is not None:
         gf.check_not_capturing(xs.device)
-    for c0, c1 in vocab_chunks(V, chunk):
+    for c0, c1 in spans(V, chunk):
         z = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s)
         t = chunk_logits(xt, wt, bt, c0, c1, acc, cfg.softcap_t) / cfg.temperature
         g = grad_chunk(z, t, None if labels is None else labels - lo, st, cfg, kd_scale, ce_scale, c0)
@@ -301,30 +201,21 @@ def backward_chunks(xs, xt, ws, wt, bs, bt, labels, st, cfg, kd_scale, ce_scale,
     return dx, dw, db
 
 
-def head_grads_from_chunk(g, xs_acc, ws, c0: int, c1: int, dx, dw, db) -> None:
-    """Feed the logit-gradient chunk g [N, c1 - c0] into dX (accumulated) and the chunk's dW, db rows."""
-    dx += g @ ws[c0:c1].to(g.dtype)
-    if dw is not None:
-        dw[c0:c1] = (g.t() @ xs_acc).to(dw.dtype)
-    if db is not None:
-        db[c0:c1] = g.sum(0).to(db.dtype)
-
-
 class TorchLocal:
     """``first_pass`` / ``second_pass`` / ``backward`` over a (local) head in vocab chunks: the pieces a
-    wrapper (vocab-parallel) merges across ranks. ``triton_dispatch.TritonLocal`` has the same interface."""
+    wrapper (vocab-parallel) merges across ranks. ``triton_function.TritonLocal`` has the same interface."""
 
     def __init__(self, xs, ws, cfg: LossConfig, memory_budget=None):
         self.chunk = max(1, cfg.chunk_V or auto_chunk_v(xs.shape[0], max(ws.shape[0], 1)))
 
-    def first_pass(self, xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig) -> FirstPass:
-        return first_pass(xs, xt, ws, wt, bs, bt, labels, cfg, 0, ws.shape[0], self.chunk)
+    def first_pass(self, ops: Operands, labels, cfg: LossConfig) -> FirstPass:
+        return first_pass(ops, labels, cfg, 0, ops.vocab, self.chunk)
 
-    def second_pass(self, xs, xt, ws, wt, bs, bt, cfg: LossConfig, lse_s, lse_t):
-        return second_pass(xs, xt, ws, wt, bs, bt, cfg, lse_s, lse_t, 0, ws.shape[0], self.chunk)
+    def second_pass(self, ops: Operands, cfg: LossConfig, lse_s, lse_t):
+        return second_pass(ops, cfg, lse_s, lse_t, 0, ops.vocab, self.chunk)
 
-    def backward(self, xs, xt, ws, wt, bs, bt, labels, st: RowStats, cfg: LossConfig, kd_scale, ce_scale, need_w=True):
-        return backward_chunks(xs, xt, ws, wt, bs, bt, labels, st, cfg, kd_scale, ce_scale, self.chunk, need_w=need_w)
+    def backward(self, ops: Operands, labels, st: RowStats, cfg: LossConfig, kd_scale, ce_scale, need_w=True):
+        return backward_chunks(ops, labels, st, cfg, kd_scale, ce_scale, self.chunk, need_w=need_w)
 
 
 class ChunkedDistill(torch.autograd.Function):
@@ -333,8 +224,8 @@ class ChunkedDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig):
         chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0])
-        st = compute_stats(xs, xt, ws, wt, bs, bt, labels, cfg, chunk)
-        total, kd, ce = combine_rows(st, mask, cfg)
+        st = compute_stats(Operands(xs, xt, ws, wt, bs, bt), labels, cfg, chunk)
+        total, kd, ce = combine_rows(st.kd, st.ce, mask, cfg)
         ctx.save_for_backward(xs, xt, ws, wt, bs, bt, labels, mask)
         ctx.stats, ctx.cfg, ctx.chunk = st, cfg, chunk
         ctx.mark_non_differentiable(kd, ce)
@@ -347,7 +238,7 @@ class ChunkedDistill(torch.autograd.Function):
         cfg = ctx.cfg
         kd_scale, ce_scale = row_scales(grad_total.to(ctx.stats.lse_s.dtype), mask.to(ctx.stats.lse_s.dtype), cfg)
         dx, dw, db = backward_chunks(
-            xs, xt, ws, wt, bs, bt, labels, ctx.stats, cfg, kd_scale, ce_scale, ctx.chunk,
+            Operands(xs, xt, ws, wt, bs, bt), labels, ctx.stats, cfg, kd_scale, ce_scale, ctx.chunk,
             need_w=ctx.needs_input_grad[2] or ctx.needs_input_grad[4],
         )
         dx = dx.to(xs.dtype) if ctx.needs_input_grad[0] else None

@@ -2,7 +2,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class Operands(NamedTuple):
+    """The tensors of one hidden-state loss call, rows flattened: student and teacher hidden states
+    [N, Ds], [N, Dt], heads [V, Ds], [V, Dt] and optional logit biases [V]."""
+
+    xs: torch.Tensor
+    xt: torch.Tensor
+    ws: torch.Tensor
+    wt: torch.Tensor
+    bs: Optional[torch.Tensor] = None
+    bt: Optional[torch.Tensor] = None
+
+    def rows(self, r0: int, r1: int) -> "Operands":
+        """The same heads with the rows [r0, r1) of the hidden states."""
+        return self._replace(xs=self.xs[r0:r1], xt=self.xt[r0:r1])
+
+    @property
+    def vocab(self) -> int:
+        return self.ws.shape[0]
 
 
 @dataclass(frozen=True)
@@ -30,11 +52,3 @@ class LossConfig:
     @property
     def with_ce(self) -> bool:
         return self.ce_weight != 0.0
-
-
-def auto_chunk_v(n_rows: int, vocab: int, budget_elems: int = 1 << 24) -> int:
-    """A power-of-two vocab chunk with rows * chunk near `budget_elems` (64 MiB of fp32)."""
-    chunk = 256
-    while chunk * 2 * max(n_rows, 1) <= budget_elems and chunk < vocab:
-        chunk *= 2
-    return min(chunk, vocab)

@@ -17,8 +17,9 @@ import torch
 
 from .. import _checks as ck
 from .._ops import compute_dtype, grad_needed, kernel_operands
-from .chunked import RowStats, backward_chunks, combine_rows, compute_stats, row_scales, row_upstream
-from .config import LossConfig, auto_chunk_v
+from ..core.online import auto_chunk_v, combine_rows, row_scales, row_upstream
+from .chunked import RowStats, backward_chunks, compute_stats
+from .config import LossConfig, Operands
 
 Tensor = torch.Tensor
 _NONE = -1  # stands for None in the integer options (custom ops take no Optional[int] defaults here)
@@ -32,7 +33,7 @@ def _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_e
 
 
 def _plan(xs, ws, cfg: LossConfig, reduction: str, mode: str, memory_budget: int):
-    from .triton_dispatch import make_plan
+    from .triton_function import make_plan
 
     return make_plan(xs.shape[0], ws.shape[0], ws.shape[1], xs.dtype, mode or None, cfg.chunk_V,
                      None if memory_budget == _NONE else memory_budget, reduction)
@@ -68,14 +69,14 @@ def hidden_distill(
     if labels is not None:  # the eager path checked them before tracing could not (data-dependent)
         ck.check_ids_in_range("labels", labels, ws.shape[0], -1)
     if impl == "triton":
-        from .triton_dispatch import distill_forward
+        from .triton_function import distill_forward
 
         plan = _plan(xs, ws, cfg, reduction, mode, memory_budget)
-        out, grads, rs = distill_forward(xs, xt, ws, wt, bs, bt, labels, mask, cfg, plan, need_grad)
+        out, grads, rs = distill_forward(Operands(xs, xt, ws, wt, bs, bt), labels, mask, cfg, plan, need_grad)
     else:
         chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0])
-        rs = compute_stats(xs, xt, ws, wt, bs, bt, labels, cfg, chunk)
-        out = tuple(ck.reduce_rows(r, mask, reduction, (xs.shape[0],)) for r in combine_rows(rs, mask, cfg))
+        rs = compute_stats(Operands(xs, xt, ws, wt, bs, bt), labels, cfg, chunk)
+        out = tuple(ck.reduce_rows(r, mask, reduction, (xs.shape[0],)) for r in combine_rows(rs.kd, rs.ce, mask, cfg))
         grads = None
     if grads is not None:
         dx, dw, db = grads
@@ -108,15 +109,15 @@ def hidden_distill_backward(
     cfg = _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t)
     rs = _unpack_stats(stats)
     if impl == "triton":
-        from .triton_dispatch import distill_backward
+        from .triton_function import distill_backward
 
         plan = _plan(xs, ws, cfg, reduction, mode, memory_budget)
-        dx, dw, db = distill_backward(xs, xt, ws, wt, bs, bt, labels, mask, rs, cfg, plan, grad_total)
+        dx, dw, db = distill_backward(Operands(xs, xt, ws, wt, bs, bt), labels, mask, rs, cfg, plan, grad_total)
     else:
         kd_scale, ce_scale = row_scales(row_upstream(grad_total, mask, reduction, xs.shape[0]).to(stats.dtype),
                                         mask.to(stats.dtype), cfg)
         chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0])
-        dx, dw, db = backward_chunks(xs, xt, ws, wt, bs, bt, labels, rs, cfg, kd_scale, ce_scale, chunk)
+        dx, dw, db = backward_chunks(Operands(xs, xt, ws, wt, bs, bt), labels, rs, cfg, kd_scale, ce_scale, chunk)
         dx = dx.to(xs.dtype)
     return dx, dw, _empty(xs) if db is None else db
 

@@ -174,3 +174,29 @@ def ids_summary(ids: Optional[Tensor], valid: Optional[Tensor], upper_check: boo
 def same_everywhere(table: dict, field: str, msg: str) -> None:
     if len(set(table[field])) > 1:
         raise ValueError(f"nitrobrew vocab-parallel loss: {msg} (per rank: {table[field]})")
+
+
+def merge_online(states, group, extra=(), kl_pairs=()) -> List[Tensor]:
+    """Merge this rank's ``Online`` states (one per side, [N] each) with the other ranks': one MAX
+    all-reduce of the running maxima, then one SUM all-reduce of every sum rescaled to the global max
+    (l; the KLs' a, r and b) and of the `extra` tensors (summed as they are, returned in order).
+    kl_pairs: (own, other) states of the KLs: where own's sums underflow on the global max, other's
+    mass on this rank is lost to own's close-distribution sum r, so it moves to other's b first."""
+    m = all_reduce(torch.stack([o.m for o in states]), "max", group, "fwd_max")
+    for own, other in kl_pairs:
+        if other.b is not None:
+            m_own = m[next(i for i, o in enumerate(states) if o is own)]
+            safe = torch.where(torch.isfinite(m_own), m_own, torch.zeros_like(m_own))
+            other.b = torch.where(torch.exp(own.m - safe) == 0, other.l, other.b)
+    for o, m_global in zip(states, m):
+        o.rescale_to(m_global)
+    fields = [(o, name) for o in states for name in ("l", "a", "r", "b") if getattr(o, name) is not None]
+    parts = [getattr(o, name) for o, name in fields] + list(extra)
+    flat = all_reduce(torch.cat([p.reshape(-1) for p in parts]), "sum", group, "fwd_sum")
+    out, at = [], 0
+    for p in parts:
+        out.append(flat[at: at + p.numel()].view(p.shape))
+        at += p.numel()
+    for (o, name), v in zip(fields, out):
+        setattr(o, name, v)
+    return out[len(fields):]

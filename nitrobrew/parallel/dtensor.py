@@ -3,19 +3,10 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-import torch
-
+from .._checks import is_dtensor
 from .comm import ranks_of
 
-
-def is_dtensor(t) -> bool:
-    if not isinstance(t, torch.Tensor):
-        return False
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # torch built without distributed
-        return False
-    return isinstance(t, DTensor)
+__all__ = ["is_dtensor", "unwrap"]
 
 
 def _head_spec(name: str, t) -> Tuple[object, Optional[int]]:

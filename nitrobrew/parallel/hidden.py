@@ -23,11 +23,24 @@ import torch
 from .. import _checks as ck
 from .. import divergences as dv
 from .._ops import compute_dtype
-from ..hidden.chunked import RowStats, TorchLocal, combine_rows, finish_stats, row_scales
+from ..core.online import combine_rows, row_scales
+from ..core.outputs import DistillOutput
 from ..hidden import grad_filter as gf
-from ..hidden.config import LossConfig
-from .comm import (all_reduce, checked_exchange, comm_device, fingerprint, group_rank_world, ids_summary,
-                   offsets_from_sizes, require_initialized, same_everywhere)
+from ..hidden.chunked import RowStats, TorchLocal, finish_stats
+from ..hidden.config import LossConfig, Operands
+from ..hidden.validation import check_hidden_tensors, check_loss_options, prepare_rows
+from .comm import (
+    all_reduce,
+    checked_exchange,
+    comm_device,
+    fingerprint,
+    group_rank_world,
+    ids_summary,
+    merge_online,
+    offsets_from_sizes,
+    require_initialized,
+    same_everywhere,
+)
 from .dtensor import unwrap
 
 Tensor = torch.Tensor
@@ -59,43 +72,24 @@ def local_impl(xs, ws, cfg: LossConfig, backend: str, memory_budget=None):
     """The single-process pieces this rank runs on its block: the Triton row kernels where the
     single-process loss would use them (CUDA, or backend="triton"), else the PyTorch chunks."""
     if xs.dtype != torch.float64 and ck.resolve_backend(backend, xs.device) == "triton":
-        from ..hidden.triton_dispatch import TritonLocal
+        from ..hidden.triton_function import TritonLocal
 
         return TritonLocal(xs, ws, cfg, memory_budget)
     return TorchLocal(xs, ws, cfg)
 
 
-def parallel_stats(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, local, group) -> RowStats:
+def parallel_stats(ops: Operands, labels, cfg: LossConfig, local, group) -> RowStats:
     """RowStats over the global vocabulary from this rank's block [0, ws.shape[0]) (labels local ids)."""
-    fp = local.first_pass(xs, xt, ws, wt, bs, bt, labels, cfg)
+    fp = local.first_pass(ops, labels, cfg)
     states = [fp.s, fp.t] + ([fp.z] if fp.z is not None else [])
-    m = all_reduce(torch.stack([o.m for o in states]), "max", group, "fwd_max")
-    for own, other, m_global in ((fp.s, fp.t, m[0]), (fp.t, fp.s, m[1])):
-        if other.b is not None:  # own's sums underflow on the global max: other's mass here is lost to them
-            safe = torch.where(torch.isfinite(m_global), m_global, torch.zeros_like(m_global))
-            other.b = torch.where(torch.exp(own.m - safe) == 0, other.l, other.b)
-    for o, m_global in zip(states, m):
-        o.rescale_to(m_global)
-    # a and r (the KL's accumulators: r keeps the digits of a KL between close distributions) merge
-    # like l once every rank's state is on the global max
-    # (and b, the other side's mass where the accumulating side's weight underflowed)
-    with_acc = [o for o in states if o.a is not None]
-    with_lost = [o for o in states if o.b is not None]
-    parts = ([o.l for o in states] + [v for o in with_acc for v in (o.a, o.r)] + [o.b for o in with_lost]
-             + ([fp.z_label] if cfg.with_ce else []))
-    total = all_reduce(torch.stack(parts), "sum", group, "fwd_sum")
-    it = iter(total)
-    for o in states:
-        o.l = next(it)
-    for o in with_acc:
-        o.a, o.r = next(it), next(it)
-    for o in with_lost:
-        o.b = next(it)
+    pairs = [(fp.s, fp.t), (fp.t, fp.s)] if cfg.divergence in dv.ONE_PASS else []
     if cfg.with_ce:
-        fp.z_label = next(it)
+        (fp.z_label,) = merge_online(states, group, extra=[fp.z_label], kl_pairs=pairs)
+    else:
+        merge_online(states, group, kl_pairs=pairs)
     sums = None
     if cfg.divergence not in dv.ONE_PASS:
-        phi, u = local.second_pass(xs, xt, ws, wt, bs, bt, cfg, fp.s.lse(), fp.t.lse())
+        phi, u = local.second_pass(ops, cfg, fp.s.lse(), fp.t.lse())
         both = all_reduce(torch.stack([phi, u]), "sum", group, "fwd_second_pass")
         sums = (both[0], both[1])
     return finish_stats(fp, cfg, sums)
@@ -106,8 +100,8 @@ class VocabParallelDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, group, local):
-        st = parallel_stats(xs, xt, ws, wt, bs, bt, labels, cfg, local, group)
-        total, kd, ce = combine_rows(st, mask, cfg)
+        st = parallel_stats(Operands(xs, xt, ws, wt, bs, bt), labels, cfg, local, group)
+        total, kd, ce = combine_rows(st.kd, st.ce, mask, cfg)
         ctx.save_for_backward(xs, xt, ws, wt, bs, bt, labels, mask)
         ctx.stats, ctx.cfg, ctx.local, ctx.group = st, cfg, local, group
         ctx.mark_non_differentiable(kd, ce)
@@ -120,7 +114,7 @@ class VocabParallelDistill(torch.autograd.Function):
         cfg, acc = ctx.cfg, ctx.stats.lse_s.dtype
         kd_scale, ce_scale = row_scales(grad_total.to(acc), mask.to(acc), cfg)
         dx, dw, db = ctx.local.backward(
-            xs, xt, ws, wt, bs, bt, labels, ctx.stats, cfg, kd_scale, ce_scale,
+            Operands(xs, xt, ws, wt, bs, bt), labels, ctx.stats, cfg, kd_scale, ce_scale,
             need_w=ctx.needs_input_grad[2] or ctx.needs_input_grad[4],
         )
         if ctx.needs_input_grad[0]:
@@ -139,8 +133,6 @@ class VocabParallelDistill(torch.autograd.Function):
 def _local_checks(xs, xt, ws, wt, bs, bt, labels, divergence, beta, alpha, temperature, reduction, chunk_V,
                   vocab_size, kd_weight, ce_weight, backend, softcap_s=None, softcap_t=None) -> Tuple[str, float]:
     """Checks that need nothing from other ranks; returns the canonical (divergence, param)."""
-    from ..hidden.api import check_hidden_tensors, check_loss_options
-
     check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels, heads="[V_local, D] head shards")
     name, param = ck.divergence_param(divergence, beta, alpha)
     check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels, softcap_s, softcap_t)
@@ -252,15 +244,13 @@ def parallel_hidden_loss(xs, xt, ws, wt, *, process_group=None, divergence="forw
     or ``backend="triton"``; ``chunk_V`` then selects the constant-memory plan and ``memory_budget``
     sizes the slabs), else the PyTorch chunked path; ``mode`` is not used.
     """
-    from ..hidden.api import DistillOutput, hidden_loss, prepare_rows
-
     xs, xt, ws, wt, bs, bt, labels, group = unwrap(xs, xt, ws, wt, bs, bt, labels, process_group)
+    if group is None:
+        raise ValueError("parallel_hidden_loss needs a process_group or heads sharded Shard(0) over a device mesh; "
+                         "for one process (or replicated DTensors) call nitrobrew.hidden_loss")
     opts = dict(divergence=divergence, beta=beta, alpha=alpha, ignore_index=ignore_index, temperature=temperature,
                 reduction=reduction, chunk_V=chunk_V, vocab_size=vocab_size, kd_weight=kd_weight,
                 ce_weight=ce_weight, scale_t2=scale_t2, backend=backend, softcap_s=softcap_s, softcap_t=softcap_t)
-    if group is None:  # replicated DTensors: an ordinary single-process call on the local tensors
-        return hidden_loss(xs, xt, ws, wt, labels=labels, bs=bs, bt=bt, mode=mode, memory_budget=memory_budget,
-                           grad_filter=grad_filter, return_parts=return_parts, **opts)
     layout, name, param = negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts)
 
     lead = xs.shape[:-1]

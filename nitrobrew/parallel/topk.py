@@ -16,9 +16,19 @@ import torch
 
 from .. import _checks as ck
 from .._ops import compute_dtype
-from ..hidden.config import auto_chunk_v
-from .comm import (all_reduce, checked_exchange, comm_device, fingerprint, group_rank_world, ids_summary,
-                   offsets_from_sizes, require_initialized)
+from ..core.online import auto_chunk_v
+from ..core.outputs import DistillOutput
+from .comm import (
+    all_reduce,
+    checked_exchange,
+    comm_device,
+    fingerprint,
+    group_rank_world,
+    ids_summary,
+    merge_online,
+    offsets_from_sizes,
+    require_initialized,
+)
 from .dtensor import is_dtensor, unwrap
 from .hidden import _fail, check_label_range, check_rows_agree
 
@@ -42,16 +52,9 @@ class VocabParallelTopK(torch.autograd.Function):
         chunk = max(1, cfg.chunk_V or auto_chunk_v(N, max(ws.shape[0], 1)))
         st = vocab_pass(xs, ws, bs, labels, entries, cfg, lo=lo, chunk=chunk)
         states = [st.s] + ([st.z] if st.z is not None else [])
-        m = all_reduce(torch.stack([o.m for o in states]), "max", group, "fwd_max")
-        for o, m_global in zip(states, m):
-            o.rescale_to(m_global)
-        rows = [o.l for o in states] + ([st.z_label] if cfg.with_ce else [])
-        flat = all_reduce(torch.cat([torch.stack(rows).reshape(-1), st.z_ids]), "sum", group, "fwd_sum")
-        parts = flat[: len(rows) * N].view(len(rows), N)
-        for i, o in enumerate(states):
-            o.l = parts[i]
-        z_label = parts[len(states)] if cfg.with_ce else st.z_label
-        z_ids = flat[len(rows) * N:]
+        extra = merge_online(states, group, extra=([st.z_label] if cfg.with_ce else []) + [st.z_ids])
+        z_label = extra[0] if cfg.with_ce else st.z_label
+        z_ids = extra[-1]
         res, lse_s, lse_z, ce = finish(z_ids, lp.to(acc), valid, st.s, st.z, z_label, cfg)
         total, kd, ce_rows = combine_rows(res, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, labels, mask)
@@ -101,19 +104,15 @@ def parallel_topk_kl(xs, ws, topk_ids, topk_logprobs, *, process_group=None, nor
 
     Everything else (xs, topk_ids as global ids, topk_logprobs, labels) is the same on every rank.
     """
-    from ..hidden.api import DistillOutput
-    from ..topk.api import _validate, topk_kl
     from ..topk.rowmath import TopKConfig
+    from ..topk.validation import validate
 
     xs, _, ws, _, bs, _, labels, group = unwrap(xs, None, ws, None, bs, None, labels, process_group)
     topk_ids = topk_ids.to_local() if is_dtensor(topk_ids) else topk_ids
     topk_logprobs = topk_logprobs.to_local() if is_dtensor(topk_logprobs) else topk_logprobs
-    kwargs = dict(normalize=normalize, divergence=divergence, beta=beta, alpha=alpha, tail=tail, labels=labels,
-                  ignore_index=ignore_index, temperature=temperature, teacher_temperature=teacher_temperature,
-                  reduction=reduction, bs=bs, kd_weight=kd_weight, ce_weight=ce_weight, scale_t2=scale_t2,
-                  chunk_V=chunk_V, backend=backend, softcap_s=softcap_s, return_parts=return_parts)
-    if group is None:  # replicated DTensor head: an ordinary local call
-        return topk_kl(xs, ws, topk_ids, topk_logprobs, **kwargs)
+    if group is None:
+        raise ValueError("parallel_topk_kl needs a process_group or a head sharded Shard(0) over a device mesh; "
+                         "for one process (or a replicated DTensor) call nitrobrew.topk_kl")
     require_initialized()
     rank, world = group_rank_world(group)
 
@@ -126,7 +125,7 @@ def parallel_topk_kl(xs, ws, topk_ids, topk_logprobs, *, process_group=None, nor
             raise ValueError("process_group= (vocab-parallel) runs nitrobrew's PyTorch chunked path; pass "
                              "backend='auto' or backend='torch'")
         name, param = ck.divergence_param(divergence, beta, alpha)
-        _validate(xs, ws, topk_ids, topk_logprobs, bs, labels, normalize, divergence, tail, temperature,
+        validate(xs, ws, topk_ids, topk_logprobs, bs, labels, normalize, divergence, tail, temperature,
                   teacher_temperature, reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend,
                   id_ranges=False, softcap_s=softcap_s)()
         K = topk_ids.shape[-1]

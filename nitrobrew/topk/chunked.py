@@ -1,7 +1,7 @@
 """Top-k KD in plain PyTorch (any device, any float dtype).
 
 normalize="full": one online pass over vocab chunks keeps the student's per-row (m, l) state
-(``nitrobrew.hidden.chunked.Online``) and picks the logits at the stored ids out of each chunk as
+(``nitrobrew.core.online.Online``) and picks the logits at the stored ids out of each chunk as
 it goes by; the backward recomputes each chunk, adds the K sparse coefficients of the rows whose
 ids fall in it, and feeds the chunk's gradient into dX and dW. Working memory O(rows * chunk +
 rows * K); the [rows, V] logits never exist.
@@ -15,24 +15,23 @@ normalize="topk": no vocab-wide work at all: the K logits of a row are gathered 
 of ``ws`` (in row blocks of bounded size), and the gradients scatter back to those rows.
 
 Vocab-parallel pieces: ``vocab_pass`` computes a vocab range's statistics (the student's online
-state, the logits at the ids that fall in the range, the label logit); ``merge_states`` combines
-per-range states; ``finish`` turns merged statistics into losses and gradient coefficients;
+state, the logits at the ids that fall in the range, the label logit), merged across ranks by
+``parallel.comm.merge_online``; ``finish`` turns merged statistics into losses and gradient coefficients;
 ``backward_range`` accumulates a range's gradient. A wrapper that holds rows [lo, hi) of the head
 on each rank calls them with ``lo`` and reduces (m, l), the id logits and dX over ranks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from .. import _checks as ck
 from .._ops import compute_dtype, softcap_, softcap_grad_
-from ..hidden.chunked import Online, chunk_logits, gather_label_logit, head_grads_from_chunk, row_scales, vocab_chunks
-from ..hidden.chunked import combine_rows as hidden_combine_rows
-from ..hidden.config import auto_chunk_v
+from ..core.online import Online, auto_chunk_v, row_scales, spans
+from ..core.online import combine_rows as combine_kd_ce
+from ..core.slabs import chunk_logits, gather_label_logit, head_grads_from_chunk
 from .rowmath import DenseCoef, RowResult, TopKConfig, full_lse, topk_rows
 
 Tensor = torch.Tensor
@@ -64,25 +63,12 @@ class Entries:
 
 @dataclass
 class VocabStats:
-    """Statistics of one vocab range (merge ranges with ``merge_states`` / by summing z_ids)."""
+    """Statistics of one vocab range (ranges merge like ``Online`` states; z_ids by summing)."""
 
     s: Optional[Online]   # tempered student logits (with cfg.tail: only those outside the row's top-k ids)
     z: Optional[Online]   # raw logits (hard-label CE at T != 1), else None
     z_ids: Tensor         # [N*K] raw logits at the stored ids inside the range, 0 elsewhere
     z_label: Tensor       # [N] raw logit at the label inside the range, 0 elsewhere
-
-
-def merge_states(states: List[Online]) -> Online:
-    """Combine online states of disjoint vocab ranges (max first, then rescaled sums)."""
-    m = states[0].m
-    for st in states[1:]:
-        m = torch.maximum(m, st.m)
-    total = torch.zeros_like(states[0].l)
-    for st in states:
-        part = Online(st.m.clone(), st.l.clone())
-        part.rescale_to(m)
-        total = total + part.l
-    return Online(m, total)
 
 
 def without_ids(s: Tensor, entries: Entries, a: int, b: int, c0: int) -> Tensor:
@@ -109,7 +95,7 @@ def vocab_pass(xs, ws, bs, labels, entries: Entries, cfg: TopKConfig, lo: int = 
         z_label=torch.zeros(n, dtype=acc, device=dev),
     )
     local_labels = None if labels is None else labels - lo
-    for c0, c1 in vocab_chunks(V, chunk):
+    for c0, c1 in spans(V, chunk):
         z = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s)
         a, b = entries.span(lo + c0, lo + c1)
         s = z / cfg.temperature
@@ -183,7 +169,7 @@ def backward_range(xs, ws, bs, labels, entries: Entries, coef: Tensor, lse_s: Te
     if dense.tail is not None:
         lse_tail = dense.lse_tail
         lse_tail = torch.where(torch.isfinite(lse_tail), lse_tail, torch.zeros_like(lse_tail))  # no outside ids: 0
-    for c0, c1 in vocab_chunks(V, chunk):
+    for c0, c1 in spans(V, chunk):
         z = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s)
         s = z / cfg.temperature
         a, b = entries.span(lo + c0, lo + c1)
@@ -243,7 +229,7 @@ def row_coefficients(grad_rows: Tensor, mask: Tensor, res: RowResult, cfg: TopKC
 
 def combine_rows(res: RowResult, ce: Optional[Tensor], mask: Tensor, cfg: TopKConfig):
     """Per-row (total, kd, ce) in the compute dtype, 0 at ignored rows (the hidden losses' rule)."""
-    return hidden_combine_rows(SimpleNamespace(kd=res.kd, ce=ce), mask, cfg)
+    return combine_kd_ce(res.kd, ce, mask, cfg)
 
 
 class ChunkedTopK(torch.autograd.Function):

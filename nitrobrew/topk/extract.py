@@ -24,8 +24,7 @@ import torch
 
 from .. import _checks as ck
 from .._ops import linear_logits
-from ..hidden.chunked import Online, vocab_chunks
-from ..hidden.config import auto_chunk_v
+from ..core.online import Online, auto_chunk_v, spans
 from .store import LOGPROB_DTYPES, TopKWriter, sha256_file
 
 Tensor = torch.Tensor
@@ -81,7 +80,7 @@ def streaming_topk(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], k: in
     One pass over vocab chunks: online log-sum-exp plus a running top-k, merged with each chunk's
     candidates (see ``_chunk_candidates``); memory O(R * (chunk + k)), never [R, V]. With the Triton
     backend (default on CUDA) one kernel per chunk does the tempering, the log-sum-exp update and the
-    group maxima in a single read of the chunk (``triton_scan.py``).
+    group maxima in a single read of the chunk (``kernels_scan.py``).
     """
     V = weight.shape[0] if vocab_size is None else int(vocab_size)
     if not 0 < V <= weight.shape[0]:
@@ -102,9 +101,9 @@ def streaming_topk(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], k: in
     best_i = torch.zeros((R, k), dtype=torch.int64, device=hidden.device)
     state = Online.empty(R, acc, hidden.device)
     if triton_scan:
-        from .triton_scan import scan_chunk
+        from .kernels_scan import scan_chunk
 
-    for c0, c1 in vocab_chunks(V, chunk):
+    for c0, c1 in spans(V, chunk):
         z = linear_logits(hidden, weight[c0:c1], None if bias is None else bias[c0:c1], acc)
         if triton_scan:
             gmax, scale = scan_chunk(z, state, 1.0 / temperature, group), 1.0 / temperature

@@ -4,18 +4,18 @@ For a block of C rows:
 1. z = x W^T (+ b), an fp32 [C, V] slab from cuBLAS (bf16 operands, fp32 output: the logits are
    never rounded to bf16);
 2. the logits at the row's stored ids (and at its label) are gathered, then the ids' entries of
-   the slab are set to -inf, so that one row pass (``_slab_lse_kernel``) gives the log-sum-exp
+   the slab are set to -inf, so that one row pass (``kf.slab_lse_kernel``) gives the log-sum-exp
    over the OTHER entries directly: with the tail bucket that is the student's tail, exact however
    small; without it, the full log-sum-exp is rebuilt from it and the K id logits;
 3. the [C, K] math of ``rowmath`` gives the losses and the gradient coefficients;
-4. ``_slab_grad_kernel`` writes the gradient slab in the heads' dtype over the slab's own bytes;
+4. ``kernels_fast.slab_grad_kernel`` writes the gradient slab in the heads' dtype over the slab's own bytes;
    the ids' gradients (computed in fp32 on [C, K]) are added at their columns (the kernel wrote
    exact zeros there); then dX = G W, dW += G^T X, db += sum G.
 
 With a scalar reduction the gradient is formed in the forward while the slab exists, so fwd+bwd is
 the three GEMMs of the floor plus two passes over the slab; with reduction="none" (or a later
 non-unit upstream gradient) the backward recomputes the slabs. C follows ``memory_budget`` (default
-``DEFAULT_BUDGET`` bytes of slab). The other mode ("constant_memory", ``triton_dispatch``) keeps
+``DEFAULT_BUDGET`` bytes of slab). The other mode ("constant_memory", ``triton_cm``) keeps
 O(rows * K) memory with fused CCE-style kernels and is several times slower.
 """
 from __future__ import annotations
@@ -24,81 +24,19 @@ from dataclasses import dataclass, fields
 from typing import List, Optional
 
 import torch
-import triton
-import triton.language as tl
 
 from .. import _checks as ck
+from .._launch import launch
 from .._ops import linear_logits, softcap_, softcap_grad_
-from ..hidden.chunked import Online, row_scales, row_upstream
-from ..hidden.triton_dispatch import (accumulate_dw, alloc_grads, finish_grads, keep_for_backward, row_blocks,
-                                      take_precomputed_grads)
-from ..hidden.triton_rows import NUM_WARPS, _f32, _online, row_block
+from ..core.online import Online, row_scales, row_upstream, spans
+from ..core.slabs import accumulate_dw, alloc_grads, finish_grads, keep_for_backward, take_precomputed_grads
+from ..core.tl_utils import NUM_WARPS, row_block
+from . import kernels_fast as kf
 from .chunked import combine_rows, finish
 from .rowmath import RowResult, TopKConfig, full_lse
-from .._launch import launch
 
 F32 = torch.float32
 DEFAULT_BUDGET = 896 << 20  # bytes of fp32 logit slab per row block (the gradient slab reuses them)
-
-
-@triton.jit
-def _slab_lse_kernel(Z, OUT, stride_z, n_cols, inv_temp, RAW: tl.constexpr, BLOCK_V: tl.constexpr):
-    """OUT[row] = (logsumexp_j z_j * inv_temp, logsumexp_j z_j) over a row of an fp32 slab (-inf entries
-    are skipped; a row of -inf only gives -inf)."""
-    inv_temp = _f32(inv_temp)
-    row = tl.program_id(0).to(tl.int64)
-    z_row = Z + row * stride_z
-    cols = tl.arange(0, BLOCK_V)
-    m_s = tl.full((), float("-inf"), tl.float32)
-    l_s = tl.zeros((), tl.float32)
-    m_z = tl.full((), float("-inf"), tl.float32)
-    l_z = tl.zeros((), tl.float32)
-    for start in range(0, n_cols, BLOCK_V):
-        idx = start + cols
-        valid = idx < n_cols
-        z = tl.load(z_row + idx, mask=valid, other=float("-inf"))
-        m_s, l_s, _e, _sc = _online(m_s, l_s, z * inv_temp, valid)
-        if RAW:
-            m_z, l_z, _e2, _sc2 = _online(m_z, l_z, z, valid)
-    tl.store(OUT + row * 2, tl.where(l_s > 0, m_s + tl.log(l_s), float("-inf")))
-    if RAW:
-        tl.store(OUT + row * 2 + 1, tl.where(l_z > 0, m_z + tl.log(l_z), float("-inf")))
-
-
-@triton.jit
-def _slab_grad_kernel(Z, G, COEF, LABELS, stride_z, stride_g, n_cols, inv_temp, inv_cap,
-                      HAS_B: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
-    """g_j = a exp(z_j * inv_temp - lse_a) + b (exp(z_j - lse_b) - [j == label]) with COEF[row] =
-    (a, lse_a, b, lse_b), written in G's dtype. G may alias Z's bytes (a 16-bit row over the first half
-    of the fp32 row): the barrier makes every warp load a tile before any warp stores it, and a tile's
-    store only reaches columns that earlier tiles (or this one) loaded."""
-    inv_temp, inv_cap = _f32(inv_temp), _f32(inv_cap)
-    row = tl.program_id(0).to(tl.int64)
-    z_row = Z + row * stride_z
-    g_row = G + row * stride_g
-    a = tl.load(COEF + row * 4)
-    lse_a = tl.load(COEF + row * 4 + 1)
-    b = 0.0
-    lse_b = 0.0
-    label = -1
-    if HAS_B:
-        b = tl.load(COEF + row * 4 + 2)
-        lse_b = tl.load(COEF + row * 4 + 3)
-        label = tl.load(LABELS + row).to(tl.int32)
-    cols = tl.arange(0, BLOCK_V)
-    for start in range(0, n_cols, BLOCK_V):
-        idx = start + cols
-        valid = idx < n_cols
-        z = tl.load(z_row + idx, mask=valid, other=float("-inf"))
-        # an ignored row (a = b = 0) gets exact zeros whatever its statistics
-        g = tl.where(a != 0.0, a * tl.exp(z * inv_temp - lse_a), 0.0)
-        if HAS_B:
-            g += tl.where(b != 0.0, b * (tl.exp(z - lse_b) - tl.where(idx == label, 1.0, 0.0)), 0.0)
-        if SOFTCAP:  # z holds capped logits c tanh(raw / c) (-inf at the ids): d capped / d raw = 1 - (z / c)^2
-            zc = tl.where(z == float("-inf"), 0.0, z * inv_cap)
-            g = g * (1.0 - zc * zc)
-        tl.debug_barrier()
-        tl.store(g_row + idx, g.to(G.dtype.element_ty), mask=valid)
 
 
 @dataclass(frozen=True)
@@ -151,7 +89,7 @@ def _rest_lse(z: torch.Tensor, cfg: TopKConfig) -> torch.Tensor:
     raw = cfg.with_ce and cfg.temperature != 1.0
     out = torch.empty(rows, 2, dtype=F32, device=z.device)
     if rows:
-        launch(_slab_lse_kernel, (rows,), z, out, z.stride(0), n_cols, 1.0 / cfg.temperature, RAW=raw,
+        launch(kf.slab_lse_kernel, (rows,), z, out, z.stride(0), n_cols, 1.0 / cfg.temperature, RAW=raw,
                BLOCK_V=row_block(n_cols), num_warps=NUM_WARPS)
     return out
 
@@ -172,7 +110,7 @@ def block_forward(z, ids, lp, valid, labels, cfg: TopKConfig) -> BlockRows:
 
 
 def _row_coefficients(grad_rows, mask, blk: BlockRows, cfg: TopKConfig):
-    """(slab coefficients [C, 4] = (a, lse_a, b, lse_b) of ``_slab_grad_kernel``, id gradients [C, K] fp32
+    """(slab coefficients [C, 4] = (a, lse_a, b, lse_b) of ``kernels_fast.slab_grad_kernel``, id gradients [C, K] fp32
     without the label's one-hot)."""
     dt = blk.res.kd.dtype
     kd_scale, ce_scale = row_scales(grad_rows.to(dt), mask.to(dt), cfg)
@@ -206,7 +144,7 @@ def block_backward(z, xs, ws, bs, ids, valid, labels, mask, grad_rows, blk: Bloc
     softcap_grad_(g_ids, blk.z_ids, cfg.softcap_s)
     g = _gradient_slab(z, xs.dtype)
     rows, n_cols = z.shape
-    launch(_slab_grad_kernel, (rows,), z, g, coef, kernel_labels if cfg.with_ce else coef, z.stride(0),
+    launch(kf.slab_grad_kernel, (rows,), z, g, coef, kernel_labels if cfg.with_ce else coef, z.stride(0),
            g.stride(0), n_cols, 1.0 / cfg.temperature, 0.0 if cfg.softcap_s is None else 1.0 / cfg.softcap_s,
            HAS_B=cfg.with_ce, SOFTCAP=cfg.softcap_s is not None, BLOCK_V=row_block(n_cols),
            num_warps=NUM_WARPS)
@@ -245,7 +183,7 @@ class FastTopK(torch.autograd.Function):
         grads = alloc_grads(xs, ws, bs, plan.dw_fp32, need[0], need[1] or need[2]) if precompute else (None,) * 3
         red = ck.reduction_scale(mask, plan.reduction) if precompute else None
         blocks = []
-        for r0, r1 in row_blocks(n, plan.row_chunk):
+        for r0, r1 in spans(n, plan.row_chunk):
             z = softcap_(linear_logits(xs[r0:r1], ws, bs, F32), cfg.softcap_s)
             lab = None if labels is None else labels[r0:r1]
             blk = block_forward(z, ids[r0:r1], lp[r0:r1], valid[r0:r1], lab, cfg)
@@ -286,7 +224,7 @@ def _recomputed_grads(ctx, grad_total):
     need = ctx.needs_input_grad
     dx, dw, db = alloc_grads(xs, ws, bs, plan.dw_fp32, need[0], need[1] or need[2])
     valid = torch.isfinite(lp)
-    for r0, r1 in row_blocks(n, plan.row_chunk):
+    for r0, r1 in spans(n, plan.row_chunk):
         z = softcap_(linear_logits(xs[r0:r1], ws, bs, F32), cfg.softcap_s)
         exclude_ids(z, ids[r0:r1], valid[r0:r1])
         block_backward(z, xs[r0:r1], ws, bs, ids[r0:r1], valid[r0:r1], None if labels is None else labels[r0:r1],

@@ -29,14 +29,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..core.tl_utils import logaddexp
+
 
 @triton.jit
-def _gather_kernel(X, W, B, IDS, OUT, K, D, V_LOCAL, LO, stride_xn, stride_wv, stride_in, stride_on,
+def _gather_kernel(X, W, B, IDS, OUT, K, D, V_LOCAL, stride_xn, stride_wv, stride_in, stride_on,
                    HAS_BIAS: tl.constexpr, ACC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = offs_k < K
-    ids = tl.load(IDS + n * stride_in + offs_k, mask=kmask, other=0).to(tl.int64) - LO
+    ids = tl.load(IDS + n * stride_in + offs_k, mask=kmask, other=0).to(tl.int64)
     inside = kmask & (ids >= 0) & (ids < V_LOCAL)
     ids = tl.where(inside, ids, 0)
     acc = tl.zeros([BLOCK_K], dtype=ACC)
@@ -95,14 +97,6 @@ def _logit_tile(X, W, B, offs_b, offs_v, D, stride_xn, stride_wv,
 
 
 @triton.jit
-def _logaddexp(a, b):
-    mx = tl.maximum(a, b)
-    mn = tl.minimum(a, b)
-    safe = tl.where(mx == float("-inf"), 0.0, mx)
-    return tl.where(mx == float("-inf"), float("-inf"), safe + tl.log(1.0 + tl.exp(mn - safe)))
-
-
-@triton.jit
 def _count_below(IDS, base, target, K, n_steps, BLOCK_B: tl.constexpr):
     """Per row: how many of the row's ascending ids (at IDS + base) are < target (lower bound)."""
     lo = tl.zeros((BLOCK_B,), dtype=tl.int32)
@@ -139,7 +133,7 @@ def _tile_row_ids(IDS, COEF, rows_c, cols_g, col_lo, col_hi, stride_in, K, n_ste
 
 
 @triton.jit
-def _lse_kernel(X, W, B, LSE_S, LSE_Z, LOCKS, IDS, N, V, D, K, LO, n_steps, inv_t, stride_xn, stride_wv,
+def _lse_kernel(X, W, B, LSE_S, LSE_Z, LOCKS, IDS, N, V, D, K, n_steps, inv_t, stride_xn, stride_wv,
                 stride_in,
                 HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, TAIL: tl.constexpr, DOT_PREC: tl.constexpr,
                 BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_B: tl.constexpr,
@@ -152,8 +146,8 @@ def _lse_kernel(X, W, B, LSE_S, LSE_Z, LOCKS, IDS, N, V, D, K, LO, n_steps, inv_
     z = tl.where((cols < V)[None, :], z, float("-inf"))
     s = z * inv_t
     if TAIL:  # the student's tail: leave out each row's top-k ids
-        s, _ = _tile_row_ids(IDS, IDS, rows % N, LO + cols, LO + pid_v * BLOCK_V,
-                             LO + tl.minimum(pid_v * BLOCK_V + BLOCK_V, V), stride_in, K, n_steps, s,
+        s, _ = _tile_row_ids(IDS, IDS, rows % N, cols, pid_v * BLOCK_V,
+                             tl.minimum(pid_v * BLOCK_V + BLOCK_V, V), stride_in, K, n_steps, s,
                              True, False, BLOCK_B, BLOCK_V)
     m = tl.max(s, axis=1)
     m = tl.where(m == float("-inf"), 0.0, m)
@@ -168,10 +162,10 @@ def _lse_kernel(X, W, B, LSE_S, LSE_Z, LOCKS, IDS, N, V, D, K, LO, n_steps, inv_
         pass
     tl.debug_barrier()
     old = tl.load(LSE_S + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-    tl.store(LSE_S + rows, _logaddexp(old, lse), mask=rmask)
+    tl.store(LSE_S + rows, logaddexp(old, lse), mask=rmask)
     if HAS_Z:
         old_z = tl.load(LSE_Z + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-        tl.store(LSE_Z + rows, _logaddexp(old_z, lse_z), mask=rmask)
+        tl.store(LSE_Z + rows, logaddexp(old_z, lse_z), mask=rmask)
     tl.debug_barrier()
     tl.atomic_xchg(lock, 0)
 
@@ -189,7 +183,7 @@ def _locked_add(ptrs, val, mask, lock):
 
 @triton.jit
 def _full_bwd_kernel(X, W, B, LSE_S, LSE_Z, DENSE, CE, LABELS, IDS, COEF, TAIL_C, LSE_T,
-                     DX, DW, DB, LOCKS_X, LOCKS_W, N, V, D, K, LO, n_steps, inv_t, stride_xn, stride_wv,
+                     DX, DW, DB, LOCKS_X, LOCKS_W, N, V, D, K, n_steps, inv_t, stride_xn, stride_wv,
                      stride_dxn, stride_dwv, stride_in, n_dchunks,
                      HAS_BIAS: tl.constexpr, HAS_CE: tl.constexpr, TAIL: tl.constexpr, NEED_W: tl.constexpr,
                      DOT_PREC: tl.constexpr,
@@ -207,10 +201,10 @@ def _full_bwd_kernel(X, W, B, LSE_S, LSE_Z, DENSE, CE, LABELS, IDS, COEF, TAIL_C
     z = _logit_tile(X, W, B, rows_c, cols_c, D, stride_xn, stride_wv, HAS_BIAS, DOT_PREC,
                     BLOCK_B, BLOCK_V, BLOCK_D, EVEN_D, DOT_F32)
     s = z * inv_t
-    cols_g = LO + cols
+    cols_g = cols
     # the stored ids of the tile: their coefficients, and (TAIL) -inf in the outside logits
-    s_out, g = _tile_row_ids(IDS, COEF, rows_c, cols_g, LO + pid_v * BLOCK_V,
-                             LO + tl.minimum(pid_v * BLOCK_V + BLOCK_V, V), stride_in, K, n_steps, s,
+    s_out, g = _tile_row_ids(IDS, COEF, rows_c, cols_g, pid_v * BLOCK_V,
+                             tl.minimum(pid_v * BLOCK_V + BLOCK_V, V), stride_in, K, n_steps, s,
                              TAIL, True, BLOCK_B, BLOCK_V)
     if TAIL:  # the ids take their whole gradient from COEF, the other entries this one term
         tail = tl.load(TAIL_C + rows_c)

@@ -9,134 +9,42 @@ selected by the constexpr DIVERGENCE (ids from divergences.DIVERGENCE_IDS).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from .. import _checks as ck
 from .. import divergences as dv
+from .._launch import launch
+from ..core.tl_utils import (
+    FORWARD_KL,
+    KL_STATS_BLOCK_V,
+    KL_STATS_WARPS,
+    NUM_WARPS,
+    REVERSE_KL,
+    STATS_WARPS,
+    expm1,
+    f32,
+    lane_update,
+    lanes_to_row,
+    math_args,
+    phi_u,
+    row_block,
+)
 from .config import LossConfig
-from .._launch import launch, next_pow2
 
-# Columns of the per-row state tensor.
+# Columns of the per-row state tensor (host ints; the kernels read the constexpr twins C_*).
 M_S, L_S, M_T, L_T, ACC, M_Z, L_Z, Z_LABEL, PHI_SUM, U_SUM = range(10)
 NSTATE = 10
-REL = PHI_SUM  # one-pass divergences (no second pass): chunked.Online.r, on ACC's scale
-LOST = U_SUM   # one-pass divergences: chunked.Online.b, on the other side's scale
-# Entries whose other side lies more than this many nats above their own (w e^d could overflow fp32)
-# count in the other side's dropped mass (chunked.FAR_NATS).
-FAR_NATS = tl.constexpr(64.0)
+REL = PHI_SUM  # one-pass divergences (no second pass): Online.r, on ACC's scale
+LOST = U_SUM   # one-pass divergences: Online.b, on the other side's scale
+C_M_S, C_L_S, C_M_T, C_L_T, C_ACC, C_M_Z, C_L_Z, C_Z_LABEL, C_PHI_SUM, C_U_SUM = (tl.constexpr(i) for i in range(10))
+C_NSTATE, C_REL, C_LOST = tl.constexpr(NSTATE), tl.constexpr(REL), tl.constexpr(LOST)
 # Columns of the per-row finished values the gradient kernel reads.
 LSE_S, LSE_T, LSE_Z, SUM_U = range(4)
-
-FORWARD_KL, REVERSE_KL, JSD, SKEW_KL, SKEW_REVERSE_KL, TVD = (dv.DIVERGENCE_IDS[k] for k in (
-    "forward_kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd"))
-
-
-@triton.jit
-def _f32(x):
-    # scalar arguments arrive as fp64 under torch.compile; keep every loop-carried value fp32
-    return tl.cast(x, tl.float32)
-
-
-@triton.jit
-def _xmul(w, x):
-    # w * x, 0 where w == 0 (0 * inf would be NaN)
-    return tl.where(w > 0, w * x, 0.0)
-
-
-@triton.jit
-def _logaddexp(a, b):
-    mx = tl.maximum(a, b)
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    return mx_safe + tl.log(tl.exp(a - mx_safe) + tl.exp(b - mx_safe))
-
-
-@triton.jit
-def phi_u(lp, lq, param, log_a, log_1ma, DIVERGENCE: tl.constexpr):
-    """(phi, u = dphi/dlog q) per entry; mirrors nitrobrew.divergences."""
-    if DIVERGENCE == 0:  # forward KL
-        p = tl.exp(lp)
-        phi = _xmul(p, lp - lq)
-        u = -p
-    elif DIVERGENCE == 1:  # reverse KL
-        q = tl.exp(lq)
-        phi = _xmul(q, lq - lp)
-        u = _xmul(q, lq - lp + 1.0)
-    elif DIVERGENCE == 2:  # jsd(beta = param)
-        p = tl.exp(lp)
-        q = tl.exp(lq)
-        lm = _logaddexp(lp + log_a, lq + log_1ma)
-        phi = param * _xmul(p, lp - lm) + (1.0 - param) * _xmul(q, lq - lm)
-        u = (1.0 - param) * _xmul(q, lq - lm)
-    elif DIVERGENCE == 3:  # skew KL(p || a p + (1-a) q)
-        p = tl.exp(lp)
-        lr = _logaddexp(lp + log_a, lq + log_1ma)
-        phi = _xmul(p, lp - lr)
-        e = lp + log_1ma + lq - lr
-        u = -tl.exp(tl.where(e == e, e, float("-inf")))
-    elif DIVERGENCE == 4:  # skew reverse KL(q || a q + (1-a) p)
-        q = tl.exp(lq)
-        lr = _logaddexp(lq + log_a, lp + log_1ma)
-        e = lq + log_a - lr
-        share = tl.exp(tl.where(e == e, e, float("-inf")))
-        phi = _xmul(q, lq - lr)
-        u = _xmul(q, lq - lr + 1.0 - share)
-    else:  # tvd
-        p = tl.exp(lp)
-        q = tl.exp(lq)
-        phi = 0.5 * tl.abs(p - q)
-        u = tl.where(q > p, 0.5 * q, tl.where(q < p, -0.5 * q, 0.0))
-    return phi, u
-
-
-@triton.jit
-def _online(m, l, x, valid):
-    """Online (max, rescaled sum) update with one tile x; returns new m, l and e = exp(x - m_new)."""
-    m_new = tl.maximum(m, tl.max(tl.where(valid, x, float("-inf")), axis=0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    scale = tl.exp(m - m_safe)
-    e = tl.where(valid, tl.exp(x - m_safe), 0.0)
-    return m_new, l * scale + tl.sum(e, axis=0), e, scale
-
-
-@triton.jit
-def _expm1(x):
-    """exp(x) - 1 to fp32 accuracy also for small |x| (a Taylor polynomial below 0.25)."""
-    poly = x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0 + x * (1.0 / 720.0))))))
-    return tl.where(tl.abs(x) < 0.25, poly, tl.exp(x) - 1.0)
-
-
-@triton.jit
-def _lane_update(m, l, x):
-    """Per-lane online (max, rescaled sum) with one exp per element, exp(-|x - m|). Returns the new
-    (m, l), the element's weight w = exp(x - m_new) and the factor the lane's old sums are rescaled by.
-    An entry x = -inf (past the row's end: loaded as -inf; or masked by the caller) changes nothing
-    and gets w = 0, so the loop needs no mask here (selects on every element cost as much as an exp).
-    A NaN entry makes the lane's max NaN (and so the row's statistics): NaN never hides."""
-    hi = tl.maximum(m, x, propagate_nan=tl.PropagateNan.ALL)
-    e = tl.where(hi == float("-inf"), 0.0, tl.exp(tl.minimum(m, x) - hi))  # 0 while both are -inf
-    up = x > m
-    return hi, tl.where(up, l * e + 1.0, l + e), tl.where(up, 1.0, e), tl.where(up, e, 1.0)
-
-
-@triton.jit
-def _lanes_to_row(m, l, acc, rel, m0, l0, a0, r0):
-    """Merge the lanes' (max, sum, two accumulators on the sum's scale) into one row state, then with
-    the row's carried state (m0, l0, a0, r0)."""
-    mx = tl.max(m, axis=0)
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    sc = tl.exp(m - mx_safe)
-    l_row = tl.sum(l * sc, axis=0)
-    a_row = tl.sum(tl.where(sc > 0, acc * sc, 0.0), axis=0)
-    r_row = tl.sum(tl.where(sc > 0, rel * sc, 0.0), axis=0)
-    m_new = tl.maximum(m0, mx)
-    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    s_old = tl.exp(m0 - safe)
-    s_row = tl.exp(mx - safe)
-    return m_new, l0 * s_old + l_row * s_row, a0 * s_old + a_row * s_row, r0 * s_old + r_row * s_row
+C_LSE_S, C_LSE_T, C_LSE_Z, C_SUM_U = (tl.constexpr(i) for i in range(4))
+# Entries whose other side lies more than this many nats above their own (w e^d could overflow fp32)
+# count in the other side's dropped mass (core.online.FAR_NATS).
+FAR_NATS = tl.constexpr(64.0)
 
 
 @triton.jit
@@ -179,11 +87,11 @@ def stats_kernel(
     PASS 2: sum of phi and of u given the final log-sum-exps (stored in M_S/M_T as lse).
     Every lane keeps its own running values over the row's tiles; they are reduced once at the end
     (a reduction per tile synchronizes the program's warps and costs more than the exps)."""
-    inv_temp, param, log_a, log_1ma = _f32(inv_temp), _f32(param), _f32(log_a), _f32(log_1ma)
+    inv_temp, param, log_a, log_1ma = f32(inv_temp), f32(param), f32(log_a), f32(log_1ma)
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     t_row = t_ptr + row * stride_t
-    st = state_ptr + row * 10
+    st = state_ptr + row * C_NSTATE
     cols = tl.arange(0, BLOCK_V)
     zero = tl.zeros([BLOCK_V], dtype=tl.float32)
     if PASS == 1:
@@ -206,54 +114,54 @@ def stats_kernel(
             z = tl.load(z_row + idx, mask=valid, other=float("-inf"))
             t = tl.load(t_row + idx, mask=valid, other=float("-inf")) * inv_temp
             s = z * inv_temp
-            m_s, l_s, w_s, sc_s = _lane_update(m_s, l_s, s)
-            m_t, l_t, w_t, sc_t = _lane_update(m_t, l_t, t)
-            if DIVERGENCE < 2:  # the side p that accumulates: the teacher (forward KL) or the student
-                w = w_t if DIVERGENCE == 0 else w_s
-                sc = sc_t if DIVERGENCE == 0 else sc_s
-                d = s - t if DIVERGENCE == 0 else t - s  # other - own
+            m_s, l_s, w_s, sc_s = lane_update(m_s, l_s, s)
+            m_t, l_t, w_t, sc_t = lane_update(m_t, l_t, t)
+            if (DIVERGENCE == FORWARD_KL or DIVERGENCE == REVERSE_KL):  # the side p that accumulates: the teacher (forward KL) or the student
+                w = w_t if DIVERGENCE == FORWARD_KL else w_s
+                sc = sc_t if DIVERGENCE == FORWARD_KL else sc_s
+                d = s - t if DIVERGENCE == FORWARD_KL else t - s  # other - own
                 keep = w > 0  # w = 0 where d may be infinite
                 # the other side's mass goes to `lost` (on its own scale) where p underflowed, and where
                 # w e^d could overflow (d > FAR_NATS: rel keeps only -w there, the "-1" of expm1)
                 near = keep & (d <= FAR_NATS)
                 acc = acc * sc - tl.where(keep, w * d, 0.0)
-                rel = rel * sc + tl.where(near, w * _expm1(d), -w)  # rel stays finite: near bounds w e^d
+                rel = rel * sc + tl.where(near, w * expm1(d), -w)  # rel stays finite: near bounds w e^d
                 # (when a lane's own max jumps by > 104 nats, its earlier near entries' other-side mass is
                 # below e^-40 of the new scale: negligible, so no per-element select for it; lanes, tiles
                 # and ranks whose sums underflow as a whole are handled where they merge)
-                lost = lost * (sc_s if DIVERGENCE == 0 else sc_t) + tl.where(near, 0.0, w_s if DIVERGENCE == 0 else w_t)
+                lost = lost * (sc_s if DIVERGENCE == FORWARD_KL else sc_t) + tl.where(near, 0.0, w_s if DIVERGENCE == FORWARD_KL else w_t)
             if RAW_LSE:
-                m_z, l_z, _w, _sc = _lane_update(m_z, l_z, z)
+                m_z, l_z, _w, _sc = lane_update(m_z, l_z, z)
             if HAS_LABELS:
                 z_lab += tl.where(valid & (idx == label), z, 0.0)
-        if DIVERGENCE == 0:
+        if DIVERGENCE == FORWARD_KL:
             mt_row, lt_row, a_row, r_row, ms_row, ls_row, b_row = _kl_lanes_to_row(
-                m_t, l_t, acc, rel, m_s, l_s, lost, tl.load(st + 2), tl.load(st + 3), tl.load(st + 4),
-                tl.load(st + 8), tl.load(st + 0), tl.load(st + 1), tl.load(st + 9))
-        elif DIVERGENCE == 1:
+                m_t, l_t, acc, rel, m_s, l_s, lost, tl.load(st + C_M_T), tl.load(st + C_L_T), tl.load(st + C_ACC),
+                tl.load(st + C_REL), tl.load(st + C_M_S), tl.load(st + C_L_S), tl.load(st + C_LOST))
+        elif DIVERGENCE == REVERSE_KL:
             ms_row, ls_row, a_row, r_row, mt_row, lt_row, b_row = _kl_lanes_to_row(
-                m_s, l_s, acc, rel, m_t, l_t, lost, tl.load(st + 0), tl.load(st + 1), tl.load(st + 4),
-                tl.load(st + 8), tl.load(st + 2), tl.load(st + 3), tl.load(st + 9))
+                m_s, l_s, acc, rel, m_t, l_t, lost, tl.load(st + C_M_S), tl.load(st + C_L_S), tl.load(st + C_ACC),
+                tl.load(st + C_REL), tl.load(st + C_M_T), tl.load(st + C_L_T), tl.load(st + C_LOST))
         else:
-            ms_row, ls_row, _a, _r = _lanes_to_row(m_s, l_s, zero, zero, tl.load(st + 0), tl.load(st + 1), 0.0, 0.0)
-            mt_row, lt_row, _a, _r = _lanes_to_row(m_t, l_t, zero, zero, tl.load(st + 2), tl.load(st + 3), 0.0, 0.0)
-        tl.store(st + 0, ms_row)
-        tl.store(st + 1, ls_row)
-        tl.store(st + 2, mt_row)
-        tl.store(st + 3, lt_row)
-        if DIVERGENCE < 2:
-            tl.store(st + 4, a_row)
-            tl.store(st + 8, r_row)
-            tl.store(st + 9, b_row)
+            ms_row, ls_row, _a, _r = lanes_to_row(m_s, l_s, zero, zero, tl.load(st + C_M_S), tl.load(st + C_L_S), 0.0, 0.0)
+            mt_row, lt_row, _a, _r = lanes_to_row(m_t, l_t, zero, zero, tl.load(st + C_M_T), tl.load(st + C_L_T), 0.0, 0.0)
+        tl.store(st + C_M_S, ms_row)
+        tl.store(st + C_L_S, ls_row)
+        tl.store(st + C_M_T, mt_row)
+        tl.store(st + C_L_T, lt_row)
+        if (DIVERGENCE == FORWARD_KL or DIVERGENCE == REVERSE_KL):
+            tl.store(st + C_ACC, a_row)
+            tl.store(st + C_REL, r_row)
+            tl.store(st + C_LOST, b_row)
         if RAW_LSE:
-            mz_row, lz_row, _a, _r = _lanes_to_row(m_z, l_z, zero, zero, tl.load(st + 5), tl.load(st + 6), 0.0, 0.0)
-            tl.store(st + 5, mz_row)
-            tl.store(st + 6, lz_row)
+            mz_row, lz_row, _a, _r = lanes_to_row(m_z, l_z, zero, zero, tl.load(st + C_M_Z), tl.load(st + C_L_Z), 0.0, 0.0)
+            tl.store(st + C_M_Z, mz_row)
+            tl.store(st + C_L_Z, lz_row)
         if HAS_LABELS:
-            tl.store(st + 7, tl.load(st + 7) + tl.sum(z_lab, axis=0))
+            tl.store(st + C_Z_LABEL, tl.load(st + C_Z_LABEL) + tl.sum(z_lab, axis=0))
     else:
-        lse_s = tl.load(st + 0)
-        lse_t = tl.load(st + 2)
+        lse_s = tl.load(st + C_M_S)
+        lse_t = tl.load(st + C_M_T)
         phi_sum = zero
         u_sum = zero
         for start in range(0, n_cols, BLOCK_V):
@@ -264,8 +172,8 @@ def stats_kernel(
             phi, u = phi_u(lp, lq, param, log_a, log_1ma, DIVERGENCE)
             phi_sum += tl.where(valid, phi, 0.0)
             u_sum += tl.where(valid, u, 0.0)
-        tl.store(st + 8, tl.load(st + 8) + tl.sum(phi_sum, axis=0))
-        tl.store(st + 9, tl.load(st + 9) + tl.sum(u_sum, axis=0))
+        tl.store(st + C_PHI_SUM, tl.load(st + C_PHI_SUM) + tl.sum(phi_sum, axis=0))
+        tl.store(st + C_U_SUM, tl.load(st + C_U_SUM) + tl.sum(u_sum, axis=0))
 
 
 @triton.jit
@@ -304,15 +212,15 @@ def grad_kernel(
     active[j] = 1 where |g_j| > filter_eps * that (see grad_filter.py); every writer writes the
     same 1, so plain stores suffice.
     """
-    inv_temp, param, log_a, log_1ma, inv_cap = _f32(inv_temp), _f32(param), _f32(log_a), _f32(log_1ma), _f32(inv_cap)
+    inv_temp, param, log_a, log_1ma, inv_cap = f32(inv_temp), f32(param), f32(log_a), f32(log_1ma), f32(inv_cap)
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     t_row = t_ptr + row * stride_t
     g_row = g_ptr + row * stride_g
-    lse_s = tl.load(rowvals_ptr + row * 4 + 0)
-    lse_t = tl.load(rowvals_ptr + row * 4 + 1)
-    lse_z = tl.load(rowvals_ptr + row * 4 + 2)
-    sum_u = tl.load(rowvals_ptr + row * 4 + 3)
+    lse_s = tl.load(rowvals_ptr + row * 4 + C_LSE_S)
+    lse_t = tl.load(rowvals_ptr + row * 4 + C_LSE_T)
+    lse_z = tl.load(rowvals_ptr + row * 4 + C_LSE_Z)
+    sum_u = tl.load(rowvals_ptr + row * 4 + C_SUM_U)
     kd_scale = tl.load(kd_scale_ptr + row) * inv_temp
     ce_scale = 0.0
     label = -1
@@ -329,7 +237,7 @@ def grad_kernel(
             g = _grad_tile(z_row, t_row, idx, valid, lse_s, lse_t, lse_z, sum_u, kd_scale, ce_scale, label,
                            inv_temp, param, log_a, log_1ma, inv_cap, DIVERGENCE, WITH_CE, SOFTCAP)
             g_max = tl.maximum(g_max, tl.max(tl.where(valid, tl.abs(g), 0.0), axis=0))
-        thr = _f32(filter_eps) * g_max
+        thr = f32(filter_eps) * g_max
     for start in range(0, n_cols, BLOCK_V):
         idx = start + cols
         valid = idx < n_cols
@@ -339,35 +247,6 @@ def grad_kernel(
         tl.store(g_row + idx, g.to(g_ptr.dtype.element_ty), mask=valid)
         if FILTER:
             tl.store(active_ptr + idx, tl.full([BLOCK_V], 1, tl.int8), mask=valid & (tl.abs(g) > thr))
-
-
-def _math_args(cfg: LossConfig):
-    """(1 / T, param, log param, log(1 - param)) of a config (any with .temperature and .param:
-    the top-k kernels use it too)."""
-    a = cfg.param
-    log_a = math.log(a) if a > 0 else float("-inf")
-    log_1ma = math.log(1.0 - a) if a < 1 else float("-inf")
-    return 1.0 / cfg.temperature, a, log_a, log_1ma
-
-
-# Launch configuration of the row kernels, also those of topk's fast mode (tuned on an H200: see
-# benchmarks/results/hidden/row_kernel_sweep.md).
-BLOCK_V = 4096
-NUM_WARPS = 4     # gradient pass
-STATS_WARPS = 8   # statistics passes
-# The KLs' statistics pass keeps two more per-lane sums (a, r): with 4096-column tiles on 8 warps it
-# needs more than 128 registers a thread, which halves the programs an SM holds
-KL_STATS_BLOCK_V = 2048
-KL_STATS_WARPS = 4
-
-
-INTERPRETER_BLOCK_V = 64  # the tests' rows then span several tiles, the last one ragged
-
-
-def row_block(n_cols: int, cap: int = 0) -> int:
-    """Columns per tile of a row pass over n_cols columns (at most cap, default BLOCK_V)."""
-    cap = INTERPRETER_BLOCK_V if ck.interpreter_enabled() else (cap or BLOCK_V)
-    return min(cap, next_pow2(max(n_cols, 16)))
 
 
 def new_state(n: int, device) -> torch.Tensor:
@@ -382,7 +261,7 @@ def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no:
     rows, n_cols = z.shape
     if rows == 0:
         return
-    inv_temp, a, log_a, log_1ma = _math_args(cfg)
+    inv_temp, a, log_a, log_1ma = math_args(cfg)
     has_labels = cfg.with_ce and labels is not None and pass_no == 1
     kl = pass_no == 1 and cfg.divergence in dv.ONE_PASS
     launch(stats_kernel, (rows,),
@@ -401,7 +280,7 @@ def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, c
     rows, n_cols = z.shape
     if rows == 0:
         return
-    inv_temp, a, log_a, log_1ma = _math_args(cfg)
+    inv_temp, a, log_a, log_1ma = math_args(cfg)
     with_ce = cfg.with_ce and labels is not None
     launch(grad_kernel, (rows,),
         z, t, g, z.stride(0), t.stride(0), g.stride(0), rowvals, kd_scale,

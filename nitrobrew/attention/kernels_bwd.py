@@ -26,8 +26,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_tiles import (centred_diff, dot, exp2_pair, flat_rows, hide_invisible, key_block_scores, key_heads,
-                           key_ranges, load_tile, on_rows, program_block, scores, store_tile)
+from .kernels_tiles import (
+    centred_diff,
+    dot,
+    exp2_pair,
+    flat_rows,
+    hide_invisible,
+    key_block_scores,
+    key_heads,
+    key_ranges,
+    load_tile,
+    on_rows,
+    program_block,
+    scores,
+    store_tile,
+)
 
 
 @triton.jit

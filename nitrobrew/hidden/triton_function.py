@@ -19,10 +19,12 @@ import torch
 from .. import _checks as ck
 from .. import divergences as dv
 from .._ops import grad_needed, kernel_operands, linear_logits, mm_acc, mm_acc_add, softcap_
+from ..core.online import Online, combine_rows, row_scales, row_upstream, spans
+from ..core.slabs import accumulate_dw, alloc_grads, finish_grads, keep_for_backward, take_precomputed_grads
 from . import grad_filter as gf
-from . import triton_rows as tr
-from .chunked import FirstPass, Online, RowStats, combine_rows, finish_stats, row_scales, row_upstream, vocab_chunks
-from .config import LossConfig
+from . import kernels as tr
+from .chunked import FirstPass, RowStats, finish_stats
+from .config import LossConfig, Operands
 
 F32 = torch.float32
 DEFAULT_FAST_BUDGET = 896 << 20     # bytes of fp32 logit slabs in the fast mode (peak stays under 1 GiB)
@@ -55,16 +57,12 @@ def make_plan(n: int, v: int, ds: int, dtype, mode, chunk_V, memory_budget, redu
     return Plan(mode, max(1, min(rows, max(n, 1))), vc, reduction, dtype == F32)
 
 
-def row_blocks(n: int, rows: int):
-    """(r0, r1) blocks of `rows` rows (the last one shorter) over n rows."""
-    return vocab_chunks(n, rows)
-
-
 def _round_rows(rows: int) -> int:
     return rows - rows % 64 if rows >= 128 else max(rows, 1)
 
 
-def _slabs(xs, xt, ws, wt, bs, bt, v0, v1, cfg):
+def _slabs(ops: Operands, v0, v1, cfg):
+    xs, xt, ws, wt, bs, bt = ops
     z = linear_logits(xs, ws[v0:v1], None if bs is None else bs[v0:v1], F32)
     t = linear_logits(xt, wt[v0:v1], None if bt is None else bt[v0:v1], F32)
     return softcap_(z, cfg.softcap_s), softcap_(t, cfg.softcap_t)
@@ -83,22 +81,22 @@ def _first_pass_from_state(st: torch.Tensor, cfg: LossConfig) -> FirstPass:
     )
 
 
-def block_stats(xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig, vchunk: int):
+def block_stats(ops: Operands, labels, cfg: LossConfig, vchunk: int):
     """RowStats of a block of rows, streaming the vocab; also returns the slabs if there was one."""
-    V = ws.shape[0]
-    st = tr.new_state(xs.shape[0], xs.device)
+    V = ops.vocab
+    st = tr.new_state(ops.xs.shape[0], ops.xs.device)
     slabs = None
-    for v0, v1 in vocab_chunks(V, vchunk):
-        slabs = _slabs(xs, xt, ws, wt, bs, bt, v0, v1, cfg)
+    for v0, v1 in spans(V, vchunk):
+        slabs = _slabs(ops, v0, v1, cfg)
         tr.launch_stats(*slabs, st, labels, v0, cfg, 1)
     fp = _first_pass_from_state(st, cfg)
     sums = None
     if cfg.divergence not in dv.ONE_PASS:
         st2 = torch.zeros_like(st)
         st2[:, tr.M_S], st2[:, tr.M_T] = fp.s.lse(), fp.t.lse()
-        for v0, v1 in vocab_chunks(V, vchunk):
+        for v0, v1 in spans(V, vchunk):
             if vchunk < V:
-                slabs = _slabs(xs, xt, ws, wt, bs, bt, v0, v1, cfg)
+                slabs = _slabs(ops, v0, v1, cfg)
             tr.launch_stats(*slabs, st2, None, v0, cfg, 2)
         sums = (st2[:, tr.PHI_SUM], st2[:, tr.U_SUM])
     return finish_stats(fp, cfg, sums), (slabs if vchunk >= V else None)
@@ -116,18 +114,19 @@ def _rowvals(rs: RowStats) -> torch.Tensor:
     return torch.stack([rs.lse_s, rs.lse_t, lse_z, rs.sum_u], dim=1).to(F32).contiguous()
 
 
-def block_grads(xs, xt, ws, wt, bs, bt, labels, rs, kd_scale, ce_scale, cfg, vchunk, dx_out, dw, db,
+def block_grads(ops: Operands, labels, rs, kd_scale, ce_scale, cfg, vchunk, dx_out, dw, db,
                 first_rows: bool, slabs=None):
     """Gradient of a block of rows: writes dx_out (its rows), accumulates dw (written by the
     first block of rows) and db."""
+    xs, ws = ops.xs, ops.ws
     V = ws.shape[0]
     rowvals = _rowvals(rs)
     filtering = cfg.filter_eps is not None
     if filtering:
         gf.check_not_capturing(xs.device)
     dx_acc = None if (vchunk >= V and not filtering) else torch.zeros(xs.shape, dtype=F32, device=xs.device)
-    for v0, v1 in vocab_chunks(V, vchunk):
-        z, t = slabs if slabs is not None else _slabs(xs, xt, ws, wt, bs, bt, v0, v1, cfg)
+    for v0, v1 in spans(V, vchunk):
+        z, t = slabs if slabs is not None else _slabs(ops, v0, v1, cfg)
         g = _grad_buffer(z, t, xs.dtype)
         active = torch.zeros(v1 - v0, dtype=torch.int8, device=xs.device) if filtering else None
         tr.launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, v0, cfg, active)
@@ -157,47 +156,39 @@ def _all_column_grads(g, xs, w, dx_out, dx_acc, dw, first: bool) -> None:
         accumulate_dw(dw, g, xs, first)
 
 
-def accumulate_dw(dw: torch.Tensor, g: torch.Tensor, xs: torch.Tensor, first: bool) -> None:
-    """dw += g^T xs; the first block writes dw instead (no zero-fill pass over the head)."""
-    if dw.dtype == g.dtype:
-        torch.mm(g.t(), xs, out=dw) if first else dw.addmm_(g.t(), xs)
-    elif first:
-        dw.copy_(mm_acc(g.t(), xs, dw.dtype))
-    else:
-        mm_acc_add(dw, g.t(), xs)
-
-
-def distill_forward(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool):
+def distill_forward(ops: Operands, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool):
     """Reduced (total, kd, ce), the gradients (dx, dw, db) when they are formed here (fast mode,
     scalar reduction, need_grad) else None, and the row statistics the backward needs otherwise."""
+    xs, ws, bs = ops.xs, ops.ws, ops.bs
     n = xs.shape[0]
     precompute = need_grad and plan.mode == "fast" and plan.reduction != "none"
     grads = alloc_grads(xs, ws, bs, plan.dw_fp32) if precompute else None
     red = ck.reduction_scale(mask, plan.reduction) if precompute else None
     stats = []
-    for r0, r1 in row_blocks(n, plan.row_chunk):
+    for r0, r1 in spans(n, plan.row_chunk):
         lab = None if labels is None else labels[r0:r1]
-        rs, slabs = block_stats(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, lab, cfg, plan.vocab_chunk)
+        rs, slabs = block_stats(ops.rows(r0, r1), lab, cfg, plan.vocab_chunk)
         stats.append(rs)
         if precompute:
             kd_scale, ce_scale = row_scales(red.expand(r1 - r0), mask[r0:r1], cfg)
-            block_grads(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, lab, rs, kd_scale, ce_scale, cfg,
+            block_grads(ops.rows(r0, r1), lab, rs, kd_scale, ce_scale, cfg,
                         plan.vocab_chunk, grads[0][r0:r1], grads[1], grads[2], r0 == 0, slabs)
         del slabs
     rs = _concat_stats(stats, xs)
-    rows = combine_rows(rs, mask, cfg)
+    rows = combine_rows(rs.kd, rs.ce, mask, cfg)
     out = tuple(ck.reduce_rows(r, mask, plan.reduction, (n,)) for r in rows)
     return out, (finish_grads(*grads, ws, bs) if precompute else None), rs
 
 
-def distill_backward(xs, xt, ws, wt, bs, bt, labels, mask, rs: RowStats, cfg: LossConfig, plan: Plan, grad_total):
+def distill_backward(ops: Operands, labels, mask, rs: RowStats, cfg: LossConfig, plan: Plan, grad_total):
     """(dx, dw, db) recomputing the slabs from the row statistics of the forward."""
+    xs, ws, bs = ops.xs, ops.ws, ops.bs
     n = xs.shape[0]
     kd_scale, ce_scale = row_scales(row_upstream(grad_total, mask, plan.reduction, n), mask, cfg)
     dx, dw, db = alloc_grads(xs, ws, bs, plan.dw_fp32)
-    for r0, r1 in row_blocks(n, plan.row_chunk):
+    for r0, r1 in spans(n, plan.row_chunk):
         sub = rs.rows(r0, r1)
-        block_grads(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, None if labels is None else labels[r0:r1], sub,
+        block_grads(ops.rows(r0, r1), None if labels is None else labels[r0:r1], sub,
                     kd_scale[r0:r1].contiguous(), ce_scale[r0:r1].contiguous(), cfg, plan.vocab_chunk,
                     dx[r0:r1], dw, db, r0 == 0)
     return finish_grads(dx, dw, db, ws, bs)
@@ -208,7 +199,7 @@ class TritonDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool):
-        out, grads, rs = distill_forward(xs, xt, ws, wt, bs, bt, labels, mask, cfg, plan, need_grad)
+        out, grads, rs = distill_forward(Operands(xs, xt, ws, wt, bs, bt), labels, mask, cfg, plan, need_grad)
         keep_for_backward(ctx, cfg, plan, grads, rs, (xs, xt, ws, wt, bs, bt, labels, mask))
         ctx.mark_non_differentiable(out[1], out[2])
         return out
@@ -220,57 +211,11 @@ class TritonDistill(torch.autograd.Function):
         if ctx.precompute:
             dx, dw, db = take_precomputed_grads(ctx, grad_total)
         else:
-            dx, dw, db = distill_backward(*ctx.saved_tensors, ctx.state, ctx.cfg, ctx.plan, grad_total)
+            xs, xt, ws, wt, bs, bt, labels, mask = ctx.saved_tensors
+            dx, dw, db = distill_backward(Operands(xs, xt, ws, wt, bs, bt), labels, mask, ctx.state, ctx.cfg, ctx.plan,
+                                          grad_total)
         return (dx if need[0] else None, None, dw if need[2] else None, None,
                 db if need[4] else None, None, None, None, None, None, None)
-
-
-def keep_for_backward(ctx, cfg, plan, grads, state, saved) -> None:
-    """What a fast mode's backward needs: the gradients formed in the forward (grads, when not None),
-    or the inputs (saved) and the row state to form them again."""
-    ctx.cfg, ctx.plan, ctx.precompute = cfg, plan, grads is not None
-    if grads is not None:
-        ctx.grads = grads
-        ctx.save_for_backward()
-    else:
-        ctx.state = state
-        ctx.save_for_backward(*saved)
-
-
-def _is_one(grad: torch.Tensor) -> bool:
-    """True when the upstream gradient is exactly 1 (loss.backward()): skips a pass over dW.
-    Reading it syncs, so under graph capture or compilation the multiply is always done."""
-    if torch.compiler.is_compiling() or (grad.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return False
-    return bool(grad == 1)
-
-
-def take_precomputed_grads(ctx, grad_total):
-    """(dx, dw, db) formed in the forward (ctx.grads), times the upstream gradient unless it is 1.
-    The context's reference is dropped so autograd can take the buffers as .grad without a copy."""
-    if ctx.grads is None:
-        raise RuntimeError(
-            "nitrobrew: this loss formed its gradients in the forward (Triton fast mode, scalar reduction) and "
-            "handed them out in the first backward; a second backward through the same graph (retain_graph=True) "
-            "is not supported. Compute the loss again, or use mode='constant_memory' or backend='torch'.")
-    dx, dw, db = ctx.grads
-    ctx.grads = None
-    if not _is_one(grad_total):
-        dx, dw, db = (None if g is None else g * grad_total.to(g.dtype) for g in (dx, dw, db))
-    return dx, dw, db
-
-
-def alloc_grads(xs, ws, bs, dw_fp32: bool, need_x: bool = True, need_w: bool = True):
-    """Gradient buffers (None where not needed): dX in xs's dtype, dW in fp32 or the head's dtype, db fp32."""
-    dx = torch.empty_like(xs) if need_x else None
-    dw = torch.empty(ws.shape, dtype=F32 if dw_fp32 else ws.dtype, device=ws.device) if need_w else None
-    db = torch.zeros(bs.shape, dtype=F32, device=bs.device) if (need_w and bs is not None) else None
-    return dx, dw, db
-
-
-def finish_grads(dx, dw, db, ws, bs):
-    """The buffers of ``alloc_grads`` in the dtypes of the head and bias."""
-    return dx, None if dw is None else dw.to(ws.dtype), None if db is None else db.to(bs.dtype)
 
 
 def _concat_stats(stats, xs) -> RowStats:
@@ -300,33 +245,36 @@ class TritonLocal:
                               memory_budget, "none")
 
     def _row_blocks(self, n: int):
-        return row_blocks(n, self.plan.row_chunk)
+        return spans(n, self.plan.row_chunk)
 
-    def first_pass(self, xs, xt, ws, wt, bs, bt, labels, cfg: LossConfig) -> FirstPass:
+    def first_pass(self, ops: Operands, labels, cfg: LossConfig) -> FirstPass:
+        xs, ws = ops.xs, ops.ws
         st = tr.new_state(xs.shape[0], xs.device)
         for r0, r1 in self._row_blocks(xs.shape[0]):
-            for v0, v1 in vocab_chunks(ws.shape[0], self.plan.vocab_chunk):
-                z, t = _slabs(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, v0, v1, cfg)
+            for v0, v1 in spans(ws.shape[0], self.plan.vocab_chunk):
+                z, t = _slabs(ops.rows(r0, r1), v0, v1, cfg)
                 tr.launch_stats(z, t, st[r0:r1], None if labels is None else labels[r0:r1], v0, cfg, 1)
         return _first_pass_from_state(st, cfg)
 
-    def second_pass(self, xs, xt, ws, wt, bs, bt, cfg: LossConfig, lse_s, lse_t):
+    def second_pass(self, ops: Operands, cfg: LossConfig, lse_s, lse_t):
+        xs, ws = ops.xs, ops.ws
         st = torch.zeros(xs.shape[0], tr.NSTATE, dtype=F32, device=xs.device)
         st[:, tr.M_S], st[:, tr.M_T] = lse_s, lse_t
         for r0, r1 in self._row_blocks(xs.shape[0]):
-            for v0, v1 in vocab_chunks(ws.shape[0], self.plan.vocab_chunk):
-                z, t = _slabs(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, v0, v1, cfg)
+            for v0, v1 in spans(ws.shape[0], self.plan.vocab_chunk):
+                z, t = _slabs(ops.rows(r0, r1), v0, v1, cfg)
                 tr.launch_stats(z, t, st[r0:r1], None, v0, cfg, 2)
         return st[:, tr.PHI_SUM], st[:, tr.U_SUM]
 
-    def backward(self, xs, xt, ws, wt, bs, bt, labels, rs: RowStats, cfg: LossConfig, kd_scale, ce_scale, need_w=True):
+    def backward(self, ops: Operands, labels, rs: RowStats, cfg: LossConfig, kd_scale, ce_scale, need_w=True):
         """(dX in fp32 over the local vocabulary, dW, db)."""
+        xs, ws, bs = ops.xs, ops.ws, ops.bs
         dx = torch.zeros(xs.shape, dtype=F32, device=xs.device)
         dw = torch.empty_like(ws) if need_w else None
         db = torch.zeros(bs.shape, dtype=F32, device=bs.device) if (need_w and bs is not None) else None
         for r0, r1 in self._row_blocks(xs.shape[0]):
             sub = rs.rows(r0, r1)
-            block_grads(xs[r0:r1], xt[r0:r1], ws, wt, bs, bt, None if labels is None else labels[r0:r1], sub,
+            block_grads(ops.rows(r0, r1), None if labels is None else labels[r0:r1], sub,
                         kd_scale[r0:r1].float().contiguous(), ce_scale[r0:r1].float().contiguous(), cfg,
                         self.plan.vocab_chunk, dx[r0:r1], dw, db, r0 == 0)
         return dx, dw, None if db is None else db.to(bs.dtype)

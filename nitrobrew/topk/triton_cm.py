@@ -2,14 +2,12 @@
 
 The [rows, K] math (``rowmath``) and the statistics plumbing (``chunked.finish``,
 ``row_coefficients``) are shared with the PyTorch path; only the vocab-wide and gather work runs
-in the kernels of ``triton_kernels``. float64 inputs take the PyTorch path; normalize="topk" has
+in the kernels of ``kernels_cm``. float64 inputs take the PyTorch path; normalize="topk" has
 its own kernels (``triton_support``).
 
-Vocab-parallel pieces (a rank holding head rows [lo, lo + V_local)): ``lse_range`` (the
-student's log-sum-exp over the local rows, with the tail bucket over the entries outside each
-row's top-k ids, as an ``Online`` state with l = 1, merged with ``chunked.merge_states``),
-``gather_logits`` (logits at the ids inside the local range, 0 elsewhere: sum them over ranks)
-and ``full_backward_range`` (local dW, partial dX: sum over ranks). Ids and labels are global.
+Kept beside the fast mode (which is faster at a 64 MiB slab budget) because it is the one mode whose
+working memory does not depend on a slab: O(N * K) state, 7-25 MiB at N = 4096-16384, K = 64
+(docs/topk.md), against 69-134 MiB for the fast mode's smallest useful budget.
 """
 from __future__ import annotations
 
@@ -21,11 +19,11 @@ import torch
 import triton.language as tl
 
 from .. import _checks as ck
-from ..hidden.chunked import Online
-from . import triton_kernels as kern
+from .._launch import cdiv, launch
+from ..core.online import Online
+from . import kernels_cm as kern
 from .chunked import chunked_rows, combine_rows, finish, row_coefficients
 from .rowmath import DenseCoef, TopKConfig
-from .._launch import cdiv, launch
 
 Tensor = torch.Tensor
 
@@ -111,8 +109,8 @@ def _dot_f32(dtype: torch.dtype) -> bool:
     return _interpreting() and dtype == torch.bfloat16
 
 
-def gather_logits(xs: Tensor, ws: Tensor, bs: Optional[Tensor], ids: Tensor, lo: int = 0) -> Tensor:
-    """fp32 [N, K]: x_n . w_{ids - lo} (+ b) for ids in [lo, lo + V_local), 0 for the others."""
+def gather_logits(xs: Tensor, ws: Tensor, bs: Optional[Tensor], ids: Tensor) -> Tensor:
+    """fp32 [N, K]: x_n . w_{ids} (+ b) for ids in [0, V), 0 for the others."""
     N, K = ids.shape
     D = xs.shape[1]
     out = torch.empty(N, K, dtype=torch.float32, device=xs.device)
@@ -121,7 +119,7 @@ def gather_logits(xs: Tensor, ws: Tensor, bs: Optional[Tensor], ids: Tensor, lo:
     block_k = 16 if _interpreting() else 32
     block_d = 16 if _interpreting() else 256
     launch(kern._gather_kernel, (N, cdiv(K, block_k)),
-        xs, ws, bs if bs is not None else xs, ids, out, K, D, ws.shape[0], lo,
+        xs, ws, bs if bs is not None else xs, ids, out, K, D, ws.shape[0],
         xs.stride(0), ws.stride(0), ids.stride(0), out.stride(0),
         HAS_BIAS=bs is not None, ACC=tl.float32, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4,
     )
@@ -129,8 +127,8 @@ def gather_logits(xs: Tensor, ws: Tensor, bs: Optional[Tensor], ids: Tensor, lo:
 
 
 def lse_range(xs: Tensor, ws: Tensor, bs: Optional[Tensor], temperature: float, with_raw: bool,
-              outside: Optional[RowIds] = None, lo: int = 0) -> Tuple[Tensor, Optional[Tensor]]:
-    """Per-row log-sum-exp of the tempered logits over the rows of ws = global ids [lo, lo + V)
+              outside: Optional[RowIds] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """Per-row log-sum-exp of the tempered logits over the rows of ws
     (only over the ids not in ``outside``'s rows, when given: the tail bucket), and of the raw ones
     (over all of them)."""
     N, D = xs.shape
@@ -145,7 +143,7 @@ def lse_range(xs: Tensor, ws: Tensor, bs: Optional[Tensor], temperature: float, 
     ids = outside.ids if outside is not None else locks
     K = ids.shape[1] if outside is not None else 1
     launch(kern._lse_kernel, grid,
-        xs, ws, bs if bs is not None else xs, lse_s, lse_z, locks, ids, N, V, D, K, lo,
+        xs, ws, bs if bs is not None else xs, lse_s, lse_z, locks, ids, N, V, D, K,
         outside.steps if outside is not None else 0, 1.0 / temperature, xs.stride(0), ws.stride(0), K,
         HAS_BIAS=bs is not None, HAS_Z=with_raw, TAIL=outside is not None, DOT_PREC=_dot_prec(xs.dtype),
         BLOCK_B=c.block_b, BLOCK_V=c.block_v, BLOCK_D=c.block_d, GROUP_B=c.group_b,
@@ -155,8 +153,8 @@ def lse_range(xs: Tensor, ws: Tensor, bs: Optional[Tensor], temperature: float, 
 
 
 def full_backward_range(xs, ws, bs, lse_s, lse_z, dense: DenseCoef, ce_scale, labels, row_ids: RowIds, coef,
-                        temperature, need_w: bool = True, accum: Optional[str] = None, lo: int = 0):
-    """(dX, dW, db) of the rows of ws = global ids [lo, lo + V), w.r.t. the raw logits: coef at each
+                        temperature, need_w: bool = True, accum: Optional[str] = None):
+    """(dX, dW, db) w.r.t. the raw logits: coef at each
     row's stored ids (coef [N * K] in the order of topk_ids) + the dense part dense.q_n * q_nj, or
     with the tail dense.tail_n * exp(s_nj - lse_tail_n) outside the row's ids, + the CE part
     ce_n * (softmax(z)_nj - [j == label_n]) (labels global, -1 where none)."""
@@ -183,7 +181,7 @@ def full_backward_range(xs, ws, bs, lse_s, lse_z, dense: DenseCoef, ce_scale, la
             f32(dense.q) if not tail else lse_s,
             f32(ce_scale) if has_ce else lse_s, labels.to(torch.int32).contiguous() if has_ce else locks_x,
             row_ids.ids, coef_s, f32(dense.tail) if tail else lse_s, f32(lse_t) if tail else lse_s,
-            dx, dw, db, locks_x, locks_w, N, V, D, row_ids.ids.shape[1], lo, row_ids.steps, 1.0 / temperature,
+            dx, dw, db, locks_x, locks_w, N, V, D, row_ids.ids.shape[1], row_ids.steps, 1.0 / temperature,
             xs.stride(0), ws.stride(0), dx.stride(0), dw.stride(0), row_ids.ids.stride(0), n_dch,
             HAS_BIAS=bs is not None, HAS_CE=has_ce, TAIL=tail, NEED_W=need_w, DOT_PREC=_dot_prec(xs.dtype),
             BLOCK_B=c.block_b, BLOCK_V=c.block_v, BLOCK_D=c.block_d, MM_BLOCK_D=c.mm_block_d,
@@ -233,7 +231,7 @@ class TritonTopK(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None
 
 
-def triton_rows(xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig):
+def constant_memory_rows(xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig):
     """Entry used by the public API (float64 inputs run the PyTorch path)."""
     if xs.dtype == torch.float64:
         return chunked_rows(xs, ws, bs, ids, lp, labels, mask, cfg)

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from .._launch import cdiv, launch, next_pow2
-from ..hidden.chunked import Online
-from ..hidden.triton_rows import _f32, _online
+from ..core.online import Online
+from ..core.tl_utils import f32, online_tile
 
 BLOCK = 4096
 
@@ -22,7 +22,7 @@ BLOCK = 4096
 @triton.jit
 def chunk_scan_kernel(z_ptr, m_ptr, l_ptr, gmax_ptr, n_cols, n_groups, stride_z, stride_g, inv_temp,
                       GROUP: tl.constexpr, BLOCK: tl.constexpr):
-    inv_temp = _f32(inv_temp)
+    inv_temp = f32(inv_temp)
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     g_row = gmax_ptr + row * stride_g
@@ -34,7 +34,7 @@ def chunk_scan_kernel(z_ptr, m_ptr, l_ptr, gmax_ptr, n_cols, n_groups, stride_z,
         idx = start + cols
         valid = idx < n_cols
         x = tl.load(z_row + idx, mask=valid, other=float("-inf")) * inv_temp
-        m, s, _e, _scale = _online(m, s, x, valid)
+        m, s, _e, _scale = online_tile(m, s, x, valid)
         gidx = start // GROUP + groups
         tl.store(g_row + gidx, tl.max(tl.reshape(x, (BLOCK // GROUP, GROUP)), axis=1), mask=gidx < n_groups)
     tl.store(m_ptr + row, m)

@@ -20,8 +20,16 @@ import triton
 import triton.language as tl
 
 from .._launch import next_pow2
-from .triton_tiles import (centred_diff, exp2_pair, flat_rows, key_block_scores, key_heads, key_ranges, load_tile,
-                           program_block)
+from .kernels_tiles import (
+    centred_diff,
+    exp2_pair,
+    flat_rows,
+    key_block_scores,
+    key_heads,
+    key_ranges,
+    load_tile,
+    program_block,
+)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
