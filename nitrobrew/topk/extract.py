@@ -168,21 +168,23 @@ def teacher_from_hf(model, name: str = "hf-model", vocab_size: Optional[int] = N
     return Teacher(hidden_fn, head.weight, getattr(head, "bias", None), name, vocab_size)
 
 
-# Heads are padded to a multiple of at most this many rows beyond the tokenizer (Qwen2.5: 399 rows):
-# a tokenizer whose length falls further below the head is not the model's (an empty one has length 1).
+# A head is padded by at most min(PAD_SLACK, rows / 8) rows beyond its tokenizer (Qwen2.5: 399 of 152064):
+# a tokenizer whose length falls further below the head is not the model's (one saved without its
+# vocabulary files has the length of its special tokens).
 PAD_SLACK = 1024
 
 
 def choose_vocab(head_rows: int, tokenizer_len: Optional[int] = None, override: Optional[int] = None,
                  config_vocab: Optional[int] = None) -> Tuple[int, str]:
     """(real vocabulary, where it came from). --vocab-size if given; else the tokenizer's length
-    when it agrees with the head (at most PAD_SLACK padded rows); else config.vocab_size (<= head rows)."""
+    when it agrees with the head (at most min(PAD_SLACK, rows / 8) padded rows); else config.vocab_size
+    (<= head rows)."""
     if override is not None:
         if isinstance(override, bool) or not isinstance(override, int) or not 0 < override <= head_rows:
             raise ValueError(f"--vocab-size must be an int in [1, {head_rows}] (the head's rows), got {override!r}")
         return override, f"--vocab-size, of {head_rows} head rows"
     rows = min(int(config_vocab or head_rows), head_rows)
-    if tokenizer_len is not None and rows - PAD_SLACK < tokenizer_len <= rows:
+    if tokenizer_len is not None and rows - min(PAD_SLACK, rows // 8) <= tokenizer_len <= rows:
         return tokenizer_len, f"the tokenizer's length, of {head_rows} head rows"
     note = f"config.vocab_size, of {head_rows} head rows"
     if tokenizer_len is not None:

@@ -409,7 +409,9 @@ class TopKWriter:
             else torch.zeros(0, K, dtype=lp_dtype),
         }
         tensors = {k: v.contiguous() for k, v in tensors.items()}
-        data = _safetensors().save(tensors, metadata={"format": FORMAT, "shard": str(index)})
+        # one metadata entry: safetensors writes a map's entries in no fixed order, and a shard's
+        # bytes must not depend on the run that wrote it (parts reproduce the single-process store)
+        data = _safetensors().save(tensors, metadata={"format": f"{FORMAT} shard {index}"})
         name = shard_name(index)
         atomic_write_bytes(os.path.join(self.path, name), data)
         info = ShardInfo(index=index, file=name, first_sequence=first, sequences=last - first,
