@@ -35,7 +35,7 @@ def _write_store(path, n_shards=10, per=8, k=K, dtype="float32", seed=0):
             lps.append(torch.randn(L - 1, k, generator=g).abs().neg().sort(1, descending=True).values - 0.1)
         w.write_shard(j, toks, ids, lps)
     man = w.finish()
-    w.close()
+    getattr(w, "close", lambda: None)()  # (the writer had no lock to release before there was one)
     return man
 
 
@@ -261,7 +261,10 @@ def test_files_respect_the_umask(tmp_path):
 # ------------------------------------------------------------------------------------ defect 9
 
 def test_demo_checkpoints_are_checksummed(tmp_path):
-    from nitrobrew.demo.checkpoint import CheckpointError, load_checkpoint, read_record, save_checkpoint
+    from nitrobrew.demo import checkpoint as ck
+    from nitrobrew.demo.checkpoint import load_checkpoint, read_record, save_checkpoint
+
+    CheckpointError = getattr(ck, "CheckpointError", ValueError)
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
