@@ -426,3 +426,65 @@ def test_import_foreign_parquet_and_datasets_reads_the_export(tmp_path):
     ds = datasets.load_dataset("parquet", data_dir=str(tmp_path / "pq" / "data"), split="train")
     assert len(ds) == 16 and set(ds.column_names) >= {"input_ids", "target_token_ids", "target_logprobs",
                                                       "target_mask"}
+
+
+# ------------------------------------------------------------------------------------ inputs
+
+def _word_tokenizer(tmp_path):
+    """A tiny word-level tokenizer with a chat template, saved as a model's would be (no downloads)."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "user", "assistant", ":", "hello", "world", "how", "are", "you", "fine", "\n"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    d = tmp_path / "tok"
+    fast.save_pretrained(d)
+    return str(d), words
+
+
+def test_text_chat_and_datasets_inputs(tmp_path, capsys):
+    from nitrobrew.topk.inputs import open_corpus, read_all
+
+    tdir, words = _word_tokenizer(tmp_path)
+    from nitrobrew.topk.extract import load_tokenizer
+
+    tok = load_tokenizer(tdir)
+    ids = {w: i for i, w in enumerate(words)}
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps({"text": "hello world"}) + "\n" +
+                 json.dumps({"messages": [{"role": "user", "content": "how are you"},
+                                          {"role": "assistant", "content": "fine"}]}) + "\n")
+    with pytest.raises(ValueError, match="t.jsonl:2: a chat \\(messages\\) needs --chat-template"):
+        read_all(open_corpus(str(f), tokenizer=tok))
+    with pytest.raises(ValueError, match="t.jsonl:1: text needs a tokenizer"):
+        read_all(open_corpus(str(f)))
+    got = read_all(open_corpus(str(f), tokenizer=tok, chat_template=True))
+    assert got[0][-2:] == [ids["hello"], ids["world"]]
+    assert got[1] == [ids[w] for w in "user : how are you assistant : fine".split()]
+    # a datasets folder (save_to_disk) and a parquet file, streamed
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]]}).save_to_disk(str(tmp_path / "ds"))
+    assert read_all(open_corpus(str(tmp_path / "ds"))) == [[1, 2, 3], [4, 5]]
+    datasets.Dataset.from_dict({"text": ["hello", "how are you"]}).to_parquet(str(tmp_path / "t.parquet"))
+    assert read_all(open_corpus(str(tmp_path / "t.parquet"), tokenizer=tok))[1][-3:] == [7, 8, 9]
+    # end to end: text through the CLI with --tokenizer; the manifest names the tokenizer
+    mdir = _llama_without_tokenizer(tmp_path)
+    out = str(tmp_path / "s")
+    assert cli_main(["topk-extract", "--model", mdir, "--tokenizer", tdir, "--data", str(f), "--chat-template",
+                     "--out", out, "--k", "4", "--device", "cpu", "--no-progress"]) == 0
+    man = TopKStore(out).manifest
+    assert man["source"]["chat_template"] is True and man["num_sequences"] == 2
+    assert TopKStore(out)[1]["input_ids"].tolist() == got[1]
+
+
+def test_progress_bar_reports_tokens(tmp_path, capsys):
+    pytest.importorskip("tqdm")
+    logs = []
+    man = extract_topk(_tiny_teacher(), _seqs(9), str(tmp_path / "s"), k=K, sequences_per_shard=4, progress=True,
+                       log=logs.append)
+    err = capsys.readouterr().err
+    assert "tok/s" in err and f"{man['extracted_tokens']}" in logs[-1] and "ETA" in logs[-1]
