@@ -115,36 +115,49 @@ def _parquet_files(src: str) -> List[str]:
     return files
 
 
+def _flat(col, depth: int, where: str):
+    """(offsets [rows + 1] from 0, values) of a list column nested `depth` deep (the outer offsets)."""
+    offs = col.offsets.to_numpy().astype(np.int64)
+    vals = col.flatten()
+    for _ in range(depth - 1):
+        vals = vals.flatten()
+    if vals.null_count:
+        raise ValueError(f"{where}: null entries")
+    return offs - offs[0], vals.to_numpy(zero_copy_only=False)
+
+
 def _sequences(files: List[str]) -> Iterator[Tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(where, input_ids [L], ids [L - 1, K], log-probs [L - 1, K] float32) per row of the files."""
     _, pq = _pyarrow()
     for path in files:
         pf = pq.ParquetFile(path)
-        missing = [c for c in ("input_ids", "target_token_ids", "target_logprobs") if c not in pf.schema_arrow.names]
+        names = pf.schema_arrow.names
+        missing = [c for c in ("input_ids", "target_token_ids", "target_logprobs") if c not in names]
         if missing:
-            raise ValueError(f"{path}: lacks the columns {missing} (has {pf.schema_arrow.names})")
-        cols = [c for c in ("input_ids", "target_token_ids", "target_logprobs", "target_mask")
-                if c in pf.schema_arrow.names]
+            raise ValueError(f"{path}: lacks the columns {missing} (has {names})")
+        cols = [c for c in ("input_ids", "target_token_ids", "target_logprobs", "target_mask") if c in names]
         row = 0
-        for batch in pf.iter_batches(columns=cols, batch_size=256):
-            data = {c: batch.column(c).to_pylist() for c in cols}
+        for batch in pf.iter_batches(columns=cols, batch_size=1024):
+            where = f"{path}: rows {row}-{row + batch.num_rows - 1}"
+            so, tok = _flat(batch.column("input_ids"), 1, where)
+            P = int(so[-1])
+            flat = {}
+            for c in cols[1:]:
+                offs, vals = _flat(batch.column(c), 2, where)
+                if not np.array_equal(offs, so) or P == 0 and vals.size or P and vals.size % P:
+                    raise ValueError(f"{where}: {c} must have one row of K entries per token position")
+                flat[c] = vals.reshape(P, -1) if P else vals.reshape(0, 0)
+            ids = torch.from_numpy(flat["target_token_ids"].astype(np.int64))
+            lp = torch.from_numpy(flat["target_logprobs"].astype(np.float32))
+            if "target_mask" in flat:
+                m = torch.from_numpy(flat["target_mask"].astype(bool))
+                ids, lp = torch.where(m, ids, 0), torch.where(m, lp, float("-inf"))
+            tok = torch.from_numpy(tok.astype(np.int32))
             for i in range(batch.num_rows):
-                where = f"{path}: row {row}"
+                a, b = int(so[i]), int(so[i + 1])
+                last = max(b - 1, a)  # the last position has no target inside the sequence
+                yield f"{path}: row {row}", tok[a:b], ids[a:last], lp[a:last]
                 row += 1
-                tok = data["input_ids"][i]
-                L = len(tok)
-                ids, lp = data["target_token_ids"][i], data["target_logprobs"][i]
-                mask = data["target_mask"][i] if "target_mask" in data else None
-                if len(ids) != L or len(lp) != L or (mask is not None and len(mask) != L):
-                    raise ValueError(f"{where}: {L} tokens, but {len(ids)} target id rows and {len(lp)} log-prob rows "
-                                     "(one per position expected)")
-                ids_t = torch.tensor(ids[: L - 1], dtype=torch.int64) if L > 1 else torch.zeros(0, 0, dtype=torch.int64)
-                lp_t = torch.tensor(lp[: L - 1], dtype=torch.float32) if L > 1 else torch.zeros(0, 0)
-                if mask is not None and L > 1:
-                    m = torch.tensor(mask[: L - 1], dtype=torch.bool)
-                    ids_t = torch.where(m, ids_t, 0)
-                    lp_t = torch.where(m, lp_t, float("-inf"))
-                yield where, torch.tensor(tok, dtype=torch.int32), ids_t, lp_t
 
 
 def import_store(src: str, out_dir: str, *, temperature: Optional[float] = None, vocab_size: Optional[int] = None,
