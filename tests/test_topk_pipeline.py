@@ -379,7 +379,7 @@ def test_version(capsys):
     assert info.value.code == 0 and capsys.readouterr().out.strip() == f"nitrobrew {__version__}"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "uint8"])
 def test_export_import_round_trip_is_bit_exact(tmp_path, dtype):
     pytest.importorskip("pyarrow")
     _write_store(tmp_path / "s", n_shards=3, dtype=dtype)

@@ -12,7 +12,9 @@ it; it can be pushed to the Hub as it is). One row per sequence of L tokens:
   output at position i, the store's row i); the last position has no target inside the sequence:
   mask 0, id 0, log-prob -inf.
 
-Log-probs are written as float32 whatever the store's dtype (float16 and bfloat16 widen exactly).
+Log-probs are written as float32 whatever the store's dtype (float16 and bfloat16 widen exactly;
+a uint8 store's dequantized values, plus its codes and scales in ``nitrobrew_logprob_codes`` and
+``nitrobrew_logprob_scale``).
 Each file's schema metadata (``nitrobrew_topk``) carries the store's header, so ``nitrobrew
 topk-import DIR STORE`` rebuilds the same store bit for bit (same shards, same manifest). Data
 from elsewhere (no such metadata) needs ``--temperature`` and ``--vocab-size``; its masked entries
@@ -32,7 +34,8 @@ import numpy as np
 import torch
 
 from .._io import atomic_write_bytes
-from .store import HEADER_KEYS, LOGPROB_DTYPES, StoreError, TopKStore, TopKWriter
+from .store import (HEADER_KEYS, LOGPROB_DTYPES, QUANTIZED, StoreError, TopKStore, TopKWriter,
+                    dequantize_logprobs)
 
 META_KEY = b"nitrobrew_topk"
 COLUMNS = ("input_ids", "attention_mask", "labels", "target_token_ids", "target_logprobs", "target_mask")
@@ -60,12 +63,19 @@ def _shard_table(tensors: Dict[str, torch.Tensor], header: Dict, index: int):
     lp = torch.full((P, K), float("-inf"), dtype=torch.float32)
     mask = torch.zeros(P, K, dtype=torch.int8)
     ids[real] = tensors["topk_ids"]
-    lp[real] = tensors["topk_logprobs"].float()
+    quantized = header["logprob_dtype"] == QUANTIZED
+    if quantized:
+        lp[real] = dequantize_logprobs(tensors["topk_logprobs"], tensors["topk_lp_scale"])
+        codes = torch.full((P, K), 255, dtype=torch.uint8)
+        scale = torch.zeros(P, 2)
+        codes[real], scale[real] = tensors["topk_logprobs"], tensors["topk_lp_scale"]
+    else:
+        lp[real] = tensors["topk_logprobs"].float()
     mask[real] = 1
     offsets = pa.array(so.to(torch.int32).numpy())  # per-shard token counts fit int32
 
-    def per_position(values: np.ndarray):
-        return pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), K))
+    def per_position(values: np.ndarray, width: int = K):
+        return pa.ListArray.from_arrays(offsets, pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), width))
 
     tokens = tensors["input_ids"].numpy()
     cols = {
@@ -76,6 +86,9 @@ def _shard_table(tensors: Dict[str, torch.Tensor], header: Dict, index: int):
         "target_logprobs": per_position(lp.numpy()),
         "target_mask": per_position(mask.numpy()),
     }
+    if quantized:  # the codes themselves, so that an import rebuilds the same bytes
+        cols["nitrobrew_logprob_codes"] = per_position(codes.numpy())
+        cols["nitrobrew_logprob_scale"] = per_position(scale.numpy(), 2)
     meta = {META_KEY: json.dumps(dict(header, shard=index), sort_keys=True).encode()}
     return pa.table(cols).replace_schema_metadata(meta)
 
@@ -126,8 +139,9 @@ def _flat(col, depth: int, where: str):
     return offs - offs[0], vals.to_numpy(zero_copy_only=False)
 
 
-def _sequences(files: List[str]) -> Iterator[Tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(where, input_ids [L], ids [L - 1, K], log-probs [L - 1, K] float32) per row of the files."""
+def _sequences(files: List[str]) -> Iterator[Tuple]:
+    """(where, input_ids [L], ids [L - 1, K], log-probs [L - 1, K] float32, None or the uint8 codes
+    and scales of a quantized store) per row of the files."""
     _, pq = _pyarrow()
     for path in files:
         pf = pq.ParquetFile(path)
@@ -135,7 +149,8 @@ def _sequences(files: List[str]) -> Iterator[Tuple[str, torch.Tensor, torch.Tens
         missing = [c for c in ("input_ids", "target_token_ids", "target_logprobs") if c not in names]
         if missing:
             raise ValueError(f"{path}: lacks the columns {missing} (has {names})")
-        cols = [c for c in ("input_ids", "target_token_ids", "target_logprobs", "target_mask") if c in names]
+        cols = [c for c in ("input_ids", "target_token_ids", "target_logprobs", "target_mask",
+                            "nitrobrew_logprob_codes", "nitrobrew_logprob_scale") if c in names]
         row = 0
         for batch in pf.iter_batches(columns=cols, batch_size=1024):
             where = f"{path}: rows {row}-{row + batch.num_rows - 1}"
@@ -153,10 +168,15 @@ def _sequences(files: List[str]) -> Iterator[Tuple[str, torch.Tensor, torch.Tens
                 m = torch.from_numpy(flat["target_mask"].astype(bool))
                 ids, lp = torch.where(m, ids, 0), torch.where(m, lp, float("-inf"))
             tok = torch.from_numpy(tok.astype(np.int32))
+            codes = scale = None
+            if "nitrobrew_logprob_codes" in flat and "nitrobrew_logprob_scale" in flat:
+                codes = torch.from_numpy(flat["nitrobrew_logprob_codes"].astype(np.uint8))
+                scale = torch.from_numpy(flat["nitrobrew_logprob_scale"].astype(np.float32)).reshape(-1, 2)
             for i in range(batch.num_rows):
                 a, b = int(so[i]), int(so[i + 1])
                 last = max(b - 1, a)  # the last position has no target inside the sequence
-                yield f"{path}: row {row}", tok[a:b], ids[a:last], lp[a:last]
+                q = None if codes is None else (codes[a:last], scale[a:last])
+                yield f"{path}: row {row}", tok[a:b], ids[a:last], lp[a:last], q
                 row += 1
 
 
@@ -194,20 +214,33 @@ def import_store(src: str, out_dir: str, *, temperature: Optional[float] = None,
     with TopKWriter(out_dir, resume=False, **header) as writer:
         group: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         j = 0
-        for where, tok, ids, lp in _sequences(files):
+        raw = header["logprob_dtype"] == QUANTIZED and metas[0] is not None
+
+        def flush(j, group):
+            toks, ids, lps, qs = zip(*group)
+            if raw:  # the stored codes and scales, as they were
+                writer.write_shard(j, toks, ids, [q[0] for q in qs], quantized=[q[1] for q in qs])
+            else:
+                writer.write_shard(j, toks, ids, lps)
+            if log:
+                log(f"shard {j} written")
+
+        for where, tok, ids, lp, q in _sequences(files):
             rows = max(tok.numel() - 1, 0)
             if rows and ids.shape != (rows, K):
                 raise ValueError(f"{where}: target rows are {tuple(ids.shape)}, expected ({rows}, {K})")
             if ids.numel() and (ids.min() < 0 or ids.max() >= header["vocab_size"]):
                 raise ValueError(f"{where}: target ids outside [0, {header['vocab_size']})")
-            group.append((tok, ids.reshape(rows, K), lp.reshape(rows, K)))
+            if raw and q is None:
+                raise ValueError(f"{where}: a uint8 store's export lacks its nitrobrew_logprob_codes column")
+            if raw:
+                q = (q[0].reshape(rows, K), q[1].reshape(rows, 2))
+            group.append((tok, ids.reshape(rows, K), lp.reshape(rows, K), q))
             if len(group) == S:
-                writer.write_shard(j, *zip(*group))
+                flush(j, group)
                 group, j = [], j + 1
-                if log:
-                    log(f"shard {j - 1} written")
         if group:
-            writer.write_shard(j, *zip(*group))
+            flush(j, group)
         return writer.finish()
 
 

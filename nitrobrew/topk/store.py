@@ -12,8 +12,9 @@ as five tensors:
 - ``input_ids`` int32 [tokens]: the sequences' tokens, concatenated;
 - ``seq_offsets`` int64 [n + 1]: sequence i's tokens are ``input_ids[seq_offsets[i]:seq_offsets[i+1]]``;
 - ``row_offsets`` int64 [n + 1]: sequence i's rows are ``topk_*[row_offsets[i]:row_offsets[i+1]]``;
-- ``topk_ids`` int32 [rows, K], ``topk_logprobs`` [rows, K] (float32, float16 or bfloat16),
-  sorted by decreasing log-prob.
+- ``topk_ids`` int32 [rows, K], ``topk_logprobs`` [rows, K] (float32, float16 or bfloat16; or
+  uint8 codes with ``topk_lp_scale`` float32 [rows, 2], see ``quantize_logprobs``), sorted by
+  decreasing log-prob.
 
 Alignment: a sequence of L tokens has L - 1 rows, and row i is the teacher's distribution over
 token i + 1 given tokens 0..i, i.e. the teacher's output at position i. The last position has no
@@ -44,7 +45,9 @@ from .._io import atomic_write_bytes
 FORMAT = "nitrobrew-topk"
 VERSION = 1
 MANIFEST = "manifest.json"
-LOGPROB_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+LOGPROB_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                  "uint8": torch.uint8}
+QUANTIZED = "uint8"  # codes + a per-row scale (see quantize_logprobs)
 ALIGNMENT = ("row i of a sequence of L tokens (0 <= i < L - 1) is the teacher's distribution over token i + 1; "
              "the last position is not stored")
 # header fields that must agree when an extraction resumes into an existing store
@@ -81,6 +84,33 @@ def shard_name(index: int) -> str:
 
 def part_manifest_name(part: int, num_parts: int) -> str:
     return f"manifest.part-{part:05d}-of-{num_parts:05d}.json"
+
+
+def quantize_logprobs(lp: torch.Tensor):
+    """uint8 codes [R, K] and a float32 scale [R, 2] = (top, step) with
+    ``lp ~ top - (code * step)^2``; code 255 stands for -inf (a padding entry).
+
+    Square-root spacing: a row's top log-prob is exact (code 0) and the resolution is finest where
+    the mass is: at a distance x below the top the error is at most ``step * sqrt(x)`` (half a
+    step in sqrt(x)), with ``step = sqrt(range) / 254``; uniform steps over a 12-nat range would
+    err by 0.024 nats at the top entries too.
+    """
+    lp = lp.float()
+    finite = torch.isfinite(lp)
+    ninf = torch.tensor(float("-inf"))
+    top = torch.where(finite, lp, ninf).amax(1) if lp.shape[1] else torch.zeros(lp.shape[0])
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    depth = torch.where(finite, (top[:, None] - lp).clamp(min=0), torch.zeros_like(lp)).sqrt()
+    step = (depth.amax(1) if lp.shape[1] else torch.zeros(lp.shape[0])) / 254
+    code = torch.where(step[:, None] > 0, depth / step[:, None].clamp(min=1e-30), torch.zeros_like(lp))
+    code = torch.where(finite, code.round().clamp(0, 254), torch.full_like(lp, 255))
+    return code.to(torch.uint8), torch.stack([top, step], 1).contiguous()
+
+
+def dequantize_logprobs(code: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    scale = scale.float()
+    lp = scale[:, :1] - (code.float() * scale[:, 1:]).square()
+    return torch.where(code == 255, float("-inf"), lp)
 
 
 @dataclass
@@ -377,8 +407,12 @@ class TopKWriter:
         return index * s, min((index + 1) * s, self.header["num_sequences"])
 
     def write_shard(self, index: int, input_ids: Sequence[torch.Tensor], topk_ids: Sequence[torch.Tensor],
-                    topk_logprobs: Sequence[torch.Tensor]) -> ShardInfo:
-        """Write shard `index` (its sequences' tokens, and rows: L - 1 per sequence of L tokens)."""
+                    topk_logprobs: Sequence[torch.Tensor], quantized: Optional[Sequence[torch.Tensor]] = None
+                    ) -> ShardInfo:
+        """Write shard `index` (its sequences' tokens, and rows: L - 1 per sequence of L tokens).
+
+        A uint8 store quantizes the log-probs; `quantized` (its per-sequence scale blocks [rows, 2],
+        with `topk_logprobs` then the codes) writes already quantized rows as they are (an import)."""
         if not (_is_int(index) and 0 <= index < self.num_shards and self.owns(index)):
             raise ValueError(f"shard {index!r} is not one of this writer's (part {self.part} of {self.num_parts}, "
                              f"{self.num_shards} shards)")
@@ -392,7 +426,8 @@ class TopKWriter:
             if tuple(a.shape) != (rows, K) or tuple(b.shape) != (rows, K):
                 raise ValueError(f"sequence {first + i} has {t.numel()} tokens: its top-k blocks must be "
                                  f"({rows}, {K}), got {tuple(a.shape)} and {tuple(b.shape)}")
-        lp_dtype = LOGPROB_DTYPES[self.header["logprob_dtype"]]
+        quantize = self.header["logprob_dtype"] == QUANTIZED
+        lp_dtype = torch.float32 if quantize and quantized is None else LOGPROB_DTYPES[self.header["logprob_dtype"]]
 
         def offsets(parts):
             sizes = torch.tensor([0] + [int(p.shape[0]) for p in parts], dtype=torch.int64)
@@ -408,6 +443,12 @@ class TopKWriter:
             "topk_logprobs": torch.cat([b.to(lp_dtype).cpu() for b in topk_logprobs]) if topk_logprobs
             else torch.zeros(0, K, dtype=lp_dtype),
         }
+        if quantize:
+            if quantized is None:
+                tensors["topk_logprobs"], tensors["topk_lp_scale"] = quantize_logprobs(tensors["topk_logprobs"])
+            else:
+                tensors["topk_lp_scale"] = (torch.cat([q.float().cpu() for q in quantized]) if quantized
+                                            else torch.zeros(0, 2))
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         # one metadata entry: safetensors writes a map's entries in no fixed order, and a shard's
         # bytes must not depend on the run that wrote it (parts reproduce the single-process store)
@@ -558,7 +599,8 @@ class TopKStore:
 
             handle = safe_open(fpath, framework="pt")
             names = set(handle.keys())
-            need = ("input_ids", "seq_offsets", "row_offsets", "topk_ids", "topk_logprobs")
+            need = ("input_ids", "seq_offsets", "row_offsets", "topk_ids", "topk_logprobs") + (
+                ("topk_lp_scale",) if self.manifest["logprob_dtype"] == QUANTIZED else ())
             missing = [n for n in need if n not in names]
             if missing:
                 raise StoreError(f"shard {fpath} lacks tensors {missing}")
@@ -590,5 +632,11 @@ class TopKStore:
         return {
             "input_ids": small["input_ids"][s0:s1].long(),
             "topk_ids": handle.get_slice("topk_ids")[r0:r1].long(),
-            "topk_logprobs": handle.get_slice("topk_logprobs")[r0:r1].float(),
+            "topk_logprobs": self._logprobs(handle, r0, r1),
         }
+
+    def _logprobs(self, handle, r0: int, r1: int) -> torch.Tensor:
+        lp = handle.get_slice("topk_logprobs")[r0:r1]
+        if self.manifest["logprob_dtype"] == QUANTIZED:
+            return dequantize_logprobs(lp, handle.get_slice("topk_lp_scale")[r0:r1])
+        return lp.float()

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .store import LOGPROB_DTYPES, StoreError, read_manifest, verify_shard
+from .store import LOGPROB_DTYPES, QUANTIZED, StoreError, dequantize_logprobs, read_manifest, verify_shard
 
 # a top-1 log-prob is max - logsumexp, which rounding may leave a hair above 0
 _LOGPROB_SLACK = 1e-4
@@ -27,6 +27,8 @@ def _check_contents(path: str, info: Dict, man: Dict) -> List[str]:
     fpath = os.path.join(path, info["file"])
     want_dtypes = {"input_ids": torch.int32, "seq_offsets": torch.int64, "row_offsets": torch.int64,
                    "topk_ids": torch.int32, "topk_logprobs": LOGPROB_DTYPES[man["logprob_dtype"]]}
+    if man["logprob_dtype"] == QUANTIZED:
+        want_dtypes["topk_lp_scale"] = torch.float32
     with safe_open(fpath, framework="pt") as f:
         names = set(f.keys())
         if names != set(want_dtypes):
@@ -37,6 +39,10 @@ def _check_contents(path: str, info: Dict, man: Dict) -> List[str]:
         return [f"{fpath}: " + "; ".join(bad)]
     K, V, n = man["k"], man["vocab_size"], info["sequences"]
     so, ro, ids, lp = t["seq_offsets"], t["row_offsets"], t["topk_ids"], t["topk_logprobs"].float()
+    if man["logprob_dtype"] == QUANTIZED:
+        if t["topk_lp_scale"].shape != (ids.shape[0], 2):
+            return [f"{fpath}: topk_lp_scale is {tuple(t['topk_lp_scale'].shape)}, expected ({ids.shape[0]}, 2)"]
+        lp = dequantize_logprobs(t["topk_logprobs"], t["topk_lp_scale"])
     if so.shape != (n + 1,) or ro.shape != (n + 1,) or ids.dim() != 2 or ids.shape[1] != K or ids.shape != lp.shape:
         return [f"{fpath}: shapes {[tuple(x.shape) for x in t.values()]} do not fit {n} sequences of K = {K}"]
     lengths, rows = so.diff(), ro.diff()
