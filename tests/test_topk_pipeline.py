@@ -488,3 +488,27 @@ def test_progress_bar_reports_tokens(tmp_path, capsys):
                        log=logs.append)
     err = capsys.readouterr().err
     assert "tok/s" in err and f"{man['extracted_tokens']}" in logs[-1] and "ETA" in logs[-1]
+
+
+def test_uint8_logprobs_error_bound(tmp_path):
+    from nitrobrew.topk.store import dequantize_logprobs, quantize_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    lp = torch.log_softmax(torch.randn(300, 500, generator=g) * 6, -1).topk(32, -1).values
+    lp[0, -3:] = float("-inf")  # padding entries survive
+    code, scale = quantize_logprobs(lp)
+    back = dequantize_logprobs(code, scale)
+    assert code.dtype == torch.uint8 and scale.shape == (300, 2)
+    assert torch.equal(back[:, 0], lp[:, 0]) and torch.isinf(back[0, -3:]).all()
+    depth = (lp[:, :1] - lp).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    bound = scale[:, 1:] * depth.sqrt() + 1e-5 * (1 + depth)  # half a step in sqrt(depth), plus rounding
+    assert ((back - lp).abs().nan_to_num(0.0) <= bound).all()
+    assert (back[:, 1:] <= back[:, :-1]).all()  # still sorted
+    man = _write_store(tmp_path / "s", n_shards=2, k=32, dtype="uint8")
+    ref = _write_store(tmp_path / "f", n_shards=2, k=32, dtype="float32")
+    a, b = TopKStore(str(tmp_path / "s")), TopKStore(str(tmp_path / "f"))
+    assert sum(s["bytes"] for s in man["shards"]) < 0.75 * sum(s["bytes"] for s in ref["shards"])  # 5K + 8 vs 8K
+    for i in range(len(a)):
+        assert torch.equal(a[i]["topk_ids"], b[i]["topk_ids"])
+        torch.testing.assert_close(a[i]["topk_logprobs"], b[i]["topk_logprobs"], rtol=0, atol=0.05)
+    assert cli_main(["topk-verify", str(tmp_path / "s"), "--quiet"]) == 0
