@@ -512,3 +512,22 @@ def test_uint8_logprobs_error_bound(tmp_path):
         assert torch.equal(a[i]["topk_ids"], b[i]["topk_ids"])
         torch.testing.assert_close(a[i]["topk_logprobs"], b[i]["topk_logprobs"], rtol=0, atol=0.05)
     assert cli_main(["topk-verify", str(tmp_path / "s"), "--quiet"]) == 0
+
+
+def test_hub_id_from_the_local_cache(tmp_path, monkeypatch, capsys):
+    hub = pytest.importorskip("huggingface_hub")
+    from nitrobrew.topk.extract import resolve_model
+
+    snap = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "0123abcd"
+    snap.parent.mkdir(parents=True)
+    os.rename(_llama_without_tokenizer(tmp_path), snap)
+    (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert os.path.samefile(resolve_model("acme/tiny"), snap)
+    with pytest.raises(FileNotFoundError, match="nor in the local Hugging Face cache"):
+        resolve_model("acme/absent")
+    data = _jsonl(tmp_path / "d.jsonl", _seqs(3, vocab=97))
+    assert cli_main(["topk-extract", "--model", "acme/tiny", "--data", data, "--out", str(tmp_path / "s"), "--k", "4",
+                     "--device", "cpu", "--no-progress"]) == 0
