@@ -24,7 +24,10 @@ teacher's real vocabulary [0, vocab_size) (padded head rows excluded), T the rec
 Every write goes to a temporary file in the same directory and is moved into place with
 ``os.replace`` (shards first, then the manifest), so an interrupted extraction leaves only
 complete shards listed; the manifest records each shard's byte size and sha256, which the reader
-checks, naming the shard that is truncated or corrupted.
+checks (once per process and shard), naming the shard that is truncated or corrupted. Files get
+the umask's mode. A writer holds an exclusive lock on the store (``.lock``); an extraction split
+over processes writes one part manifest per process, merged into ``manifest.json`` by the last
+part (``TopKWriter``). The manifest is checked against a schema when read (``validate_manifest``).
 """
 from __future__ import annotations
 
