@@ -531,3 +531,22 @@ def test_hub_id_from_the_local_cache(tmp_path, monkeypatch, capsys):
     data = _jsonl(tmp_path / "d.jsonl", _seqs(3, vocab=97))
     assert cli_main(["topk-extract", "--model", "acme/tiny", "--data", data, "--out", str(tmp_path / "s"), "--k", "4",
                      "--device", "cpu", "--no-progress"]) == 0
+
+
+def test_datasets_folder_of_files_streamed_and_shard_flags(tmp_path, capsys):
+    pytest.importorskip("datasets")
+    from nitrobrew.topk.inputs import open_corpus, read_all
+
+    (tmp_path / "folder").mkdir()
+    _jsonl(tmp_path / "folder" / "a.jsonl", [[1, 2], [3]])
+    assert read_all(open_corpus(str(tmp_path / "folder"))) == [[1, 2], [3]]
+    mdir = _llama_without_tokenizer(tmp_path)
+    argv = ["topk-extract", "--model", mdir, "--data", str(tmp_path / "folder"), "--out", str(tmp_path / "s"),
+            "--k", "4", "--device", "cpu", "--no-progress"]
+    assert cli_main(argv + ["--num-shards", "2"]) == 2  # which part is this process?
+    assert "needs --shard-index" in capsys.readouterr().err
+    assert cli_main(argv) == 0
+    assert TopKStore(str(tmp_path / "s")).manifest["source"] == {"dataset": str(tmp_path / "folder"), "split": "train"}
+    assert cli_main(["topk-export", str(tmp_path / "s"), str(tmp_path / "pq")]) == 0
+    assert cli_main(["topk-import", str(tmp_path / "pq"), str(tmp_path / "s")]) == 2  # never over a store
+    assert "not empty" in capsys.readouterr().err

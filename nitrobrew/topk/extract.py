@@ -523,8 +523,9 @@ def _run(args: argparse.Namespace) -> int:
     # 1. arguments, the model's config, the tokenizer and the whole corpus: all before any model loads
     env = os.environ
     parts = args.num_shards or int(env.get("WORLD_SIZE", 1))
-    part = args.shard_index if args.shard_index is not None else (int(env.get("RANK", 0)) if args.num_shards is None
-                                                                  else 0)
+    if args.shard_index is None and parts > 1 and "RANK" not in env:
+        return _fail(f"--num-shards {parts} needs --shard-index (this process's index in [0, {parts}))")
+    part = args.shard_index if args.shard_index is not None else int(env.get("RANK", 0))
     if not 0 <= part < parts:
         return _fail(f"--shard-index {part} must be in [0, {parts}) (--num-shards)")
     device = args.device or (f"cuda:{env.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")

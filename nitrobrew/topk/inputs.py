@@ -5,7 +5,8 @@ A corpus yields ``(where, ids)``: ``where`` names the record in error messages (
 
 - ``.jsonl`` / ``.json`` lines, ``.parquet``, ``.arrow`` files (pyarrow, read in record batches);
 - a ``datasets`` name or local path: a directory written by ``Dataset.save_to_disk`` (memory-mapped),
-  else ``load_dataset(name, split=..., streaming=True)`` (a Hub name is read from the local cache);
+  else ``load_dataset(name, split=..., streaming=True)`` (a folder of data files is streamed from
+  disk, a Hub name from the Hub);
 - a list of id lists (the Python API).
 
 A record gives its ids by an ``input_ids`` list of ints; or, with a tokenizer, by ``text`` (a

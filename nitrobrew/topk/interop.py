@@ -185,6 +185,8 @@ def import_store(src: str, out_dir: str, *, temperature: Optional[float] = None,
                  model: Optional[str] = None, log=None) -> Dict:
     """Build a store at out_dir from parquet files (a file, or a directory searched recursively)."""
     _, pq = _pyarrow()
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise FileExistsError(f"{out_dir!r} exists and is not empty: import into a new directory")
     files = _parquet_files(src)
     metas = [(pq.read_schema(f).metadata or {}).get(META_KEY) for f in files]
     num_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)

@@ -348,6 +348,8 @@ class TopKWriter:
 
     def _start_part(self, resume: bool) -> None:
         mpath = os.path.join(self.path, MANIFEST)
+        if os.path.exists(mpath) and not resume:
+            os.unlink(mpath)  # starting over: the old store is no longer complete
         if os.path.exists(mpath) and resume:
             man = self._resumable(MANIFEST)
             if not man["complete"]:
