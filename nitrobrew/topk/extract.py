@@ -497,7 +497,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "extracts every N-th store shard into the same --out")
     p.add_argument("--shard-index", type=_nonneg_int, default=None,
                    help="this process's index in [0, N) (default: RANK under torchrun, else 0)")
-    p.add_argument("--device", default=None, help="default: cuda (cuda:LOCAL_RANK under torchrun) if available, else cpu")
+    p.add_argument("--device", default=None,
+                   help="default: cuda (cuda:LOCAL_RANK under torchrun) if available, else cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "saved", "float32", "bfloat16", "float16"],
                    help="teacher weights' dtype (default auto: bfloat16 on CUDA, as saved on the CPU)")
     p.add_argument("--no-resume", action="store_true", help="start over instead of resuming an existing store")

@@ -252,7 +252,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     if importing:
         p.add_argument("src", help="parquet file, or a directory of them (searched recursively)")
         p.add_argument("out", help="the new store directory")
-        p.add_argument("--temperature", type=float, default=None, help="data from elsewhere: the log-probs' temperature")
+        p.add_argument("--temperature", type=float, default=None,
+                       help="data from elsewhere: the log-probs' temperature")
         p.add_argument("--vocab-size", type=int, default=None, help="data from elsewhere: the vocabulary")
         p.add_argument("--sequences-per-shard", type=int, default=None, help="data from elsewhere (default 1024)")
         p.add_argument("--logprob-dtype", choices=sorted(LOGPROB_DTYPES), default=None,
