@@ -131,6 +131,28 @@ def test_a_second_extraction_into_the_same_store_fails_at_once(tmp_path, capsys)
     holder.close()
     man = extract_topk(teacher, seqs, out, k=K, sequences_per_shard=4)  # free again once released
     assert man["complete"]
+    # another process holding the store: the CLI says so in one line and exits 2
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from nitrobrew.topk.store import TopKWriter; "
+            "w = TopKWriter(sys.argv[1], model='x', k=2, temperature=1.0, vocab_size=97, head_rows=97, "
+            "num_sequences=1); print('locked', flush=True); time.sleep(60)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
+    other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "c")], stdout=subprocess.PIPE, env=env,
+                             text=True)
+    try:
+        assert other.stdout.readline().strip() == "locked"
+        mdir = _llama_without_tokenizer(tmp_path)
+        data = _jsonl(tmp_path / "d.jsonl", _seqs(3, vocab=97))
+        capsys.readouterr()
+        assert cli_main(["topk-extract", "--model", mdir, "--data", data, "--out", str(tmp_path / "c"), "--k", "2",
+                         "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert "another extraction is writing into" in err and len(err.strip().splitlines()) == 1
+    finally:
+        other.kill()
+        other.wait()
 
 
 # ------------------------------------------------------------------------------------ defect 4

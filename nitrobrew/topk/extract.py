@@ -28,7 +28,7 @@ from .._ops import linear_logits
 from ..hidden.chunked import Online, vocab_chunks
 from ..hidden.config import auto_chunk_v
 from .inputs import Corpus, open_corpus, read_all
-from .store import LOGPROB_DTYPES, StoreError, TopKWriter, check_header, sha256_file
+from .store import LOGPROB_DTYPES, StoreError, TopKWriter, check_header, lock_store, sha256_file
 
 Tensor = torch.Tensor
 
@@ -384,27 +384,34 @@ def extract_topk(teacher: Teacher, sequences: Union[Sequence[Sequence[int]], Cor
                  temperature: float = 1.0, logprob_dtype: str = "float32", sequences_per_shard: int = 1024,
                  batch_tokens: int = 16384, chunk: Optional[int] = None, source: Optional[Dict] = None,
                  resume: bool = True, log: Optional[Callable[[str], None]] = None, num_parts: int = 1,
-                 part: int = 0, progress: bool = False, checked: Optional[Tuple[int, List[int]]] = None) -> Dict:
+                 part: int = 0, progress: bool = False, checked: Optional[Tuple[int, List[int]]] = None,
+                 lock=None) -> Dict:
     """Write the teacher's top-k over `sequences` (id lists, or an ``inputs.Corpus``) into the store
     at out_dir; resumes by default.
 
     Every argument and every record is checked before anything is written (a bad token id names its
     record). With ``num_parts = N, part = i`` this call extracts the store shards j with
     ``j % N == i``; the store is complete once all N parts have run (see ``TopKWriter``).
-    `checked` is ``corpus.check(...)``'s result when the caller has already run it.
+    `checked` is ``corpus.check(...)``'s result when the caller has already run it; `lock` the
+    store's lock (``store.lock_store``) when the caller took it already (it is released here).
     Returns the manifest (the store's, or this part's while other parts are missing) plus
     "extract_seconds" and "extracted_tokens" for this call.
     """
     corpus = sequences if isinstance(sequences, Corpus) else Corpus.from_sequences(sequences)
     head_rows = teacher.weight.shape[0]
     V = teacher.vocab_size or head_rows
-    check_header(k, temperature, V, head_rows, logprob_dtype, sequences_per_shard, 0)
-    check_sizes(batch_tokens, chunk)
-    n, shard_tokens = checked or corpus.check(head_rows, sequences_per_shard)
-    writer = TopKWriter(out_dir, model=teacher.name, k=k, temperature=temperature, vocab_size=V,
-                        head_rows=head_rows, num_sequences=n, logprob_dtype=logprob_dtype,
-                        sequences_per_shard=sequences_per_shard, source=source, resume=resume,
-                        num_parts=num_parts, part=part)
+    try:
+        check_header(k, temperature, V, head_rows, logprob_dtype, sequences_per_shard, 0)
+        check_sizes(batch_tokens, chunk)
+        n, shard_tokens = checked or corpus.check(head_rows, sequences_per_shard)
+        writer = TopKWriter(out_dir, model=teacher.name, k=k, temperature=temperature, vocab_size=V,
+                            head_rows=head_rows, num_sequences=n, logprob_dtype=logprob_dtype,
+                            sequences_per_shard=sequences_per_shard, source=source, resume=resume,
+                            num_parts=num_parts, part=part, lock=lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     bar = None
     try:
         todo = {j for j in range(writer.num_shards) if writer.owns(j) and not writer.done(j)}
@@ -555,13 +562,19 @@ def _run(args: argparse.Namespace) -> int:
         source["chat_template"] = bool(args.chat_template)
     print(f"corpus: {corpus.description}: {checked[0]} sequences, {sum(checked[1])} tokens; vocabulary: {V} ({note}); "
           f"K = {args.k}, T = {args.temperature}" + (f"; part {part} of {parts}" if parts > 1 else ""), flush=True)
-    # 2. the teacher, then the extraction
-    teacher = load_hf_teacher(model_dir, device=device, dtype=args.dtype, vocab_size=V)
+    # 2. the store's lock (a concurrent run fails now, not after the teacher has loaded), the teacher,
+    # then the extraction
+    lock = lock_store(args.out, parts, part)
+    try:
+        teacher = load_hf_teacher(model_dir, device=device, dtype=args.dtype, vocab_size=V)
+    except BaseException:
+        lock.release()
+        raise
     man = extract_topk(teacher, corpus, args.out, k=args.k, temperature=args.temperature,
                        logprob_dtype=args.logprob_dtype, sequences_per_shard=args.sequences_per_shard,
                        batch_tokens=args.batch_tokens, chunk=args.chunk_v, source=source,
                        resume=not args.no_resume, log=print, num_parts=parts, part=part,
-                       progress=not args.no_progress, checked=checked)
+                       progress=not args.no_progress, checked=checked, lock=lock)
     secs = man["extract_seconds"]
     rate = man["extracted_tokens"] / secs if secs > 0 else float("nan")
     run_note = f"{man['extracted_tokens']} tokens this run in {secs:.1f} s ({rate:.0f} tokens/s)"

@@ -246,6 +246,16 @@ class _Lock:
         self._lock.release()
 
 
+def lock_store(path: str, num_parts: int = 1, part: int = 0) -> _Lock:
+    """The exclusive lock a writer of `path` (or of its part) holds; StoreError at once if another
+    process holds it. Taken before a long setup (loading a teacher), then handed to TopKWriter."""
+    os.makedirs(path, exist_ok=True)
+    if num_parts == 1:
+        return _Lock(os.path.join(path, ".lock"), f"another extraction is writing into {path!r}")
+    return _Lock(os.path.join(path, f".lock-part-{part}-of-{num_parts}"),
+                 f"another extraction of part {part} of {num_parts} is writing into {path!r}")
+
+
 def _new_manifest(header: Dict) -> Dict:
     return {"format": FORMAT, "version": VERSION, **header, "alignment": ALIGNMENT, "id_dtype": "int32",
             "shards": [], "complete": False}
@@ -285,7 +295,8 @@ class TopKWriter:
 
     def __init__(self, path: str, *, model: str, k: int, temperature: float, vocab_size: int, head_rows: int,
                  num_sequences: int, logprob_dtype: str = "float32", sequences_per_shard: int = 1024,
-                 source: Optional[Dict] = None, resume: bool = True, num_parts: int = 1, part: int = 0):
+                 source: Optional[Dict] = None, resume: bool = True, num_parts: int = 1, part: int = 0,
+                 lock: Optional[_Lock] = None):
         check_header(k, temperature, vocab_size, head_rows, logprob_dtype, sequences_per_shard, num_sequences)
         if not (_is_int(num_parts) and num_parts > 0 and _is_int(part) and 0 <= part < num_parts):
             raise ValueError(f"part must be an int in [0, num_parts) and num_parts >= 1, got {part!r} of {num_parts!r}")
@@ -300,13 +311,11 @@ class TopKWriter:
         os.makedirs(path, exist_ok=True)
         self._locks: List[_Lock] = []
         try:
+            self._locks.append(lock or lock_store(path, num_parts, part))  # a lock given is adopted (released here)
             if num_parts == 1:
-                self._locks.append(_Lock(os.path.join(path, ".lock"), f"another extraction is writing into {path!r}"))
                 self._name = MANIFEST
                 self._start_single(resume)
             else:
-                self._locks.append(_Lock(os.path.join(path, f".lock-part-{part}-of-{num_parts}"),
-                                         f"another extraction of part {part} of {num_parts} is writing into {path!r}"))
                 self._name = part_manifest_name(part, num_parts)
                 with self._store_lock():
                     self._start_part(resume)
