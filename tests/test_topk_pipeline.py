@@ -19,12 +19,12 @@ pytest.importorskip("safetensors")
 K, T = 4, 1.0
 
 
-def _write_store(path, n_shards=10, per=8, k=K, dtype="float32", seed=0):
+def _write_store(path, n_shards=10, per=8, k=K, dtype="float32", seed=0, **kw):
     """A synthetic store (no model): n_shards shards of `per` sequences."""
     g = torch.Generator().manual_seed(seed)
     n = n_shards * per
     w = TopKWriter(str(path), model="synthetic", k=k, temperature=T, vocab_size=50, head_rows=50, num_sequences=n,
-                   sequences_per_shard=per, logprob_dtype=dtype)
+                   sequences_per_shard=per, logprob_dtype=dtype, **kw)
     for j in range(n_shards):
         toks, ids, lps = [], [], []
         for _ in range(per):
@@ -365,6 +365,7 @@ def test_cli_shards_and_torchrun_environment(tmp_path, capsys, monkeypatch):
     mdir = _llama_without_tokenizer(tmp_path)
     data = _jsonl(tmp_path / "d.jsonl", _seqs(7, vocab=97))
     base = ["topk-extract", "--model", mdir, "--data", data, "--k", "4", "--sequences-per-shard", "2",
+            "--logprob-dtype", "float16", "--id-dtype", "uint16",
             "--device", "cpu", "--no-progress"]
     assert cli_main(base + ["--out", str(tmp_path / "one")]) == 0
     assert cli_main(base + ["--out", str(tmp_path / "two"), "--num-shards", "2", "--shard-index", "1"]) == 0
@@ -401,10 +402,11 @@ def test_version(capsys):
     assert info.value.code == 0 and capsys.readouterr().out.strip() == f"nitrobrew {__version__}"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "uint8"])
-def test_export_import_round_trip_is_bit_exact(tmp_path, dtype):
+@pytest.mark.parametrize("dtype,ids", [("float32", "int32"), ("bfloat16", "int32"), ("float16", "uint16"),
+                                       ("uint8", "uint24")])
+def test_export_import_round_trip_is_bit_exact(tmp_path, dtype, ids):
     pytest.importorskip("pyarrow")
-    _write_store(tmp_path / "s", n_shards=3, dtype=dtype)
+    _write_store(tmp_path / "s", n_shards=3, dtype=dtype, id_dtype=ids)
     assert cli_main(["topk-export", str(tmp_path / "s"), str(tmp_path / "pq")]) == 0
     files = sorted(os.listdir(tmp_path / "pq" / "data"))
     assert files == [f"train-{j:05d}-of-00003.parquet" for j in range(3)]
@@ -572,3 +574,26 @@ def test_datasets_folder_of_files_streamed_and_shard_flags(tmp_path, capsys):
     assert cli_main(["topk-export", str(tmp_path / "s"), str(tmp_path / "pq")]) == 0
     assert cli_main(["topk-import", str(tmp_path / "pq"), str(tmp_path / "s")]) == 2  # never over a store
     assert "not empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("id_dtype,nbytes", [("uint16", 2), ("uint24", 3)])
+def test_packed_ids(tmp_path, id_dtype, nbytes):
+    from nitrobrew.topk.store import pack_ids, unpack_ids
+
+    ids = torch.tensor([[0, 1, 255, 256], [65535, 40000, 7, 9]])
+    if id_dtype == "uint24":
+        ids[1, 0] = (1 << 24) - 1
+    packed = pack_ids(ids, id_dtype)
+    assert packed.dtype == torch.uint8 and packed.shape == (2, 4, nbytes)
+    assert torch.equal(unpack_ids(packed), ids)
+    _write_store(tmp_path / "p", n_shards=2, id_dtype=id_dtype)
+    _write_store(tmp_path / "f", n_shards=2)
+    a, b = TopKStore(str(tmp_path / "p")), TopKStore(str(tmp_path / "f"))
+    for i in range(len(a)):
+        assert torch.equal(a[i]["topk_ids"], b[i]["topk_ids"])
+        assert torch.equal(a[i]["topk_logprobs"], b[i]["topk_logprobs"])
+    assert cli_main(["topk-verify", str(tmp_path / "p"), "--quiet"]) == 0
+    with pytest.raises(ValueError, match="id_dtype must be one of"):
+        TopKWriter(str(tmp_path / "x"), model="m", k=2, temperature=1.0, vocab_size=70000, head_rows=70000,
+                   num_sequences=1, id_dtype="uint16")
+    assert not (tmp_path / "x").exists()

@@ -28,7 +28,7 @@ from .._ops import linear_logits
 from ..hidden.chunked import Online, vocab_chunks
 from ..hidden.config import auto_chunk_v
 from .inputs import Corpus, open_corpus, read_all
-from .store import LOGPROB_DTYPES, StoreError, TopKWriter, check_header, lock_store, sha256_file
+from .store import ID_DTYPES, LOGPROB_DTYPES, StoreError, TopKWriter, check_header, lock_store, sha256_file
 
 Tensor = torch.Tensor
 
@@ -385,7 +385,7 @@ def extract_topk(teacher: Teacher, sequences: Union[Sequence[Sequence[int]], Cor
                  batch_tokens: int = 16384, chunk: Optional[int] = None, source: Optional[Dict] = None,
                  resume: bool = True, log: Optional[Callable[[str], None]] = None, num_parts: int = 1,
                  part: int = 0, progress: bool = False, checked: Optional[Tuple[int, List[int]]] = None,
-                 lock=None) -> Dict:
+                 lock=None, id_dtype: str = "int32") -> Dict:
     """Write the teacher's top-k over `sequences` (id lists, or an ``inputs.Corpus``) into the store
     at out_dir; resumes by default.
 
@@ -401,13 +401,13 @@ def extract_topk(teacher: Teacher, sequences: Union[Sequence[Sequence[int]], Cor
     head_rows = teacher.weight.shape[0]
     V = teacher.vocab_size or head_rows
     try:
-        check_header(k, temperature, V, head_rows, logprob_dtype, sequences_per_shard, 0)
+        check_header(k, temperature, V, head_rows, logprob_dtype, sequences_per_shard, 0, id_dtype)
         check_sizes(batch_tokens, chunk)
         n, shard_tokens = checked or corpus.check(head_rows, sequences_per_shard)
         writer = TopKWriter(out_dir, model=teacher.name, k=k, temperature=temperature, vocab_size=V,
                             head_rows=head_rows, num_sequences=n, logprob_dtype=logprob_dtype,
                             sequences_per_shard=sequences_per_shard, source=source, resume=resume,
-                            num_parts=num_parts, part=part, lock=lock)
+                            num_parts=num_parts, part=part, lock=lock, id_dtype=id_dtype)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -494,7 +494,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--field", default=None, help="the record field holding the ids, text or chat (default: "
                                                   "input_ids, else messages, else text)")
     p.add_argument("--split", default="train", help="split of a datasets corpus (default train)")
-    p.add_argument("--logprob-dtype", choices=sorted(LOGPROB_DTYPES), default="float32")
+    p.add_argument("--logprob-dtype", choices=sorted(LOGPROB_DTYPES), default="float32",
+                   help="float32 (default), float16, bfloat16, or uint8 codes with a per-row scale")
+    p.add_argument("--id-dtype", choices=sorted(ID_DTYPES), default="int32",
+                   help="int32 (default), or ids packed into 2 bytes (uint16: vocabularies up to 65536) or 3 (uint24)")
     p.add_argument("--sequences-per-shard", type=_positive_int, default=1024)
     p.add_argument("--batch-tokens", type=_positive_int, default=16384, help="padded tokens per teacher forward")
     p.add_argument("--chunk-v", type=_positive_int, default=None,
@@ -550,6 +553,8 @@ def _run(args: argparse.Namespace) -> int:
     V, note = choose_vocab(rows, None if tok is None else len(tok), args.vocab_size)
     if args.k > V:
         return _fail(f"--k {args.k} is larger than the vocabulary ({V}: {note})")
+    check_header(args.k, args.temperature, V, rows, args.logprob_dtype, args.sequences_per_shard, 0, args.id_dtype)
+    check_sizes(args.batch_tokens, args.chunk_v)
     corpus = open_corpus(args.data, tokenizer=tok, chat_template=args.chat_template, field=args.field,
                          split=args.split)
     checked = corpus.check(rows, args.sequences_per_shard)
@@ -574,7 +579,7 @@ def _run(args: argparse.Namespace) -> int:
                        logprob_dtype=args.logprob_dtype, sequences_per_shard=args.sequences_per_shard,
                        batch_tokens=args.batch_tokens, chunk=args.chunk_v, source=source,
                        resume=not args.no_resume, log=print, num_parts=parts, part=part,
-                       progress=not args.no_progress, checked=checked, lock=lock)
+                       progress=not args.no_progress, checked=checked, lock=lock, id_dtype=args.id_dtype)
     secs = man["extract_seconds"]
     rate = man["extracted_tokens"] / secs if secs > 0 else float("nan")
     run_note = f"{man['extracted_tokens']} tokens this run in {secs:.1f} s ({rate:.0f} tokens/s)"

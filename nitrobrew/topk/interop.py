@@ -35,7 +35,7 @@ import torch
 
 from .._io import atomic_write_bytes
 from .store import (HEADER_KEYS, LOGPROB_DTYPES, QUANTIZED, StoreError, TopKStore, TopKWriter,
-                    dequantize_logprobs)
+                    dequantize_logprobs, unpack_ids)
 
 META_KEY = b"nitrobrew_topk"
 COLUMNS = ("input_ids", "attention_mask", "labels", "target_token_ids", "target_logprobs", "target_mask")
@@ -62,7 +62,7 @@ def _shard_table(tensors: Dict[str, torch.Tensor], header: Dict, index: int):
     ids = torch.zeros(P, K, dtype=torch.int32)
     lp = torch.full((P, K), float("-inf"), dtype=torch.float32)
     mask = torch.zeros(P, K, dtype=torch.int8)
-    ids[real] = tensors["topk_ids"]
+    ids[real] = unpack_ids(tensors["topk_ids"]).to(torch.int32)
     quantized = header["logprob_dtype"] == QUANTIZED
     if quantized:
         lp[real] = dequantize_logprobs(tensors["topk_logprobs"], tensors["topk_lp_scale"])
@@ -209,7 +209,7 @@ def import_store(src: str, out_dir: str, *, temperature: Optional[float] = None,
         header = {"model": model or "imported", "k": k, "temperature": float(temperature),
                   "logprob_dtype": logprob_dtype or "float32", "vocab_size": int(vocab_size),
                   "head_rows": int(vocab_size), "sequences_per_shard": sequences_per_shard or 1024,
-                  "source": {"parquet": os.path.abspath(src)}, "num_sequences": num_rows}
+                  "source": {"parquet": os.path.abspath(src)}, "num_sequences": num_rows, "id_dtype": "int32"}
     if header["num_sequences"] != num_rows:
         raise ValueError(f"{src!r} holds {num_rows} sequences, its metadata says {header['num_sequences']}")
     K, S = header["k"], header["sequences_per_shard"]

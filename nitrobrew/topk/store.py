@@ -12,7 +12,8 @@ as five tensors:
 - ``input_ids`` int32 [tokens]: the sequences' tokens, concatenated;
 - ``seq_offsets`` int64 [n + 1]: sequence i's tokens are ``input_ids[seq_offsets[i]:seq_offsets[i+1]]``;
 - ``row_offsets`` int64 [n + 1]: sequence i's rows are ``topk_*[row_offsets[i]:row_offsets[i+1]]``;
-- ``topk_ids`` int32 [rows, K], ``topk_logprobs`` [rows, K] (float32, float16 or bfloat16; or
+- ``topk_ids`` int32 [rows, K] (or uint8 [rows, K, 2 or 3], see ``pack_ids``), ``topk_logprobs``
+  [rows, K] (float32, float16 or bfloat16; or
   uint8 codes with ``topk_lp_scale`` float32 [rows, 2], see ``quantize_logprobs``), sorted by
   decreasing log-prob.
 
@@ -51,11 +52,14 @@ MANIFEST = "manifest.json"
 LOGPROB_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                   "uint8": torch.uint8}
 QUANTIZED = "uint8"  # codes + a per-row scale (see quantize_logprobs)
+# top-k ids: int32 [rows, K], or packed little-endian into 2 or 3 bytes ([rows, K, n] uint8) when the
+# vocabulary fits: the ids are most of a position's bytes
+ID_DTYPES = {"int32": (4, 1 << 31), "uint16": (2, 1 << 16), "uint24": (3, 1 << 24)}
 ALIGNMENT = ("row i of a sequence of L tokens (0 <= i < L - 1) is the teacher's distribution over token i + 1; "
              "the last position is not stored")
 # header fields that must agree when an extraction resumes into an existing store
 HEADER_KEYS = ("model", "k", "temperature", "logprob_dtype", "vocab_size", "head_rows", "sequences_per_shard",
-               "source", "num_sequences")
+               "source", "num_sequences", "id_dtype")
 
 
 class StoreError(ValueError):
@@ -110,6 +114,25 @@ def quantize_logprobs(lp: torch.Tensor):
     return code.to(torch.uint8), torch.stack([top, step], 1).contiguous()
 
 
+def pack_ids(ids: torch.Tensor, id_dtype: str) -> torch.Tensor:
+    """[R, K] ids as stored: int32, or [R, K, n] uint8 (little-endian bytes) for uint16 / uint24."""
+    if id_dtype == "int32":
+        return ids.to(torch.int32)
+    n = ID_DTYPES[id_dtype][0]
+    ids = ids.to(torch.int64)
+    return torch.stack([(ids >> (8 * b)) & 0xFF for b in range(n)], -1).to(torch.uint8)
+
+
+def unpack_ids(stored: torch.Tensor) -> torch.Tensor:
+    """int64 [R, K] from pack_ids' output."""
+    if stored.dim() == 2:
+        return stored.long()
+    out = torch.zeros(stored.shape[:2], dtype=torch.int64)
+    for b in range(stored.shape[2]):
+        out |= stored[..., b].long() << (8 * b)
+    return out
+
+
 def dequantize_logprobs(code: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     scale = scale.float()
     lp = scale[:, :1] - (code.float() * scale[:, 1:]).square()
@@ -134,7 +157,7 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-_HEADER_SCHEMA = {"model": str, "k": int, "temperature": float, "logprob_dtype": str, "vocab_size": int,
+_HEADER_SCHEMA = {"model": str, "k": int, "temperature": float, "logprob_dtype": str, "id_dtype": str, "vocab_size": int,
                   "head_rows": int, "sequences_per_shard": int, "num_sequences": int, "source": dict,
                   "shards": list, "complete": bool}
 _SHARD_SCHEMA = {"index": int, "file": str, "first_sequence": int, "sequences": int, "rows": int, "tokens": int,
@@ -166,6 +189,9 @@ def validate_manifest(man, where: str, part: bool = False) -> None:
         raise StoreError(f"{where}: temperature must be finite and > 0, got {man['temperature']!r}")
     if man["logprob_dtype"] not in LOGPROB_DTYPES:
         raise StoreError(f"{where}: logprob_dtype {man['logprob_dtype']!r} is not one of {sorted(LOGPROB_DTYPES)}")
+    if man["id_dtype"] not in ID_DTYPES or V > ID_DTYPES[man["id_dtype"]][1]:
+        raise StoreError(f"{where}: id_dtype {man['id_dtype']!r} cannot hold a vocabulary of {V} "
+                         f"(one of {sorted(ID_DTYPES)})")
     if S <= 0 or n < 0:
         raise StoreError(f"{where}: sequences_per_shard must be > 0 and num_sequences >= 0, got {S} and {n}")
     num_shards = (n + S - 1) // S
@@ -257,12 +283,11 @@ def lock_store(path: str, num_parts: int = 1, part: int = 0) -> _Lock:
 
 
 def _new_manifest(header: Dict) -> Dict:
-    return {"format": FORMAT, "version": VERSION, **header, "alignment": ALIGNMENT, "id_dtype": "int32",
-            "shards": [], "complete": False}
+    return {"format": FORMAT, "version": VERSION, **header, "alignment": ALIGNMENT, "shards": [], "complete": False}
 
 
 def check_header(k, temperature, vocab_size: int, head_rows: int, logprob_dtype: str, sequences_per_shard,
-                 num_sequences) -> None:
+                 num_sequences, id_dtype: str = "int32") -> None:
     """ValueError for settings a store cannot hold (before anything is written)."""
     if not (_is_int(vocab_size) and _is_int(head_rows) and 0 < vocab_size <= head_rows):
         raise ValueError(f"vocab_size must be an int in [1, {head_rows}] (the head's rows), got {vocab_size!r}")
@@ -273,6 +298,9 @@ def check_header(k, temperature, vocab_size: int, head_rows: int, logprob_dtype:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if logprob_dtype not in LOGPROB_DTYPES:
         raise ValueError(f"logprob_dtype must be one of {sorted(LOGPROB_DTYPES)}, got {logprob_dtype!r}")
+    if id_dtype not in ID_DTYPES or vocab_size > ID_DTYPES[id_dtype][1]:
+        fits = [d for d, (_, top) in ID_DTYPES.items() if vocab_size <= top]
+        raise ValueError(f"id_dtype must be one of {fits} for a vocabulary of {vocab_size}, got {id_dtype!r}")
     if not (_is_int(sequences_per_shard) and sequences_per_shard > 0):
         raise ValueError(f"sequences_per_shard must be a positive int, got {sequences_per_shard!r}")
     if not (_is_int(num_sequences) and num_sequences >= 0):
@@ -296,8 +324,9 @@ class TopKWriter:
     def __init__(self, path: str, *, model: str, k: int, temperature: float, vocab_size: int, head_rows: int,
                  num_sequences: int, logprob_dtype: str = "float32", sequences_per_shard: int = 1024,
                  source: Optional[Dict] = None, resume: bool = True, num_parts: int = 1, part: int = 0,
-                 lock: Optional[_Lock] = None):
-        check_header(k, temperature, vocab_size, head_rows, logprob_dtype, sequences_per_shard, num_sequences)
+                 lock: Optional[_Lock] = None, id_dtype: str = "int32"):
+        check_header(k, temperature, vocab_size, head_rows, logprob_dtype, sequences_per_shard, num_sequences,
+                     id_dtype)
         if not (_is_int(num_parts) and num_parts > 0 and _is_int(part) and 0 <= part < num_parts):
             raise ValueError(f"part must be an int in [0, num_parts) and num_parts >= 1, got {part!r} of {num_parts!r}")
         self.path, self.num_parts, self.part = path, num_parts, part
@@ -305,7 +334,7 @@ class TopKWriter:
         header = {
             "model": model, "k": int(k), "temperature": float(temperature), "logprob_dtype": logprob_dtype,
             "vocab_size": int(vocab_size), "head_rows": int(head_rows), "sequences_per_shard": sequences_per_shard,
-            "source": source or {}, "num_sequences": int(num_sequences),
+            "source": source or {}, "num_sequences": int(num_sequences), "id_dtype": id_dtype,
         }
         self.header = header
         os.makedirs(path, exist_ok=True)
@@ -452,8 +481,8 @@ class TopKWriter:
             else torch.zeros(0, dtype=torch.int32),
             "seq_offsets": offsets([t.reshape(-1) for t in input_ids]),
             "row_offsets": offsets(topk_ids),
-            "topk_ids": torch.cat([a.to(torch.int32).cpu() for a in topk_ids]) if topk_ids
-            else torch.zeros(0, K, dtype=torch.int32),
+            "topk_ids": pack_ids(torch.cat([a.cpu() for a in topk_ids]) if topk_ids
+                                 else torch.zeros(0, K, dtype=torch.int32), self.header["id_dtype"]),
             "topk_logprobs": torch.cat([b.to(lp_dtype).cpu() for b in topk_logprobs]) if topk_logprobs
             else torch.zeros(0, K, dtype=lp_dtype),
         }
@@ -619,7 +648,7 @@ class TopKStore:
             if missing:
                 raise StoreError(f"shard {fpath} lacks tensors {missing}")
             small = {n: handle.get_tensor(n) for n in ("input_ids", "seq_offsets", "row_offsets")}
-            shapes = [list(handle.get_slice(n).get_shape()) for n in ("topk_ids", "topk_logprobs")]
+            shapes = [list(handle.get_slice(n).get_shape())[:2] for n in ("topk_ids", "topk_logprobs")]
         except StoreError:
             raise
         except Exception as err:
@@ -645,7 +674,7 @@ class TopKStore:
         r0, r1 = int(small["row_offsets"][local]), int(small["row_offsets"][local + 1])
         return {
             "input_ids": small["input_ids"][s0:s1].long(),
-            "topk_ids": handle.get_slice("topk_ids")[r0:r1].long(),
+            "topk_ids": unpack_ids(handle.get_slice("topk_ids")[r0:r1]),
             "topk_logprobs": self._logprobs(handle, r0, r1),
         }
 

@@ -15,7 +15,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .store import LOGPROB_DTYPES, QUANTIZED, StoreError, dequantize_logprobs, read_manifest, verify_shard
+from .store import (ID_DTYPES, LOGPROB_DTYPES, QUANTIZED, StoreError, dequantize_logprobs, read_manifest,
+                    unpack_ids, verify_shard)
 
 # a top-1 log-prob is max - logsumexp, which rounding may leave a hair above 0
 _LOGPROB_SLACK = 1e-4
@@ -25,8 +26,10 @@ def _check_contents(path: str, info: Dict, man: Dict) -> List[str]:
     from safetensors import safe_open
 
     fpath = os.path.join(path, info["file"])
+    packed = man["id_dtype"] != "int32"
     want_dtypes = {"input_ids": torch.int32, "seq_offsets": torch.int64, "row_offsets": torch.int64,
-                   "topk_ids": torch.int32, "topk_logprobs": LOGPROB_DTYPES[man["logprob_dtype"]]}
+                   "topk_ids": torch.uint8 if packed else torch.int32,
+                   "topk_logprobs": LOGPROB_DTYPES[man["logprob_dtype"]]}
     if man["logprob_dtype"] == QUANTIZED:
         want_dtypes["topk_lp_scale"] = torch.float32
     with safe_open(fpath, framework="pt") as f:
@@ -38,7 +41,9 @@ def _check_contents(path: str, info: Dict, man: Dict) -> List[str]:
     if bad:
         return [f"{fpath}: " + "; ".join(bad)]
     K, V, n = man["k"], man["vocab_size"], info["sequences"]
-    so, ro, ids, lp = t["seq_offsets"], t["row_offsets"], t["topk_ids"], t["topk_logprobs"].float()
+    if packed and (t["topk_ids"].dim() != 3 or t["topk_ids"].shape[2] != ID_DTYPES[man["id_dtype"]][0]):
+        return [f"{fpath}: topk_ids {tuple(t['topk_ids'].shape)} are not packed as {man['id_dtype']}"]
+    so, ro, ids, lp = t["seq_offsets"], t["row_offsets"], unpack_ids(t["topk_ids"]), t["topk_logprobs"].float()
     if man["logprob_dtype"] == QUANTIZED:
         if t["topk_lp_scale"].shape != (ids.shape[0], 2):
             return [f"{fpath}: topk_lp_scale is {tuple(t['topk_lp_scale'].shape)}, expected ({ids.shape[0]}, 2)"]
