@@ -597,3 +597,10 @@ def test_packed_ids(tmp_path, id_dtype, nbytes):
         TopKWriter(str(tmp_path / "x"), model="m", k=2, temperature=1.0, vocab_size=70000, head_rows=70000,
                    num_sequences=1, id_dtype="uint16")
     assert not (tmp_path / "x").exists()
+
+
+def test_teacher_is_bfloat16_on_cuda_by_default():
+    from nitrobrew.topk.extract import teacher_dtype
+
+    assert teacher_dtype("cuda") == teacher_dtype("cuda:3") == "bfloat16"
+    assert teacher_dtype("cpu") == "saved" and teacher_dtype("cuda", "float32") == "float32"
