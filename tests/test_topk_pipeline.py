@@ -502,6 +502,7 @@ def test_text_chat_and_datasets_inputs(tmp_path, capsys):
                      "--out", out, "--k", "4", "--device", "cpu", "--no-progress"]) == 0
     man = TopKStore(out).manifest
     assert man["source"]["chat_template"] is True and man["num_sequences"] == 2
+    assert man["source"]["tokenizer"] == tdir
     assert TopKStore(out)[1]["input_ids"].tolist() == got[1]
 
 

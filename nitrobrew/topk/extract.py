@@ -569,7 +569,7 @@ def _run(args: argparse.Namespace) -> int:
         source = {"path": os.path.abspath(corpus.path), "sha256": sha256_file(corpus.path)}
     else:
         source = {"dataset": args.data, "split": args.split}
-    if tok is not None and (args.chat_template or args.field not in (None, "input_ids")):
+    if corpus.tokenized:  # the ids depend on the tokenizer: a resume must use the same one
         source["tokenizer"] = getattr(tok, "name_or_path", "") or ""
         source["chat_template"] = bool(args.chat_template)
     print(f"corpus: {corpus.description}: {checked[0]} sequences, {sum(checked[1])} tokens; vocabulary: {V} ({note}); "

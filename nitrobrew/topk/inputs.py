@@ -32,10 +32,17 @@ def _is_ids(ids) -> bool:
 class Corpus:
     """Re-iterable token sequences: ``records()`` yields ``(where, ids)`` in corpus order."""
 
-    def __init__(self, records: Callable[[], Iterator[Record]], description: str, path: Optional[str] = None):
+    def __init__(self, records: Callable[[], Iterator[Record]], description: str, path: Optional[str] = None,
+                 tokenize: Optional["_Tokenize"] = None):
         self._records = records
         self.description = description
         self.path = path  # a local file, hashed into the store's manifest
+        self._tokenize = tokenize
+
+    @property
+    def tokenized(self) -> bool:
+        """Whether a record read so far was text or a chat (its ids depend on the tokenizer)."""
+        return self._tokenize is not None and self._tokenize.used
 
     def records(self) -> Iterator[Record]:
         return self._records()
@@ -70,6 +77,7 @@ class _Tokenize:
 
     def __init__(self, tokenizer=None, chat_template: bool = False, field: Optional[str] = None):
         self.tok, self.chat, self.field = tokenizer, chat_template, field
+        self.used = False
 
     def __call__(self, rec, where: str) -> List[int]:
         if not isinstance(rec, dict):
@@ -93,12 +101,14 @@ class _Tokenize:
 
     def _text(self, text: str, where: str) -> List[int]:
         self._need_tokenizer("text", where)
+        self.used = True
         return list(self.tok(text, add_special_tokens=True)["input_ids"])
 
     def _chat(self, messages, where: str) -> List[int]:
         if not self.chat:
             raise ValueError(f"{where}: a chat (messages) needs --chat-template")
         self._need_tokenizer("a chat", where)
+        self.used = True
         out = self.tok.apply_chat_template(messages, tokenize=True)
         if isinstance(out, dict) or hasattr(out, "keys"):  # recent transformers return a BatchEncoding
             out = out["input_ids"]
@@ -171,11 +181,11 @@ def open_corpus(spec: str, tokenizer=None, chat_template: bool = False, field: O
         if not os.path.isfile(spec):
             raise FileNotFoundError(f"dataset {spec!r} does not exist")
         if lower.endswith((".jsonl", ".json")):
-            return Corpus(lambda: _jsonl(spec, to_ids), spec, path=spec)
-        return Corpus(lambda: _arrow(spec, to_ids), spec, path=spec)
+            return Corpus(lambda: _jsonl(spec, to_ids), spec, path=spec, tokenize=to_ids)
+        return Corpus(lambda: _arrow(spec, to_ids), spec, path=spec, tokenize=to_ids)
     if os.path.isfile(spec):
         raise ValueError(f"unknown dataset format for {spec!r}: use .jsonl, .parquet or .arrow, or a datasets folder")
-    return Corpus(lambda: _datasets(spec, split, to_ids), f"{spec}[{split}]")
+    return Corpus(lambda: _datasets(spec, split, to_ids), f"{spec}[{split}]", tokenize=to_ids)
 
 
 def read_all(corpus: Corpus) -> List[List[int]]:
