@@ -17,6 +17,9 @@ COMMANDS = {
     "bench-topk": ("nitrobrew.bench.topk", "benchmark topk_kl against baselines"),
     "demo": ("nitrobrew.demo.cli", "distill a small model end to end and report"),
     "topk-extract": ("nitrobrew.topk.extract", "store a teacher's top-k log-probs over a corpus"),
+    "topk-verify": ("nitrobrew.topk.verify", "check every shard of a top-k store (checksums and contents)"),
+    "topk-export": ("nitrobrew.topk.interop", "export a top-k store to parquet (Hugging Face datasets layout)"),
+    "topk-import": ("nitrobrew.topk.interop", "import a top-k store from parquet (Hugging Face datasets layout)"),
 }
 # `nitrobrew bench attention` is spelled as a mode of bench, too.
 BENCH_MODES = {"hidden": "bench", "attention": "bench-attention", "topk": "bench-topk"}
@@ -31,6 +34,9 @@ def _normalize(argv: List[str]) -> List[str]:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = _normalize(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(prog="nitrobrew", description=__doc__.splitlines()[0])
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"nitrobrew {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)

@@ -263,7 +263,7 @@ def test_writer_reader_and_extract_errors(tmp_path):
         TopKStore(str(tmp_path / "c"))
     # the extraction refuses tokens outside the teacher's vocabulary and logit transforms
     teacher = Teacher(lambda ids, mask: torch.zeros(*ids.shape, 4), torch.randn(10, 4), None, "t", 10)
-    with pytest.raises(ValueError, match=r"token ids outside \[0, 10\)"):
+    with pytest.raises(ValueError, match=r"sequence 0: token id 30 is outside \[0, 10\)"):
         extract_topk(teacher, [[1, 2, 30]], str(tmp_path / "d"), k=2)
     cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from dataclasses import fields
@@ -18,6 +19,7 @@ import torch
 from .lm import METHODS, PRESETS, DemoConfig
 
 _SKIP = ("methods",)
+_ZERO_OK = ("warmup", "seed")  # sizes that may be 0; every other size must be > 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated students to train (default: all of {','.join(METHODS)})")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=_number(int, zero_ok=False), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     sizes = p.add_argument_group("sizes (override the preset; any DemoConfig field)")
@@ -39,8 +41,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if f.name in _SKIP:
             continue
         kind = type(f.default)
-        sizes.add_argument("--" + f.name.replace("_", "-"), type=_boolean if kind is bool else kind, default=None,
+        check = _boolean if kind is bool else _number(kind, zero_ok=f.name in _ZERO_OK)
+        sizes.add_argument("--" + f.name.replace("_", "-"), type=check, default=None,
                            dest=f.name, metavar=kind.__name__.upper())
+
+
+def _number(kind, zero_ok: bool):
+    """argparse type: a finite number of `kind`, > 0 (>= 0 for the fields where 0 means none)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero_ok else '> 0'}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
 
 
 def _boolean(text: str) -> bool:

@@ -26,10 +26,15 @@ from .store import TopKStore
 
 
 class TopKDataset(torch.utils.data.Dataset):
-    """Sequence i of a store: dict of input_ids [L], topk_ids [L - 1, K], topk_logprobs [L - 1, K]."""
+    """Sequence i of a store: dict of input_ids [L], topk_ids [L - 1, K], topk_logprobs [L - 1, K].
 
-    def __init__(self, path: str, verify: bool = True, allow_incomplete: bool = False):
-        self.store = TopKStore(path, verify=verify, allow_incomplete=allow_incomplete)
+    Shuffling is cheap: each shard's sha256 is checked once per process (each DataLoader worker
+    checks the shards it opens), and the ``max_open_shards`` most recently used shards stay open,
+    memory-mapped."""
+
+    def __init__(self, path: str, verify: bool = True, allow_incomplete: bool = False, max_open_shards: int = 8):
+        self.store = TopKStore(path, verify=verify, allow_incomplete=allow_incomplete,
+                               max_open_shards=max_open_shards)
 
     def __len__(self) -> int:
         return len(self.store)
