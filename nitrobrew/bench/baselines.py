@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import divergences as dv
+from .common import package_version
 
 # ---------------------------------------------------------------- GEMM floor
 
@@ -139,15 +140,6 @@ def _not_importable(dist: str, err: BaseException) -> str:
 
 def _import(name: str):
     return importlib.import_module(name)
-
-
-def package_version(dist: str) -> str:
-    try:
-        from importlib.metadata import version
-
-        return version(dist)
-    except Exception:
-        return "absent"
 
 
 def liger_unavailable(device: torch.device, fused: bool) -> Optional[str]:

@@ -1,0 +1,108 @@
+"""The benches' input regimes, their labels, and what every bench must do on any install: run
+without Triton, record nitrobrew's own commit, fail loudly."""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nitrobrew.bench import common
+from nitrobrew.bench import regimes as rg
+from nitrobrew.cli import main
+
+CPU = torch.device("cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_parse_names_aliases_and_errors():
+    assert rg.parse(["lm", "flat", "lm", "random"]) == ["lm", "flat", "spread"]
+    assert rg.parse(["all"]) == list(rg.REGIMES)
+    with pytest.raises(ValueError, match="unknown regime 'zipf'"):
+        rg.parse(["zipf"])
+    for argv in (["bench", "--regimes", "zipf"], ["bench", "topk", "--regimes", "zipf"],
+                 ["bench", "attention", "--regimes", "zipf"]):
+        with pytest.raises(SystemExit, match="unknown regime 'zipf'"):  # one line, no traceback
+            main(argv + ["--device", "cpu"])
+
+
+@pytest.mark.parametrize("ds,dt", [(24, 40), (40, 24)])
+def test_hidden_regimes_have_their_entropies(ds, dt):
+    V, n = 16384, 64
+    ent, kl = {}, {}
+    for g in ("flat", "spread", "lm", "peaked", "close"):
+        d = rg.make_hidden(g, n, V, ds, dt, torch.float32, CPU, seed=2)
+        assert d.xs.shape == (n, ds) and d.ws.shape == (V, ds) and d.xt.shape == (n, dt) and d.wt.shape == (V, dt)
+        assert d.xs.requires_grad and d.ws.requires_grad and not d.xt.requires_grad
+        t, s = d.xt @ d.wt.t(), (d.xs @ d.ws.t()).detach()
+        assert d.entropy == pytest.approx(float(rg.mean_entropy(t.double())), rel=1e-6)
+        lp, lq = torch.log_softmax(t, -1), torch.log_softmax(s, -1)
+        ent[g], kl[g] = d.entropy, float((lp.exp() * (lp - lq)).sum(-1).mean())
+        if g in ("flat", "spread"):  # the stated logit spread, whatever Ds and Dt
+            std = rg.FLAT_STD if g == "flat" else rg.SPREAD_STD
+            assert float(t.std()) == pytest.approx(std, rel=0.1)
+    assert ent["flat"] > math.log(V) - 0.2
+    assert 3.0 < ent["lm"] < 6.0 and ent["lm"] == pytest.approx(rg.LM_ENTROPY, abs=0.3)
+    assert ent["peaked"] == pytest.approx(2.0, abs=0.2) and ent["close"] == pytest.approx(2.0, abs=0.2)
+    assert kl["close"] < 0.01 < kl["flat"] < kl["peaked"]  # student ~ teacher only in close
+
+
+def test_real_regime_is_a_decoder_run():
+    pytest.importorskip("transformers")
+    d = rg.make_hidden("real", 48, 256, 32, 64, torch.float32, CPU, seed=0)
+    assert d.regime == "real" and d.xs.shape == (48, 32) and d.xt.shape == (48, 64) and d.wt.shape == (256, 64)
+    assert torch.isfinite(d.xs).all() and 0 < d.entropy <= math.log(256)
+    # final hidden states come out of the decoder's RMSNorm: rows of norm ~ sqrt(D)
+    assert float(d.xt.norm(dim=-1).mean()) == pytest.approx(8.0, rel=0.2)
+
+
+def _no_triton(*argv):
+    """Run the CLI in a fresh process where `import triton` fails, as on a CPU install without it."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "from nitrobrew.cli import main\n"
+            f"sys.exit(main({list(argv)!r}))")
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_benches_run_without_triton(tmp_path):
+    out = tmp_path / "t.csv"
+    res = _no_triton("bench", "topk", "--device", "cpu", "--vocab", "200", "--seq-lens", "16", "--d-model", "8",
+                     "--ks", "4", "--reps", "1", "--warmup", "0", "--ref-rows", "4", "--methods", "torch-full",
+                     "torch-topk", "full", "topk", "--regimes", "lm", "peaked", "--csv", str(out))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "ModuleNotFoundError" not in res.stdout + res.stderr
+    import csv
+
+    rows = {(r["regime"], r["method"]): r for r in csv.DictReader(open(out))}
+    for g in ("lm", "peaked"):
+        assert float(rows[g, "torch-full K=4"]["ms"]) > 0 and float(rows[g, "torch-topk K=4"]["ms"]) > 0
+        assert rows[g, "full K=4"]["note"].startswith("skipped: Triton not installed")
+    res = _no_triton("bench", "--device", "cpu", "--vocab", "128", "--d-models", "8", "8", "--seq-lens", "16",
+                     "--reps", "1", "--warmup", "0", "--ref-rows", "4", "--methods", "torch", "fast")
+    assert res.returncode == 0 and "skipped: Triton not installed" in res.stdout, res.stdout[-2000:] + res.stderr
+
+
+def test_commit_is_nitrobrews_not_the_working_directorys(tmp_path, monkeypatch):
+    monkeypatch.delenv("NITROBREW_COMMIT", raising=False)
+    repo = tmp_path / "other"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=x", "-c", "user.email=x@x", "-c", "commit.gpgsign=false"]
+    subprocess.run(git + ["init", "-q"], cwd=repo, check=True)
+    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "x"], cwd=repo, check=True)
+    other = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
+                           text=True).stdout.strip()
+    monkeypatch.chdir(repo)
+    commit = common.environment()["commit"]
+    assert other and not commit.startswith(other)
+    pkg = os.path.dirname(os.path.abspath(common.__file__))
+    ours = subprocess.run(["git", "-C", pkg, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if ours.returncode == 0 and os.path.exists(os.path.join(ROOT, ".git")):
+        assert commit.startswith(ours.stdout.strip())
+    # outside any git tree: the installed version, said as such
+    monkeypatch.setattr(common, "_git", lambda *a: "")
+    assert common.nitrobrew_commit() == f"release {common.nitrobrew_version()} (no git tree)"
+    monkeypatch.setenv("NITROBREW_COMMIT", "abc1234")  # a copy of the tree without .git
+    assert common.environment()["commit"] == "abc1234"
