@@ -27,11 +27,12 @@ def test_parse_names_aliases_and_errors():
             main(argv + ["--device", "cpu"])
 
 
-@pytest.mark.parametrize("ds,dt", [(24, 40), (40, 24)])
-def test_hidden_regimes_have_their_entropies(ds, dt):
+@pytest.mark.parametrize("ds,dt,regimes", [(24, 40, ("flat", "spread", "lm", "peaked", "close")),
+                                           (40, 24, ("flat", "spread"))])
+def test_hidden_regimes_have_their_entropies(ds, dt, regimes):
     V, n = 16384, 64
     ent, kl = {}, {}
-    for g in ("flat", "spread", "lm", "peaked", "close"):
+    for g in regimes:
         d = rg.make_hidden(g, n, V, ds, dt, torch.float32, CPU, seed=2)
         assert d.xs.shape == (n, ds) and d.ws.shape == (V, ds) and d.xt.shape == (n, dt) and d.wt.shape == (V, dt)
         assert d.xs.requires_grad and d.ws.requires_grad and not d.xt.requires_grad
@@ -42,7 +43,9 @@ def test_hidden_regimes_have_their_entropies(ds, dt):
         if g in ("flat", "spread"):  # the stated logit spread, whatever Ds and Dt
             std = rg.FLAT_STD if g == "flat" else rg.SPREAD_STD
             assert float(t.std()) == pytest.approx(std, rel=0.1)
-    assert ent["flat"] > math.log(V) - 0.2
+    assert ent["flat"] > math.log(V) - 0.2 > ent["spread"]
+    if len(regimes) == 2:
+        return
     assert 3.0 < ent["lm"] < 6.0 and ent["lm"] == pytest.approx(rg.LM_ENTROPY, abs=0.3)
     assert ent["peaked"] == pytest.approx(2.0, abs=0.2) and ent["close"] == pytest.approx(2.0, abs=0.2)
     assert kl["close"] < 0.01 < kl["flat"] < kl["peaked"]  # student ~ teacher only in close
@@ -106,3 +109,42 @@ def test_commit_is_nitrobrews_not_the_working_directorys(tmp_path, monkeypatch):
     assert common.nitrobrew_commit() == f"release {common.nitrobrew_version()} (no git tree)"
     monkeypatch.setenv("NITROBREW_COMMIT", "abc1234")  # a copy of the tree without .git
     assert common.environment()["commit"] == "abc1234"
+
+
+def test_demo_regime_reads_a_demo_run(tmp_path, monkeypatch):
+    """The trained-model regime: a demo run's teacher and student checkpoints on its held-out data."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    import dataclasses
+    import json
+
+    from nitrobrew.demo.checkpoint import save_checkpoint
+    from nitrobrew.demo.lm import config_from, make_model
+
+    run = tmp_path / "demo"
+    monkeypatch.setenv(rg.DEMO_RUN_ENV, str(run))
+    with pytest.raises(rg.RegimeUnavailable, match="finished `nitrobrew demo` run"):
+        rg.make_hidden("demo", 40, 0, 0, 0, torch.float32, CPU, 0)
+    cfg = config_from("tiny", methods=["forward_kl"])
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    teacher = make_model(cfg, cfg.teacher_hidden, cfg.teacher_layers, 1, CPU)
+    student = make_model(cfg, cfg.student_hidden, cfg.student_layers, 2, CPU)
+    save_checkpoint(str(run / "checkpoints" / "teacher.safetensors"), teacher, None, {"done": True})
+    with pytest.raises(rg.RegimeUnavailable, match="no finished teacher and student"):
+        rg.make_hidden("demo", 40, 0, 0, 0, torch.float32, CPU, 0)
+    save_checkpoint(str(run / "checkpoints" / "forward_kl.safetensors"), student, None, {"done": True})
+    d = rg.make_hidden("demo", 40, 999, 8, 8, torch.float32, CPU, 0)   # the bench's V, Ds, Dt give way
+    assert d.xs.shape == (40, cfg.student_hidden) and d.xt.shape == (40, cfg.teacher_hidden)
+    assert d.ws.shape == (cfg.vocab, cfg.student_hidden) and d.wt.shape == (cfg.vocab, cfg.teacher_hidden)
+    assert torch.equal(d.wt, teacher.lm_head.weight.detach())
+    assert 0 < d.entropy < math.log(cfg.vocab)
+    path = tmp_path / "h.csv"
+    assert main(["bench", "--device", "cpu", "--seq-lens", "40", "--methods", "naive", "torch", "--reps", "1",
+                 "--warmup", "0", "--ref-rows", "8", "--regimes", "demo", "--csv", str(path)]) == 0
+    import csv
+
+    rows = list(csv.DictReader(open(path)))
+    assert {(r["regime"], r["V"], r["Ds"], r["Dt"]) for r in rows} == {
+        ("demo", str(cfg.vocab), str(cfg.student_hidden), str(cfg.teacher_hidden))}
+    assert all(float(r["rel_err"]) < 1e-4 for r in rows)

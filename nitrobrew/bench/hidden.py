@@ -388,8 +388,9 @@ def _run(args) -> int:
             write_csv(args.csv, rows, env)
 
     def measure_size(rows, data, n, regime, flush_csv):
+        n = data.xs.shape[0]   # the demo regime brings its own sizes
         ref_rows = min(args.ref_rows, n)
-        size_base = {"regime": regime, "N": n, "V": vocab, "Ds": ds, "Dt": dt}
+        size_base = {"regime": regime, "N": n, "V": data.ws.shape[0], "Ds": data.xs.shape[1], "Dt": data.xt.shape[1]}
         floor_ms = None
         fkl_ms: Dict[str, float] = {}
         for div in divs:

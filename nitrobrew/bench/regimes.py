@@ -17,6 +17,10 @@ Hidden-state / top-k regimes (teacher logits t = xt wt^T, student logits s = xs 
   real     final hidden states and LM heads of randomly initialized Qwen2-shaped decoders
            (2 layers at the bench's widths and vocabulary, HF's initialization) fed random token
            ids; no pretrained weights are assumed offline (needs transformers)
+  demo     trained models: the teacher and a distilled student of a finished `nitrobrew demo`
+           run (the folder in $NITROBREW_DEMO_RUN, default runs/demo) on its held-out
+           sequences; the demo's vocabulary and widths replace the bench's V, Ds and Dt, and N
+           is at most its held-out tokens
 
 In flat, spread, lm and peaked the student's logits are the teacher's plus Gaussian noise (std
 0.25, 1, 1, 1 logit units). Teacher and student share a latent space (heads A P, hidden states
@@ -28,13 +32,15 @@ row entropy), close (spread teacher; student q, k = teacher's + noise).
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-REGIMES = ("flat", "spread", "lm", "peaked", "close", "real")
+REGIMES = ("flat", "spread", "lm", "peaked", "close", "real", "demo")
 ATTENTION_REGIMES = ("flat", "spread", "peaked", "close")
 ALIASES = {"random": "spread"}
 
@@ -104,7 +110,7 @@ def _calibrate(base: torch.Tensor, gauss: torch.Tensor, target: float) -> float:
     """Scale c of the context term giving mean entropy `target` of base + c gauss (bisection on
     log c; entropy falls as c grows). A target above what the base alone reaches gives c ~ 0."""
     lo, hi = -6.0, 4.0
-    for _ in range(40):
+    for _ in range(24):   # log c to 6e-7: far below what the entropy label shows
         mid = 0.5 * (lo + hi)
         if float(mean_entropy(base + math.exp(mid) * gauss)) > target:
             lo = mid
@@ -119,6 +125,8 @@ def make_hidden(regime: str, n: int, vocab: int, ds: int, dt: int, dtype: torch.
     regime = ALIASES.get(regime, regime)
     if regime == "real":
         return _real_hidden(n, vocab, ds, dt, dtype, device, seed)
+    if regime == "demo":
+        return demo_hidden(n, dtype, device, seed)
     if regime not in STUDENT_NOISE:
         raise ValueError(f"unknown regime {regime!r}; choose from {', '.join(REGIMES)}")
     gen = torch.Generator(device=device)
@@ -196,6 +204,52 @@ def _real_hidden(n, vocab, ds, dt, dtype, device, seed) -> Data:
                 teacher_entropy(xt, wt))
 
 
+DEMO_RUN_ENV = "NITROBREW_DEMO_RUN"
+DEMO_STUDENTS = ("forward_kl", "reverse_kl", "jsd", "topk", "hard_labels")
+
+
+@torch.no_grad()
+def demo_hidden(n: int, dtype, device, seed: int = 0, run: Optional[str] = None) -> Data:
+    """Hidden states and heads of a finished demo run's teacher and first distilled student on
+    its held-out sequences (first n positions)."""
+    run = run or os.environ.get(DEMO_RUN_ENV) or os.path.join("runs", "demo")
+    cfg_path = os.path.join(run, "config.json")
+    ckpt = os.path.join(run, "checkpoints")
+    if not os.path.exists(cfg_path):
+        raise RegimeUnavailable(f"regime demo needs a finished `nitrobrew demo` run: none in {run!r} "
+                                f"(run `nitrobrew demo --out DIR` and set {DEMO_RUN_ENV}=DIR)")
+    try:
+        from ..demo.checkpoint import load_checkpoint, read_record
+        from ..demo.lm import DemoConfig, make_data, make_model
+        from ..hf import final_hidden_states
+    except ImportError as err:
+        raise RegimeUnavailable(f"regime demo needs transformers and safetensors ({err})") from err
+    with open(cfg_path) as f:
+        saved = json.load(f)
+    cfg = DemoConfig(**{**saved, "methods": tuple(saved.get("methods", ()))})
+    done = lambda name: (read_record(os.path.join(ckpt, f"{name}.safetensors")) or {}).get("done")  # noqa: E731
+    student = next((m for m in DEMO_STUDENTS if done(m)), None)
+    if not done("teacher") or student is None:
+        raise RegimeUnavailable(f"regime demo: the run in {run!r} has no finished teacher and student")
+
+    def load(name, hidden, layers):
+        model = make_model(cfg, hidden, layers, 0, device)
+        load_checkpoint(os.path.join(ckpt, f"{name}.safetensors"), model, device=str(device))
+        return model.eval()
+
+    teacher = load("teacher", cfg.teacher_hidden, cfg.teacher_layers)
+    stud = load(student, cfg.student_hidden, cfg.student_layers)
+    test = make_data(cfg).test.to(device)
+    ids = test[: max(1, -(-n // test.shape[1]))]
+    xt = final_hidden_states(teacher, ids).reshape(-1, cfg.teacher_hidden)[:n].to(dtype)
+    xs = final_hidden_states(stud, ids).reshape(-1, cfg.student_hidden)[:n].to(dtype)
+    wt = teacher.lm_head.weight.detach().to(dtype).clone()
+    ws = stud.lm_head.weight.detach().to(dtype).clone()
+    labels = torch.roll(ids.reshape(-1), -1)[: xs.shape[0]]
+    del teacher, stud
+    return Data(xs.requires_grad_(), xt, ws.requires_grad_(), wt, labels, "demo", teacher_entropy(xt, wt))
+
+
 # ---------------------------------------------------------------- attention score maps
 
 
@@ -235,7 +289,7 @@ def make_attention(regime: str, B: int, H: int, Hkv: int, N: int, D: int, dtype,
         q_s, k_s = rnd(B, H, N, D), rnd(B, Hkv, N, D)
     if regime == "peaked":
         lo, hi = -3.0, 4.0
-        for _ in range(30):
+        for _ in range(24):
             mid = 0.5 * (lo + hi)
             if _row_entropy(q_t * math.exp(mid), k_t, causal) > PEAKED_ENTROPY:
                 lo = mid

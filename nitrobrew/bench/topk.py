@@ -116,6 +116,8 @@ def make_inputs(N: int, V: int, D: int, K: int, dtype, dev, seed: int = 0, regim
     from ..topk.extract import streaming_topk
 
     d = rg.make_hidden(regime, N, V, D, D, dtype, dev, seed)
+    if K >= d.ws.shape[0]:
+        raise rg.RegimeUnavailable(f"K = {K} is not below the regime's vocabulary ({d.ws.shape[0]})")
     ids, lp = streaming_topk(d.xt, d.wt, None, K)
     return d.xs.detach(), d.ws.detach(), ids, lp, d.labels, d.entropy
 
@@ -319,11 +321,12 @@ def run_loss(args, env: Dict[str, str]) -> List[Row]:
                     print(f"regime {regime}: skipped ({err})", flush=True)
                     break
                 print(f"regime {regime}: mean teacher entropy {ent:.2f} nats (N={N}, K={K})", flush=True)
+                n, v, d = xs.shape[0], ws.shape[0], xs.shape[1]   # the demo regime brings its own sizes
                 for method in methods:
                     if method in once and K != ks[0]:
                         continue
                     label = method if method in once else f"{method} K={K}"
-                    size = {"regime": regime, "N": N, "K": K if method not in once else 0, "V": V, "D": D}
+                    size = {"regime": regime, "N": n, "K": K if method not in once else 0, "V": v, "D": d}
                     row = Row("topk", label, size, extra={"teacher_entropy": ent}, baseline=baseline(method))
                     why = unavailable(method, dev)
                     if why:
@@ -332,7 +335,7 @@ def run_loss(args, env: Dict[str, str]) -> List[Row]:
                         _measure(row, method, xs, ws, ids, lp, labels, dev, warmup, reps,
                                  args.ref_rows if N == seq_lens[0] else 0)  # accuracy: not N-dependent
                     if row.ms is not None:
-                        _ratios(row, label, method, base, N, V, D, K, xs.element_size(), bw)
+                        _ratios(row, label, method, base, n, v, d, K, xs.element_size(), bw)
                     rows.append(row)
                     print(f"  {label} {regime} N={N}: {row.ms} ms, {row.peak_mib} MiB, err {row.rel_err} {row.note}",
                           flush=True)
