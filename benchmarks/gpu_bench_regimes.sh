@@ -42,7 +42,7 @@ if $PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; 
     ATTN="--seq-lens 2048 8192 16384 --heads 32 --head-dim 128 --accuracy-n 1024 --warm
           --methods nitrobrew nitrobrew-fwd sdpa sdpa-fwd sdpa-flash sdpa-flash-fwd"
     E2E="--seq-len 4096 --fit-lens 8192 16384 32768 65536 --steps 3 --warmup 1 --fit-time-limit 20"
-    T_HIDDEN=130; T_TOPK=80; T_ATTN=80; T_E2E=170
+    T_HIDDEN=170; T_TOPK=70; T_ATTN=70; T_E2E=150
 else
     echo "device: cpu (no CUDA): tiny sizes" | tee -a "$LOG"
     HIDDEN="--device cpu --vocab 256 --seq-lens 32 --d-models 16 24 --reps 1 --warmup 0 --ref-rows 16

@@ -102,8 +102,9 @@ def mean_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def teacher_entropy(xt: torch.Tensor, wt: torch.Tensor, rows: int = 256) -> float:
     """Mean entropy (nats) of softmax(xt wt^T) over the first `rows` rows, float64."""
-    t = xt[:rows].detach().double() @ wt.detach().double().t()
-    return float(mean_entropy(t))
+    # fp32 logits (no float64 copy of a large head), float64 softmax
+    t = xt[:rows].detach().float() @ wt.detach().float().t()
+    return float(mean_entropy(t.double()))
 
 
 def _calibrate(base: torch.Tensor, gauss: torch.Tensor, target: float) -> float:
@@ -275,11 +276,11 @@ def make_attention(regime: str, B: int, H: int, Hkv: int, N: int, D: int, dtype,
     if regime not in ATTENTION_REGIMES:
         raise RegimeUnavailable(f"regime {regime} has no score-map form (attention: "
                                 f"{', '.join(ATTENTION_REGIMES)})")
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=dev).manual_seed(seed)   # on the device: 10^8-element inputs at real N
     std = FLAT_STD if regime == "flat" else SPREAD_STD
 
     def rnd(*shape, sigma=math.sqrt(std)):
-        return (torch.randn(*shape, generator=g) * sigma).to(dev, torch.float32)
+        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32) * sigma
 
     q_t, k_t = rnd(B, H, N, D), rnd(B, Hkv, N, D)
     if regime == "close":
