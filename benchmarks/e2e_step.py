@@ -281,8 +281,9 @@ def write(rows: List[Dict], env: Dict[str, str], cfg, out: str) -> List[str]:
 
     t, s = cfg["teacher"], cfg["student"]
     lines = ["## Whole distillation step", "",
-             f"Teacher {t[0]} x {t[1]} ({t[2]}/{t[3]} heads, MLP {t[4]}), student {s[0]} x {s[1]} ({s[2]}/{s[3]} heads, "
-             f"MLP {s[4]}), vocabulary {cfg['vocab']}, random weights, {cfg['dtype']}, AdamW on the student, "
+             f"Teacher {t[0]} x {t[1]} ({t[2]}/{t[3]} heads, MLP {t[4]}), student {s[0]} x {s[1]} "
+             f"({s[2]}/{s[3]} heads, MLP {s[4]}), vocabulary {cfg['vocab']}, random weights, {cfg['dtype']}, "
+             "AdamW on the student, "
              f"gradient checkpointing, batch 1; forward KL over every position. "
              + ", ".join(f"{k} {v}" for k, v in sorted(env.items())) + ".", "",
              f"| method | tokens/s at {cfg['seq_len']} | step ms | peak GiB | GiB above resident | longest sequence "

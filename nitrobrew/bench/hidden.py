@@ -14,7 +14,7 @@ every method (design §8): forward_kl fwd+bwd (gradients to xs and ws) of
   nitrobrew fast        nitrobrew.hidden_loss(backend="triton", mode="fast")
   nitrobrew const-mem   nitrobrew.hidden_loss(backend="triton", mode="constant_memory")
   ... + filter          the same two with grad_filter=True (not in the default set: its gain
-                        depends on the data; measure it with --time-regime peaked)
+                        depends on the data; measure it with --regimes lm flat spread peaked)
 
 Columns: ms = median fwd+bwd wall time (CUDA events; perf_counter on CPU) after warm-up;
 x floor = ms / the gemm floor's ms at the same N; peak MiB = peak allocated memory during one
@@ -29,7 +29,7 @@ torch.compile / Triton autotuning). vs fkl = ms / the same method's forward_kl
 ms (the "other divergences within 1.15x" check, --divergences all).
 
 --regimes (default lm) names the input regimes (nitrobrew.bench.regimes: flat spread lm peaked
-close real, or all); every method runs on the same tensors of each, and each row carries the
+close real demo, or all); every method runs on the same tensors of each, and each row carries the
 regime and the teacher's measured mean entropy. baseline = the package, version and
 configuration of what ran. The exit status is 1 when a method failed (not skipped, not OOM).
 """

@@ -24,7 +24,7 @@ inputs for every method (design §8), fwd+bwd with gradients to xs and ws:
 
 peak MiB = peak allocated during one fwd+bwd above what was allocated before it; each step makes
 its gradients anew, so it includes dX and dW (above_grads_mib subtracts them).
-Inputs: --regimes (default lm; nitrobrew.bench.regimes: flat spread lm peaked close real, or all)
+Inputs: --regimes (default lm; nitrobrew.bench.regimes: flat spread lm peaked close real demo, or all)
 give the student's hidden states and head and the teacher's, whose top-k ids and log-probs are
 taken by streaming top-k (no [N, V] tensor); every method runs on the same tensors of each regime
 and each row carries the teacher's measured mean entropy and, for baselines, the package version
@@ -60,7 +60,8 @@ from .common import (Row, environment, failed, is_oom, nitrobrew_version, packag
 GPU_DEFAULTS = dict(vocab=152064, seq_lens=[4096, 16384], d_model=3584, ks=[64, 256], dtype="bfloat16",
                     reps=5, warmup=2)
 CPU_DEFAULTS = dict(vocab=4096, seq_lens=[128, 512], d_model=128, ks=[8, 32], dtype="float32", reps=3, warmup=1)
-GPU_METHODS = ["floor", "cce", "cce-exact", "full", "full-256m", "full-64m", "full-const", "full-native", "topk", "topk-graph"]
+GPU_METHODS = ["floor", "cce", "cce-exact", "full", "full-256m", "full-64m", "full-const", "full-native", "topk",
+               "topk-graph"]
 METHODS = (*GPU_METHODS, "torch-full", "torch-topk")
 # topk_kl keyword arguments of each nitrobrew method
 METHOD_KWARGS = {
