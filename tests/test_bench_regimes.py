@@ -86,6 +86,9 @@ def test_benches_run_without_triton(tmp_path):
     res = _no_triton("bench", "--device", "cpu", "--vocab", "128", "--d-models", "8", "8", "--seq-lens", "16",
                      "--reps", "1", "--warmup", "0", "--ref-rows", "4", "--methods", "torch", "fast")
     assert res.returncode == 0 and "skipped: Triton not installed" in res.stdout, res.stdout[-2000:] + res.stderr
+    res = _no_triton("bench", "attention", "--device", "cpu", "--seq-lens", "32", "--heads", "1", "--head-dim", "8",
+                     "--accuracy-n", "16", "--reps", "1", "--warmup", "0", "--methods", "nitrobrew", "sdpa")
+    assert res.returncode == 0 and "fwd+bwd / SDPA default" in res.stdout, res.stdout[-2000:] + res.stderr
 
 
 def test_commit_is_nitrobrews_not_the_working_directorys(tmp_path, monkeypatch):
@@ -148,3 +151,16 @@ def test_demo_regime_reads_a_demo_run(tmp_path, monkeypatch):
     assert {(r["regime"], r["V"], r["Ds"], r["Dt"]) for r in rows} == {
         ("demo", str(cfg.vocab), str(cfg.student_hidden), str(cfg.teacher_hidden))}
     assert all(float(r["rel_err"]) < 1e-4 for r in rows)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--d-models", "1", "8"], "--d-models must be an integer >= 2"),
+    (["bench", "--seq-lens", "0"], "--seq-lens must be an integer >= 1"),
+    (["bench", "topk", "--ks", "0"], "--ks must be an integer >= 1"),
+    (["bench", "topk", "--vocab", "1"], "--vocab must be an integer >= 2"),
+    (["bench", "attention", "--heads", "4", "--kv-heads", "3"], "--kv-heads 3 must divide --heads 4"),
+    (["bench", "attention", "--seq-lens", "-8"], "--seq-lens must be an integer >= 1"),
+])
+def test_bad_sizes_are_one_line_before_any_work(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main(argv + ["--device", "cpu"])

@@ -43,8 +43,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import regimes as rg
-from .common import (Row, environment, failed, is_oom, nitrobrew_version, peak_mib, plot, print_table, rel_err,
-                     time_ms, triton_unavailable, write_csv)
+from .common import (Row, check_sizes, cuda_device, environment, failed, is_oom, nitrobrew_version, peak_mib, plot,
+                     print_table, rel_err, time_ms, triton_unavailable, write_csv)
 
 GPU_DEFAULTS = dict(seq_lens=[2048, 4096, 8192, 16384, 65536, 131072], heads=32, head_dim=128, batch=1,
                     dtype="bfloat16", reps=5, warmup=2, accuracy_n=1024)
@@ -603,12 +603,16 @@ def run(args) -> int:
         args.regimes = rg.parse(args.regimes)
     except ValueError as err:
         raise SystemExit(f"nitrobrew bench: {err}")
-    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if args.device == "auto" else args.device))
+    dev = cuda_device(args.device)
     d = GPU_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
     for k, v in d.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
+    check_sizes("nitrobrew bench attention", seq_lens=(args.seq_lens, 1), heads=(args.heads, 1),
+                head_dim=(args.head_dim, 1), batch=(args.batch, 1), reps=(args.reps, 1), warmup=(args.warmup, 0),
+                accuracy_n=(args.accuracy_n, 0), kv_heads=(args.kv_heads or args.heads, 1))
+    if args.heads % (args.kv_heads or args.heads):
+        raise SystemExit(f"nitrobrew bench attention: --kv-heads {args.kv_heads} must divide --heads {args.heads}")
     dtype = DTYPES[args.dtype]
     B, H, D = args.batch, args.heads, args.head_dim
     Hkv = args.kv_heads or H

@@ -48,6 +48,22 @@ def package_version(dist: str) -> str:
         return "absent"
 
 
+def check_sizes(prog: str, **limits) -> None:
+    """Refuse bad sizes before any work, as one line: name=(value or list, smallest allowed)."""
+    for name, (value, least) in limits.items():
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise SystemExit(f"{prog}: --{name.replace('_', '-')} must be an integer >= {least}, got {v!r}")
+
+
+def cuda_device(spec: str) -> torch.device:
+    """--device: auto (cuda if available), cuda, cpu; one clear line when CUDA is asked for and absent."""
+    dev = torch.device("cuda" if spec == "auto" and torch.cuda.is_available() else ("cpu" if spec == "auto" else spec))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible")
+    return dev
+
+
 def triton_unavailable(device: torch.device) -> Optional[str]:
     """Why nitrobrew's Triton kernels cannot run here (None: they can)."""
     try:

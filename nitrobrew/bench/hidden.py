@@ -50,8 +50,8 @@ import torch
 from .. import divergences as dv
 from . import baselines as bl
 from . import regimes as rg
-from .common import (Row, environment, failed, is_oom, nitrobrew_version, package_version, peak_mib, plot,
-                     time_ms, triton_unavailable, write_csv, write_markdown)
+from .common import (Row, check_sizes, environment, failed, is_oom, nitrobrew_version, package_version, peak_mib,
+                     plot, time_ms, triton_unavailable, write_csv, write_markdown)
 
 METHODS: Dict[str, str] = {
     "floor": "gemm floor",
@@ -295,6 +295,9 @@ def _resolve(args) -> Tuple[torch.device, dict]:
         raise SystemExit("--device cuda: no CUDA device visible")
     defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
+    check_sizes("nitrobrew bench", vocab=(cfg["vocab"], 2), seq_lens=(cfg["seq_lens"], 1),
+                d_models=(cfg["d_models"], 2), reps=(cfg["reps"], 1), warmup=(cfg["warmup"], 0),
+                ref_rows=(args.ref_rows, 0))
     return device, cfg
 
 

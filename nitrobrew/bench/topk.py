@@ -54,8 +54,8 @@ import torch
 from .._ops import mm_acc
 from . import baselines as bl
 from . import regimes as rg
-from .common import (Row, environment, failed, is_oom, nitrobrew_version, package_version, peak_mib, plot,
-                     print_table, rel_err, time_ms, triton_unavailable, write_csv, write_markdown)
+from .common import (Row, check_sizes, cuda_device, environment, failed, is_oom, nitrobrew_version, package_version,
+                     peak_mib, plot, print_table, rel_err, time_ms, triton_unavailable, write_csv, write_markdown)
 
 GPU_DEFAULTS = dict(vocab=152064, seq_lens=[4096, 16384], d_model=3584, ks=[64, 256], dtype="bfloat16",
                     reps=5, warmup=2)
@@ -102,10 +102,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _settings(args):
-    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if args.device == "auto" else args.device))
+    dev = cuda_device(args.device)
     d = GPU_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else d[name]  # noqa: E731
+    check_sizes("nitrobrew bench topk", vocab=(pick("vocab"), 2), seq_lens=(pick("seq_lens"), 1),
+                d_model=(pick("d_model"), 2), ks=(pick("ks"), 1), reps=(pick("reps"), 1),
+                warmup=(pick("warmup"), 0), ref_rows=(args.ref_rows, 0))
     methods = args.methods or (GPU_METHODS if dev.type == "cuda" else ["torch-full", "torch-topk"])
     return dev, pick("vocab"), pick("seq_lens"), pick("d_model"), pick("ks"), DTYPES[pick("dtype")], \
         pick("reps"), pick("warmup"), methods
@@ -433,6 +435,7 @@ def run(args) -> int:
         args.regimes = rg.parse(args.regimes)
     except ValueError as err:
         raise SystemExit(f"nitrobrew bench: {err}")
+    _settings(args)  # bad sizes: one line before any work
     env = environment()
     print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     if args.csv:
