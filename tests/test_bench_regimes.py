@@ -164,3 +164,15 @@ def test_demo_regime_reads_a_demo_run(tmp_path, monkeypatch):
 def test_bad_sizes_are_one_line_before_any_work(argv, message):
     with pytest.raises(SystemExit, match=message):
         main(argv + ["--device", "cpu"])
+
+
+def test_plots_draw_one_curve_per_method_and_regime(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [common.Row("topk", m, {"regime": g, "N": n}, ms=1.0 + n / 64, peak_mib=1.0)
+            for g in ("lm", "flat") for m in ("a", "b") for n in (16, 32)]
+    labels = {r.method for r in common.per_regime(rows)}
+    assert labels == {"a [lm]", "b [lm]", "a [flat]", "b [flat]"}
+    one = [r for r in rows if r.size["regime"] == "lm"]
+    assert common.per_regime(one) == one
+    png = tmp_path / "p.png"
+    assert common.plot(str(png), common.per_regime(rows), "N", "t") and png.stat().st_size > 1000

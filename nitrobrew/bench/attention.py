@@ -43,8 +43,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import regimes as rg
-from .common import (Row, check_sizes, cuda_device, environment, failed, is_oom, nitrobrew_version, peak_mib, plot,
-                     print_table, rel_err, time_ms, triton_unavailable, write_csv)
+from .common import (Row, check_sizes, cuda_device, environment, failed, is_oom, nitrobrew_version, peak_mib,
+                     per_regime, plot, print_table, rel_err, time_ms, triton_unavailable, write_csv)
 
 GPU_DEFAULTS = dict(seq_lens=[2048, 4096, 8192, 16384, 65536, 131072], heads=32, head_dim=128, batch=1,
                     dtype="bfloat16", reps=5, warmup=2, accuracy_n=1024)
@@ -671,7 +671,8 @@ def run(args) -> int:
     if args.plot:
         speed = [r for r in rows if r.mode == "attention" and r.ms is not None]
         if speed:
-            plot(args.plot, speed, "N", f"attention_kl vs baselines, {env.get('device')}, B={B} H={H} D={D} "
+            plot(args.plot, per_regime(speed), "N",
+                 f"attention_kl vs baselines, {env.get('device')}, B={B} H={H} D={D} "
                  f"{args.dtype} {'causal' if causal else 'non-causal'}")
     print(f"bench attention: {time.time() - t0:.1f} s")
     bad = failed(rows)

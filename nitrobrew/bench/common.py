@@ -217,6 +217,13 @@ def write_markdown(path: str, title: str, rows: List[Row], columns: List[str], e
         fh.write("\n".join(lines) + "\n")
 
 
+def per_regime(rows: List[Row]) -> List[Row]:
+    """Rows for a plot: with several regimes, one curve per method and regime."""
+    if len({r.size.get("regime") for r in rows}) <= 1:
+        return rows
+    return [Row(r.mode, f"{r.method} [{r.size.get('regime')}]", r.size, r.ms, r.peak_mib) for r in rows]
+
+
 def plot(path: str, rows: List[Row], x_key: str, title: str) -> Optional[str]:
     """Time and peak memory against x_key per method, as one PNG (needs matplotlib)."""
     try:

@@ -51,7 +51,7 @@ from .. import divergences as dv
 from . import baselines as bl
 from . import regimes as rg
 from .common import (Row, check_sizes, environment, failed, is_oom, nitrobrew_version, package_version, peak_mib,
-                     plot, time_ms, triton_unavailable, write_csv, write_markdown)
+                     per_regime, plot, time_ms, triton_unavailable, write_csv, write_markdown)
 
 METHODS: Dict[str, str] = {
     "floor": "gemm floor",
@@ -485,8 +485,7 @@ def _run(args) -> int:
         print(f"wrote {args.md}")
     if args.plot:
         pts = [r for r in rows if r.size.get("divergence") in ("forward_kl", "-") and r.ms is not None]
-        if len(regimes) > 1:  # one curve per method and regime
-            pts = [Row(r.mode, f"{r.method} [{r.size['regime']}]", r.size, r.ms, r.peak_mib) for r in pts]
+        pts = per_regime(pts)
         out = plot(args.plot, pts, "N",
                    f"hidden-state loss fwd+bwd, V={vocab} Ds={ds} Dt={dt} {env['dtype']}, "
                    f"{env['device']}, torch {env['torch']}, commit {env['commit']}")

@@ -55,7 +55,8 @@ from .._ops import mm_acc
 from . import baselines as bl
 from . import regimes as rg
 from .common import (Row, check_sizes, cuda_device, environment, failed, is_oom, nitrobrew_version, package_version,
-                     peak_mib, plot, print_table, rel_err, time_ms, triton_unavailable, write_csv, write_markdown)
+                     peak_mib, per_regime, plot, print_table, rel_err, time_ms, triton_unavailable, write_csv,
+                     write_markdown)
 
 GPU_DEFAULTS = dict(vocab=152064, seq_lens=[4096, 16384], d_model=3584, ks=[64, 256], dtype="bfloat16",
                     reps=5, warmup=2)
@@ -454,9 +455,10 @@ def run(args) -> int:
         write_markdown(args.md, "nitrobrew bench topk", rows, ["regime", "N", "K", "V", "D"], env,
                        extras=("teacher_entropy",))
         print(f"wrote {args.md}")
-    if args.plot and any(r.mode == "topk" for r in rows):
-        plot(args.plot, [r for r in rows if r.mode == "topk"], "N",
-             f"topk_kl fwd+bwd, V={rows[0].size['V']}, D={rows[0].size['D']} ({env['device']})")
+    timed = [r for r in rows if r.mode == "topk" and r.ms is not None]
+    if args.plot and timed:
+        plot(args.plot, per_regime(timed), "N",
+             f"topk_kl fwd+bwd, V={timed[0].size['V']}, D={timed[0].size['D']} ({env['device']})")
     print(f"bench topk: {time.time() - t0:.1f} s")
     bad = failed(rows)
     for r in bad:
