@@ -5,7 +5,9 @@
 #   bash benchmarks/gpu_bench_regimes.sh OUT       (OUT defaults to $OUT, else ./gpu-regimes)
 # Writes into OUT (flat, 7 files): hidden.csv topk.csv attention.csv e2e_step.csv e2e_step.png
 # bench.md (every table as markdown) and log.txt. Without CUDA it runs the same steps at tiny
-# sizes on the CPU (the test of this script). Exit status: 1 if any step failed.
+# sizes on the CPU (the test of this script). Exit status: 1 if any step failed. The results
+# record nitrobrew's commit from the git tree of this checkout; in a copy without .git, pass it:
+#   NITROBREW_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_bench_regimes.sh OUT
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DEST=${1:-${OUT:-gpu-regimes}}
@@ -14,9 +16,6 @@ DEST=$(cd "$DEST" && pwd)
 cd "$ROOT"
 PY=${PYTHON:-python3}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-if [ -z "${NITROBREW_COMMIT:-}" ] && git -C "$ROOT" rev-parse --short HEAD >/dev/null 2>&1; then
-    export NITROBREW_COMMIT=$(git -C "$ROOT" rev-parse --short HEAD)
-fi
 MD=$(mktemp -d)
 trap 'rm -rf "$MD"' EXIT
 LOG="$DEST/log.txt"
@@ -50,7 +49,7 @@ else
     TOPK="--device cpu --vocab 256 --seq-lens 16 --d-model 16 --ks 4 --reps 1 --warmup 0 --ref-rows 8
           --methods floor cce cce-exact torch-full torch-topk full"
     ATTN="--device cpu --seq-lens 64 --heads 1 --head-dim 8 --accuracy-n 0 --reps 1 --warmup 0
-          --methods torch sdpa sdpa-flash"
+          --methods nitrobrew sdpa sdpa-flash"
     E2E="--small --seq-len 16 --fit-lens 32 --steps 1 --warmup 1 --methods nitrobrew hf-logits trl-gkd liger-jsd"
     T_HIDDEN=300; T_TOPK=300; T_ATTN=300; T_E2E=300
 fi

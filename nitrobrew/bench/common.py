@@ -211,7 +211,7 @@ def write_markdown(path: str, title: str, rows: List[Row], columns: List[str], e
     for r in rows:
         cells = [str(r.size.get(c, "")) for c in columns] + [
             r.method, f(r.ms, ".2f"), f(r.peak_mib, ".1f"), f(r.rel_err, ".1e"),
-            *(f(r.extra.get(e), ".3g") for e in extras), r.note.replace("|", "/"), r.baseline.replace("|", "/")]
+            *(f(r.extra.get(e), ".2f" if e == "teacher_entropy" else ".3g") for e in extras), r.note.replace("|", "/"), r.baseline.replace("|", "/")]
         lines.append("| " + " | ".join(cells) + " |")
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
