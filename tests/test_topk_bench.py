@@ -13,7 +13,9 @@ def test_bench_topk_cpu(tmp_path, capsys):
     rows = list(csv.DictReader(open(out)))
     assert {r["method"] for r in rows} == {"torch-full K=4", "torch-topk K=4"}
     assert {int(r["N"]) for r in rows} == {16, 32}
+    assert {r["regime"] for r in rows} == {"lm"}  # the default regime
     for r in rows:
+        assert r["baseline"].startswith("nitrobrew ") and "normalize=" in r["baseline"]
         assert float(r["ms"]) > 0 and float(r["peak_mib"]) >= 0
         if r["N"] == "16":
             assert float(r["rel_err"]) < 1e-4
@@ -44,6 +46,39 @@ def test_bench_topk_triton_methods_under_the_interpreter(tmp_path):
                      "topk", "--csv", str(out)]) == 0
     rows = {r["method"]: r for r in csv.DictReader(open(out))}
     assert set(rows) == {"full K=4", "full-64m K=4", "topk K=4"}
+    assert all(r["note"].split(":")[0] not in ("skipped", "error") for r in rows.values())
     assert all(float(r["rel_err"]) < 1e-4 for r in rows.values())
     ratio = float(rows["full K=4"]["ms"]) / float(rows["topk K=4"]["ms"])
     assert float(rows["topk K=4"]["full_over_topk"]) == pytest.approx(ratio)
+
+
+def test_bench_topk_regimes_and_baselines(tmp_path, capsys):
+    """Every regime named runs every method on the same tensors; rows that cannot run here (CCE needs
+    CUDA, the Triton methods need CUDA or the interpreter) are notes and the exit status stays 0."""
+    out = tmp_path / "topk.csv"
+    assert cli_main(["bench", "topk", "--device", "cpu", "--vocab", "300", "--seq-lens", "16", "--d-model", "16",
+                     "--ks", "4", "--reps", "1", "--warmup", "0", "--ref-rows", "8", "--regimes", "lm", "flat",
+                     "spread", "peaked", "--methods", "floor", "cce", "cce-exact", "torch-full", "topk-graph",
+                     "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(open(out)))
+    assert [r["regime"] for r in rows[::5]] == ["lm", "flat", "spread", "peaked"]
+    ent = {r["regime"]: float(r["teacher_entropy"]) for r in rows}
+    assert ent["flat"] > ent["lm"] > ent["peaked"]
+    by = {(r["regime"], r["method"]): r for r in rows}
+    for g in ent:
+        assert float(by[g, "torch-full K=4"]["rel_err"]) < 1e-4
+        assert by[g, "cce"]["note"].startswith("skipped: ") and by[g, "cce"]["ms"] == ""
+        assert "linear_cross_entropy, defaults" in by[g, "cce"]["baseline"]
+        assert "filter_eps=None" in by[g, "cce-exact"]["baseline"]
+        assert by[g, "topk-graph K=4"]["note"].startswith("skipped: ")
+
+
+def test_bench_topk_failure_exits_nonzero(tmp_path, monkeypatch):
+    from nitrobrew.bench import topk as tb
+
+    def broken(method, *a):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(tb, "_step", broken)
+    assert cli_main(["bench", "topk", "--vocab", "300", "--seq-lens", "16", "--d-model", "16", "--ks", "4",
+                     "--reps", "1", "--warmup", "0", "--ref-rows", "0"]) == 1

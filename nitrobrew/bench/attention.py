@@ -1,13 +1,17 @@
-"""`nitrobrew bench attention`: attention_kl against SDPA flash attention and naive baselines.
+"""`nitrobrew bench attention`: attention_kl against PyTorch SDPA and naive baselines.
 
 For each N in --seq-lens (B = --batch, H = --heads, head dim D = --head-dim, causal unless
 --no-causal), one process, the same bf16 inputs for every method (docs/design.md §8):
 
   nitrobrew       attention_kl (Triton on GPU), forward + backward, gradients to q_s and k_s
   nitrobrew-fwd   its forward alone (no autograd state)
-  sdpa            PyTorch SDPA, flash backend on GPU, forward + backward of ONE attention of the
-                  same shape (q, k, v; gradients to all three): the reference speed
+  sdpa            PyTorch SDPA with its default backend selection (on an H200 with torch 2.11:
+                  cuDNN attention), forward + backward of ONE attention of the same shape (q, k,
+                  v; gradients to all three): the reference speed. The kernels it dispatched to
+                  are recorded (profiler) in the baseline column and the environment
   sdpa-fwd        its forward alone
+  sdpa-flash      the same under sdpa_kernel(SDPBackend.FLASH_ATTENTION) (FlashAttention-2)
+  sdpa-flash-fwd  its forward alone
   naive           materialized PyTorch: both [B, H, N, N] score maps, log_softmax, KL; autograd
   compile         the same under torch.compile (dynamic shapes: one compilation for all N)
   torch           attention_kl's PyTorch backend (key-chunked; the CPU default)
@@ -20,7 +24,12 @@ dq kernel 2U recompute + 1U, dk kernel 2U recompute + 1U).
 --check runs a battery of GPU correctness cases (compiled kernels, not the interpreter) against
 the float64 reference; --tune sweeps Triton tile configs at --tune-n and uses the best; --warm
 compiles every kernel variant the run needs in parallel processes first. Accuracy rows compare
-losses and gradients at --accuracy-n with the float64 reference (random and "close" inputs).
+losses and gradients at --accuracy-n with the float64 reference (spread and close inputs).
+
+--regimes (default spread; nitrobrew.bench.regimes: flat, spread, peaked, close; lm and real
+have no score-map form and are skipped with a note) give the inputs; every method runs on the same
+tensors of each regime, each row carries the teacher's measured mean row entropy. The exit status
+is 1 when a method or a check failed.
 """
 from __future__ import annotations
 
@@ -33,13 +42,32 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .common import Row, environment, is_oom, peak_mib, plot, print_table, rel_err, time_ms, write_csv
+from . import regimes as rg
+from .common import (
+    Row,
+    check_sizes,
+    cuda_device,
+    environment,
+    failed,
+    is_oom,
+    nitrobrew_version,
+    peak_mib,
+    per_regime,
+    plot,
+    print_table,
+    rel_err,
+    time_ms,
+    triton_unavailable,
+    write_csv,
+)
 
 GPU_DEFAULTS = dict(seq_lens=[2048, 4096, 8192, 16384, 65536, 131072], heads=32, head_dim=128, batch=1,
                     dtype="bfloat16", reps=5, warmup=2, accuracy_n=1024)
 CPU_DEFAULTS = dict(seq_lens=[256, 512], heads=4, head_dim=32, batch=1, dtype="float32", reps=3, warmup=1,
                     accuracy_n=128)
-METHODS = ("nitrobrew", "nitrobrew-fwd", "sdpa", "sdpa-fwd", "naive", "compile", "torch")
+METHODS = ("nitrobrew", "nitrobrew-fwd", "sdpa", "sdpa-fwd", "sdpa-flash", "sdpa-flash-fwd", "naive", "compile",
+           "torch")
+SDPA = {"sdpa": None, "sdpa-fwd": None, "sdpa-flash": "FLASH_ATTENTION", "sdpa-flash-fwd": "FLASH_ATTENTION"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 # Hopper candidates (BM, BN, num_warps, num_stages), pre-screened offline for register spills
@@ -73,6 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune", action="store_true", help="sweep Triton tile configs at --tune-n, use the best")
     p.add_argument("--tune-n", type=int, default=8192)
     p.add_argument("--warm", action="store_true", help="compile all kernel variants in parallel processes first")
+    p.add_argument("--regimes", nargs="+", default=["spread"], metavar="REGIME",
+                   help="input regimes (%s, or all; lm and real are skipped here; default spread)"
+                        % " ".join(rg.ATTENTION_REGIMES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv", default=None, help="write the rows here")
     p.add_argument("--plot", default=None, help="draw time and memory against N here (PNG)")
@@ -315,8 +346,8 @@ def accuracy(args, dev, dtype, B, H, Hkv, D, causal, methods, cfg) -> List[Row]:
 
     N = args.accuracy_n
     rows = []
-    for kind in ("random", "close"):
-        ins = make_inputs(B, H, Hkv, N, D, dtype, dev, args.seed + 1, close=kind == "close")
+    for kind in ("spread", "close"):
+        ins = rg.make_attention(kind, B, H, Hkv, N, D, dtype, dev, args.seed + 1, causal)[0]
         ref = [t.double().requires_grad_(i < 2) for i, t in enumerate(ins)]
         lr = reference_attention_kl(*ref, is_causal=causal, direction=args.direction)
         lr.backward()
@@ -350,103 +381,155 @@ def accuracy(args, dev, dtype, B, H, Hkv, D, causal, methods, cfg) -> List[Row]:
     return rows
 
 
+def sdpa_kernels(call: Callable[[], None], dev) -> str:
+    """What SDPA dispatched to in call(): the aten op and, on CUDA, the attention kernels' names
+    (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    try:
+        with profile(activities=acts) as prof:
+            call()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+    except Exception as err:  # the profiler is a label: never a reason to fail the bench
+        return f"unknown ({type(err).__name__})"
+    names = list(dict.fromkeys(e.name for e in prof.events()))
+    ops = [n for n in names if n.startswith("aten::_scaled_dot_product") or n.startswith("aten::_flash_attention")
+           or n.startswith("aten::_efficient_attention") or n.startswith("aten::_cudnn_attention")]
+    keys = ("fmha", "flash", "attention", "sdpa", "cudnn", "attn")
+    kernels = [n for n in names if not n.startswith(("aten::", "autograd::", "torch::")) and "Backward" not in n
+               and any(k in n.lower() for k in keys)]
+    text = " + ".join(ops[:2]) or "?"
+    if kernels:
+        text += "; kernels: " + ", ".join(k[:90] for k in kernels[:3])
+    return text
+
+
+def _sdpa_ctx(backend: Optional[str]):
+    from contextlib import nullcontext
+
+    if backend is None:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, backend))
+
+
 def run_speed(args, dev, dtype, B, H, Hkv, D, causal, methods, cfg, env) -> List[Row]:
+    rows: List[Row] = []
+    compiled = torch.compile(naive_kl, dynamic=True) if "compile" in methods else None
+    for regime in rg.parse(args.regimes):
+        for N in args.seq_lens:
+            try:
+                ins, ent = rg.make_attention(regime, B, H, Hkv, N, D, dtype, dev, args.seed, causal)
+            except rg.RegimeUnavailable as err:
+                print(f"regime {regime}: skipped ({err})", flush=True)
+                rows.append(Row("attention", "-", dict(regime=regime), note=f"skipped: {err}"))
+                break
+            print(f"regime {regime}: teacher mean row entropy {ent:.2f} nats (N={N})", flush=True)
+            rows += _speed_at(args, dev, dtype, B, H, Hkv, D, N, causal, methods, cfg, env, regime, ent,
+                              ins, compiled, rows)
+    return rows
+
+
+def _speed_at(args, dev, dtype, B, H, Hkv, D, N, causal, methods, cfg, env, regime, ent, ins, compiled,
+              done: List[Row]) -> List[Row]:
     import torch.nn.functional as F
 
     from ..attention import attention_kl
 
-    rows: List[Row] = []
-    compiled = torch.compile(naive_kl, dynamic=True) if "compile" in methods else None
+    out: List[Row] = []
     tg = args.teacher_grad
-    for N in args.seq_lens:
-        size = dict(N=N, B=B, H=H, D=D)
-        U = _flops(B, H, N, D, causal)
-        ins = [t.requires_grad_(i < 2 or tg) for i, t in enumerate(make_inputs(B, H, Hkv, N, D, dtype, dev, args.seed))]
-        v = torch.randn(B, Hkv, N, D, device=dev, dtype=dtype).requires_grad_()
-        stats_mib = 5 * B * H * N * 4 / 2**20  # kl, lse_x, lse_y, upstream g, returned rows (float32)
-        for method in methods:
-            row = Row("attention", method, dict(size))
-            backend = "torch" if (method == "torch" or dev.type != "cuda") else "auto"
+    size = dict(regime=regime, N=N, B=B, H=H, D=D)
+    U = _flops(B, H, N, D, causal)
+    ins = [t.requires_grad_(i < 2 or tg) for i, t in enumerate(ins)]
+    v = torch.randn(B, Hkv, N, D, device=dev, dtype=dtype).requires_grad_()
+    dout = torch.randn(B, H, N, D, device=dev, dtype=dtype)
+    stats_mib = 5 * B * H * N * 4 / 2**20  # kl, lse_x, lse_y, upstream g, returned rows (float32)
+    tv = torch.__version__
+    for method in methods:
+        row = Row("attention", method, dict(size), extra={"teacher_entropy": ent})
+        backend = "torch" if (method == "torch" or dev.type != "cuda") else "auto"
+        if method.startswith("nitrobrew") or method == "torch":
+            row.baseline = f"nitrobrew {nitrobrew_version()} attention_kl(backend={backend!r})"
+        elif method in ("naive", "compile"):
+            row.baseline = f"torch {tv} " + ("eager" if method == "naive" else "torch.compile(dynamic=True)")
 
-            def ours(bk=backend):
-                attention_kl(*ins, is_causal=causal, direction=args.direction, backend=bk,
-                             block_config=cfg).backward()
+        def ours(bk=backend):
+            attention_kl(*ins, is_causal=causal, direction=args.direction, backend=bk,
+                         block_config=cfg).backward()
 
-            def ours_fwd(bk=backend):
+        def ours_fwd(bk=backend):
+            with torch.no_grad():
+                attention_kl(*ins, is_causal=causal, direction=args.direction, backend=bk, block_config=cfg)
+
+        def sdpa(fwd_only=False):  # called inside _sdpa_ctx: selecting the backend is not timed
+            if fwd_only:
                 with torch.no_grad():
-                    attention_kl(*ins, is_causal=causal, direction=args.direction, backend=bk, block_config=cfg)
+                    F.scaled_dot_product_attention(ins[0], ins[1], v, is_causal=causal, enable_gqa=Hkv != H)
+            else:
+                o = F.scaled_dot_product_attention(ins[0], ins[1], v, is_causal=causal, enable_gqa=Hkv != H)
+                o.backward(dout)
 
-            def sdpa(fwd_only=False):  # called inside _flash_ctx: selecting the backend is not timed
-                if fwd_only:
-                    with torch.no_grad():
-                        F.scaled_dot_product_attention(ins[0], ins[1], v, is_causal=causal, enable_gqa=Hkv != H)
+        try:
+            if method in ("nitrobrew", "nitrobrew-fwd") and dev.type == "cuda" and triton_unavailable(dev):
+                row.note = triton_unavailable(dev)
+            elif method in ("nitrobrew", "torch"):
+                if method == "torch" and dev.type == "cuda" and N > 8192:
+                    row.note = "skipped (key-chunked PyTorch path: slow at this N)"
                 else:
-                    o = F.scaled_dot_product_attention(ins[0], ins[1], v, is_causal=causal, enable_gqa=Hkv != H)
-                    o.backward(dout)
-
-            try:
-                if method in ("nitrobrew", "torch"):
-                    if method == "torch" and dev.type == "cuda" and N > 8192:
-                        row.note = "skipped (key-chunked PyTorch path: slow at this N)"
-                        rows.append(row)
-                        continue
                     row.ms, row.peak_mib = _measure(ours, ins, dev, args.warmup, args.reps)
                     row.extra["tflops"] = (8 + 2 * tg) * U / row.ms / 1e9
                     row.extra["stats_mib"] = stats_mib
-                elif method == "nitrobrew-fwd":
-                    row.ms, row.peak_mib = _measure(ours_fwd, ins, dev, args.warmup, args.reps, grads=False)
-                    row.extra["tflops"] = 2 * U / row.ms / 1e9
-                elif method in ("sdpa", "sdpa-fwd"):
-                    dout = torch.randn(B, H, N, D, device=dev, dtype=dtype)
-                    params = [ins[0], ins[1], v]
-                    fwd_only = method == "sdpa-fwd"
-                    with _flash_ctx(dev):  # entered once, as a training loop would
-                        row.ms, row.peak_mib = _measure(lambda: sdpa(fwd_only), params, dev, args.warmup,
-                                                        args.reps, grads=not fwd_only)
-                    row.extra["tflops"] = (2 if fwd_only else 7) * U / row.ms / 1e9
-                    del dout
-                elif method in ("naive", "compile"):
-                    need = 6 * B * H * N * N * 4  # two fp32 maps, their log-softmaxes and gradients
-                    free = torch.cuda.mem_get_info()[0] if dev.type == "cuda" else None
-                    if free is not None and need > 2 * free:
-                        row.note = f"OOM (needs ~{need / 2**30:.0f} GiB, not run)"
-                    else:
-                        fn = compiled if method == "compile" else naive_kl
-
-                        def step(fn=fn):
-                            fn(*ins, causal, args.direction).backward()
-
-                        row.ms, row.peak_mib = _measure(step, ins, dev, args.warmup, args.reps)
-            except Exception as err:
-                if is_oom(err):
-                    row.note = "OOM"
+            elif method == "nitrobrew-fwd":
+                row.ms, row.peak_mib = _measure(ours_fwd, ins, dev, args.warmup, args.reps, grads=False)
+                row.extra["tflops"] = 2 * U / row.ms / 1e9
+            elif method in SDPA:
+                params = [ins[0], ins[1], v]
+                fwd_only = method.endswith("-fwd")
+                with _sdpa_ctx(SDPA[method]):  # entered once, as a training loop would
+                    row.ms, row.peak_mib = _measure(lambda: sdpa(fwd_only), params, dev, args.warmup,
+                                                    args.reps, grads=not fwd_only)
+                    kern = sdpa_kernels(lambda: sdpa(fwd_only), dev)
+                for p in params:
+                    p.grad = None
+                which = "default backend" if SDPA[method] is None else f"sdpa_kernel({SDPA[method]})"
+                row.baseline = f"torch {tv} SDPA {which}: {kern}"
+                if SDPA[method] is None:
+                    env["sdpa_default" + ("_fwd" if fwd_only else "")] = kern
+                row.extra["tflops"] = (2 if fwd_only else 7) * U / row.ms / 1e9
+            elif method in ("naive", "compile"):
+                need = 6 * B * H * N * N * 4  # two fp32 maps, their log-softmaxes and gradients
+                free = torch.cuda.mem_get_info()[0] if dev.type == "cuda" else None
+                if free is not None and need > 2 * free:
+                    row.note = f"OOM (needs ~{need / 2**30:.0f} GiB, not run)"
                 else:
-                    row.note = f"failed: {type(err).__name__}: {str(err)[:100]}"
-                    traceback.print_exc()
-                row.ms = row.peak_mib = None
-            for t in ins + [v]:
-                t.grad = None
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            rows.append(row)
-            tf = row.extra.get("tflops")
-            print(f"  {method:14s} N={N:6d}: {_fmt(row.ms)} ms  {_fmt(row.peak_mib)} MiB"
-                  f"{'' if tf is None else f'  {tf:.0f} TFLOP/s'}  {row.note}", flush=True)
-            if args.csv:
-                write_csv(args.csv, rows, env)
-        del ins, v
-    return rows
+                    fn = compiled if method == "compile" else naive_kl
 
+                    def step(fn=fn):
+                        fn(*ins, causal, args.direction).backward()
 
-def _flash_ctx(dev):
-    from contextlib import nullcontext
-
-    if dev.type != "cuda":
-        return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+                    row.ms, row.peak_mib = _measure(step, ins, dev, args.warmup, args.reps)
+        except Exception as err:
+            if is_oom(err):
+                row.note = "OOM"
+            else:
+                row.note = f"failed: {type(err).__name__}: {str(err)[:100]}"
+                traceback.print_exc()
+            row.ms = row.peak_mib = None
+        for t in ins + [v]:
+            t.grad = None
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        out.append(row)
+        tf = row.extra.get("tflops")
+        print(f"  {method:14s} {regime} N={N:6d}: {_fmt(row.ms)} ms  {_fmt(row.peak_mib)} MiB"
+              f"{'' if tf is None else f'  {tf:.0f} TFLOP/s'}  {row.note}", flush=True)
+        if args.csv:
+            write_csv(args.csv, done + out, env)
+    return out
 
 
 def _fmt(x: Optional[float]) -> str:
@@ -454,35 +537,47 @@ def _fmt(x: Optional[float]) -> str:
 
 
 def ratios(rows: List[Row]) -> List[Dict]:
-    """Per N: nitrobrew vs SDPA (fwd+bwd, fwd) and the naive/compile baselines vs nitrobrew."""
-    by = {(r.size["N"], r.method): r for r in rows if r.mode == "attention"}
+    """Per (regime, N): nitrobrew vs SDPA default and flash (fwd+bwd, fwd), naive/compile vs nitrobrew."""
+    speed = [r for r in rows if r.mode == "attention" and "N" in r.size]
+    by = {(r.size.get("regime"), r.size["N"], r.method): r for r in speed}
     out = []
-    for N in sorted({r.size["N"] for r in rows if r.mode == "attention"}):
+    for regime, N in dict.fromkeys((r.size.get("regime"), r.size["N"]) for r in speed):
         def ms(m):
-            r = by.get((N, m))
+            r = by.get((regime, N, m))
             return None if r is None else r.ms
 
         def div(a, b):
             return None if (a is None or b is None) else a / b
 
-        out.append(dict(N=N, nb=ms("nitrobrew"), nb_fwd=ms("nitrobrew-fwd"), sdpa=ms("sdpa"), sdpa_fwd=ms("sdpa-fwd"),
+        nb = by.get((regime, N, "nitrobrew"))
+        ent = next(r.extra.get("teacher_entropy") for r in speed if (r.size.get("regime"), r.size["N"]) == (regime, N))
+        out.append(dict(regime=regime, N=N, entropy=ent,
+                        nb=ms("nitrobrew"), nb_fwd=ms("nitrobrew-fwd"), sdpa=ms("sdpa"), sdpa_fwd=ms("sdpa-fwd"),
+                        flash=ms("sdpa-flash"), flash_fwd=ms("sdpa-flash-fwd"),
                         naive=ms("naive"), compile=ms("compile"),
                         fb_vs_sdpa=div(ms("nitrobrew"), ms("sdpa")), fwd_vs_sdpa=div(ms("nitrobrew-fwd"), ms("sdpa-fwd")),
+                        fb_vs_flash=div(ms("nitrobrew"), ms("sdpa-flash")),
+                        fwd_vs_flash=div(ms("nitrobrew-fwd"), ms("sdpa-flash-fwd")),
                         naive_vs_nb=div(ms("naive"), ms("nitrobrew")), compile_vs_nb=div(ms("compile"), ms("nitrobrew")),
-                        nb_mib=(by.get((N, "nitrobrew")).peak_mib if by.get((N, "nitrobrew")) else None),
-                        stats_mib=(by[(N, "nitrobrew")].extra.get("stats_mib") if (N, "nitrobrew") in by else None),
-                        notes={m: by[(N, m)].note for m in METHODS if (N, m) in by and by[(N, m)].note}))
+                        nb_mib=nb.peak_mib if nb else None,
+                        stats_mib=nb.extra.get("stats_mib") if nb else None,
+                        notes={m: by[(regime, N, m)].note for m in METHODS
+                               if (regime, N, m) in by and by[(regime, N, m)].note}))
     return out
 
 
 def markdown(rows: List[Row], env: Dict[str, str], args, cfg, checks) -> str:
     lines = [f"# attention_kl benchmark ({env.get('device')})", "",
-             f"torch {env.get('torch')}, triton {env.get('triton')}, commit {env.get('commit')}; "
+             f"torch {env.get('torch')}, triton {env.get('triton')}, nitrobrew {env.get('nitrobrew')}, "
+             f"commit {env.get('commit')}; "
              f"B={args.batch}, H={args.heads}, D={args.head_dim}, {args.dtype}, "
              f"{'non-causal' if args.no_causal else 'causal'}, direction={args.direction}; tiles {cfg}", "",
-             "| N | nitrobrew fwd+bwd ms | SDPA flash fwd+bwd ms | ratio | nitrobrew fwd ms | SDPA fwd ms | ratio | "
-             "naive ms (x nitrobrew) | compile ms (x nitrobrew) | nitrobrew extra MiB (per-row stats MiB) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"SDPA default backend dispatched to: {env.get('sdpa_default', '-')} (forward alone: "
+             f"{env.get('sdpa_default_fwd', '-')}). Ratios are nitrobrew / SDPA (above 1: nitrobrew slower).", "",
+             "| regime (teacher row entropy) | N | nitrobrew fwd+bwd ms | SDPA default fwd+bwd ms | ratio | "
+             "SDPA flash fwd+bwd ms | ratio | nitrobrew fwd ms | SDPA default fwd ms | ratio | SDPA flash fwd ms | "
+             "ratio | naive ms (x nitrobrew) | compile ms (x nitrobrew) | nitrobrew extra MiB (per-row stats MiB) |",
+             "|" + "---|" * 15]
 
     def f(x, p=2):
         return "-" if x is None else f"{x:.{p}f}"
@@ -490,9 +585,10 @@ def markdown(rows: List[Row], env: Dict[str, str], args, cfg, checks) -> str:
     for r in ratios(rows):
         naive = r["notes"].get("naive") or f"{f(r['naive'])} ({f(r['naive_vs_nb'], 1)}x)"
         comp = r["notes"].get("compile") or f"{f(r['compile'])} ({f(r['compile_vs_nb'], 1)}x)"
-        lines.append(f"| {r['N']} | {f(r['nb'])} | {f(r['sdpa'])} | {f(r['fb_vs_sdpa'])} | {f(r['nb_fwd'])} | "
-                     f"{f(r['sdpa_fwd'])} | {f(r['fwd_vs_sdpa'])} | {naive} | {comp} | "
-                     f"{f(r['nb_mib'], 1)} ({f(r['stats_mib'], 1)}) |")
+        lines.append(f"| {rg.entropy_label(r['regime'], r['entropy'])} | {r['N']} | {f(r['nb'])} | {f(r['sdpa'])} | "
+                     f"{f(r['fb_vs_sdpa'])} | {f(r['flash'])} | {f(r['fb_vs_flash'])} | {f(r['nb_fwd'])} | "
+                     f"{f(r['sdpa_fwd'])} | {f(r['fwd_vs_sdpa'])} | {f(r['flash_fwd'])} | {f(r['fwd_vs_flash'])} | "
+                     f"{naive} | {comp} | {f(r['nb_mib'], 1)} ({f(r['stats_mib'], 1)}) |")
     acc = [r for r in rows if r.mode == "accuracy"]
     if acc:
         lines += ["", "Accuracy vs float64 (relative error, norm):", "",
@@ -518,12 +614,20 @@ def markdown(rows: List[Row], env: Dict[str, str], args, cfg, checks) -> str:
 
 def run(args) -> int:
     t0 = time.time()
-    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if args.device == "auto" else args.device))
+    try:
+        args.regimes = rg.parse(args.regimes)
+    except ValueError as err:
+        raise SystemExit(f"nitrobrew bench: {err}")
+    dev = cuda_device(args.device)
     d = GPU_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
     for k, v in d.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
+    check_sizes("nitrobrew bench attention", seq_lens=(args.seq_lens, 1), heads=(args.heads, 1),
+                head_dim=(args.head_dim, 1), batch=(args.batch, 1), reps=(args.reps, 1), warmup=(args.warmup, 0),
+                accuracy_n=(args.accuracy_n, 0), kv_heads=(args.kv_heads or args.heads, 1))
+    if args.heads % (args.kv_heads or args.heads):
+        raise SystemExit(f"nitrobrew bench attention: --kv-heads {args.kv_heads} must divide --heads {args.heads}")
     dtype = DTYPES[args.dtype]
     B, H, D = args.batch, args.heads, args.head_dim
     Hkv = args.kv_heads or H
@@ -531,9 +635,9 @@ def run(args) -> int:
     if args.methods:
         methods = list(args.methods)
     elif dev.type == "cuda":
-        methods = ["nitrobrew", "nitrobrew-fwd", "sdpa", "sdpa-fwd", "naive", "compile"]
+        methods = ["nitrobrew", "nitrobrew-fwd", "sdpa", "sdpa-fwd", "sdpa-flash", "sdpa-flash-fwd", "naive", "compile"]
     else:
-        methods = ["nitrobrew", "nitrobrew-fwd", "sdpa", "sdpa-fwd", "naive"]
+        methods = ["nitrobrew", "nitrobrew-fwd", "sdpa", "sdpa-fwd", "sdpa-flash", "sdpa-flash-fwd", "naive"]
     env = environment()
     print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     for path in (args.csv, args.plot, args.md):
@@ -565,10 +669,13 @@ def run(args) -> int:
     if args.accuracy_n:
         rows += accuracy(args, dev, dtype, B, H, Hkv, D, causal, methods, cfg)
     rows += run_speed(args, dev, dtype, B, H, Hkv, D, causal, methods, cfg, env)
-    print_table([r for r in rows if r.mode == "attention"], ["N", "B", "H", "D"])
+    print_table([r for r in rows if r.mode == "attention"], ["regime", "N", "B", "H", "D"])
+    print(f"SDPA default backend: {env.get('sdpa_default', '-')}")
     for r in ratios(rows):
-        print(f"N={r['N']}: fwd+bwd / SDPA = {_fmt(r['fb_vs_sdpa'])}, fwd / SDPA fwd = {_fmt(r['fwd_vs_sdpa'])}, "
-              f"naive / nitrobrew = {_fmt(r['naive_vs_nb'])}, compile / nitrobrew = {_fmt(r['compile_vs_nb'])}")
+        print(f"{r['regime']} N={r['N']}: fwd+bwd / SDPA default = {_fmt(r['fb_vs_sdpa'])} (/ flash "
+              f"{_fmt(r['fb_vs_flash'])}), fwd / SDPA default fwd = {_fmt(r['fwd_vs_sdpa'])} (/ flash "
+              f"{_fmt(r['fwd_vs_flash'])}), naive / nitrobrew = {_fmt(r['naive_vs_nb'])}, "
+              f"compile / nitrobrew = {_fmt(r['compile_vs_nb'])}")
     if args.csv:
         write_csv(args.csv, rows, env)
         print(f"wrote {args.csv}")
@@ -579,7 +686,11 @@ def run(args) -> int:
     if args.plot:
         speed = [r for r in rows if r.mode == "attention" and r.ms is not None]
         if speed:
-            plot(args.plot, speed, "N", f"attention_kl vs baselines, {env.get('device')}, B={B} H={H} D={D} "
+            plot(args.plot, per_regime(speed), "N",
+                 f"attention_kl vs baselines, {env.get('device')}, B={B} H={H} D={D} "
                  f"{args.dtype} {'causal' if causal else 'non-causal'}")
     print(f"bench attention: {time.time() - t0:.1f} s")
-    return 1 if any(not c.get("ok") for c in checks) else 0
+    bad = failed(rows)
+    for r in bad:
+        print(f"FAILED: {r.method} at N={r.size.get('N')} ({r.size.get('regime')}): {r.note}")
+    return 1 if bad or any(not c.get("ok") for c in checks) else 0

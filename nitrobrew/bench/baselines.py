@@ -30,9 +30,10 @@ What each baseline is, and what its API needed (checked against the released pac
   ceil(N / ceil(V / Ds)) on Hopper, gradients computed in the forward. Ds != Dt is allowed
   ("hidden size H and H' can be different"). Needs CUDA (Triton kernels).
 - ``cce_student_ce``: cut-cross-entropy's ``linear_cross_entropy(e, c, targets)`` (25.1.1) on
-  the student alone with random labels: a single-distribution reference for how fast one
-  fused linear + softmax loss can be (it skips gradient tiles below bf16 resolution,
-  filter_eps="high"). Not a distillation loss. Needs CUDA (Triton kernels).
+  the student alone with random labels: a single-distribution reference for how fast one fused
+  linear + softmax loss can be. With its default filter_eps="auto" it skips gradient blocks whose
+  probabilities are below eps(dtype)/32, so its time depends on the data (``bench topk`` also
+  runs it with filter_eps=None). Not a distillation loss. Needs CUDA (Triton kernels).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import divergences as dv
+from .common import package_version
 
 # ---------------------------------------------------------------- GEMM floor
 
@@ -139,15 +141,6 @@ def _not_importable(dist: str, err: BaseException) -> str:
 
 def _import(name: str):
     return importlib.import_module(name)
-
-
-def package_version(dist: str) -> str:
-    try:
-        from importlib.metadata import version
-
-        return version(dist)
-    except Exception:
-        return "absent"
 
 
 def liger_unavailable(device: torch.device, fused: bool) -> Optional[str]:

@@ -9,7 +9,7 @@ import statistics
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -28,6 +28,52 @@ class Row:
     rel_err: Optional[float] = None
     note: str = ""
     extra: Dict[str, float] = field(default_factory=dict)
+    baseline: str = ""   # what ran: package, version, configuration
+
+
+FAILED = ("error", "failed")  # notes of rows whose method broke (not skipped, not out of memory)
+
+
+def failed(rows: List[Row]) -> List[Row]:
+    """Rows whose method raised: a bench with any exits non-zero."""
+    return [r for r in rows if r.note.split(":")[0].strip().lower() in FAILED]
+
+
+def package_version(dist: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:
+        return "absent"
+
+
+def check_sizes(prog: str, **limits) -> None:
+    """Refuse bad sizes before any work, as one line: name=(value or list, smallest allowed)."""
+    for name, (value, least) in limits.items():
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise SystemExit(f"{prog}: --{name.replace('_', '-')} must be an integer >= {least}, got {v!r}")
+
+
+def cuda_device(spec: str) -> torch.device:
+    """--device: auto (cuda if available), cuda, cpu; one clear line when CUDA is asked for and absent."""
+    dev = torch.device("cuda" if spec == "auto" and torch.cuda.is_available() else ("cpu" if spec == "auto" else spec))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible")
+    return dev
+
+
+def triton_unavailable(device: torch.device) -> Optional[str]:
+    """Why nitrobrew's Triton kernels cannot run here (None: they can)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:
+        return "skipped: Triton not installed (pip install triton; the torch methods run without it)"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return "skipped: Triton kernels need CUDA (or TRITON_INTERPRET=1 on CPU)"
+    return None
 
 
 def environment() -> Dict[str, str]:
@@ -43,14 +89,36 @@ def environment() -> Dict[str, str]:
         info["triton"] = triton.__version__
     except Exception:
         info["triton"] = "absent"
-    info["commit"] = os.environ.get("NITROBREW_COMMIT", "")  # for copies of the tree without .git
-    if not info["commit"]:
-        try:
-            info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                            text=True, timeout=5).stdout.strip() or "unknown"
-        except Exception:
-            info["commit"] = "unknown"
+    info["nitrobrew"] = nitrobrew_version()
+    info["commit"] = os.environ.get("NITROBREW_COMMIT", "") or nitrobrew_commit()
     return info
+
+
+def _git(root: str, *args: str) -> str:
+    return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=5).stdout.strip()
+
+
+def nitrobrew_commit() -> str:
+    """The commit of nitrobrew's own source tree (not of the directory the user stands in):
+    git in the package's directory, only when that repository's nitrobrew/ is this package;
+    else the installed version. "+dirty": the package's files differ from the commit."""
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # .../nitrobrew
+    try:
+        top = _git(pkg, "rev-parse", "--show-toplevel")
+        if top and os.path.samefile(os.path.join(top, "nitrobrew"), pkg):
+            head = _git(top, "rev-parse", "--short", "HEAD")
+            if head:
+                dirty = _git(top, "status", "--porcelain", "--untracked-files=no", "--", "nitrobrew")
+                return head + ("+dirty" if dirty else "")
+    except Exception:
+        pass
+    return f"release {nitrobrew_version()} (no git tree)"
+
+
+def nitrobrew_version() -> str:
+    from .. import __version__
+
+    return __version__
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, warmup: int = 2, reps: int = 5) -> float:
@@ -123,11 +191,37 @@ def write_csv(path: str, rows: List[Row], env: Dict[str, str]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["mode", "method", *size_keys, "ms", "peak_mib", "rel_err", *extra_keys, "note",
-                    *sorted(env)])
+                    "baseline", *sorted(env)])
         for r in rows:
             w.writerow([r.mode, r.method, *(r.size.get(k, "") for k in size_keys), r.ms, r.peak_mib,
-                        r.rel_err, *(r.extra.get(k, "") for k in extra_keys), r.note,
+                        r.rel_err, *(r.extra.get(k, "") for k in extra_keys), r.note, r.baseline,
                         *(env[k] for k in sorted(env))])
+
+
+def write_markdown(path: str, title: str, rows: List[Row], columns: List[str], env: Dict[str, str],
+                   extras: Sequence[str] = ()) -> None:
+    """One markdown table of rows (size columns, method, ms, peak MiB, error, extras, baseline),
+    headed by the environment line (device, versions, commit)."""
+    def f(v, fmt):
+        return "-" if v is None or v == "" else (format(v, fmt) if isinstance(v, float) else str(v))
+
+    head = columns + ["method", "ms", "peak MiB", "rel err", *extras, "note", "baseline"]
+    lines = [f"## {title}", "", ", ".join(f"{k} {v}" for k, v in sorted(env.items())), "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r.size.get(c, "")) for c in columns] + [
+            r.method, f(r.ms, ".2f"), f(r.peak_mib, ".1f"), f(r.rel_err, ".1e"),
+            *(f(r.extra.get(e), ".2f" if e == "teacher_entropy" else ".3g") for e in extras), r.note.replace("|", "/"), r.baseline.replace("|", "/")]
+        lines.append("| " + " | ".join(cells) + " |")
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+def per_regime(rows: List[Row]) -> List[Row]:
+    """Rows for a plot: with several regimes, one curve per method and regime."""
+    if len({r.size.get("regime") for r in rows}) <= 1:
+        return rows
+    return [Row(r.mode, f"{r.method} [{r.size.get('regime')}]", r.size, r.ms, r.peak_mib) for r in rows]
 
 
 def plot(path: str, rows: List[Row], x_key: str, title: str) -> Optional[str]:

@@ -14,7 +14,7 @@ every method (docs/design.md §8): forward_kl fwd+bwd (gradients to xs and ws) o
   nitrobrew fast        nitrobrew.hidden_loss(backend="triton", mode="fast")
   nitrobrew const-mem   nitrobrew.hidden_loss(backend="triton", mode="constant_memory")
   ... + filter          the same two with grad_filter=True (not in the default set: its gain
-                        depends on the data; measure it with --time-regime peaked)
+                        depends on the data; measure it with --regimes lm flat spread peaked)
 
 Columns: ms = median fwd+bwd wall time (CUDA events; perf_counter on CPU) after warm-up;
 x floor = ms / the gemm floor's ms at the same N; peak MiB = peak allocated memory during one
@@ -28,12 +28,10 @@ call, the slower of the first on the accuracy rows and the first on all N rows (
 torch.compile / Triton autotuning). vs fkl = ms / the same method's forward_kl
 ms (the "other divergences within 1.15x" check, --divergences all).
 
---regimes adds an accuracy-only table on --ref-rows rows: "random" (independent randn
-teacher and student, logits with std 3, spanning ~30 units), "peaked" (teacher entropy about 2
-nats, like a trained LM: Zipf unigram prior plus calibrated Gaussian logits; student = teacher
-with logit noise of std 1), "close" (the peaked teacher; student = teacher + logit noise of
-std 0.05, where logits rounded to bf16 before the softmax give wrong gradients); the measured
-mean teacher entropy is printed.
+--regimes (default lm) names the input regimes (nitrobrew.bench.regimes: flat spread lm peaked
+close real demo, or all); every method runs on the same tensors of each, and each row carries the
+regime and the teacher's measured mean entropy. baseline = the package, version and
+configuration of what ran. The exit status is 1 when a method failed (not skipped, not OOM).
 """
 from __future__ import annotations
 
@@ -51,7 +49,23 @@ import torch
 
 from .. import divergences as dv
 from . import baselines as bl
-from .common import Row, environment, is_oom, peak_mib, plot, time_ms, write_csv
+from . import regimes as rg
+from .common import (
+    Row,
+    check_sizes,
+    environment,
+    failed,
+    is_oom,
+    nitrobrew_version,
+    package_version,
+    peak_mib,
+    per_regime,
+    plot,
+    time_ms,
+    triton_unavailable,
+    write_csv,
+    write_markdown,
+)
 
 METHODS: Dict[str, str] = {
     "floor": "gemm floor",
@@ -70,7 +84,7 @@ NITROBREW = ("torch", "fast", "const-mem", "fast-filter", "const-filter")
 OPT_IN = ("fast-filter", "const-filter")  # run only when named in --methods
 DIVERGENCES = tuple(dv.DIVERGENCE_IDS)
 PARAMS = {"jsd": 0.5, "skew_kl": 0.1, "skew_reverse_kl": 0.1}
-REGIMES = ("random", "peaked", "close")
+REGIMES = rg.REGIMES
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -79,11 +93,7 @@ GPU_DEFAULTS = dict(vocab=152064, seq_lens=[1024, 4096, 8192, 16384], d_models=[
 CPU_DEFAULTS = dict(vocab=8192, seq_lens=[128, 512], d_models=[128, 192], dtype="float32",
                     reps=3, warmup=1)
 
-RANDOM_LOGIT_STD = 3.0
-PEAKED_ENTROPY = 2.0       # nats, target mean teacher entropy of "peaked" and "close"
-ZIPF_SLOPE = 1.1
-PEAKED_NOISE = 1.0         # std of student - teacher logits, "peaked"
-CLOSE_NOISE = 0.05         # likewise, "close"
+PEAKED_ENTROPY = rg.PEAKED_ENTROPY
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -98,13 +108,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--divergences", nargs="+", default=["forward_kl"], metavar="DIV",
                    help="divergences for the nitrobrew methods ('all' = all six; baselines run "
                         "forward_kl only)")
-    p.add_argument("--regimes", nargs="*", default=[], metavar="REGIME",
-                   help="accuracy-only runs in these regimes (random peaked close, or 'all')")
-    p.add_argument("--time-regime", choices=REGIMES, default="random",
-                   help="the data the timings run on (default random)")
+    p.add_argument("--regimes", nargs="+", default=["lm"], metavar="REGIME",
+                   help="input regimes, each timed and checked on the same tensors for every method: "
+                        "%s, or all (default lm)" % " ".join(REGIMES))
     p.add_argument("--methods", nargs="+", default=None, choices=list(METHODS), metavar="METHOD",
                    help="subset of: " + ", ".join(METHODS))
     p.add_argument("--csv", default=None, metavar="PATH", help="write every row as CSV")
+    p.add_argument("--md", default=None, metavar="PATH", help="write the rows as a markdown table")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="PNG of time and memory vs N per method (needs matplotlib)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
@@ -130,87 +140,13 @@ def _fmt_defaults(d: dict) -> str:
 
 # ---------------------------------------------------------------- data
 
-
-@dataclass
-class Data:
-    xs: torch.Tensor       # [N, Ds], requires grad
-    xt: torch.Tensor       # [N, Dt]
-    ws: torch.Tensor       # [V, Ds], requires grad
-    wt: torch.Tensor       # [V, Dt]
-    labels: torch.Tensor   # [N] int64, random ids (Liger's API, CCE)
-    regime: str
-
-
-def _randn(shape, gen, device, dtype=torch.float32):
-    return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
-
-
-def _orthonormal_rows(r: int, d: int, gen, device) -> torch.Tensor:
-    """[r, d] with orthonormal rows (r <= d)."""
-    q, _ = torch.linalg.qr(_randn((d, r), gen, device))
-    return q.t().contiguous()
-
-
-def _mean_entropy(logits: torch.Tensor) -> torch.Tensor:
-    lp = torch.log_softmax(logits, dim=-1)
-    return -(lp.exp() * lp).sum(-1).mean()
-
-
-def make_data(regime: str, n: int, vocab: int, ds: int, dt: int, dtype: torch.dtype,
-              device: torch.device, seed: int, calib_rows: int = 256) -> Data:
-    """Inputs of one regime (see the module doc); random normal everywhere, never zeros."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    if regime == "random":
-        xs = _randn((n, ds), gen, device, dtype)
-        xt = _randn((n, dt), gen, device, dtype)
-        ws = _randn((vocab, ds), gen, device, dtype) * (RANDOM_LOGIT_STD / math.sqrt(ds))
-        wt = _randn((vocab, dt), gen, device, dtype) * (RANDOM_LOGIT_STD / math.sqrt(dt))
-    elif regime in ("peaked", "close"):
-        # Shared latent: t = h A^T, s = hs A^T exactly, whatever Ds and Dt, through heads
-        # A P (P with orthonormal rows) and hidden states h P.
-        r = min(ds, dt)
-        a = _randn((vocab, r), gen, device) / math.sqrt(r)     # rows of norm ~1
-        rank = torch.randperm(vocab, generator=gen, device=device).float() + 1.0
-        prior = -ZIPF_SLOPE * torch.log(rank)
-        prior -= prior.mean()
-        kappa = 4.0
-        a[:, 0] = prior / kappa                                 # h[:, 0] = kappa: Zipf unigram prior
-        h = _randn((n, r), gen, device)
-        h[:, 0] = kappa
-        scale = _calibrate(h[:calib_rows], a, PEAKED_ENTROPY)
-        h[:, 1:] *= scale
-        noise = PEAKED_NOISE if regime == "peaked" else CLOSE_NOISE
-        hs = h.clone()
-        hs[:, 1:] += noise * _randn((n, r - 1), gen, device) * math.sqrt(r / max(r - 1, 1))
-        pt, ps = _orthonormal_rows(r, dt, gen, device), _orthonormal_rows(r, ds, gen, device)
-        xt, wt = (h @ pt).to(dtype), (a @ pt).to(dtype)
-        xs, ws = (hs @ ps).to(dtype), (a @ ps).to(dtype)
-        del a, h, hs, pt, ps
-    else:
-        raise ValueError(f"unknown regime {regime!r}; choose from {REGIMES}")
-    labels = torch.randint(0, vocab, (n,), generator=gen, device=device)
-    return Data(xs.requires_grad_(), xt, ws.requires_grad_(), wt, labels, regime)
-
-
-def _calibrate(h: torch.Tensor, a: torch.Tensor, target: float) -> float:
-    """Scale of h's Gaussian columns giving mean teacher entropy `target` (bisection, log scale)."""
-    base = h[:, :1] @ a[:, :1].t()
-    gauss = h[:, 1:] @ a[:, 1:].t()
-    lo, hi = -4.0, 4.0
-    for _ in range(40):
-        mid = 0.5 * (lo + hi)
-        if float(_mean_entropy(base + math.exp(mid) * gauss)) > target:
-            lo = mid
-        else:
-            hi = mid
-    return math.exp(0.5 * (lo + hi))
+Data = rg.Data
+make_data = rg.make_hidden
 
 
 def teacher_entropy(d: Data, rows: int) -> float:
     """Mean entropy (nats) of the teacher's distribution over the first `rows` rows, float64."""
-    t = d.xt[:rows].double() @ d.wt.double().t()
-    return float(_mean_entropy(t))
+    return rg.teacher_entropy(d.xt, d.wt, rows)
 
 
 # ---------------------------------------------------------------- methods
@@ -265,12 +201,15 @@ def unavailable(key: str, device: torch.device, explicit: bool) -> Optional[str]
     if key == "cce":
         return bl.cce_unavailable(device)
     if key in ("fast", "const-mem", "fast-filter", "const-filter"):
-        if device.type != "cuda" and not (explicit and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
-            return "needs CUDA (TRITON_INTERPRET=1 with --methods fast/const-mem forces it)"
+        why = triton_unavailable(device)
+        if why:
+            return why
+        if device.type != "cuda" and not explicit:
+            return "skipped on CPU (interpreted Triton is slow; --methods fast/const-mem forces it)"
         try:
             importlib.import_module("nitrobrew.hidden.triton_function")
         except Exception as err:
-            return f"triton backend not available ({type(err).__name__}: {err})"[:160]
+            return f"skipped: triton backend not available ({type(err).__name__}: {err})"[:160]
     return None
 
 
@@ -370,6 +309,9 @@ def _resolve(args) -> Tuple[torch.device, dict]:
         raise SystemExit("--device cuda: no CUDA device visible")
     defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
+    check_sizes("nitrobrew bench", vocab=(cfg["vocab"], 2), seq_lens=(cfg["seq_lens"], 1),
+                d_models=(cfg["d_models"], 2), reps=(cfg["reps"], 1), warmup=(cfg["warmup"], 0),
+                ref_rows=(args.ref_rows, 0))
     return device, cfg
 
 
@@ -383,12 +325,36 @@ def _divergences(names: List[str]) -> List[str]:
 
 
 def _regimes(names: List[str]) -> List[str]:
-    if "all" in names:
-        return list(REGIMES)
-    for n in names:
-        if n not in REGIMES:
-            raise SystemExit(f"unknown regime {n!r}; choose from {', '.join(REGIMES)} or all")
-    return list(dict.fromkeys(names))
+    try:
+        return rg.parse(names)
+    except ValueError as err:
+        raise SystemExit(f"nitrobrew bench: {err}")
+
+
+def baseline(key: str, device: torch.device, filter_eps: Optional[float] = None) -> str:
+    """Package, version and configuration of a method, recorded with its rows."""
+    tv = torch.__version__
+    if key in NITROBREW:
+        how = {"torch": "hidden_loss(backend='torch')", "fast": "hidden_loss(mode='fast')",
+               "const-mem": "hidden_loss(mode='constant_memory')",
+               "fast-filter": f"hidden_loss(mode='fast', grad_filter={filter_eps or True})",
+               "const-filter": f"hidden_loss(mode='constant_memory', grad_filter={filter_eps or True})"}[key]
+        return f"nitrobrew {nitrobrew_version()} {how}"
+    if key == "floor":
+        return f"torch {tv} matmul (4 GEMMs)"
+    if key == "naive":
+        return f"torch {tv} eager: logits, fp32 log_softmax, F.kl_div"
+    if key == "compile":
+        return f"torch {tv} torch.compile(naive, dynamic=False), default mode"
+    lk = package_version("liger-kernel")
+    if key == "liger-chunked":
+        return (f"liger-kernel {lk} LigerFusedLinearJSDLoss(beta=0, weight_soft_loss=1, chunk_size=1024, "
+                f"compiled={device.type == 'cuda'})")
+    if key == "liger-fused":
+        return f"liger-kernel {lk} LigerFusedLinearJSD(jsd_beta=0)"
+    if key == "cce":
+        return f"cut-cross-entropy {package_version('cut-cross-entropy')} linear_cross_entropy, defaults"
+    return ""
 
 
 def run(args) -> int:
@@ -423,13 +389,11 @@ def _run(args) -> int:
     T = float(args.temperature)
 
     env = environment()
-    if env.get("commit", "unknown") == "unknown" and os.environ.get("NITROBREW_COMMIT"):
-        env["commit"] = os.environ["NITROBREW_COMMIT"]
     env["liger_kernel"], env["cut_cross_entropy"] = bl.liger_versions()
     env["dtype"] = str(dtype).replace("torch.", "")
     print("nitrobrew bench hidden: " + ", ".join(f"{k}={v}" for k, v in sorted(env.items())))
     print(f"V={vocab} Ds={ds} Dt={dt} N={seq_lens} divergences={divs} methods={keys} "
-          f"reps={reps} warmup={warmup} ref_rows={args.ref_rows} time_regime={args.time_regime}",
+          f"reps={reps} warmup={warmup} ref_rows={args.ref_rows} regimes={regimes}",
           flush=True)
 
     skip = {k: unavailable(k, device, explicit) for k in keys}
@@ -440,11 +404,10 @@ def _run(args) -> int:
         if args.csv:
             write_csv(args.csv, rows, env)
 
-    for n in seq_lens:
-        _free(device)
-        data = make_data(args.time_regime, n, vocab, ds, dt, dtype, device, args.seed)
+    def measure_size(rows, data, n, regime, flush_csv):
+        n = data.xs.shape[0]   # the demo regime brings its own sizes
         ref_rows = min(args.ref_rows, n)
-        size_base = {"N": n, "V": vocab, "Ds": ds, "Dt": dt}
+        size_base = {"regime": regime, "N": n, "V": data.ws.shape[0], "Ds": data.xs.shape[1], "Dt": data.xt.shape[1]}
         floor_ms = None
         fkl_ms: Dict[str, float] = {}
         for div in divs:
@@ -455,7 +418,9 @@ def _run(args) -> int:
                     continue
                 if key == "floor" and div != divs[0]:
                     continue
-                row = Row(mode="hidden", method=METHODS[key], size=dict(size))
+                row = Row(mode="hidden", method=METHODS[key], size=dict(size),
+                          extra={"teacher_entropy": data.entropy},
+                          baseline=baseline(key, device, args.grad_filter))
                 rows.append(row)
                 if skip[key]:
                     row.note = skip[key]
@@ -502,77 +467,48 @@ def _run(args) -> int:
                 _report(row)
                 flush_csv()
             refs.clear()
-        del data
-        _free(device)
 
-    acc_rows: List[Row] = []
     for regime in regimes:
-        acc_rows.extend(run_regime(regime, args, keys, skip, divs, vocab, ds, dt, dtype, device, T))
-        rows_all = rows + acc_rows
-        if args.csv:
-            write_csv(args.csv, rows_all, env)
+        for n in seq_lens:
+            _free(device)
+            try:
+                data = make_data(regime, n, vocab, ds, dt, dtype, device, args.seed)
+            except rg.RegimeUnavailable as err:
+                print(f"regime {regime}: skipped ({err})", flush=True)
+                rows.append(Row(mode="hidden", method="-", size={"N": n, "regime": regime},
+                                note=f"skipped: {err}"))
+                break
+            print(f"regime {regime}: mean teacher entropy {data.entropy:.2f} nats (V={vocab}, N={n})", flush=True)
+            measure_size(rows, data, n, regime, flush_csv)
+            del data
+            _free(device)
 
     print()
     print_hidden_table(rows, show_vs_fkl=len(divs) > 1)
     if len(divs) > 1:
         print_divergence_check(rows)
-    if acc_rows:
-        print()
-        print_accuracy_table(acc_rows)
     print("\nms: median fwd+bwd; x floor: ms / gemm floor ms; peak MiB: above inputs+grads; "
           f"err: relative error on the first {args.ref_rows} rows vs float64 autograd of the same "
           "inputs (loss |dL|/|L|, dX and dW Frobenius)")
     if args.csv:
-        write_csv(args.csv, rows + acc_rows, env)
+        write_csv(args.csv, rows, env)
         print(f"wrote {args.csv}")
+    if args.md:
+        write_markdown(args.md, f"nitrobrew bench hidden: V={vocab} Ds={ds} Dt={dt}", rows,
+                       ["regime", "N", "divergence"], env, extras=("teacher_entropy", "x_floor"))
+        print(f"wrote {args.md}")
     if args.plot:
         pts = [r for r in rows if r.size.get("divergence") in ("forward_kl", "-") and r.ms is not None]
+        pts = per_regime(pts)
         out = plot(args.plot, pts, "N",
                    f"hidden-state loss fwd+bwd, V={vocab} Ds={ds} Dt={dt} {env['dtype']}, "
                    f"{env['device']}, torch {env['torch']}, commit {env['commit']}")
         if out:
             print(f"wrote {out}")
-    return 0
-
-
-def run_regime(regime, args, keys, skip, divs, vocab, ds, dt, dtype, device, T) -> List[Row]:
-    """Accuracy only: every loss method on --ref-rows rows of one regime's data."""
-    n = max(1, args.ref_rows)
-    _free(device)
-    data = make_data(regime, n, vocab, ds, dt, dtype, device, args.seed + 1)
-    ent = teacher_entropy(data, n)
-    print(f"regime {regime}: mean teacher entropy {ent:.2f} nats over {n} rows (V={vocab})", flush=True)
-    out = []
-    for div in divs:
-        refs: Dict[bool, Reference] = {}
-        for key in keys:
-            if key == "floor" or not supports(key, div):
-                continue
-            row = Row(mode="hidden-accuracy", method=METHODS[key],
-                      size={"N": n, "V": vocab, "Ds": ds, "Dt": dt, "divergence": div, "regime": regime},
-                      extra={"teacher_entropy": ent})
-            out.append(row)
-            if skip[key]:
-                row.note = skip[key]
-                continue
-            try:
-                ce = key == "cce"
-                if ce not in refs:
-                    refs[ce] = reference(data, n, div, T, ce=ce)
-                acc = accuracy(_loss_fn(key, args.chunk_v, device, args.grad_filter), data, n, div, T, refs[ce])
-                row.extra.update(acc)
-                row.rel_err = max(acc["err_loss"], acc["err_dx"], acc["err_dw"])
-                if ce:
-                    row.note = "student CE only, not KD"
-            except Exception as err:
-                row.note = _describe(err)
-            finally:
-                data.xs.grad = None
-                data.ws.grad = None
-                _free(device)
-    del data
-    _free(device)
-    return out
+    bad = failed(rows)
+    for r in bad:
+        print(f"FAILED: {r.method} at N={r.size.get('N')} ({r.size.get('regime')}): {r.note}")
+    return 1 if bad else 0
 
 
 def _time_floor(row: Row, d: Data, device, dtype, warmup: int, reps: int) -> None:
@@ -627,7 +563,7 @@ def _f(v: Optional[float], fmt: str) -> str:
 
 def _report(row: Row) -> None:
     s = row.size
-    parts = [f"N={s.get('N')}", f"{s.get('divergence')}", f"{row.method}:"]
+    parts = [f"{s.get('regime')} N={s.get('N')}", f"{s.get('divergence')}", f"{row.method}:"]
     if row.ms is not None:
         parts.append(f"{row.ms:.2f} ms")
         if "x_floor" in row.extra:
@@ -651,7 +587,7 @@ def _table(header: List[str], body: List[List[str]]) -> str:
 
 
 def print_hidden_table(rows: List[Row], show_vs_fkl: bool = False) -> str:
-    header = ["N", "V", "Ds", "Dt", "divergence", "method", "ms", "x floor", "peak MiB",
+    header = ["regime", "H_t", "N", "V", "Ds", "Dt", "divergence", "method", "ms", "x floor", "peak MiB",
               "err loss", "err dX", "err dW", "first s"]
     if show_vs_fkl:
         header.append("vs fkl")
@@ -659,7 +595,8 @@ def print_hidden_table(rows: List[Row], show_vs_fkl: bool = False) -> str:
     body = []
     for r in rows:
         e = r.extra
-        line = [str(r.size.get(k, "")) for k in ("N", "V", "Ds", "Dt", "divergence")] + [
+        line = [str(r.size.get("regime", "")), _f(e.get("teacher_entropy"), ".2f")] + [
+            str(r.size.get(k, "")) for k in ("N", "V", "Ds", "Dt", "divergence")] + [
             r.method, _f(r.ms, ".2f"), _f(e.get("x_floor"), ".2f"), _f(r.peak_mib, ".1f"),
             _f(e.get("err_loss"), ".1e"), _f(e.get("err_dx"), ".1e"), _f(e.get("err_dw"), ".1e"),
             _f(e.get("first_s"), ".1f")]
@@ -675,20 +612,9 @@ def print_divergence_check(rows: List[Row], limit: float = 1.15) -> None:
     for r in rows:
         v = r.extra.get("vs_fkl")
         if v is not None and r.size.get("divergence") != "forward_kl":
-            tag = f"{r.size['divergence']} at N={r.size['N']}"
+            tag = f"{r.size['divergence']} at N={r.size['N']} ({r.size.get('regime')})"
             if r.method not in worst or v > worst[r.method][0]:
                 worst[r.method] = (v, tag)
     for method, (v, tag) in worst.items():
         verdict = "ok" if v <= limit else "OVER"
         print(f"other divergences vs forward_kl, {method}: worst {v:.2f}x ({tag}) -> {verdict} (limit {limit}x)")
-
-
-def print_accuracy_table(rows: List[Row]) -> str:
-    header = ["regime", "H_t nats", "N", "divergence", "method", "loss", "err loss", "err dX", "err dW", "note"]
-    body = []
-    for r in rows:
-        e = r.extra
-        body.append([r.size["regime"], _f(e.get("teacher_entropy"), ".2f"), str(r.size["N"]),
-                     r.size["divergence"], r.method, _f(e.get("loss"), ".4g"), _f(e.get("err_loss"), ".1e"),
-                     _f(e.get("err_dx"), ".1e"), _f(e.get("err_dw"), ".1e"), r.note])
-    return _table(header, body)

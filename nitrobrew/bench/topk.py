@@ -5,8 +5,10 @@ inputs for every method (docs/design.md §8), fwd+bwd with gradients to xs and w
 
   gemm floor        the three bare GEMMs one exact vocab-wide loss needs (logits, dX = G ws,
                     dW = G^T xs), materialized, cuBLAS; independent of K
-  cce               cut-cross-entropy linear_cross_entropy(xs, ws, random labels), its defaults;
-                    the same vocab-wide work as normalize="full"; independent of K
+  cce               cut-cross-entropy linear_cross_entropy(xs, ws, random labels), its defaults
+                    (its backward skips gradient blocks below filter_eps: its time depends on the
+                    data); the same vocab-wide work as normalize="full"; independent of K
+  cce-exact         the same with filter_eps=None (no skipped blocks: exact gradients)
   full              topk_kl(normalize="full"), the default fast mode: cuBLAS logit slabs of rows in
                     blocks (896 MiB of slab), Triton row passes, gradient formed in the forward
   full-256m         the same with memory_budget = 256 MiB (smaller row blocks)
@@ -22,8 +24,12 @@ inputs for every method (docs/design.md §8), fwd+bwd with gradients to xs and w
 
 peak MiB = peak allocated during one fwd+bwd above what was allocated before it; each step makes
 its gradients anew, so it includes dX and dW (above_grads_mib subtracts them).
-Teacher top-k: ids and log-probs of a teacher whose head is the student's plus noise (streaming
-top-k, no [N, V] tensor), so ids are realistic rather than uniform. x cce = ms / cce's ms at the
+Inputs: --regimes (default lm; nitrobrew.bench.regimes: flat spread lm peaked close real demo, or all)
+give the student's hidden states and head and the teacher's, whose top-k ids and log-probs are
+taken by streaming top-k (no [N, V] tensor); every method runs on the same tensors of each regime
+and each row carries the teacher's measured mean entropy and, for baselines, the package version
+and configuration (baseline column). Methods that need Triton (or CUDA) are rows with a note where
+they cannot run; the exit status is 1 when a method failed. x cce = ms / cce's ms at the
 same N; full_over_topk = full's ms / topk's ms; GB/s = the bytes the top-k kernels move (the K rows of ws
 twice, xs rows once per stored entry for dW, dW and dX written once) / time, against a measured
 device-to-device copy. err = largest relative error (loss, dX, dW) on the first --ref-rows rows
@@ -46,12 +52,33 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .._ops import mm_acc
-from .common import Row, environment, is_oom, peak_mib, plot, print_table, rel_err, time_ms, write_csv
+from . import baselines as bl
+from . import regimes as rg
+from .common import (
+    Row,
+    check_sizes,
+    cuda_device,
+    environment,
+    failed,
+    is_oom,
+    nitrobrew_version,
+    package_version,
+    peak_mib,
+    per_regime,
+    plot,
+    print_table,
+    rel_err,
+    time_ms,
+    triton_unavailable,
+    write_csv,
+    write_markdown,
+)
 
 GPU_DEFAULTS = dict(vocab=152064, seq_lens=[4096, 16384], d_model=3584, ks=[64, 256], dtype="bfloat16",
                     reps=5, warmup=2)
 CPU_DEFAULTS = dict(vocab=4096, seq_lens=[128, 512], d_model=128, ks=[8, 32], dtype="float32", reps=3, warmup=1)
-GPU_METHODS = ["floor", "cce", "full", "full-256m", "full-64m", "full-const", "full-native", "topk", "topk-graph"]
+GPU_METHODS = ["floor", "cce", "cce-exact", "full", "full-256m", "full-64m", "full-const", "full-native", "topk",
+               "topk-graph"]
 METHODS = (*GPU_METHODS, "torch-full", "torch-topk")
 # topk_kl keyword arguments of each nitrobrew method
 METHOD_KWARGS = {
@@ -85,41 +112,75 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extract-only", action="store_true", help="measure the extraction throughput alone")
     p.add_argument("--csv", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH", help="PNG of time and memory vs N (needs matplotlib)")
+    p.add_argument("--regimes", nargs="+", default=["lm"], metavar="REGIME",
+                   help="input regimes (%s, or all; default lm)" % " ".join(rg.REGIMES))
+    p.add_argument("--md", default=None, metavar="PATH", help="write the rows as a markdown table")
     p.add_argument("--seed", type=int, default=0)
 
 
 def _settings(args):
-    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if args.device == "auto" else args.device))
+    dev = cuda_device(args.device)
     d = GPU_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else d[name]  # noqa: E731
+    check_sizes("nitrobrew bench topk", vocab=(pick("vocab"), 2), seq_lens=(pick("seq_lens"), 1),
+                d_model=(pick("d_model"), 2), ks=(pick("ks"), 1), reps=(pick("reps"), 1),
+                warmup=(pick("warmup"), 0), ref_rows=(args.ref_rows, 0))
     methods = args.methods or (GPU_METHODS if dev.type == "cuda" else ["torch-full", "torch-topk"])
     return dev, pick("vocab"), pick("seq_lens"), pick("d_model"), pick("ks"), DTYPES[pick("dtype")], \
         pick("reps"), pick("warmup"), methods
 
 
-def make_inputs(N: int, V: int, D: int, K: int, dtype, dev, seed: int = 0):
-    """Student hidden/head (logit std ~3), a noisy-copy teacher's top-k (streaming, no [N, V])."""
+def make_inputs(N: int, V: int, D: int, K: int, dtype, dev, seed: int = 0, regime: str = "lm"):
+    """Student hidden/head of one regime and the teacher's top-k (streaming, no [N, V]);
+    returns (xs, ws, ids, lp, labels, teacher entropy)."""
     from ..topk.extract import streaming_topk
 
-    g = torch.Generator(device=dev).manual_seed(seed)
-    xs = torch.randn(N, D, generator=g, device=dev, dtype=torch.float32)
-    ws = torch.randn(V, D, generator=g, device=dev, dtype=torch.float32) * (3.0 / D**0.5)
-    wt = ws + torch.randn(V, D, generator=g, device=dev, dtype=torch.float32) * (1.0 / D**0.5)
-    ids, lp = streaming_topk(xs.to(dtype), wt.to(dtype), None, K)
-    del wt
-    labels = torch.randint(0, V, (N,), generator=g, device=dev)
-    return xs.to(dtype), ws.to(dtype), ids, lp, labels
+    d = rg.make_hidden(regime, N, V, D, D, dtype, dev, seed)
+    if K >= d.ws.shape[0]:
+        raise rg.RegimeUnavailable(f"K = {K} is not below the regime's vocabulary ({d.ws.shape[0]})")
+    ids, lp = streaming_topk(d.xt, d.wt, None, K)
+    return d.xs.detach(), d.ws.detach(), ids, lp, d.labels, d.entropy
+
+
+TRITON_METHODS = tuple(m for m in METHODS if m not in ("floor", "cce", "cce-exact", "torch-full", "torch-topk"))
+
+
+def unavailable(method: str, dev) -> Optional[str]:
+    """Why a method cannot run here (None: it can)."""
+    if method in ("cce", "cce-exact"):
+        why = bl.cce_unavailable(dev)
+        return None if why is None else f"skipped: {why}"
+    if method in TRITON_METHODS:
+        if method == "topk-graph" and dev.type != "cuda":
+            return "skipped: CUDA graphs need CUDA"
+        return triton_unavailable(dev)
+    return None
+
+
+def baseline(method: str) -> str:
+    if method == "floor":
+        return f"torch {torch.__version__} matmul (3 GEMMs)"
+    if method.startswith("cce"):
+        cfg = "filter_eps=None (exact)" if method == "cce-exact" else "defaults"
+        return f"cut-cross-entropy {package_version('cut-cross-entropy')} linear_cross_entropy, {cfg}"
+    kw = ", ".join(f"{k}={v!r}" for k, v in METHOD_KWARGS[method].items())
+    return f"nitrobrew {nitrobrew_version()} topk_kl({kw})"
 
 
 def _fwd_bwd(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], xs, ws, accum: str = "fp32"):
     """One fwd+bwd; the gradients are new tensors each call (counted in the peak: see grads_mib)."""
-    from ..topk import triton_cm as td
+    from contextlib import nullcontext
 
     def step():
         x = xs.detach().requires_grad_()
         w = ws.detach().requires_grad_()
-        with td.grad_accumulation(accum):  # read by the backward: it must cover loss.backward()
+        if accum == "fp32":  # the default: no Triton import (the torch methods run without it)
+            ctx = nullcontext()
+        else:
+            from ..topk import triton_cm as td
+
+            ctx = td.grad_accumulation(accum)
+        with ctx:  # read by the backward: it must cover loss.backward()
             loss = fn(x, w)
             loss.backward()
         return loss.detach(), x.grad, w.grad
@@ -141,9 +202,11 @@ def _floor(xs, ws):
 def _method_fn(method: str, ids, lp, labels):
     from ..topk import topk_kl
 
-    if method == "cce":
+    if method in ("cce", "cce-exact"):
         from cut_cross_entropy import linear_cross_entropy
 
+        if method == "cce-exact":
+            return lambda x, w: linear_cross_entropy(x, w, labels, filter_eps=None)
         return lambda x, w: linear_cross_entropy(x, w, labels)
     kwargs = METHOD_KWARGS[method]
     return lambda x, w: topk_kl(x, w, ids, lp, **kwargs)
@@ -192,7 +255,7 @@ def _accuracy(method, xs, ws, ids, lp, labels, rows: int) -> Optional[float]:
     loss, dx, dw = _step(method, x, ws, i, p, lab)()
     x64 = x.detach().double().requires_grad_()
     w64 = ws.detach().double().requires_grad_()
-    if method == "cce":
+    if method.startswith("cce"):
         ref = torch.nn.functional.cross_entropy(x64 @ w64.t(), lab)
     else:
         ref = reference_topk_loss(x64, w64, i, p, normalize="topk" if "topk" in method else "full")
@@ -221,61 +284,86 @@ def topk_bytes(N, V, D, K, esize) -> int:
     return 2 * N * K * D * esize + V * D * esize + 2 * N * D * esize + N * K * 16
 
 
+def _measure(row: Row, method, xs, ws, ids, lp, labels, dev, warmup, reps, ref_rows) -> None:
+    step = None
+    try:
+        step = _step(method, xs, ws, ids, lp, labels)
+        row.ms = time_ms(step, dev, warmup=warmup, reps=reps)
+        row.peak_mib = None if method == "topk-graph" else peak_mib(step, dev)
+        # the step allocates dX and dW anew: report the peak above them too
+        if row.peak_mib is not None and method != "floor":
+            grads = (xs.numel() + ws.numel()) * xs.element_size() / 2**20
+            row.extra["above_grads_mib"] = row.peak_mib - grads
+        row.rel_err = _accuracy(method, xs, ws, ids, lp, labels, ref_rows)
+    except Exception as err:  # one failing method must not stop the others
+        row.ms = None
+        row.note = ("OOM" if is_oom(err) else f"error: {type(err).__name__}: {err}")[:160]
+        if not is_oom(err):
+            traceback.print_exc()
+    step = None  # a captured graph holds its memory pool until it goes
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _ratios(row: Row, label, method, base, N, V, D, K, esize, bw) -> None:
+    base[label] = row.ms
+    for ref in ("cce", "cce-exact"):
+        if ref in base and method not in ("floor", "cce", "cce-exact"):
+            row.extra["x_" + ref.replace("-", "_")] = row.ms / base[ref]
+    if "floor" in base and method != "floor":
+        row.extra["x_floor"] = row.ms / base["floor"]
+    if "topk" in method:
+        full = base.get(label.replace("topk-graph", "full").replace("topk", "full"))
+        if full:
+            row.extra["full_over_topk"] = full / row.ms
+        gbps = topk_bytes(N, V, D, K, esize) / (row.ms * 1e-3) / 1e9
+        row.extra["GBps"] = gbps
+        if bw:
+            row.extra["bw_frac"] = gbps / bw
+
+
 def run_loss(args, env: Dict[str, str]) -> List[Row]:
     dev, V, seq_lens, D, ks, dtype, reps, warmup, methods = _settings(args)
     rows: List[Row] = []
     bw = copy_bandwidth(dev)
     if bw:
         print(f"device-to-device copy: {bw:.0f} GB/s")
-    for N in seq_lens:
-        base: Dict[str, float] = {}
-        for K in ks:
-            xs, ws, ids, lp, labels = make_inputs(N, V, D, K, dtype, dev, args.seed)
-            for method in methods:
-                if method in ("floor", "cce") and K != ks[0]:
-                    continue  # independent of K: measured once per N
-                label = method if method in ("floor", "cce") else f"{method} K={K}"
-                size = {"N": N, "K": K if method not in ("floor", "cce") else 0, "V": V, "D": D}
-                row = Row("topk", label, size)
+    once = ("floor", "cce", "cce-exact")  # independent of K: measured once per N
+    for regime in rg.parse(args.regimes):
+        for N in seq_lens:
+            base: Dict[str, float] = {}
+            for K in ks:
                 try:
-                    step = _step(method, xs, ws, ids, lp, labels)
-                    row.ms = time_ms(step, dev, warmup=warmup, reps=reps)
-                    row.peak_mib = None if method == "topk-graph" else peak_mib(step, dev)
-                    # the step allocates dX and dW anew: report the peak above them too
-                    if row.peak_mib is not None and method != "floor":
-                        grads = (xs.numel() + ws.numel()) * xs.element_size() / 2**20
-                        row.extra["above_grads_mib"] = row.peak_mib - grads
-                    if N == seq_lens[0]:  # the accuracy check does not depend on N
-                        row.rel_err = _accuracy(method, xs, ws, ids, lp, labels, args.ref_rows)
-                except Exception as err:  # one failing method must not stop the others
-                    row.note = ("OOM" if is_oom(err) else f"error: {type(err).__name__}: {err}")[:160]
-                    if not is_oom(err):
-                        traceback.print_exc()
-                step = None  # a captured graph holds its memory pool until it goes
-                gc.collect()
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
-                if row.ms is not None:
-                    base[label] = row.ms
-                    if "cce" in base and method not in ("floor", "cce"):
-                        row.extra["x_cce"] = row.ms / base["cce"]
-                    if "floor" in base and method != "floor":
-                        row.extra["x_floor"] = row.ms / base["floor"]
-                    if "topk" in method:
-                        full = base.get(label.replace("topk-graph", "full").replace("topk", "full"))
-                        if full:
-                            row.extra["full_over_topk"] = full / row.ms
-                        gbps = topk_bytes(N, V, D, K, xs.element_size()) / (row.ms * 1e-3) / 1e9
-                        row.extra["GBps"] = gbps
-                        if bw:
-                            row.extra["bw_frac"] = gbps / bw
-                rows.append(row)
-                print(f"  {label} N={N}: {row.ms} ms, {row.peak_mib} MiB, err {row.rel_err} {row.note}", flush=True)
-                if args.csv:  # written as it goes: a run cut short keeps what it measured
-                    write_csv(args.csv, rows, env)
-            del xs, ws, ids, lp, labels
+                    xs, ws, ids, lp, labels, ent = make_inputs(N, V, D, K, dtype, dev, args.seed, regime)
+                except rg.RegimeUnavailable as err:
+                    rows.append(Row("topk", "-", {"regime": regime, "N": N}, note=f"skipped: {err}"))
+                    print(f"regime {regime}: skipped ({err})", flush=True)
+                    break
+                print(f"regime {regime}: mean teacher entropy {ent:.2f} nats (N={N}, K={K})", flush=True)
+                n, v, d = xs.shape[0], ws.shape[0], xs.shape[1]   # the demo regime brings its own sizes
+                for method in methods:
+                    if method in once and K != ks[0]:
+                        continue
+                    label = method if method in once else f"{method} K={K}"
+                    size = {"regime": regime, "N": n, "K": K if method not in once else 0, "V": v, "D": d}
+                    row = Row("topk", label, size, extra={"teacher_entropy": ent}, baseline=baseline(method))
+                    why = unavailable(method, dev)
+                    if why:
+                        row.note = why
+                    else:
+                        _measure(row, method, xs, ws, ids, lp, labels, dev, warmup, reps,
+                                 args.ref_rows if N == seq_lens[0] else 0)  # accuracy: not N-dependent
+                    if row.ms is not None:
+                        _ratios(row, label, method, base, n, v, d, K, xs.element_size(), bw)
+                    rows.append(row)
+                    print(f"  {label} {regime} N={N}: {row.ms} ms, {row.peak_mib} MiB, err {row.rel_err} {row.note}",
+                          flush=True)
+                    if args.csv:  # written as it goes: a run cut short keeps what it measured
+                        write_csv(args.csv, rows, env)
+                del xs, ws, ids, lp, labels
     for r in rows:
-        r.note = " ".join([r.note] + [f"{k}={v:.3g}" for k, v in r.extra.items()]).strip()
+        r.note = " ".join([r.note] + [f"{k}={v:.3g}" for k, v in r.extra.items() if k != "teacher_entropy"]).strip()
     if bw:
         for r in rows:
             r.extra["copy_GBps"] = bw
@@ -360,13 +448,18 @@ def run_extract(args) -> List[Row]:
 
 def run(args) -> int:
     t0 = time.time()
+    try:
+        args.regimes = rg.parse(args.regimes)
+    except ValueError as err:
+        raise SystemExit(f"nitrobrew bench: {err}")
+    _settings(args)  # bad sizes: one line before any work
     env = environment()
     print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     if args.csv:
         os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
     rows = [] if args.extract_only else run_loss(args, env)
     if rows:
-        print_table(rows, ["N", "K", "V", "D"])
+        print_table(rows, ["regime", "N", "K", "V", "D"])
     if args.extract or args.extract_only:
         ext = run_extract(args)
         print_table(ext, ["N", "K", "V", "D"])
@@ -374,8 +467,16 @@ def run(args) -> int:
     if args.csv:
         write_csv(args.csv, rows, env)
         print(f"wrote {args.csv}")
-    if args.plot and any(r.mode == "topk" for r in rows):
-        plot(args.plot, [r for r in rows if r.mode == "topk"], "N",
-             f"topk_kl fwd+bwd, V={rows[0].size['V']}, D={rows[0].size['D']} ({env['device']})")
+    if args.md:
+        write_markdown(args.md, "nitrobrew bench topk", rows, ["regime", "N", "K", "V", "D"], env,
+                       extras=("teacher_entropy",))
+        print(f"wrote {args.md}")
+    timed = [r for r in rows if r.mode == "topk" and r.ms is not None]
+    if args.plot and timed:
+        plot(args.plot, per_regime(timed), "N",
+             f"topk_kl fwd+bwd, V={timed[0].size['V']}, D={timed[0].size['D']} ({env['device']})")
     print(f"bench topk: {time.time() - t0:.1f} s")
-    return 0
+    bad = failed(rows)
+    for r in bad:
+        print(f"FAILED: {r.method} at N={r.size.get('N')} ({r.size.get('regime')}): {r.note}")
+    return 1 if bad else 0
