@@ -9,6 +9,7 @@ from torch import nn
 
 from ..hidden.api import hidden_loss
 from .model import (IGNORE_INDEX, final_hidden_states, labels_from_inputs, lm_head, shift_labels)
+from .packing import document_targets, model_inputs
 
 HIDDEN_DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
 DIVERGENCES = HIDDEN_DIVERGENCES + ("topk",)
@@ -71,6 +72,8 @@ def distill_loss(
     chunk_V: Optional[int] = None,
     backend: str = "auto",
     through_forward: bool = False,
+    position_ids: Optional[torch.Tensor] = None,
+    **varlen,
 ) -> LMDistillOutput:
     """Distillation loss of a student causal LM against a teacher (or stored top-k) on one batch.
 
@@ -104,6 +107,11 @@ def distill_loss(
             was extracted at (a mismatch with ``temperature`` raises).
         chunk_V, backend: passed to the loss.
         through_forward: run the student through its own forward (see ``final_hidden_states``).
+        position_ids: [B, N] (or [N]) positions; in a packed batch they restart at each document
+            (``DataCollatorWithFlattening``): each model then attends within documents only (see
+            ``nitrobrew.hf.packing``) and the last position of a document predicts nothing.
+        **varlen: the flash-attention varlen kwargs of a packed batch (``cu_seq_lens_q``,
+            ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``), passed to both models.
 
     Returns:
         ``LMDistillOutput(loss, kd, ce, n_tokens)``.
@@ -123,11 +131,15 @@ def distill_loss(
         raise ValueError(f"targets {tuple(targets.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
     else:
         target = targets
+    target = document_targets(target, position_ids)
     keep = (target != IGNORE_INDEX).reshape(-1)
     rows_labels = target.reshape(-1)[keep]
     n_tokens = keep.sum()
 
-    hs = final_hidden_states(student, input_ids, attention_mask, through_forward=through_forward)
+    # Built before any forward: an input that cannot be honoured raises first.
+    s_inputs = model_inputs(student, input_ids, attention_mask, position_ids, **varlen)
+    t_inputs = None if teacher is None else model_inputs(teacher, input_ids, attention_mask, position_ids, **varlen)
+    hs = final_hidden_states(student, input_ids, through_forward=through_forward, **s_inputs)
     xs, ws, bs = _head_operands(student, hs, _rows(hs, keep))
     options = dict(labels=rows_labels, temperature=temperature, scale_t2=scale_t2, kd_weight=kd_weight,
                    ce_weight=ce_weight, beta=beta, alpha=alpha, reduction="sum", bs=bs, chunk_V=chunk_V,
@@ -149,7 +161,7 @@ def distill_loss(
             wt, bt = ws.new_zeros(ws.shape[0], 1).detach(), None
         else:
             with torch.no_grad():
-                ht = final_hidden_states(teacher, input_ids, attention_mask).to(xs.device)
+                ht = final_hidden_states(teacher, input_ids, **t_inputs).to(xs.device)
                 xt, wt, bt = _head_operands(teacher, ht, _rows(ht, keep))
         with _no_autocast(xs.device):
             parts = hidden_loss(xs, xt, ws, wt, divergence=divergence, vocab_size=vocab_size, bt=bt, **options)

@@ -180,14 +180,19 @@ def count_targets(labels: torch.Tensor, attention_mask: Optional[torch.Tensor] =
 
 @torch.no_grad()
 def check_head(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-               *, through_forward: bool = False, rtol: float = 1e-3) -> float:
+               *, through_forward: bool = False, rtol: float = 1e-3, position_ids: Optional[torch.Tensor] = None,
+               **varlen) -> float:
     """Verify that ``final_hidden_states`` and ``lm_head`` reproduce ``model(...).logits``.
 
     Computes the full logits once; raises ValueError when they differ (an architecture with a
-    post-head transform nitrobrew does not know). Returns the max abs difference.
+    post-head transform nitrobrew does not know). Returns the max abs difference. position_ids
+    and varlen kwargs: a packed batch (see ``nitrobrew.hf.packing``).
     """
-    ref = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
-    h = final_hidden_states(model, input_ids, attention_mask, through_forward=through_forward).float()
+    from .packing import model_inputs
+
+    inputs = model_inputs(model, input_ids, attention_mask, position_ids, **varlen)
+    ref = model(input_ids=input_ids, use_cache=False, **inputs).logits.float()
+    h = final_hidden_states(model, input_ids, through_forward=through_forward, **inputs).float()
     head = lm_head(model)
     ours = h @ head.weight.float().T
     if head.bias is not None:
