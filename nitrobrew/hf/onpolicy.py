@@ -26,7 +26,7 @@ GenerateFn = Callable[..., torch.Tensor]
 
 
 class GeneratedBatch(NamedTuple):
-    """input_ids, attention_mask, labels [B, P + G]; n_generated [B]: counted completion tokens
+    """input_ids, attention_mask, labels [B, <= P + G], right-padded; n_generated [B]: counted completion tokens
     per row (EOS included); seconds: the generation's wall time."""
 
     input_ids: torch.Tensor
@@ -145,10 +145,16 @@ def on_policy_batch(
         raise ValueError(f"the generator returned completions of shape {tuple(completion.shape)}; expected "
                          f"[{ids.shape[0]}, <= {max_new_tokens}]")
     cmask = completion_mask(completion, eos_token_id)
-    completion = completion.masked_fill(cmask == 0, pad)
     labels = torch.cat([torch.full_like(ids, IGNORE_INDEX), completion.masked_fill(cmask == 0, IGNORE_INDEX)], 1)
-    return GeneratedBatch(torch.cat([ids, completion], 1), torch.cat([mask, cmask], 1), labels,
-                          cmask.sum(1), seconds)
+    # Right-aligned again: every row starts at column 0, so the training forward numbers the
+    # positions as generation did (from the prompt's first token) without position_ids.
+    keep = torch.cat([mask, cmask], 1) != 0
+    order = torch.sort((~keep).long(), dim=1, stable=True).indices
+    keep = keep.gather(1, order)
+    width = int(keep.sum(1).max())
+    out_ids = torch.cat([ids, completion], 1).gather(1, order).masked_fill(~keep, pad)[:, :width]
+    labels = labels.gather(1, order).masked_fill(~keep, IGNORE_INDEX)[:, :width]
+    return GeneratedBatch(out_ids, keep[:, :width].long(), labels, cmask.sum(1), seconds)
 
 
 def prompts_of(batch: dict, pad: int = 0):
