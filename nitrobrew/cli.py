@@ -17,6 +17,7 @@ COMMANDS = {
     "bench-topk": ("nitrobrew.bench.topk", "benchmark topk_kl against baselines"),
     "demo": ("nitrobrew.demo.cli", "distill a small model end to end and report"),
     "topk-extract": ("nitrobrew.topk.extract", "store a teacher's top-k log-probs over a corpus"),
+    "train": ("nitrobrew.hf.train_cli", "distill with DistillationTrainer from a YAML config"),
 }
 # `nitrobrew bench attention` is spelled as a mode of bench, too.
 BENCH_MODES = {"hidden": "bench", "attention": "bench-attention", "topk": "bench-topk"}

@@ -188,7 +188,7 @@ class DistillationTrainer(Trainer):
             warnings.warn("divergence='topk' with topk_tail=False and ce_weight=0: the student learns to put no "
                           "mass outside the stored ids (set topk_tail=True or a CE weight)", stacklevel=2)
         self._heads_checked = not args.check_heads
-        self._sums = {}
+        self._sums, self._schedule = {}, {}
         self._logged_step = 0
         if not _PASSES_NUM_ITEMS:
             warnings.warn("this transformers version does not pass num_items_in_batch to compute_loss: the loss "
@@ -281,6 +281,8 @@ class DistillationTrainer(Trainer):
         if not self._heads_checked:
             self._check_heads(model, inputs, packing)
         temperature, kd_weight, ce_weight = (self.current(n) for n in ("temperature", "kd_weight", "ce_weight"))
+        if model.training:
+            self._schedule = {"temperature": temperature, "kd_weight": kd_weight, "ce_weight": ce_weight}
         out = distill_loss(
             model, self.teacher, inputs["input_ids"], inputs.get("attention_mask"), **self._labels(inputs),
             divergence=a.divergence, temperature=temperature, scale_t2=a.scale_t2, kd_weight=kd_weight,
@@ -329,7 +331,6 @@ class DistillationTrainer(Trainer):
                 logs["gen_seconds"] = round(float(sums["gen_seconds"]) / steps, 4)
             self._sums = {}
             self._logged_step = self.state.global_step
-        if "loss" in logs:
-            for name in ("temperature", "kd_weight", "ce_weight"):
-                logs[name] = round(self.current(name), 6)
+        if "loss" in logs and self._schedule:  # the values the last optimizer step used
+            logs.update({k: round(v, 6) for k, v in self._schedule.items()})
         return super().log(logs, *args, **kwargs)
