@@ -254,3 +254,16 @@ def test_a_weight_schedule_moves_the_gradient(tmp_path):
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["ce_weight"] for h in logged] == [0.0, 0.5] and [h["temperature"] for h in logged] == [1.0, 1.0]
     assert logged[0]["ce_loss"] == 0 and logged[1]["ce_loss"] > 0
+
+
+def test_partitioned_heads_are_refused():
+    """ZeRO-3 and FSDP version 1 partition the head into flat shards: refused, naming FSDP2."""
+    from types import SimpleNamespace
+
+    from nitrobrew.hf.trainer import check_sharding
+
+    with pytest.raises(ValueError, match="ZeRO-3.*ZeRO-2.*FSDP2"):
+        check_sharding(deepspeed_plugin=SimpleNamespace(zero_stage=3))
+    with pytest.raises(ValueError, match="FSDP \\(version 1\\).*fsdp_version 2"):
+        check_sharding(fsdp_plugin=SimpleNamespace(fsdp_version=1))
+    check_sharding(SimpleNamespace(zero_stage=2), SimpleNamespace(fsdp_version=2))

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..hidden.api import hidden_loss
-from .model import (IGNORE_INDEX, final_hidden_states, labels_from_inputs, lm_head, shift_labels)
+from .model import (IGNORE_INDEX, final_hidden_states, is_fsdp2, labels_from_inputs, lm_head, shift_labels)
 from .packing import document_targets, model_inputs
 
 HIDDEN_DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
@@ -106,7 +106,8 @@ def distill_loss(
             ``topk_kl``'s normalize and tail; teacher_temperature: the temperature the store
             was extracted at (a mismatch with ``temperature`` raises).
         chunk_V, backend: passed to the loss.
-        through_forward: run the student through its own forward (see ``final_hidden_states``).
+        through_forward: run the student through its own forward (see ``final_hidden_states``);
+            always for a model under FSDP2 (``fully_shard``), student or teacher.
         position_ids: [B, N] (or [N]) positions; in a packed batch they restart at each document
             (``DataCollatorWithFlattening``): each model then attends within documents only (see
             ``nitrobrew.hf.packing``) and the last position of a document predicts nothing.
@@ -139,7 +140,8 @@ def distill_loss(
     # Built before any forward: an input that cannot be honoured raises first.
     s_inputs = model_inputs(student, input_ids, attention_mask, position_ids, **varlen)
     t_inputs = None if teacher is None else model_inputs(teacher, input_ids, attention_mask, position_ids, **varlen)
-    hs = final_hidden_states(student, input_ids, through_forward=through_forward, **s_inputs)
+    # FSDP2: the root forward gathers the parameters (the head included) and keeps them until the backward.
+    hs = final_hidden_states(student, input_ids, through_forward=through_forward or is_fsdp2(student), **s_inputs)
     xs, ws, bs = _head_operands(student, hs, _rows(hs, keep))
     options = dict(labels=rows_labels, temperature=temperature, scale_t2=scale_t2, kd_weight=kd_weight,
                    ce_weight=ce_weight, beta=beta, alpha=alpha, reduction="sum", bs=bs, chunk_V=chunk_V,
@@ -161,7 +163,8 @@ def distill_loss(
             wt, bt = ws.new_zeros(ws.shape[0], 1).detach(), None
         else:
             with torch.no_grad():
-                ht = final_hidden_states(teacher, input_ids, **t_inputs).to(xs.device)
+                ht = final_hidden_states(teacher, input_ids, through_forward=is_fsdp2(teacher),
+                                         **t_inputs).to(xs.device)
                 xt, wt, bt = _head_operands(teacher, ht, _rows(ht, keep))
         with _no_autocast(xs.device):
             parts = hidden_loss(xs, xt, ws, wt, divergence=divergence, vocab_size=vocab_size, bt=bt, **options)

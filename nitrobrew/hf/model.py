@@ -31,9 +31,18 @@ _WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParalle
              "OptimizedModule")
 
 
+def is_fsdp2(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) manages the model: its root forward gathers the parameters."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(model, FSDPModule)
+
+
 def is_wrapped(model: nn.Module) -> bool:
-    """Whether the model sits in a training wrapper whose forward must run (DDP, torch.compile)."""
-    return type(model).__name__ in _WRAPPERS
+    """Whether the model's own forward must run (DDP, torch.compile, FSDP2: their hooks run there)."""
+    return type(model).__name__ in _WRAPPERS or is_fsdp2(model)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -113,7 +122,15 @@ def lm_head(model: nn.Module) -> LMHead:
     if linear.weight.numel() == 0:
         raise ValueError(
             "the LM head's weight is empty here (parameters partitioned, e.g. DeepSpeed ZeRO-3 or "
-            "FSDP): nitrobrew.hf needs the full head on each rank"
+            "FSDP version 1): use FSDP2 (fully_shard) or ZeRO-2"
+        )
+    if type(linear.weight).__name__ == "DTensor" and is_fsdp2(m) and any(
+            p.is_shard() for p in linear.weight.placements):
+        # Each data-parallel rank holds other rows: a vocab-parallel loss over FSDP's mesh would mix them.
+        raise ValueError(
+            "the LM head is still sharded by FSDP2 when the loss reads it (lm_head under its own "
+            "fully_shard, resharded after its forward): shard it with the root module (the root "
+            "keeps its parameters gathered until the backward)"
         )
     return LMHead(linear.weight, linear.bias, _logit_scale(model))
 
@@ -192,7 +209,7 @@ def check_head(model: nn.Module, input_ids: torch.Tensor, attention_mask: Option
 
     inputs = model_inputs(model, input_ids, attention_mask, position_ids, **varlen)
     ref = model(input_ids=input_ids, use_cache=False, **inputs).logits.float()
-    h = final_hidden_states(model, input_ids, through_forward=through_forward, **inputs).float()
+    h = final_hidden_states(model, input_ids, through_forward=through_forward or is_fsdp2(model), **inputs).float()
     head = lm_head(model)
     ours = h @ head.weight.float().T
     if head.bias is not None:

@@ -21,7 +21,7 @@ from transformers import Trainer, TrainingArguments
 
 from .. import _checks as ck
 from .loss import DIVERGENCES, distill_loss
-from .model import IGNORE_INDEX, check_head, is_wrapped, labels_from_inputs, shift_labels, unwrap
+from .model import IGNORE_INDEX, check_head, is_fsdp2, is_wrapped, labels_from_inputs, shift_labels, unwrap
 from .onpolicy import on_policy_batch, prompts_of
 from .packing import VARLEN_KEYS, document_targets, is_packed
 from .schedules import SCHEDULES, scheduled
@@ -135,6 +135,16 @@ def _load_teacher(teacher: Union[str, nn.Module], bf16: bool) -> nn.Module:
     return teacher.to(torch.bfloat16) if bf16 else teacher
 
 
+def check_sharding(deepspeed_plugin=None, fsdp_plugin=None) -> None:
+    """Refuse the setups that partition the LM head into flat shards nitrobrew.hf cannot read."""
+    if deepspeed_plugin is not None and getattr(deepspeed_plugin, "zero_stage", 0) == 3:
+        raise ValueError("DeepSpeed ZeRO-3 partitions the LM head, which nitrobrew.hf reads directly: use "
+                         "ZeRO-2 (or 1), or FSDP2 (accelerate's FSDP plugin with fsdp_version 2)")
+    if fsdp_plugin is not None and getattr(fsdp_plugin, "fsdp_version", 1) != 2:
+        raise ValueError("FSDP (version 1) flattens the LM head into shards nitrobrew.hf cannot read: use "
+                         "FSDP2 (fsdp_version 2 in the accelerate config / fsdp_config)")
+
+
 class DistillationTrainer(Trainer):
     """Trainer whose loss distills ``teacher_model`` into ``model``.
 
@@ -172,7 +182,8 @@ class DistillationTrainer(Trainer):
             teacher = _load_teacher(teacher_model, args.teacher_bf16)
             teacher.requires_grad_(False)
             teacher.eval()
-            if getattr(teacher, "hf_device_map", None) is None:  # placed by the user otherwise
+            # Placed by the user otherwise (a device map, or a teacher sharded with fully_shard).
+            if getattr(teacher, "hf_device_map", None) is None and not is_fsdp2(teacher):
                 teacher.to(self.args.device)
             self.teacher = teacher
         self.generate_fn = generate_fn
@@ -196,16 +207,10 @@ class DistillationTrainer(Trainer):
                           "counts); upgrade transformers", stacklevel=2)
 
     def _check_sharding(self) -> None:
-        if getattr(self, "is_deepspeed_enabled", False):
-            plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-            if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
-                raise ValueError("DeepSpeed ZeRO-3 partitions the LM head, which nitrobrew.hf reads directly: use "
-                                 "ZeRO-2 (or 1), or FSDP2 (accelerate's FSDP plugin with fsdp_version 2)")
-        if getattr(self, "is_fsdp_enabled", False):
-            plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-            if getattr(plugin, "fsdp_version", 1) != 2:
-                raise ValueError("FSDP (version 1) flattens the LM head into shards nitrobrew.hf cannot read: use "
-                                 "FSDP2 (fsdp_version 2 in the accelerate config / fsdp_config)")
+        state = self.accelerator.state
+        check_sharding(getattr(state, "deepspeed_plugin", None) if getattr(self, "is_deepspeed_enabled", False)
+                       else None,
+                       getattr(state, "fsdp_plugin", None) if getattr(self, "is_fsdp_enabled", False) else None)
 
     # -- on-policy / sequence-level batches -------------------------------------------------------
     def _generate(self, batch, index: int):
