@@ -2,7 +2,8 @@
 
 accelerate has no FSDP on CPU, so the CPU tests drive fully_shard directly; this runs the real
 plugin path (Trainer -> accelerate -> fully_shard) on GPUs, teacher replicated and teacher
-sharded, and compares the parameter change of one SGD step (lr 1: minus the gradient) with
+sharded, and with the decoder wrapped apart from the head (the head stays sharded: the
+vocab-parallel layout), and compares the parameter change of one SGD step (lr 1: minus the gradient) with
 the gradient of one process on the whole batch.
 
     torchrun --nproc_per_node 2 benchmarks/hf_fsdp2_trainer.py OUT.md
@@ -53,6 +54,7 @@ def collate(items):
 
 
 def one(variant, out_dir):
+    wrap = ["LlamaDecoderLayer", "LlamaModel"] if variant.startswith("head sharded") else ["LlamaDecoderLayer"]
     student, teacher = models()
     ref = copy.deepcopy(student)
     if variant == "teacher sharded":
@@ -68,7 +70,7 @@ def one(variant, out_dir):
         output_dir=out_dir, per_device_train_batch_size=2, max_steps=1, learning_rate=1.0,
         lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, max_grad_norm=0.0, save_strategy="no",
         report_to="none", disable_tqdm=True, divergence="jsd", ce_weight=0.2, fsdp="full_shard",
-        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}, seed=0)
+        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": wrap}, seed=0)
     before = {n: p.detach().clone().cuda() for n, p in student.named_parameters()}
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=data(),
                                   data_collator=collate)
@@ -84,6 +86,8 @@ def one(variant, out_dir):
     for n, q in ref.named_parameters():
         g = before[n] - after[n]
         worst = max(worst, float((g - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)))
+    if variant.startswith("head sharded"):
+        assert type(trainer.model.lm_head.weight).__name__ == "DTensor"
     return worst, type(trainer.model).__name__
 
 
@@ -91,7 +95,7 @@ def main():
     out = sys.argv[1] if len(sys.argv) > 1 else "hf_fsdp2_trainer.md"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for variant in ("teacher replicated", "teacher sharded"):
+        for variant in ("teacher replicated", "teacher sharded", "head sharded (vocab-parallel)"):
             worst, cls = one(variant, os.path.join(tmp, variant.replace(" ", "_")))
             rows.append((variant, cls, worst))
     if int(os.environ.get("RANK", "0")) == 0:

@@ -1,9 +1,9 @@
 """FSDP2 (fully_shard) over 2 CPU processes (gloo): the same gradients as one process on the whole batch.
 
-The student's layers and root are sharded; the teacher replicated or sharded the same way. The
-root forward gathers the head and keeps it until the backward, so the loss reads a full head:
-this checks that nitrobrew.hf runs each model through its forward (FSDP's hooks) and normalizes
-by the global token count.
+The student's layers and root are sharded; the teacher replicated or sharded the same way. Two
+layouts: the head in the root's unit (the root forward gathers it and keeps it until the
+backward: the loss reads a full head), and the decoder sharded apart from the head (the head
+is never gathered: rows are gathered and the loss is vocab-parallel over the rank's block).
 """
 import copy
 import json
@@ -48,16 +48,19 @@ def batch():
     return ids, mask
 
 
-def shard(model, mesh):
+def shard(model, mesh, apart=False):
+    """fully_shard each layer and the root; apart: the decoder too, so the head is alone at the root."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
+    if apart:
+        fully_shard(model.model, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
 
-def plain_loop(rank, shard_teacher):
+def plain_loop(rank, shard_teacher, apart=False):
     from torch.distributed.device_mesh import init_device_mesh
 
     from nitrobrew.hf import count_targets, distill_loss, labels_from_inputs
@@ -65,9 +68,9 @@ def plain_loop(rank, shard_teacher):
     student, teacher = models()
     ref_s, ref_t = copy.deepcopy(student), copy.deepcopy(teacher)
     mesh = init_device_mesh("cpu", (WORLD,))
-    shard(student, mesh)
+    shard(student, mesh, apart)
     if shard_teacher:
-        shard(teacher, mesh)
+        shard(teacher, mesh, apart)
     ids, mask = batch()
     rows = slice(2 * rank, 2 * rank + 2)
     count = count_targets(labels_from_inputs(ids[rows], mask[rows]), mask[rows])
@@ -75,6 +78,11 @@ def plain_loop(rank, shard_teacher):
     out = distill_loss(student, teacher, ids[rows], mask[rows], divergence="jsd", ce_weight=0.3,
                        num_items_in_batch=count)
     (out.loss * WORLD).backward()  # FSDP averages the gradients over ranks
+    if apart:  # the vocab-parallel layout: the head was never gathered
+        from nitrobrew.hf.fsdp import head_is_sharded_apart
+
+        assert head_is_sharded_apart(student) and type(student.lm_head.weight).__name__ == "DTensor"
+        assert student.lm_head.weight.to_local().shape[0] == (31 if rank == 0 else 30)
     ref = distill_loss(ref_s, ref_t, ids, mask, divergence="jsd", ce_weight=0.3)
     ref.loss.backward()
     total = out.loss.detach().clone()
@@ -84,7 +92,7 @@ def plain_loop(rank, shard_teacher):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
-def trainer_loss(rank, tmp):
+def trainer_loss(rank, tmp, apart=False):
     """DistillationTrainer.compute_loss on a fully_shard-ed student (accelerate has no FSDP on CPU: its
     FSDP2 plugin is exercised by benchmarks/hf_fsdp2_trainer.py on GPUs)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -95,7 +103,7 @@ def trainer_loss(rank, tmp):
 
     student, teacher = models()
     ref_s = copy.deepcopy(student)
-    shard(student, init_device_mesh("cpu", (WORLD,)))
+    shard(student, init_device_mesh("cpu", (WORLD,)), apart)
     args = DistillationArguments(output_dir=tmp, report_to="none", use_cpu=True, divergence="reverse_kl",
                                  ce_weight=0.2)
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, data_collator=collate,
@@ -122,7 +130,10 @@ def worker(rank, port, outdir):
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
         for name, fn in (("teacher replicated", lambda: plain_loop(rank, False)),
                          ("teacher sharded", lambda: plain_loop(rank, True)),
-                         ("trainer's loss", lambda: trainer_loss(rank, os.path.join(outdir, "run")))):
+                         ("head sharded (vocab-parallel), teacher replicated", lambda: plain_loop(rank, False, True)),
+                         ("head sharded (vocab-parallel), teacher too", lambda: plain_loop(rank, True, True)),
+                         ("trainer's loss", lambda: trainer_loss(rank, os.path.join(outdir, "run"))),
+                         ("trainer's loss, head sharded", lambda: trainer_loss(rank, os.path.join(outdir, "run2"), True))):
             try:
                 fn()
             except Exception:

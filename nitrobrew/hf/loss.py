@@ -9,6 +9,8 @@ from torch import nn
 
 from ..hidden.api import hidden_loss
 from .model import (IGNORE_INDEX, final_hidden_states, is_fsdp2, labels_from_inputs, lm_head, shift_labels)
+from .fsdp import gather_rows, head_block, head_is_sharded_apart
+from .fsdp import layout as fsdp_layout
 from .packing import document_targets, model_inputs
 
 HIDDEN_DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
@@ -140,12 +142,26 @@ def distill_loss(
     # Built before any forward: an input that cannot be honoured raises first.
     s_inputs = model_inputs(student, input_ids, attention_mask, position_ids, **varlen)
     t_inputs = None if teacher is None else model_inputs(teacher, input_ids, attention_mask, position_ids, **varlen)
-    # FSDP2: the root forward gathers the parameters (the head included) and keeps them until the backward.
-    hs = final_hidden_states(student, input_ids, through_forward=through_forward or is_fsdp2(student), **s_inputs)
+    # FSDP2: the root forward gathers the parameters (the head included) and keeps them until the
+    # backward; with the decoder sharded apart from the head, the head stays sharded (fsdp.py).
+    sharded_head = head_is_sharded_apart(student)
+    if sharded_head and divergence == "topk":
+        raise ValueError("divergence='topk' with an FSDP2 head sharded apart from the decoder is not supported: "
+                         "shard the decoder and the head in one unit (the root)")
+    hs = final_hidden_states(student, input_ids, through_forward=(through_forward or is_fsdp2(student))
+                             and not sharded_head, **s_inputs)
     xs, ws, bs = _head_operands(student, hs, _rows(hs, keep))
+    group, world = None, 1
+    if sharded_head:
+        lay = fsdp_layout(ws)
+        group, world = lay.group, lay.world
+        xs = gather_rows(xs, group, scale=world)  # FSDP averages the decoder's gradients over ranks
+        rows_labels = gather_rows(rows_labels, group)
+        ws = ws.to_local()
+        bs = bs.to_local() if bs is not None and type(bs).__name__ == "DTensor" else bs
     options = dict(labels=rows_labels, temperature=temperature, scale_t2=scale_t2, kd_weight=kd_weight,
                    ce_weight=ce_weight, beta=beta, alpha=alpha, reduction="sum", bs=bs, chunk_V=chunk_V,
-                   backend=backend, return_parts=True)
+                   backend=backend, return_parts=True, process_group=group)
     if divergence == "topk":
         ids, lp = (t.to(xs.device).reshape(-1, t.shape[-1])[keep] for t in (topk_ids, topk_logprobs))
         if vocab_size is not None:  # a padded student head: the first vocab_size rows are the vocabulary
@@ -163,15 +179,23 @@ def distill_loss(
             wt, bt = ws.new_zeros(ws.shape[0], 1).detach(), None
         else:
             with torch.no_grad():
-                ht = final_hidden_states(teacher, input_ids, through_forward=is_fsdp2(teacher),
+                apart = head_is_sharded_apart(teacher)
+                ht = final_hidden_states(teacher, input_ids, through_forward=is_fsdp2(teacher) and not apart,
                                          **t_inputs).to(xs.device)
                 xt, wt, bt = _head_operands(teacher, ht, _rows(ht, keep))
+                if sharded_head:  # all ranks' teacher rows, this rank's block of the teacher's head
+                    xt = gather_rows(xt, group)
+                    wt, bt = head_block(wt, bt, lay)
         with _no_autocast(xs.device):
             parts = hidden_loss(xs, xt, ws, wt, divergence=divergence, vocab_size=vocab_size, bt=bt, **options)
         if ce_only:  # the divergence to the stand-in teacher means nothing: report 0
             parts = parts._replace(kd=torch.zeros_like(parts.kd))
+    if sharded_head:  # the loss covers all ranks' rows: count them, and report 1/world of it
+        n_all = n_tokens.clone()
+        torch.distributed.all_reduce(n_all, group=group)
+        parts = parts._replace(**{k: getattr(parts, k) / world for k in ("loss", "kd", "ce")})
     if num_items_in_batch is None:
-        denom = n_tokens.clamp_min(1)
+        denom = (n_all if sharded_head else n_tokens).clamp_min(1)
     elif isinstance(num_items_in_batch, torch.Tensor):
         denom = num_items_in_batch.to(parts.loss.device).clamp_min(1)
     else:

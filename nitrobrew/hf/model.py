@@ -126,12 +126,16 @@ def lm_head(model: nn.Module) -> LMHead:
         )
     if type(linear.weight).__name__ == "DTensor" and is_fsdp2(m) and any(
             p.is_shard() for p in linear.weight.placements):
-        # Each data-parallel rank holds other rows: a vocab-parallel loss over FSDP's mesh would mix them.
-        raise ValueError(
-            "the LM head is still sharded by FSDP2 when the loss reads it (lm_head under its own "
-            "fully_shard, resharded after its forward): shard it with the root module (the root "
-            "keeps its parameters gathered until the backward)"
-        )
+        from .fsdp import head_is_sharded_apart
+
+        if not head_is_sharded_apart(m):
+            # Each data-parallel rank holds other rows: a vocab-parallel loss over FSDP's mesh would mix them.
+            raise ValueError(
+                "the LM head is still sharded by FSDP2 when the loss reads it (lm_head under its own "
+                "fully_shard, resharded after its forward): shard it with the root module (the root "
+                "keeps its parameters gathered until the backward), or the decoder apart from it "
+                "(fully_shard(model.model)) for the vocab-parallel layout"
+            )
     return LMHead(linear.weight, linear.bias, _logit_scale(model))
 
 

@@ -108,6 +108,12 @@ def on_policy_batch(
     if prompt_ids.dim() != 2:
         raise ValueError(f"prompt_ids must be [batch, length], got shape {tuple(prompt_ids.shape)}")
     m = unwrap(model)
+    from .fsdp import head_is_sharded_apart
+
+    if generate_fn is None and head_is_sharded_apart(m):
+        raise ValueError("generation with an FSDP2 head sharded apart from the decoder would gather it through the "
+                         "root's forward, breaking the vocab-parallel layout: pass generate_fn (an external "
+                         "generator), or shard the decoder and the head in one unit")
     gen_config = getattr(m, "generation_config", None)
     if eos_token_id is None:
         eos_token_id = getattr(gen_config, "eos_token_id", None)

@@ -319,8 +319,12 @@ class DistillationTrainer(Trainer):
         mask = None if mask is None else mask[:1]
         if "position_ids" in packing:
             packing = {"position_ids": packing["position_ids"][:1]}  # the varlen kwargs describe the whole batch
+        from .fsdp import head_is_sharded_apart
+
         for who in (model, self.teacher):
-            if who is not None:
+            # A head kept sharded by FSDP2 has no full logits to compare with (and the root's forward
+            # must not run before the decoder's): not checked.
+            if who is not None and not head_is_sharded_apart(who):
                 check_head(unwrap(who), ids, mask, **packing)
         self._heads_checked = True
 
