@@ -98,3 +98,26 @@ def test_errors_are_one_line(files, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 4 and all(line.startswith("nitrobrew train: ") for line in err), err
     assert "divergence_typo" in err[0] and "missing.yaml" in err[1] and "divergence must be one of" in err[2]
+
+
+def test_text_data_with_prompts(tmp_path):
+    """text_field / prompt_field: tokenized with the student's tokenizer, the prompt's tokens -100."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from nitrobrew.hf.train_cli import DataArguments, load_data
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w2", pad_token="w0").save_pretrained(tmp_path / "tok")
+    with open(tmp_path / "chat.jsonl", "w") as f:
+        f.write(json.dumps({"prompt": "w5 w6", "text": "w7 w8 w9", "other": 1}) + "\n")
+    ds = load_data(DataArguments(data=str(tmp_path / "chat.jsonl"), text_field="text", prompt_field="prompt",
+                                 max_length=5), str(tmp_path / "tok"))
+    assert ds.column_names == ["input_ids", "labels"]
+    assert ds[0] == {"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]}
+    with pytest.raises(ValueError, match="no column 'body'"):
+        load_data(DataArguments(data=str(tmp_path / "chat.jsonl"), text_field="body"), str(tmp_path / "tok"))
+    with pytest.raises(ValueError, match="no input_ids column"):
+        load_data(DataArguments(data=str(tmp_path / "chat.jsonl")), str(tmp_path / "tok"))
