@@ -89,3 +89,10 @@ def test_trainer_refuses_a_store_at_another_temperature(tmp_path):
                                   train_dataset=dataset, data_collator=TopKCollator())
     trainer.train()
     assert isinstance(trainer.args, DistillationArguments)
+
+
+def test_trainer_warns_without_tail_and_ce(tmp_path):
+    dataset, _ = make_store(tmp_path / "store", [6, 6])
+    with pytest.warns(UserWarning, match="no mass outside the stored ids"):
+        DistillationTrainer(model=student_model(), args=args(tmp_path, divergence="topk", topk_tail=False),
+                            train_dataset=dataset, data_collator=TopKCollator())

@@ -59,7 +59,7 @@ class DistillationArguments(TrainingArguments):
     lmbda: float = field(default=0.0, metadata={"help": "probability that a batch is replaced by the student's own "
                                                         "completions of its prompts (0: never, 1: on-policy)"})
     seq_kd: bool = field(default=False, metadata={"help": "train on the teacher's completions of the prompts "
-                                                          "(sequence-level KD; lmbda still applies after it)"})
+                                                          "(sequence-level KD) when the batch is not on-policy"})
     max_new_tokens: int = field(default=128, metadata={"help": "tokens generated per prompt"})
     generation_temperature: float = field(default=0.9, metadata={"help": "sampling temperature (0: greedy)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (1: off)"})
@@ -220,24 +220,20 @@ class DistillationTrainer(Trainer):
             return batch
         # Drawn from the seed and the micro-batch index: reproducible, and the global RNG is untouched.
         draw = float(torch.rand((), generator=torch.Generator().manual_seed(a.seed * 1_000_003 + index)))
-        who = []
-        if a.seq_kd:
-            who.append(self.teacher)
-        if draw < a.lmbda:
-            who.append(self.model)
-        if not who:
+        # On-policy wins over seq_kd (as in TRL, where the student's completions replace the teacher's).
+        who = self.model if draw < a.lmbda else self.teacher if a.seq_kd else None
+        if who is None:
             return batch
         if is_packed(batch.get("position_ids")):
             raise ValueError("on-policy / seq_kd with packed batches: generation needs one prompt per row "
                              "(do not pack, or set lmbda=0 and seq_kd=False)")
         prompts, mask = prompts_of(batch)
-        for model in who:
-            gen = on_policy_batch(model, prompts, mask, max_new_tokens=a.max_new_tokens,
-                                  temperature=a.generation_temperature, top_p=a.top_p, top_k=a.top_k,
-                                  seed=a.seed * 1_000_003 + index, generate_fn=self.generate_fn)
-            self._add("gen_len", gen.n_generated.float().mean())
-            self._add("gen_seconds", torch.tensor(gen.seconds))
-            self._add("gen_batches", torch.tensor(1.0))
+        gen = on_policy_batch(who, prompts, mask, max_new_tokens=a.max_new_tokens,
+                              temperature=a.generation_temperature, top_p=a.top_p, top_k=a.top_k,
+                              seed=a.seed * 1_000_003 + index, generate_fn=self.generate_fn)
+        self._add("gen_len", gen.n_generated.float().mean())
+        self._add("gen_seconds", torch.tensor(gen.seconds))
+        self._add("gen_batches", torch.tensor(1.0))
         return {"input_ids": gen.input_ids, "attention_mask": gen.attention_mask, "labels": gen.labels}
 
     # -- the global token count of each accumulation window ------------------------------------
@@ -328,16 +324,33 @@ class DistillationTrainer(Trainer):
                 check_head(unwrap(who), ids, mask, **packing)
         self._heads_checked = True
 
+    _LOGGED = ("kd_loss", "ce_loss", "gen_len", "gen_seconds", "gen_batches")
+
+    def _summed_over_processes(self):
+        """The logged sums of every process (training logs are written on every process, together)."""
+        vec = torch.stack([torch.as_tensor(self._sums.get(k, 0.0), dtype=torch.float64) for k in self._LOGGED])
+        n = self.accelerator.num_processes
+        if n > 1:
+            vec = self.accelerator.reduce(vec.to(self.args.device), reduction="sum").cpu()
+        sums = dict(zip(self._LOGGED, vec.tolist()))
+        # With a global token count each process holds its share of the mean (they add up);
+        # otherwise each holds a mean of its own, and so does the generation time.
+        shares = getattr(self.args, "average_tokens_across_devices", False) and _PASSES_NUM_ITEMS
+        for key in ("kd_loss", "ce_loss") if not shares else ():
+            sums[key] /= n
+        sums["gen_seconds"] /= n
+        return sums
+
     def log(self, logs, *args, **kwargs):
-        if "loss" in logs and self._sums:
+        if "loss" in logs:
             steps = max(self.state.global_step - self._logged_step, 1)
-            sums = self._sums
-            for key in ("kd_loss", "ce_loss"):
-                if key in sums:
-                    logs[key] = round(float(sums[key]) / steps, 6)
-            if "gen_batches" in sums:
-                logs["gen_len"] = round(float(sums["gen_len"]) / float(sums["gen_batches"]), 3)
-                logs["gen_seconds"] = round(float(sums["gen_seconds"]) / steps, 4)
+            sums = self._summed_over_processes()
+            if "kd_loss" in self._sums or self.accelerator.num_processes > 1:
+                logs["kd_loss"] = round(sums["kd_loss"] / steps, 6)
+                logs["ce_loss"] = round(sums["ce_loss"] / steps, 6)
+            if sums["gen_batches"] > 0:
+                logs["gen_len"] = round(sums["gen_len"] / sums["gen_batches"], 3)
+                logs["gen_seconds"] = round(sums["gen_seconds"] / steps, 4)
             self._sums = {}
             self._logged_step = self.state.global_step
         if "loss" in logs and self._schedule:  # the values the last optimizer step used
