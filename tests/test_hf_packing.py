@@ -156,3 +156,19 @@ def test_trainer_topk_packed_equals_padded(tmp_path):
         got[name] = {n: before[n] - p.detach() for n, p in student.named_parameters()}
     for n in got["padded"]:
         torch.testing.assert_close(got["packed"][n], got["padded"][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_flash_attention_gets_the_varlen_kwargs():
+    """Flash attention splits on position_ids / cu_seq_lens itself: they pass through, no 4-D mask."""
+    packed, pos, _, _ = packed_and_padded()
+    m = model(16, "sdpa", seed=0)
+    m.config._attn_implementation = "flash_attention_2"
+    cu = torch.tensor([0, 7, 12, 16], dtype=torch.int32)
+    got = model_inputs(m, packed, None, pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+    assert set(got) == {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+    assert got["cu_seq_lens_q"] is cu and torch.equal(got["position_ids"], pos)
+    with pytest.raises(ValueError, match="padding under flash attention"):
+        model_inputs(m, packed, torch.cat([torch.ones(1, 15), torch.zeros(1, 1)], 1).long(), pos)
+    m.config._attn_implementation = "sdpa"
+    got = model_inputs(m, packed, None, pos, cu_seq_lens_q=cu)
+    assert set(got) == {"attention_mask", "position_ids"} and got["attention_mask"].shape == (1, 1, 16, 16)
