@@ -24,7 +24,7 @@ if not dist.is_available():
 WORLD = 2
 
 
-def models():
+def models(teacher_tied=True):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -32,7 +32,8 @@ def models():
                                            num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))
     torch.manual_seed(1)
     teacher = Qwen2ForCausalLM(Qwen2Config(vocab_size=61, hidden_size=24, intermediate_size=48, num_hidden_layers=2,
-                                           num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+                                           num_attention_heads=2, num_key_value_heads=1,
+                                           tie_word_embeddings=teacher_tied))
     for m in (student, teacher):
         with torch.no_grad():
             m.get_output_embeddings().weight.mul_(8.0)
@@ -60,17 +61,18 @@ def shard(model, mesh, apart=False):
     return model
 
 
-def plain_loop(rank, shard_teacher, apart=False):
+def plain_loop(rank, shard_teacher, apart=False, teacher_apart=False):
     from torch.distributed.device_mesh import init_device_mesh
 
     from nitrobrew.hf import count_targets, distill_loss, labels_from_inputs
 
-    student, teacher = models()
+    # An untied teacher whose decoder is sharded apart keeps its head sharded too (a tied one cannot).
+    student, teacher = models(teacher_tied=not teacher_apart)
     ref_s, ref_t = copy.deepcopy(student), copy.deepcopy(teacher)
     mesh = init_device_mesh("cpu", (WORLD,))
     shard(student, mesh, apart)
     if shard_teacher:
-        shard(teacher, mesh, apart)
+        shard(teacher, mesh, teacher_apart)
     ids, mask = batch()
     rows = slice(2 * rank, 2 * rank + 2)
     count = count_targets(labels_from_inputs(ids[rows], mask[rows]), mask[rows])
@@ -78,9 +80,10 @@ def plain_loop(rank, shard_teacher, apart=False):
     out = distill_loss(student, teacher, ids[rows], mask[rows], divergence="jsd", ce_weight=0.3,
                        num_items_in_batch=count)
     (out.loss * WORLD).backward()  # FSDP averages the gradients over ranks
-    if apart:  # the vocab-parallel layout: the head was never gathered
-        from nitrobrew.hf.fsdp import head_is_sharded_apart
+    from nitrobrew.hf.fsdp import head_is_sharded_apart
 
+    assert head_is_sharded_apart(teacher) == teacher_apart
+    if apart:  # the vocab-parallel layout: the head was never gathered
         assert head_is_sharded_apart(student) and type(student.lm_head.weight).__name__ == "DTensor"
         assert student.lm_head.weight.to_local().shape[0] == (31 if rank == 0 else 30)
     ref = distill_loss(ref_s, ref_t, ids, mask, divergence="jsd", ce_weight=0.3)
@@ -131,7 +134,8 @@ def worker(rank, port, outdir):
         for name, fn in (("teacher replicated", lambda: plain_loop(rank, False)),
                          ("teacher sharded", lambda: plain_loop(rank, True)),
                          ("head sharded (vocab-parallel), teacher replicated", lambda: plain_loop(rank, False, True)),
-                         ("head sharded (vocab-parallel), teacher too", lambda: plain_loop(rank, True, True)),
+                         ("head sharded (vocab-parallel), teacher too", lambda: plain_loop(rank, True, True, True)),
+                         ("student's head gathered, teacher's sharded", lambda: plain_loop(rank, True, False, True)),
                          ("trainer's loss", lambda: trainer_loss(rank, os.path.join(outdir, "run"))),
                          ("trainer's loss, head sharded", lambda: trainer_loss(rank, os.path.join(outdir, "run2"), True))):
             try:

@@ -186,6 +186,8 @@ def distill_loss(
                 if sharded_head:  # all ranks' teacher rows, this rank's block of the teacher's head
                     xt = gather_rows(xt, group)
                     wt, bt = head_block(wt, bt, lay)
+                elif apart:  # a teacher head kept sharded, a student head whole: gather the teacher's
+                    wt, bt = (None if t is None else t.full_tensor() for t in (wt, bt))
         with _no_autocast(xs.device):
             parts = hidden_loss(xs, xt, ws, wt, divergence=divergence, vocab_size=vocab_size, bt=bt, **options)
         if ce_only:  # the divergence to the stand-in teacher means nothing: report 0
