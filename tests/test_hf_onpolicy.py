@@ -188,6 +188,7 @@ def test_seq_kd_generates_with_the_teacher(tmp_path):
     teacher.generation_config.eos_token_id = EOS
 
     def generator(p, m, **options):
+        assert options["model"] is teacher
         seen.append(p.clone())
         return torch.full((p.shape[0], 3), 9)
 

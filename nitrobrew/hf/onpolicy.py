@@ -20,8 +20,9 @@ from torch import nn
 from .model import IGNORE_INDEX, unwrap
 
 # generate_fn(prompt_ids, prompt_mask, **options) -> completion ids [B, G] (G <= max_new_tokens),
-# e.g. a vLLM engine behind a small adapter; options: max_new_tokens, temperature, top_p, top_k,
-# eos_token_id, pad_token_id, seed.
+# e.g. a vLLM engine behind a small adapter; options: model (the one asked to generate: the
+# student, or the teacher for seq_kd), max_new_tokens, temperature, top_p, top_k, eos_token_id,
+# pad_token_id, seed. Prompts come left-padded.
 GenerateFn = Callable[..., torch.Tensor]
 
 
@@ -131,7 +132,7 @@ def on_policy_batch(
         if seed is not None:
             torch.manual_seed(seed)
         if generate_fn is not None:
-            completion = generate_fn(ids, mask, max_new_tokens=max_new_tokens, temperature=temperature,
+            completion = generate_fn(ids, mask, model=model, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p, top_k=top_k, eos_token_id=eos_token_id, pad_token_id=pad,
                                      seed=seed)
             completion = torch.as_tensor(completion, device=device)
