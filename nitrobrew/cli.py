@@ -20,6 +20,7 @@ COMMANDS = {
     "topk-verify": ("nitrobrew.topk.verify", "check every shard of a top-k store (checksums and contents)"),
     "topk-export": ("nitrobrew.topk.interop", "export a top-k store to parquet (Hugging Face datasets layout)"),
     "topk-import": ("nitrobrew.topk.interop", "import a top-k store from parquet (Hugging Face datasets layout)"),
+    "train": ("nitrobrew.hf.train_cli", "distill with DistillationTrainer from a YAML config"),
 }
 # `nitrobrew bench attention` is spelled as a mode of bench, too.
 BENCH_MODES = {"hidden": "bench", "attention": "bench-attention", "topk": "bench-topk"}

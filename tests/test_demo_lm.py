@@ -31,6 +31,10 @@ def test_tiny_demo_end_to_end(tmp_path):
         assert r["curve"][-1]["kl"] < r["curve"][0]["kl"]  # every model learned something
     text = (tmp_path / "demo_results.md").read_text()
     assert text.count("| student:") == len(expected) - 1 and "| teacher |" in text and "| source" in text
+    assert text.count("| student: on-policy") == 2
+    for name in ("on_policy_reverse_kl", "on_policy_jsd"):  # generation time: a part of the train time
+        r = results["runs"][name]
+        assert 0 < r["gen_seconds"] < r["train_seconds"]
     assert json.loads((tmp_path / "results.json").read_text())["runs"].keys() == results["runs"].keys()
     assert (tmp_path / "demo_curves.png").stat().st_size > 10_000
 
@@ -42,8 +46,9 @@ def _final_weights(out):
 
 @pytest.mark.parametrize("stop_after", [7, 12 + 8 + 5], ids=["in-teacher", "in-second-student"])
 def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, stop_after):
-    """Killed between checkpoints (every 3 steps), resumed: same weights, optimizer state, curves."""
-    cfg = config_from("tiny", methods=["hard_labels", "forward_kl", "topk"])
+    """Killed between checkpoints (every 3 steps), resumed: same weights, optimizer state, curves.
+    The second student is on-policy: its samples are functions of the step too."""
+    cfg = config_from("tiny", methods=["hard_labels", "on_policy_jsd", "topk"])
     whole = run_demo(cfg, str(tmp_path / "whole"), progress=False, plot=False)
     with pytest.raises(Interrupted):
         run_demo(cfg, str(tmp_path / "cut"), progress=False, plot=False, stop_after=stop_after)
@@ -77,5 +82,7 @@ def test_cli(tmp_path, capsys):
     assert main(["demo", "--preset", "tiny", "--out", out, "--quiet", "--no-plot", "--methods", "topk",
                  "--topk-tail", "false", "--student-steps", "2"]) == 0
     assert json.load(open(os.path.join(out, "config.json")))["topk_tail"] is False
+    with pytest.raises(SystemExit, match="--prompt-len must be between 1 and seq_len - 1"):
+        main(["demo", "--preset", "tiny", "--out", out, "--quiet", "--methods", "on_policy_jsd", "--prompt-len", "16"])
     if not torch.cuda.is_available():
         assert main(["demo", "--device", "cuda", "--out", out]) == 2

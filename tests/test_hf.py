@@ -122,11 +122,35 @@ def test_logit_scale_is_folded_in():
         torch.testing.assert_close(0.25 * (h @ lm_head(model).weight.T), model(input_ids=ids, attention_mask=mask).logits)
 
 
-def test_softcapping_raises():
-    model = llama()
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        lm_head(model)
+def gemma2(hidden=32, vocab=V, seed=5, cap=3.0):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Gemma2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=cap,
+                       attn_logit_softcapping=50.0, attn_implementation="eager")
+    return _spread(Gemma2ForCausalLM(cfg))
+
+
+def test_final_logit_softcapping_is_applied():
+    """Gemma-2-style models cap their logits (c tanh(z / c)): the head carries the cap, check_head accepts the
+    model, and distill_loss equals the float64 loss from model(...).logits with the cap on both sides."""
+    student, teacher = gemma2(seed=6, cap=3.0), gemma2(seed=7, cap=2.0).eval()
+    ids, mask, labels = batch(seed=8)
+    assert lm_head(student).softcap == 3.0
+    check_head(student.eval(), ids, mask)
+    student.train()
+    out = distill_loss(student, teacher, ids, mask, labels, divergence="jsd", temperature=2.0, ce_weight=0.3)
+    out.loss.backward()
+    grads = [p.grad.clone() for p in student.parameters()]
+    student.zero_grad()
+    ref_sum, n = reference(student, teacher, ids, mask, labels, "jsd", T=2.0, ce_weight=0.3)
+    (ref_sum / n).backward()
+    torch.testing.assert_close(out.loss.double(), ref_sum.detach() / n, rtol=1e-5, atol=1e-6)
+    for g, p in zip(grads, student.parameters()):
+        torch.testing.assert_close(g, p.grad.float(), rtol=1e-4, atol=1e-6)
+    uncapped = llama()
+    assert lm_head(uncapped).softcap is None
 
 
 def test_check_head_detects_unknown_logit_transform():

@@ -22,8 +22,9 @@ def make_store(path, lengths, temperature=1.0, seed=0):
     return TopKDataset(str(path)), seqs
 
 
-def reference(student, dataset, T=1.0):
-    """float64: sum over stored rows of sum_k p_k (log p_k - log q_k), q the full softmax; / rows."""
+def reference(student, dataset, T=1.0, tail=False):
+    """float64: sum over stored rows of sum_k p_k (log p_k - log q_k), q the full softmax; / rows.
+    tail: plus p_tail (log p_tail - log q_tail), the mass outside the stored ids on each side."""
     s64 = copy.deepcopy(student).double()
     total, rows = 0.0, 0
     for i in range(len(dataset)):
@@ -32,6 +33,9 @@ def reference(student, dataset, T=1.0):
         logq = logits.log_softmax(-1).gather(-1, item["topk_ids"])
         lp = item["topk_logprobs"].double()
         total = total + (lp.exp() * (lp - logq)).sum()
+        if tail:
+            p_tail, q_tail = 1 - lp.exp().sum(-1), 1 - logq.exp().sum(-1)
+            total = total + (p_tail * (p_tail.log() - q_tail.log())).sum()
         rows += lp.shape[0]
     (total / rows).backward()
     return {n: p.grad.float() for n, p in s64.named_parameters()}
@@ -69,7 +73,7 @@ def test_trainer_topk_accumulation_equals_one_big_batch(tmp_path):
                                       train_dataset=dataset, data_collator=TopKCollator())
         trainer.train()
         got[name] = {n: before[n] - p.detach() for n, p in student.named_parameters()}
-    want = reference(student_model(seed=3), dataset)
+    want = reference(student_model(seed=3), dataset, tail=True)  # the trainer's default keeps the tail
     for n in want:
         torch.testing.assert_close(got["ga"][n], got["big"][n], rtol=2e-4, atol=2e-6)
         torch.testing.assert_close(got["ga"][n], want[n], rtol=2e-4, atol=2e-6)
@@ -84,3 +88,10 @@ def test_trainer_refuses_a_store_at_another_temperature(tmp_path):
                                   train_dataset=dataset, data_collator=TopKCollator())
     trainer.train()
     assert isinstance(trainer.args, DistillationArguments)
+
+
+def test_trainer_warns_without_tail_and_ce(tmp_path):
+    dataset, _ = make_store(tmp_path / "store", [6, 6])
+    with pytest.warns(UserWarning, match="no mass outside the stored ids"):
+        DistillationTrainer(model=student_model(), args=args(tmp_path, divergence="topk", topk_tail=False),
+                            train_dataset=dataset, data_collator=TopKCollator())

@@ -214,3 +214,56 @@ def test_defaults_add_no_hidden_terms(tmp_path):
     a = args(tmp_path)
     assert (a.divergence, a.temperature, a.kd_weight, a.ce_weight, a.scale_t2) == ("forward_kl", 1.0, 1.0, 0.0, False)
     assert a.remove_unused_columns is False
+
+
+def test_schedules():
+    from nitrobrew.hf import scheduled
+
+    assert [scheduled(2.0, 1.0, "linear", s, 4) for s in range(6)] == [2.0, 1.75, 1.5, 1.25, 1.0, 1.0]
+    cos = [scheduled(1.0, 0.0, "cosine", s, 4) for s in range(5)]
+    assert cos[0] == 1.0 and cos[2] == pytest.approx(0.5) and cos[4] == pytest.approx(0.0) and cos[1] > 0.75
+    assert scheduled(3.0, 1.0, "constant", 2, 4) == 3.0
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(temperature_schedule="step"), "temperature_schedule must be one of"),
+    (dict(kd_weight_schedule="linear"), "needs kd_weight_end"),
+    (dict(temperature_end=0.0), "temperature_end"),
+    (dict(lmbda=1.5), "lmbda"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(divergence="topk", lmbda=0.5), "live teacher"),
+    (dict(divergence="topk", temperature_schedule="linear", temperature_end=2.0), "temperature schedule"),
+])
+def test_new_argument_errors(tmp_path, bad, match):
+    with pytest.raises(ValueError, match=match):
+        args(tmp_path, **bad)
+
+
+def test_topk_defaults_keep_the_tail(tmp_path):
+    assert args(tmp_path, divergence="topk").topk_tail is True
+    assert args(tmp_path, divergence="topk", topk_normalize="topk").topk_tail is False  # the tail needs "full"
+
+
+def test_a_weight_schedule_moves_the_gradient(tmp_path):
+    """ce_weight linear from 0 to 1 over 2 steps: step 0 uses 0, step 1 uses 0.5 (logged as used)."""
+    data = sequences([9, 9], seed=2)
+    _, trainer = sgd_step_gradient(tmp_path, data, student_model(seed=4), teacher_model(seed=3),
+                                   per_device_train_batch_size=2, max_steps=2, learning_rate=1e-3,
+                                   ce_weight=0.0, ce_weight_schedule="linear", ce_weight_end=1.0)
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["ce_weight"] for h in logged] == [0.0, 0.5] and [h["temperature"] for h in logged] == [1.0, 1.0]
+    assert logged[0]["ce_loss"] == 0 and logged[1]["ce_loss"] > 0
+
+
+def test_partitioned_heads_are_refused():
+    """ZeRO-3 and FSDP version 1 partition the head into flat shards: refused, naming FSDP2."""
+    from types import SimpleNamespace
+
+    from nitrobrew.hf.trainer import check_sharding
+
+    with pytest.raises(ValueError, match="ZeRO-3.*ZeRO-2.*FSDP2"):
+        check_sharding(deepspeed_plugin=SimpleNamespace(zero_stage=3))
+    with pytest.raises(ValueError, match="FSDP \\(version 1\\).*fsdp_version 2"):
+        check_sharding(fsdp_plugin=SimpleNamespace(fsdp_version=1))
+    check_sharding(SimpleNamespace(zero_stage=2), SimpleNamespace(fsdp_version=2))

@@ -6,7 +6,10 @@
 3. Extract the teacher's top-k log-probs over the corpus into a store (``nitrobrew.topk``).
 4. Train students (smaller, same initialization, same batches in the same order, same steps):
    hard labels only, then forward KL, reverse KL and JSD from the live teacher's hidden states
-   (``nitrobrew.hf.distill_loss``), and forward KL from the stored top-k.
+   (``nitrobrew.hf.distill_loss``), forward KL from the stored top-k, and two on-policy
+   students: each batch's first ``prompt_len`` tokens are completed by the student itself
+   (``nitrobrew.hf.on_policy_batch``) and the teacher scores the student's own tokens (reverse
+   KL, and JSD as in GKD).
 5. Report held-out perplexity, KL to the source, accuracy, peak memory and time, as a markdown
    table, a JSON file and a PNG of the curves.
 
@@ -32,9 +35,12 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .progress import Progress
 from .source import HMMSource
 
-METHODS = ("hard_labels", "forward_kl", "reverse_kl", "jsd", "topk")
+METHODS = ("hard_labels", "forward_kl", "reverse_kl", "jsd", "topk", "on_policy_reverse_kl", "on_policy_jsd")
 LABELS = {"hard_labels": "hard labels (CE)", "forward_kl": "forward KL", "reverse_kl": "reverse KL",
-          "jsd": "JSD (beta 0.5)", "topk": "top-k store, forward KL"}
+          "jsd": "JSD (beta 0.5)", "topk": "top-k store, forward KL",
+          "on_policy_reverse_kl": "on-policy, reverse KL on student samples",
+          "on_policy_jsd": "on-policy, JSD (beta 0.5) on student samples"}
+ON_POLICY = {"on_policy_reverse_kl": "reverse_kl", "on_policy_jsd": "jsd"}
 # Settings that may change between a run and its --resume (they add or drop whole stages).
 RESUMABLE_CHANGES = ("methods",)
 
@@ -60,6 +66,7 @@ class DemoConfig:
     temperature: float = 1.0
     topk: int = 16
     topk_tail: bool = True
+    prompt_len: int = 16        # on-policy students: prompt tokens; the student generates the rest
     methods: Tuple[str, ...] = METHODS
     eval_every: int = 25
     checkpoint_every: int = 50
@@ -70,13 +77,13 @@ PRESETS: Dict[str, Dict] = {
     # seconds on a CPU: what the tests run
     "tiny": dict(vocab=24, states=6, seq_len=16, train_sequences=128, test_sequences=16, teacher_hidden=32,
                  teacher_layers=1, teacher_steps=12, student_hidden=16, student_layers=1, student_steps=8,
-                 batch_size=8, warmup=2, topk=6, eval_every=4, checkpoint_every=3),
+                 batch_size=8, warmup=2, topk=6, eval_every=4, checkpoint_every=3, prompt_len=4),
     "default": {},  # about five minutes on 2 CPU cores
     # a GPU (or patience): a larger language, wider models, longer training
     "large": dict(vocab=512, states=64, seq_len=128, train_sequences=65536, test_sequences=1024,
                   teacher_hidden=512, teacher_layers=8, teacher_steps=4000, student_hidden=256,
                   student_layers=4, student_steps=2000, batch_size=64, lr=1e-3, warmup=100, topk=32,
-                  eval_every=100, checkpoint_every=250),
+                  eval_every=100, checkpoint_every=250, prompt_len=32),
 }
 
 
@@ -179,7 +186,9 @@ class Runner:
 
     def train(self, name: str, model, steps: int, loss_fn: Callable[[torch.Tensor, int], torch.Tensor],
               data: Data, desc: str) -> Dict:
-        """Train `model` for `steps` (resuming from its checkpoint); returns its record."""
+        """Train `model` for `steps` (resuming from its checkpoint); returns its record.
+
+        loss_fn may return (loss, stats): numbers added up in the record (timed steps only)."""
         cfg, device = self.cfg, self.device
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
         path = self.ckpt(name)
@@ -198,8 +207,13 @@ class Runner:
                 for group in opt.param_groups:
                     group["lr"] = lr_at(cfg, step, steps)
 
+                stats = {}
+
                 def one_step():
                     loss = loss_fn(batch_indices(cfg, step), step)
+                    if isinstance(loss, tuple):
+                        loss, more = loss
+                        stats.update(more)
                     loss.backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
@@ -218,6 +232,8 @@ class Runner:
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     record["train_seconds"] += time.perf_counter() - t0
+                    for key, value in stats.items():
+                        record[key] = record.get(key, 0.0) + value
                 loss = float(loss.detach())
                 done = step + 1
                 if done % cfg.eval_every == 0 or done == steps:
@@ -270,10 +286,12 @@ def run_demo(cfg: DemoConfig, out: str, device: str = "cpu", resume: bool = Fals
              stop_after: Optional[int] = None, plot: bool = True) -> Dict:
     """The whole demo; returns the results (also written to OUT/results.json)."""
     require_transformers()
-    from ..hf import distill_loss
+    from ..hf import distill_loss, on_policy_batch
 
     dev = torch.device(device)
     methods = list(cfg.methods)
+    if any(m in ON_POLICY for m in methods) and not 0 < cfg.prompt_len < cfg.seq_len:
+        raise SystemExit(f"--prompt-len must be between 1 and seq_len - 1 ({cfg.seq_len - 1}), got {cfg.prompt_len}")
     if "topk" in methods and not topk_available():
         print("nitrobrew.topk is not available in this build: skipping the top-k student")
         methods.remove("topk")
@@ -318,6 +336,16 @@ def run_demo(cfg: DemoConfig, out: str, device: str = "cpu", resume: bool = Fals
                                     topk_ids=b["topk_ids"].to(dev), topk_logprobs=b["topk_logprobs"].to(dev),
                                     topk_tail=cfg.topk_tail, temperature=cfg.temperature,
                                     teacher_temperature=store.temperature).loss
+            if method in ON_POLICY:
+                # The student completes each sequence's first prompt_len tokens (seeded by the step:
+                # --resume generates the same samples), the teacher scores the student's own tokens.
+                prompts = train_dev[idx][:, :cfg.prompt_len]
+                gen = on_policy_batch(student, prompts, max_new_tokens=cfg.seq_len - cfg.prompt_len,
+                                      temperature=1.0, eos_token_id=None, pad_token_id=0,
+                                      seed=cfg.seed * 1_000_003 + step)
+                out = distill_loss(student, teacher, gen.input_ids, gen.attention_mask, gen.labels,
+                                   divergence=ON_POLICY[method], temperature=cfg.temperature)
+                return out.loss, {"gen_seconds": gen.seconds}
             return distill_loss(student, teacher, train_dev[idx], divergence=method,
                                 temperature=cfg.temperature).loss
 
@@ -332,7 +360,8 @@ def run_demo(cfg: DemoConfig, out: str, device: str = "cpu", resume: bool = Fals
         final = rec["curve"][-1]
         results["runs"][name] = {"kl": final["kl"], "ppl": final["ppl"], "acc": final["acc"],
                                  "peak_mib": rec["peak_mib"], "train_seconds": rec["train_seconds"],
-                                 "params": params[name], "curve": rec["curve"]}
+                                 "gen_seconds": rec.get("gen_seconds"), "params": params[name],
+                                 "curve": rec["curve"]}
     from .report import write_report
 
     write_report(results, out, plot=plot)

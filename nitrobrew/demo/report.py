@@ -9,7 +9,9 @@ from .._io import atomic_write_text
 
 NAMES = {"teacher": "teacher", "hard_labels": "student: hard labels (CE)", "forward_kl": "student: forward KL",
          "reverse_kl": "student: reverse KL", "jsd": "student: JSD (beta 0.5)",
-         "topk": "student: top-k store, forward KL"}
+         "topk": "student: top-k store, forward KL",
+         "on_policy_reverse_kl": "student: on-policy, reverse KL on student samples",
+         "on_policy_jsd": "student: on-policy, JSD (beta 0.5) on student samples"}
 
 
 def _fmt(value: Optional[float], spec: str) -> str:
@@ -22,16 +24,17 @@ def table(results: Dict) -> str:
     hard = runs.get("hard_labels", {}).get("kl")
     lines = [
         "| model | params | KL to source (nats/token) | KL vs hard labels | held-out perplexity | top-1 accuracy "
-        "| peak MiB (one step) | train time (s) |",
-        "|---|---|---|---|---|---|---|---|",
-        f"| source (the true distribution) | - | 0 | - | {src['ppl']:.3f} | {src['acc']:.3f} | - | - |",
+        "| peak MiB (one step) | train time (s) | of which generation (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| source (the true distribution) | - | 0 | - | {src['ppl']:.3f} | {src['acc']:.3f} | - | - | - |",
     ]
     for name, r in runs.items():
         vs = "-"
         if hard and name not in ("teacher", "hard_labels"):
             vs = f"{100 * (r['kl'] - hard) / hard:+.0f}%"
         lines.append(f"| {NAMES.get(name, name)} | {r['params'] / 1e6:.2f}M | {r['kl']:.4f} | {vs} | {r['ppl']:.3f} "
-                     f"| {r['acc']:.3f} | {_fmt(r['peak_mib'], '.1f')} | {r['train_seconds']:.1f} |")
+                     f"| {r['acc']:.3f} | {_fmt(r['peak_mib'], '.1f')} | {r['train_seconds']:.1f} "
+                     f"| {_fmt(r.get('gen_seconds'), '.1f')} |")
     env = results["environment"]
     lines += [
         "",
@@ -40,8 +43,11 @@ def table(results: Dict) -> str:
         f"students {cfg['student_layers']}x{cfg['student_hidden']}, {cfg['student_steps']} steps each, same "
         f"initialization and batches ({cfg['batch_size']} x {cfg['seq_len']} tokens), temperature "
         f"{cfg['temperature']}; the top-k store keeps K={cfg['topk']} ids per position"
-        f"{' plus a tail bucket' if cfg.get('topk_tail') else ''}. Peak MiB: one training step (teacher forward included) "
-        "above the resident weights and optimizer state. Train time: optimizer steps (teacher forwards included; evaluation and the memory-tracked step excluded). "
+        f"{' plus a tail bucket' if cfg.get('topk_tail') else ''}. On-policy students: the student completes "
+        f"each training sequence's first {cfg.get('prompt_len', '?')} tokens itself (sampling at temperature 1, "
+        "a fresh sample every step) and the teacher scores the student's own tokens; only generated tokens count. "
+        "Peak MiB: one training step (teacher forward included) "
+        "above the resident weights and optimizer state. Train time: optimizer steps (teacher forwards and generation included; evaluation and the memory-tracked step excluded). "
         f"Device: {results['device']} ({env['device']}, torch threads: {results.get('threads', '?')}), "
         f"torch {env['torch']}, commit {env['commit']}.",
     ]

@@ -2,6 +2,9 @@
 
 - ``distill_loss(student, teacher, input_ids, ...)``: the loss of one batch, for plain loops.
 - ``DistillationTrainer`` / ``DistillationArguments``: a transformers.Trainer that distills.
+- ``on_policy_batch(student, prompt_ids, prompt_mask, ...)``: prompts completed by a model, as a
+  batch whose labels count the generated tokens only (on-policy / sequence-level distillation).
+- ``nitrobrew train config.yaml``: the trainer from a config file (``nitrobrew.hf.train_cli``).
 - Helpers: ``final_hidden_states``, ``lm_head``, ``shift_labels``, ``count_targets``, ``check_head``.
 
 The helpers and ``distill_loss`` do not import transformers; the trainer does (on first use).
@@ -19,6 +22,9 @@ from .model import (
     shift_labels,
     unwrap,
 )
+from .onpolicy import GeneratedBatch, on_policy_batch
+from .packing import block_causal_mask, document_targets
+from .schedules import scheduled
 
 
 def __getattr__(name):
@@ -32,5 +38,6 @@ def __getattr__(name):
 __all__ = [
     "distill_loss", "LMDistillOutput", "DIVERGENCES", "DistillationTrainer", "DistillationArguments",
     "final_hidden_states", "lm_head", "LMHead", "decoder", "unwrap", "shift_labels", "labels_from_inputs",
-    "count_targets", "check_head", "IGNORE_INDEX",
+    "count_targets", "check_head", "IGNORE_INDEX", "on_policy_batch", "GeneratedBatch", "block_causal_mask",
+    "document_targets", "scheduled",
 ]

@@ -7,10 +7,14 @@ from typing import NamedTuple, Optional, Union
 import torch
 from torch import nn
 
+from .. import divergences as dv
 from ..hidden.api import hidden_loss
-from .model import IGNORE_INDEX, final_hidden_states, labels_from_inputs, lm_head, shift_labels
+from .fsdp import gather_rows, head_block, head_is_sharded_apart
+from .fsdp import layout as fsdp_layout
+from .model import IGNORE_INDEX, final_hidden_states, is_fsdp2, labels_from_inputs, lm_head, shift_labels
+from .packing import document_targets, model_inputs
 
-HIDDEN_DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl")
+HIDDEN_DIVERGENCES = dv.NAMES
 DIVERGENCES = HIDDEN_DIVERGENCES + ("topk",)
 
 
@@ -36,14 +40,15 @@ def _rows(hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 
 def _head_operands(model: nn.Module, like: torch.Tensor, rows: torch.Tensor):
-    """(hidden rows, head weight, bias) in one dtype, with a post-head logit scale folded in."""
+    """(hidden rows, head weight, bias, final-logit softcap or None) in one dtype, with a post-head
+    logit scale folded in (the cap applies after it, as in the model)."""
     head = lm_head(model)
     w = head.weight.to(device=like.device, dtype=like.dtype)
     b = None if head.bias is None else head.bias.to(device=like.device, dtype=like.dtype)
     if head.scale != 1.0:
         rows = rows * head.scale
         b = None if b is None else b * head.scale
-    return rows, w, b
+    return rows, w, b, head.softcap
 
 
 def distill_loss(
@@ -71,6 +76,8 @@ def distill_loss(
     chunk_V: Optional[int] = None,
     backend: str = "auto",
     through_forward: bool = False,
+    position_ids: Optional[torch.Tensor] = None,
+    **varlen,
 ) -> LMDistillOutput:
     """Distillation loss of a student causal LM against a teacher (or stored top-k) on one batch.
 
@@ -103,7 +110,13 @@ def distill_loss(
             ``topk_kl``'s normalize and tail; teacher_temperature: the temperature the store
             was extracted at (a mismatch with ``temperature`` raises).
         chunk_V, backend: passed to the loss.
-        through_forward: run the student through its own forward (see ``final_hidden_states``).
+        through_forward: run the student through its own forward (see ``final_hidden_states``);
+            always for a model under FSDP2 (``fully_shard``), student or teacher.
+        position_ids: [B, N] (or [N]) positions; in a packed batch they restart at each document
+            (``DataCollatorWithFlattening``): each model then attends within documents only (see
+            ``nitrobrew.hf.packing``) and the last position of a document predicts nothing.
+        **varlen: the flash-attention varlen kwargs of a packed batch (``cu_seq_lens_q``,
+            ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``), passed to both models.
 
     Returns:
         ``LMDistillOutput(loss, kd, ce, n_tokens)``.
@@ -123,15 +136,34 @@ def distill_loss(
         raise ValueError(f"targets {tuple(targets.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
     else:
         target = targets
+    target = document_targets(target, position_ids)
     keep = (target != IGNORE_INDEX).reshape(-1)
     rows_labels = target.reshape(-1)[keep]
     n_tokens = keep.sum()
 
-    hs = final_hidden_states(student, input_ids, attention_mask, through_forward=through_forward)
-    xs, ws, bs = _head_operands(student, hs, _rows(hs, keep))
+    # Built before any forward: an input that cannot be honoured raises first.
+    s_inputs = model_inputs(student, input_ids, attention_mask, position_ids, **varlen)
+    t_inputs = None if teacher is None else model_inputs(teacher, input_ids, attention_mask, position_ids, **varlen)
+    # FSDP2: the root forward gathers the parameters (the head included) and keeps them until the
+    # backward; with the decoder sharded apart from the head, the head stays sharded (fsdp.py).
+    sharded_head = head_is_sharded_apart(student)
+    if sharded_head and divergence == "topk":
+        raise ValueError("divergence='topk' with an FSDP2 head sharded apart from the decoder is not supported: "
+                         "shard the decoder and the head in one unit (the root)")
+    hs = final_hidden_states(student, input_ids, through_forward=(through_forward or is_fsdp2(student))
+                             and not sharded_head, **s_inputs)
+    xs, ws, bs, cap_s = _head_operands(student, hs, _rows(hs, keep))
+    group, world = None, 1
+    if sharded_head:
+        lay = fsdp_layout(ws)
+        group, world = lay.group, lay.world
+        xs = gather_rows(xs, group, scale=world)  # FSDP averages the decoder's gradients over ranks
+        rows_labels = gather_rows(rows_labels, group)
+        ws = ws.to_local()
+        bs = bs.to_local() if bs is not None and type(bs).__name__ == "DTensor" else bs
     options = dict(labels=rows_labels, temperature=temperature, scale_t2=scale_t2, kd_weight=kd_weight,
                    ce_weight=ce_weight, beta=beta, alpha=alpha, reduction="sum", bs=bs, chunk_V=chunk_V,
-                   backend=backend, return_parts=True)
+                   backend=backend, softcap_s=cap_s, return_parts=True, process_group=group)
     if divergence == "topk":
         ids, lp = (t.to(xs.device).reshape(-1, t.shape[-1])[keep] for t in (topk_ids, topk_logprobs))
         if vocab_size is not None:  # a padded student head: the first vocab_size rows are the vocabulary
@@ -146,17 +178,29 @@ def distill_loss(
         ce_only = teacher is None or kd_weight == 0
         if ce_only:  # no teacher forward: a constant teacher of width 1, weighted 0
             xt = xs.new_zeros(xs.shape[0], 1).detach()
-            wt, bt = ws.new_zeros(ws.shape[0], 1).detach(), None
+            wt, bt, cap_t = ws.new_zeros(ws.shape[0], 1).detach(), None, None
         else:
             with torch.no_grad():
-                ht = final_hidden_states(teacher, input_ids, attention_mask).to(xs.device)
-                xt, wt, bt = _head_operands(teacher, ht, _rows(ht, keep))
+                apart = head_is_sharded_apart(teacher)
+                ht = final_hidden_states(teacher, input_ids, through_forward=is_fsdp2(teacher) and not apart,
+                                         **t_inputs).to(xs.device)
+                xt, wt, bt, cap_t = _head_operands(teacher, ht, _rows(ht, keep))
+                if sharded_head:  # all ranks' teacher rows, this rank's block of the teacher's head
+                    xt = gather_rows(xt, group)
+                    wt, bt = head_block(wt, bt, lay)
+                elif apart:  # a teacher head kept sharded, a student head whole: gather the teacher's
+                    wt, bt = (None if t is None else t.full_tensor() for t in (wt, bt))
         with _no_autocast(xs.device):
-            parts = hidden_loss(xs, xt, ws, wt, divergence=divergence, vocab_size=vocab_size, bt=bt, **options)
+            parts = hidden_loss(xs, xt, ws, wt, divergence=divergence, vocab_size=vocab_size, bt=bt, softcap_t=cap_t,
+                                **options)
         if ce_only:  # the divergence to the stand-in teacher means nothing: report 0
             parts = parts._replace(kd=torch.zeros_like(parts.kd))
+    if sharded_head:  # the loss covers all ranks' rows: count them, and report 1/world of it
+        n_all = n_tokens.clone()
+        torch.distributed.all_reduce(n_all, group=group)
+        parts = parts._replace(**{k: getattr(parts, k) / world for k in ("loss", "kd", "ce")})
     if num_items_in_batch is None:
-        denom = n_tokens.clamp_min(1)
+        denom = (n_all if sharded_head else n_tokens).clamp_min(1)
     elif isinstance(num_items_in_batch, torch.Tensor):
         denom = num_items_in_batch.to(parts.loss.device).clamp_min(1)
     else:

@@ -20,20 +20,31 @@ IGNORE_INDEX = -100
 
 
 class LMHead(NamedTuple):
-    """The output layer: ``logits = scale * (h @ weight.T + bias)``."""
+    """The output layer: ``logits = scale * (h @ weight.T + bias)``, then ``softcap * tanh(logits / softcap)``
+    when the model caps its final logits (Gemma 2/3: ``config.final_logit_softcapping``)."""
 
     weight: torch.Tensor
     bias: Optional[torch.Tensor]
     scale: float
+    softcap: Optional[float] = None
 
 
 _WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "DeepSpeedEngine",
              "OptimizedModule")
 
 
+def is_fsdp2(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) manages the model: its root forward gathers the parameters."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(model, FSDPModule)
+
+
 def is_wrapped(model: nn.Module) -> bool:
-    """Whether the model sits in a training wrapper whose forward must run (DDP, torch.compile)."""
-    return type(model).__name__ in _WRAPPERS
+    """Whether the model's own forward must run (DDP, torch.compile, FSDP2: their hooks run there)."""
+    return type(model).__name__ in _WRAPPERS or is_fsdp2(model)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -65,18 +76,18 @@ def decoder(model: nn.Module) -> nn.Module:
     )
 
 
+def _final_softcap(model: nn.Module) -> Optional[float]:
+    """The cap c of ``c * tanh(logits / c)`` the model applies to its final logits, or None."""
+    config = getattr(unwrap(model), "config", None)
+    cap = getattr(config, "final_logit_softcapping", None) if config is not None else None
+    return float(cap) if cap else None
+
+
 def _logit_scale(model: nn.Module) -> float:
-    """The scalar some architectures apply after the head; raise for non-linear post-processing."""
+    """The scalar some architectures apply after the head (before a final softcap)."""
     config = getattr(unwrap(model), "config", None)
     if config is None:
         return 1.0
-    softcap = getattr(config, "final_logit_softcapping", None)
-    if softcap:
-        raise ValueError(
-            f"{type(config).__name__} applies final_logit_softcapping={softcap} to its logits, a "
-            "non-linear map that hidden-state losses cannot express; set "
-            "config.final_logit_softcapping = None (and train that way), or use logits"
-        )
     scale = 1.0
     if getattr(config, "logit_scale", None) is not None:   # Cohere: logits * logit_scale
         scale *= float(config.logit_scale)
@@ -113,9 +124,21 @@ def lm_head(model: nn.Module) -> LMHead:
     if linear.weight.numel() == 0:
         raise ValueError(
             "the LM head's weight is empty here (parameters partitioned, e.g. DeepSpeed ZeRO-3 or "
-            "FSDP): nitrobrew.hf needs the full head on each rank"
+            "FSDP version 1): use FSDP2 (fully_shard) or ZeRO-2"
         )
-    return LMHead(linear.weight, linear.bias, _logit_scale(model))
+    if type(linear.weight).__name__ == "DTensor" and is_fsdp2(m) and any(
+            p.is_shard() for p in linear.weight.placements):
+        from .fsdp import head_is_sharded_apart
+
+        if not head_is_sharded_apart(m):
+            # Each data-parallel rank holds other rows: a vocab-parallel loss over FSDP's mesh would mix them.
+            raise ValueError(
+                "the LM head is still sharded by FSDP2 when the loss reads it (lm_head under its own "
+                "fully_shard, resharded after its forward): shard it with the root module (the root "
+                "keeps its parameters gathered until the backward), or the decoder apart from it "
+                "(fully_shard(model.model)) for the vocab-parallel layout"
+            )
+    return LMHead(linear.weight, linear.bias, _logit_scale(model), _final_softcap(model))
 
 
 def _forward_kwargs(model: nn.Module) -> dict:
@@ -180,19 +203,26 @@ def count_targets(labels: torch.Tensor, attention_mask: Optional[torch.Tensor] =
 
 @torch.no_grad()
 def check_head(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-               *, through_forward: bool = False, rtol: float = 1e-3) -> float:
+               *, through_forward: bool = False, rtol: float = 1e-3, position_ids: Optional[torch.Tensor] = None,
+               **varlen) -> float:
     """Verify that ``final_hidden_states`` and ``lm_head`` reproduce ``model(...).logits``.
 
     Computes the full logits once; raises ValueError when they differ (an architecture with a
-    post-head transform nitrobrew does not know). Returns the max abs difference.
+    post-head transform nitrobrew does not know). Returns the max abs difference. position_ids
+    and varlen kwargs: a packed batch (see ``nitrobrew.hf.packing``).
     """
-    ref = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
-    h = final_hidden_states(model, input_ids, attention_mask, through_forward=through_forward).float()
+    from .packing import model_inputs
+
+    inputs = model_inputs(model, input_ids, attention_mask, position_ids, **varlen)
+    ref = model(input_ids=input_ids, use_cache=False, **inputs).logits.float()
+    h = final_hidden_states(model, input_ids, through_forward=through_forward or is_fsdp2(model), **inputs).float()
     head = lm_head(model)
     ours = h @ head.weight.float().T
     if head.bias is not None:
         ours = ours + head.bias.float()
     ours = ours * head.scale
+    if head.softcap is not None:
+        ours = head.softcap * torch.tanh(ours / head.softcap)
     keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask != 0
     diff = float((ours - ref)[keep].abs().max()) if keep.any() else 0.0
     tol = rtol * max(1.0, float(ref[keep].abs().max()) if keep.any() else 1.0)

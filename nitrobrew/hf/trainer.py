@@ -20,7 +20,10 @@ from transformers import Trainer, TrainingArguments
 
 from .. import _checks as ck
 from .loss import DIVERGENCES, distill_loss
-from .model import IGNORE_INDEX, check_head, count_targets, is_wrapped, labels_from_inputs, unwrap
+from .model import IGNORE_INDEX, check_head, is_fsdp2, is_wrapped, labels_from_inputs, shift_labels, unwrap
+from .onpolicy import on_policy_batch, prompts_of
+from .packing import VARLEN_KEYS, document_targets, is_packed
+from .schedules import SCHEDULES, scheduled
 
 _PASSES_NUM_ITEMS = "num_items_in_batch" in inspect.signature(Trainer.compute_loss).parameters
 
@@ -45,10 +48,28 @@ class DistillationArguments(TrainingArguments):
                                                                       "(padded heads)"})
     teacher_bf16: bool = field(default=False, metadata={"help": "load / cast the teacher to bfloat16"})
     topk_normalize: str = field(default="full", metadata={"help": "topk: 'full' or 'topk' normalization"})
-    topk_tail: bool = field(default=False, metadata={"help": "topk: add the tail bucket"})
+    topk_tail: Optional[bool] = field(default=None, metadata={
+        "help": "topk: add the tail bucket (default: with topk_normalize='full'); off, the student learns to put "
+                "no mass outside the stored ids"})
     chunk_v: Optional[int] = field(default=None, metadata={"help": "vocab chunk of the loss (None = auto)"})
     check_heads: bool = field(default=True, metadata={"help": "on the first batch, verify hidden @ head == "
                                                               "model(...).logits for student and teacher"})
+    # On-policy / sequence-level distillation (GKD; TRL's names).
+    lmbda: float = field(default=0.0, metadata={"help": "probability that a batch is replaced by the student's own "
+                                                        "completions of its prompts (0: never, 1: on-policy)"})
+    seq_kd: bool = field(default=False, metadata={"help": "train on the teacher's completions of the prompts "
+                                                          "(sequence-level KD) when the batch is not on-policy"})
+    max_new_tokens: int = field(default=128, metadata={"help": "tokens generated per prompt"})
+    generation_temperature: float = field(default=0.9, metadata={"help": "sampling temperature (0: greedy)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (1: off)"})
+    top_k: int = field(default=0, metadata={"help": "top-k sampling (0: off)"})
+    # Schedules over training (constant, linear or cosine from the value to its *_end).
+    temperature_schedule: str = field(default="constant", metadata={"help": "constant, linear or cosine"})
+    temperature_end: Optional[float] = field(default=None, metadata={"help": "temperature at the last step"})
+    kd_weight_schedule: str = field(default="constant", metadata={"help": "constant, linear or cosine"})
+    kd_weight_end: Optional[float] = field(default=None, metadata={"help": "kd_weight at the last step"})
+    ce_weight_schedule: str = field(default="constant", metadata={"help": "constant, linear or cosine"})
+    ce_weight_end: Optional[float] = field(default=None, metadata={"help": "ce_weight at the last step"})
     # Top-k columns (and any other extra column) must reach compute_loss.
     remove_unused_columns: bool = field(default=False, metadata={"help": "drop dataset columns the model's "
                                                                          "forward does not take"})
@@ -64,13 +85,40 @@ class DistillationArguments(TrainingArguments):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.kd_weight == 0 and self.ce_weight == 0:
+        for name in ("temperature", "kd_weight", "ce_weight"):
+            kind, end = getattr(self, name + "_schedule"), getattr(self, name + "_end")
+            if kind not in SCHEDULES:
+                raise ValueError(f"{name}_schedule must be one of {SCHEDULES}, got {kind!r}")
+            if kind != "constant" and end is None:
+                raise ValueError(f"{name}_schedule={kind!r} needs {name}_end (the value at the last step)")
+            if end is not None and not (isinstance(end, (int, float)) and math.isfinite(end) and end >= 0
+                                        and (name != "temperature" or end > 0)):
+                raise ValueError(f"{name}_end must be a finite number {'> 0' if name == 'temperature' else '>= 0'}, "
+                                 f"got {end!r}")
+        if self.kd_weight == 0 and self.ce_weight == 0 and not (self.kd_weight_end or self.ce_weight_end):
             raise ValueError("kd_weight and ce_weight are both 0: nothing to train")
+        ck.check_unit_interval("lmbda", self.lmbda)
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0):
+            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if not (math.isfinite(self.generation_temperature) and self.generation_temperature >= 0):
+            raise ValueError(f"generation_temperature must be >= 0, got {self.generation_temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if self.divergence == "topk" and (self.lmbda > 0 or self.seq_kd):
+            raise ValueError("divergence='topk' scores the stored dataset's tokens only: on-policy (lmbda > 0) "
+                             "and seq_kd need a live teacher")
+        if self.divergence == "topk" and self.temperature_schedule != "constant":
+            raise ValueError("divergence='topk': the store was extracted at one temperature; it cannot follow "
+                             "a temperature schedule")
         if self.vocab_size is not None and not (isinstance(self.vocab_size, int) and self.vocab_size > 0):
             raise ValueError(f"vocab_size must be a positive int or None, got {self.vocab_size!r}")
         if self.topk_normalize not in ("full", "topk"):
             raise ValueError(f"topk_normalize must be 'full' or 'topk', got {self.topk_normalize!r}")
         ck.check_chunk("chunk_v", self.chunk_v)
+        if self.topk_tail is None:  # the tail needs the full normalization
+            self.topk_tail = self.topk_normalize == "full"
 
 
 def _load_teacher(teacher: Union[str, nn.Module], bf16: bool) -> nn.Module:
@@ -86,6 +134,16 @@ def _load_teacher(teacher: Union[str, nn.Module], bf16: bool) -> nn.Module:
     return teacher.to(torch.bfloat16) if bf16 else teacher
 
 
+def check_sharding(deepspeed_plugin=None, fsdp_plugin=None) -> None:
+    """Refuse the setups that partition the LM head into flat shards nitrobrew.hf cannot read."""
+    if deepspeed_plugin is not None and getattr(deepspeed_plugin, "zero_stage", 0) == 3:
+        raise ValueError("DeepSpeed ZeRO-3 partitions the LM head, which nitrobrew.hf reads directly: use "
+                         "ZeRO-2 (or 1), or FSDP2 (accelerate's FSDP plugin with fsdp_version 2)")
+    if fsdp_plugin is not None and getattr(fsdp_plugin, "fsdp_version", 1) != 2:
+        raise ValueError("FSDP (version 1) flattens the LM head into shards nitrobrew.hf cannot read: use "
+                         "FSDP2 (fsdp_version 2 in the accelerate config / fsdp_config)")
+
+
 class DistillationTrainer(Trainer):
     """Trainer whose loss distills ``teacher_model`` into ``model``.
 
@@ -97,27 +155,37 @@ class DistillationTrainer(Trainer):
             ``TopKCollator``: batches carry ``topk_ids`` and ``topk_logprobs`` [B, N, K] and
             labels already shifted.
         args: ``DistillationArguments``.
+        generate_fn: an external generator for on-policy / seq_kd batches (see
+            ``nitrobrew.hf.onpolicy.GenerateFn``); default: ``generate`` of the unwrapped model.
         Everything else as for ``transformers.Trainer``. Batches need ``input_ids`` and
-        optionally ``attention_mask`` and ``labels`` (per token, -100 = ignored; default: the
-        input ids with -100 at padding).
+        optionally ``attention_mask``, ``labels`` (per token, -100 = ignored; default: the
+        input ids with -100 at padding), ``position_ids`` and flash-attention varlen kwargs
+        (packed batches, ``DataCollatorWithFlattening``), and for on-policy batches ``prompts``
+        / ``prompt_attention_mask`` (else labels -100 on each row's prompt).
 
-    Logs ``kd_loss`` and ``ce_loss`` (the two terms, normalized like the loss) next to ``loss``.
+    Logs ``kd_loss`` and ``ce_loss`` (the two terms, normalized like the loss), the scheduled
+    ``temperature`` / ``kd_weight`` / ``ce_weight``, and with generation ``gen_len`` (counted
+    tokens per completion) and ``gen_seconds`` (generation time per optimizer step).
     """
 
-    def __init__(self, model=None, teacher_model=None, args: Optional[DistillationArguments] = None, **kwargs):
+    def __init__(self, model=None, teacher_model=None, args: Optional[DistillationArguments] = None,
+                 generate_fn=None, **kwargs):
         if not isinstance(args, DistillationArguments):
             raise TypeError("DistillationTrainer needs args=DistillationArguments(...)")
         if teacher_model is None and args.divergence != "topk":
             raise ValueError(f"divergence={args.divergence!r} needs a teacher_model")
         super().__init__(model=model, args=args, **kwargs)
+        self._check_sharding()
         self.teacher = None
         if teacher_model is not None:
             teacher = _load_teacher(teacher_model, args.teacher_bf16)
             teacher.requires_grad_(False)
             teacher.eval()
-            if getattr(teacher, "hf_device_map", None) is None:  # placed by the user otherwise
+            # Placed by the user otherwise (a device map, or a teacher sharded with fully_shard).
+            if getattr(teacher, "hf_device_map", None) is None and not is_fsdp2(teacher):
                 teacher.to(self.args.device)
             self.teacher = teacher
+        self.generate_fn = generate_fn
         # Older Trainers only pass num_items_in_batch (and skip their 1/GA scaling) for models
         # that "accept loss kwargs"; our compute_loss does.
         self.model_accepts_loss_kwargs = True
@@ -126,27 +194,57 @@ class DistillationTrainer(Trainer):
         if args.divergence == "topk" and self._store_temperature not in (None, args.temperature):
             raise ValueError(f"the top-k store was extracted at temperature {self._store_temperature}, but "
                              f"temperature={args.temperature}: extract it again at the distillation temperature")
+        if args.divergence == "topk" and not args.topk_tail and args.ce_weight == 0:
+            warnings.warn("divergence='topk' with topk_tail=False and ce_weight=0: the student learns to put no "
+                          "mass outside the stored ids (set topk_tail=True or a CE weight)", stacklevel=2)
         self._heads_checked = not args.check_heads
-        self._kd_sum = self._ce_sum = None
+        self._sums, self._schedule = {}, {}
         self._logged_step = 0
         if not _PASSES_NUM_ITEMS:
             warnings.warn("this transformers version does not pass num_items_in_batch to compute_loss: the loss "
                           "is a mean per micro-batch (exact under gradient accumulation only with equal token "
                           "counts); upgrade transformers", stacklevel=2)
 
+    def _check_sharding(self) -> None:
+        state = self.accelerator.state
+        check_sharding(getattr(state, "deepspeed_plugin", None) if getattr(self, "is_deepspeed_enabled", False)
+                       else None,
+                       getattr(state, "fsdp_plugin", None) if getattr(self, "is_fsdp_enabled", False) else None)
+
+    # -- on-policy / sequence-level batches -------------------------------------------------------
+    def _generate(self, batch, index: int):
+        """The batch, or its prompts completed by the teacher (seq_kd) and / or the student (lmbda)."""
+        a = self.args
+        if not (a.seq_kd or a.lmbda > 0):
+            return batch
+        # Drawn from the seed and the micro-batch index: reproducible, and the global RNG is untouched.
+        draw = float(torch.rand((), generator=torch.Generator().manual_seed(a.seed * 1_000_003 + index)))
+        # On-policy wins over seq_kd (as in TRL, where the student's completions replace the teacher's).
+        who = self.model if draw < a.lmbda else self.teacher if a.seq_kd else None
+        if who is None:
+            return batch
+        if is_packed(batch.get("position_ids")):
+            raise ValueError("on-policy / seq_kd with packed batches: generation needs one prompt per row "
+                             "(do not pack, or set lmbda=0 and seq_kd=False)")
+        prompts, mask = prompts_of(batch)
+        gen = on_policy_batch(who, prompts, mask, max_new_tokens=a.max_new_tokens,
+                              temperature=a.generation_temperature, top_p=a.top_p, top_k=a.top_k,
+                              seed=a.seed * 1_000_003 + index, generate_fn=self.generate_fn)
+        self._add("gen_len", gen.n_generated.float().mean())
+        self._add("gen_seconds", torch.tensor(gen.seconds))
+        self._add("gen_batches", torch.tensor(1.0))
+        return {"input_ids": gen.input_ids, "attention_mask": gen.attention_mask, "labels": gen.labels}
+
     # -- the global token count of each accumulation window ------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
+        # Generated batches replace their sources before the count: the normalizer stays exact.
+        # Which batches are generated, and how: a function of the seed and the micro-batch's index.
+        first = self.state.global_step * num_batches
+        batch_samples = [self._generate(b, first + i) for i, b in enumerate(batch_samples)]
         count = torch.zeros((), dtype=torch.long, device=self.args.device)
         for batch in batch_samples:
-            labels = self._labels(batch)
-            if "targets" in labels:
-                count += (labels["targets"] != IGNORE_INDEX).sum().to(count.device)
-            else:
-                given = labels["labels"]
-                if given is None:
-                    given = labels_from_inputs(batch["input_ids"], batch.get("attention_mask"))
-                count += count_targets(given, batch.get("attention_mask")).to(count.device)
+            count += (self._targets(batch) != IGNORE_INDEX).sum().to(count.device)
         if getattr(self.args, "average_tokens_across_devices", False) and self.args.world_size > 1:
             count = self.accelerator.gather(count).sum()
         return batch_samples, count
@@ -157,19 +255,42 @@ class DistillationTrainer(Trainer):
             return {"targets": batch["labels"]} if batch.get("labels") is not None else {"labels": None}
         return {"labels": batch.get("labels")}
 
+    def _targets(self, batch) -> torch.Tensor:
+        """Per-position targets of a batch, as distill_loss counts them."""
+        labels, mask = self._labels(batch), batch.get("attention_mask")
+        if "targets" in labels:
+            target = labels["targets"]
+        else:
+            given = labels["labels"]
+            if given is None:
+                given = labels_from_inputs(batch["input_ids"], mask)
+            target = shift_labels(given, mask)
+        position_ids = batch.get("position_ids")
+        return document_targets(target, None if position_ids is None else position_ids.expand_as(target))
+
+    def current(self, name: str) -> float:
+        """The scheduled value of temperature, kd_weight or ce_weight at this optimizer step."""
+        a = self.args
+        return scheduled(getattr(a, name), getattr(a, name + "_end"), getattr(a, name + "_schedule"),
+                         self.state.global_step, self.state.max_steps)
+
     # -- the loss ---------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs):
         a = self.args
+        packing = {k: inputs[k] for k in ("position_ids", *VARLEN_KEYS) if inputs.get(k) is not None}
         if not self._heads_checked:
-            self._check_heads(model, inputs)
+            self._check_heads(model, inputs, packing)
+        temperature, kd_weight, ce_weight = (self.current(n) for n in ("temperature", "kd_weight", "ce_weight"))
+        if model.training:
+            self._schedule = {"temperature": temperature, "kd_weight": kd_weight, "ce_weight": ce_weight}
         out = distill_loss(
             model, self.teacher, inputs["input_ids"], inputs.get("attention_mask"), **self._labels(inputs),
-            divergence=a.divergence, temperature=a.temperature, scale_t2=a.scale_t2, kd_weight=a.kd_weight,
-            ce_weight=a.ce_weight, beta=a.beta, alpha=a.alpha, vocab_size=a.vocab_size,
+            divergence=a.divergence, temperature=temperature, scale_t2=a.scale_t2, kd_weight=kd_weight,
+            ce_weight=ce_weight, beta=a.beta, alpha=a.alpha, vocab_size=a.vocab_size,
             num_items_in_batch=num_items_in_batch, topk_ids=inputs.get("topk_ids"),
             topk_logprobs=inputs.get("topk_logprobs"), topk_normalize=a.topk_normalize, topk_tail=a.topk_tail,
             teacher_temperature=self._store_temperature,
-            chunk_V=a.chunk_v, through_forward=is_wrapped(model),
+            chunk_V=a.chunk_v, through_forward=is_wrapped(model), **packing,
         )
         loss = out.loss
         if num_items_in_batch is not None and getattr(a, "average_tokens_across_devices", False):
@@ -178,26 +299,59 @@ class DistillationTrainer(Trainer):
         # training_step divides an unscaled (per-micro-batch mean) loss by the accumulation steps.
         self.loss_is_scaled_for_ga = num_items_in_batch is not None
         if model.training:
-            kd, ce = out.kd.detach(), out.ce.detach()
-            self._kd_sum = kd if self._kd_sum is None else self._kd_sum + kd
-            self._ce_sum = ce if self._ce_sum is None else self._ce_sum + ce
+            self._add("kd_loss", out.kd.detach())
+            self._add("ce_loss", out.ce.detach())
         if return_outputs:
             return loss, {"kd_loss": out.kd.detach(), "ce_loss": out.ce.detach()}
         return loss
 
-    def _check_heads(self, model, inputs) -> None:
+    def _add(self, key, value):
+        value = value.detach().float().cpu() if isinstance(value, torch.Tensor) else value
+        self._sums[key] = value if key not in self._sums else self._sums[key] + value
+
+    def _check_heads(self, model, inputs, packing) -> None:
         ids, mask = inputs["input_ids"][:1], inputs.get("attention_mask")
         mask = None if mask is None else mask[:1]
+        if "position_ids" in packing:
+            packing = {"position_ids": packing["position_ids"][:1]}  # the varlen kwargs describe the whole batch
+        from .fsdp import head_is_sharded_apart
+
         for who in (model, self.teacher):
-            if who is not None:
-                check_head(unwrap(who), ids, mask)
+            # A head kept sharded by FSDP2 has no full logits to compare with (and the root's forward
+            # must not run before the decoder's): not checked.
+            if who is not None and not head_is_sharded_apart(who):
+                check_head(unwrap(who), ids, mask, **packing)
         self._heads_checked = True
 
+    _LOGGED = ("kd_loss", "ce_loss", "gen_len", "gen_seconds", "gen_batches")
+
+    def _summed_over_processes(self):
+        """The logged sums of every process (training logs are written on every process, together)."""
+        vec = torch.stack([torch.as_tensor(self._sums.get(k, 0.0), dtype=torch.float64) for k in self._LOGGED])
+        n = self.accelerator.num_processes
+        if n > 1:
+            vec = self.accelerator.reduce(vec.to(self.args.device), reduction="sum").cpu()
+        sums = dict(zip(self._LOGGED, vec.tolist()))
+        # With a global token count each process holds its share of the mean (they add up);
+        # otherwise each holds a mean of its own, and so does the generation time.
+        shares = getattr(self.args, "average_tokens_across_devices", False) and _PASSES_NUM_ITEMS
+        for key in ("kd_loss", "ce_loss") if not shares else ():
+            sums[key] /= n
+        sums["gen_seconds"] /= n
+        return sums
+
     def log(self, logs, *args, **kwargs):
-        if "loss" in logs and self._kd_sum is not None:
+        if "loss" in logs:
             steps = max(self.state.global_step - self._logged_step, 1)
-            logs["kd_loss"] = round(float(self._kd_sum) / steps, 6)
-            logs["ce_loss"] = round(float(self._ce_sum) / steps, 6)
-            self._kd_sum = self._ce_sum = None
+            sums = self._summed_over_processes()
+            if "kd_loss" in self._sums or self.accelerator.num_processes > 1:
+                logs["kd_loss"] = round(sums["kd_loss"] / steps, 6)
+                logs["ce_loss"] = round(sums["ce_loss"] / steps, 6)
+            if sums["gen_batches"] > 0:
+                logs["gen_len"] = round(sums["gen_len"] / sums["gen_batches"], 3)
+                logs["gen_seconds"] = round(sums["gen_seconds"] / steps, 4)
+            self._sums = {}
             self._logged_step = self.state.global_step
+        if "loss" in logs and self._schedule:  # the values the last optimizer step used
+            logs.update({k: round(v, 6) for k, v in self._schedule.items()})
         return super().log(logs, *args, **kwargs)

@@ -1,0 +1,117 @@
+"""FSDP2 (``fully_shard``) students whose head stays sharded: the vocab-parallel layout.
+
+FSDP2 stores each parameter as a DTensor sharded on dim 0; for the head that is a block of the
+vocabulary per rank. When the decoder (``model.model``) is its own ``fully_shard`` unit, apart
+from the head, nitrobrew runs the decoder alone (FSDP gathers its layers as usual) and never
+the head's forward, so the head is never gathered: every rank gathers the *rows* of all ranks
+(``[rows, D]``, small next to ``[V, D]``), and the vocab-parallel loss of ``nitrobrew.parallel``
+runs on this rank's block of the head, merging per-row statistics across ranks.
+
+Gradients: the head block gets its complete gradient directly (FSDP does not average it again);
+the rows' gradient, complete on every rank after the loss, is scaled by the world size on its
+way back to this rank's rows, because FSDP averages the decoder's gradients over ranks. The
+loss value is 1/world of the loss over all ranks' rows, so that the usual ``loss * world``
+(what the trainer does with a global token count) gives exact gradients in both layouts.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .model import decoder, is_fsdp2, unwrap
+
+
+class Layout(NamedTuple):
+    """The vocab-parallel layout of an FSDP2 head: group, world, rank, and this rank's block."""
+
+    group: object
+    world: int
+    rank: int
+    offset: int
+    rows: int
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def head_is_sharded_apart(model: nn.Module) -> bool:
+    """FSDP2 with the decoder under its own fully_shard (so the head is alone in the root's unit)
+    and an untied head: the head can stay sharded."""
+    m = unwrap(model)
+    if not is_fsdp2(m):
+        return False
+    try:
+        dec = decoder(m)
+    except TypeError:
+        return False
+    out = m.get_output_embeddings() if callable(getattr(m, "get_output_embeddings", None)) else None
+    w = getattr(out, "weight", None)
+    tied = w is not None and w is getattr(m.get_input_embeddings(), "weight", None)
+    return is_fsdp2(dec) and dec is not m and not tied and _is_dtensor(w)
+
+
+def layout(weight) -> Layout:
+    """The layout of a DTensor head sharded Shard(0) over a 1-D mesh (torch.chunk block sizes)."""
+    placements = tuple(weight.placements)
+    if len(placements) != 1 or not placements[0].is_shard(0):
+        raise ValueError(f"an FSDP2 head placed {placements}: nitrobrew.hf expects Shard(0) over a 1-D mesh")
+    mesh = weight.device_mesh
+    group = mesh.get_group(0)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    V = weight.shape[0]
+    chunk = -(-V // world)
+    offset = min(rank * chunk, V)
+    rows = weight.to_local().shape[0]
+    if rows != max(min(chunk, V - offset), 0):
+        raise ValueError(f"FSDP2 head block of {rows} rows on rank {rank}, expected torch.chunk's "
+                         f"{max(min(chunk, V - offset), 0)} of {V}")
+    return Layout(group, world, rank, offset, rows)
+
+
+class _GatherRows(torch.autograd.Function):
+    """All ranks' rows (uneven counts) in rank order; backward: this rank's rows' gradient x scale."""
+
+    @staticmethod
+    def forward(ctx, x, group, scale):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        n = torch.tensor([x.shape[0]], device=x.device)
+        sizes = [torch.zeros_like(n) for _ in range(world)]
+        dist.all_gather(sizes, n, group=group)
+        sizes = [int(s) for s in sizes]
+        pad = max(sizes)
+        padded = x.new_zeros((pad,) + tuple(x.shape[1:]))
+        padded[:x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        ctx.start, ctx.n, ctx.scale = sum(sizes[:rank]), x.shape[0], scale
+        return torch.cat([p[:s] for p, s in zip(parts, sizes)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.start:ctx.start + ctx.n] * ctx.scale, None, None
+
+
+def gather_rows(x: torch.Tensor, group, scale: float = 1.0) -> torch.Tensor:
+    return _GatherRows.apply(x, group, scale)
+
+
+def head_block(weight: torch.Tensor, bias: Optional[torch.Tensor], lay: Layout):
+    """This rank's block of a head (and bias): the local shard of a DTensor on the same layout,
+    or a slice of a full head (replicated, or gathered by FSDP for the forward)."""
+    def block(t):
+        if t is None:
+            return None
+        if _is_dtensor(t):
+            if any(p.is_shard() for p in t.placements):
+                theirs = layout(t)
+                if (theirs.offset, theirs.rows) != (lay.offset, lay.rows):
+                    raise ValueError("the teacher's head is sharded into other blocks than the student's: use "
+                                     "heads of the same size (vocab_size= for padded ones) on the same mesh")
+                return t.to_local()
+            t = t.to_local()
+        return t[lay.offset:lay.offset + lay.rows]
+    return block(weight), block(bias)

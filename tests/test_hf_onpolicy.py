@@ -1,0 +1,204 @@
+"""On-policy / sequence-level distillation: on_policy_batch and the trainer's lmbda / seq_kd (tiny models)."""
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from nitrobrew.hf import IGNORE_INDEX, DistillationTrainer, distill_loss, on_policy_batch  # noqa: E402
+from test_hf import reference  # noqa: E402
+from test_hf_trainer import V, args, teacher_model  # noqa: E402
+
+EOS, PAD = 3, 0
+
+
+def student(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False,
+                      eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def prompts(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, V, (4, 6), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0   # right padding
+    mask[2, :3] = 0   # left padding
+    return ids, mask
+
+
+def test_fixed_completions_count_generated_tokens_only():
+    """External generator: prompt never counts, EOS does, everything after it does not."""
+    ids, mask = prompts()
+    completion = torch.tensor([[5, EOS, 7, 8], [6, 9, 10, 11], [EOS, 12, 13, 14], [15, 16, EOS, EOS]])
+
+    def fixed(p, m, **options):
+        assert options["max_new_tokens"] == 4 and options["eos_token_id"] == EOS
+        assert bool((m[:, -1] == 1).all())  # prompts come left-padded: generation continues the last column
+        return completion
+
+    b = on_policy_batch(student(), ids, mask, max_new_tokens=4, generate_fn=fixed)
+    assert b.n_generated.tolist() == [2, 4, 1, 3]
+    for r in range(4):
+        p = ids[r][mask[r] == 1].tolist()
+        n = int(b.n_generated[r])
+        row = p + completion[r, :n].tolist()
+        assert b.input_ids[r, :len(row)].tolist() == row  # right-aligned: positions as in generation
+        assert b.attention_mask[r].tolist() == [1] * len(row) + [0] * (b.input_ids.shape[1] - len(row))
+        assert b.labels[r].tolist() == [IGNORE_INDEX] * len(p) + completion[r, :n].tolist() + \
+            [IGNORE_INDEX] * (b.input_ids.shape[1] - len(row))
+        assert bool((b.input_ids[r, len(row):] == PAD).all())
+    out = distill_loss(student(), teacher_model(), b.input_ids, b.attention_mask, b.labels)
+    assert int(out.n_tokens) == int(b.n_generated.sum())
+
+
+def test_generation_is_seeded_and_masks_after_eos():
+    model = student()
+    model.train()
+    ids, mask = prompts(1)
+    greedy = [on_policy_batch(model, ids, mask, max_new_tokens=6, temperature=0.0, eos_token_id=None)
+              for _ in range(2)]
+    assert torch.equal(greedy[0].input_ids, greedy[1].input_ids) and greedy[0].n_generated.tolist() == [6] * 4
+    # An EOS the model often emits: its most frequent greedy token.
+    eos = int(greedy[0].labels[greedy[0].labels != IGNORE_INDEX].mode().values)
+    state = torch.get_rng_state()
+    a = on_policy_batch(model, ids, mask, max_new_tokens=12, seed=5, eos_token_id=eos)
+    assert torch.equal(torch.get_rng_state(), state)  # the global RNG is left as it was
+    assert model.training  # mode restored
+    b = on_policy_batch(model, ids, mask, max_new_tokens=12, seed=5, eos_token_id=eos)
+    c = on_policy_batch(model, ids, mask, max_new_tokens=12, seed=6, eos_token_id=eos)
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+    assert not torch.equal(a.input_ids, c.input_ids)
+    cold = on_policy_batch(model, ids, mask, max_new_tokens=12, seed=5, eos_token_id=eos, temperature=0.2)
+    assert cold.n_generated.min() < 12  # some row stopped at its EOS
+    for g in (a, cold):
+        for r in range(4):
+            gen = g.labels[r][g.labels[r] != IGNORE_INDEX].tolist()
+            assert len(gen) == int(g.n_generated[r])
+            assert eos not in gen[:-1] and (gen[-1] == eos or len(gen) == 12)
+            assert bool((g.input_ids[r][g.attention_mask[r] == 0] == PAD).all())
+
+
+@pytest.mark.parametrize("divergence", ["reverse_kl", "jsd"])
+def test_gradient_on_a_generated_batch_equals_float64(divergence):
+    s, t = student(seed=2), teacher_model(seed=3)
+    ids, mask = prompts(2)
+    b = on_policy_batch(s, ids, mask, max_new_tokens=8, seed=1)
+    out = distill_loss(s, t, b.input_ids, b.attention_mask, b.labels, divergence=divergence)
+    out.loss.backward()
+    s64, t64 = copy.deepcopy(student(seed=2)).double(), copy.deepcopy(t).double()
+    total, count = reference(s64, t64, b.input_ids, b.attention_mask, b.labels, divergence)
+    (total / count).backward()
+    assert count == int(out.n_tokens) == int(b.n_generated.sum())
+    torch.testing.assert_close(out.loss.double(), (total / count).detach(), rtol=1e-5, atol=1e-6)
+    for (n, p), (_, q) in zip(s.named_parameters(), s64.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad.float(), rtol=2e-4, atol=2e-6, msg=n)
+
+
+def test_errors():
+    ids, mask = prompts()
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        on_policy_batch(student(), ids, mask, max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        on_policy_batch(student(), ids, mask, top_p=0.0)
+    with pytest.raises(ValueError, match="shape"):
+        on_policy_batch(student(), ids, mask, max_new_tokens=2, generate_fn=lambda p, m, **o: p[:, :3])
+
+
+# ------------------------------------------------------------------------------------------- trainer
+
+def prompt_data(seed=0):
+    """Items whose labels are -100 on the prompt (as a chat / instruction collator makes them)."""
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for p, c in ((4, 3), (6, 2)):
+        ids = torch.randint(4, V, (p + c,), generator=g).tolist()
+        items.append({"input_ids": ids, "labels": [IGNORE_INDEX] * p + ids[p:]})
+    return items
+
+
+def collate(items):
+    N = max(len(it["input_ids"]) for it in items)
+    ids = torch.full((len(items), N), PAD)
+    labels = torch.full((len(items), N), IGNORE_INDEX)
+    mask = torch.zeros_like(ids)
+    for b, it in enumerate(items):
+        n = len(it["input_ids"])
+        ids[b, :n], labels[b, :n], mask[b, :n] = torch.tensor(it["input_ids"]), torch.tensor(it["labels"]), 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def train_once(tmp_path, model, teacher, **kw):
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    generate_fn = kw.pop("generate_fn", None)
+    trainer = DistillationTrainer(model=model, teacher_model=teacher, generate_fn=generate_fn,
+                                  args=args(tmp_path, per_device_train_batch_size=2, **kw),
+                                  train_dataset=prompt_data(), data_collator=collate)
+    trainer.train()
+    return {n: before[n] - p.detach() for n, p in model.named_parameters()}, trainer
+
+
+def test_lmbda_zero_is_the_plain_trainer(tmp_path, monkeypatch):
+    teacher = teacher_model(seed=4)
+    plain, _ = train_once(tmp_path / "a", student(seed=5), teacher)
+    model = student(seed=5)
+    monkeypatch.setattr(type(model), "generate", lambda *a, **k: pytest.fail("generated with lmbda=0"))
+    zero, trainer = train_once(tmp_path / "b", model, teacher, lmbda=0.0, max_new_tokens=4)
+    for n in plain:
+        assert torch.equal(plain[n], zero[n]), n
+    assert not any("gen_len" in h for h in trainer.state.log_history)
+
+
+def test_lmbda_one_trains_on_the_completions(tmp_path):
+    """The trainer's on-policy step == the float64 gradient on the batch the generator returned."""
+    teacher, made = teacher_model(seed=6), []
+
+    def generator(p, m, **options):
+        g = torch.Generator().manual_seed(options["seed"])
+        completion = torch.randint(4, V, (p.shape[0], options["max_new_tokens"]), generator=g)
+        completion[0, 2] = EOS
+        made.append(on_policy_batch(student(), p, m, max_new_tokens=options["max_new_tokens"],
+                                    generate_fn=lambda *a, **k: completion))
+        return completion
+
+    got, trainer = train_once(tmp_path, student(seed=7), teacher, lmbda=1.0, max_new_tokens=5, divergence="reverse_kl",
+                              generate_fn=generator)
+    b = made[0]
+    assert b.n_generated.tolist() == [3, 5]
+    s64, t64 = copy.deepcopy(student(seed=7)).double(), copy.deepcopy(teacher).double()
+    total, count = reference(s64, t64, b.input_ids, b.attention_mask, b.labels, "reverse_kl")
+    (total / count).backward()
+    for n, p in s64.named_parameters():
+        torch.testing.assert_close(got[n], p.grad.float(), rtol=2e-4, atol=2e-6, msg=n)
+    logged = [h for h in trainer.state.log_history if "gen_len" in h][0]
+    assert logged["gen_len"] == 4.0 and logged["gen_seconds"] >= 0 and "kd_loss" in logged
+
+
+def test_seq_kd_generates_with_the_teacher(tmp_path):
+    teacher, seen = teacher_model(seed=8), []
+    teacher.generation_config.eos_token_id = EOS
+
+    def generator(p, m, **options):
+        assert options["model"] is teacher
+        seen.append(p.clone())
+        return torch.full((p.shape[0], 3), 9)
+
+    train_once(tmp_path, student(seed=9), teacher, seq_kd=True, max_new_tokens=3, generate_fn=generator)
+    assert len(seen) == 1 and seen[0].shape[0] == 2  # one generation (the teacher's), lmbda 0
+
+
+def test_prompts_are_needed(tmp_path):
+    data = [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 10, 11]}]
+    trainer = DistillationTrainer(model=student(), teacher_model=teacher_model(), data_collator=lambda items: {
+        "input_ids": torch.tensor([it["input_ids"][:3] for it in items])},
+        args=args(tmp_path, per_device_train_batch_size=2, lmbda=1.0, max_new_tokens=2), train_dataset=data)
+    with pytest.raises(ValueError, match="need prompts"):
+        trainer.train()

@@ -1,0 +1,122 @@
+"""`nitrobrew train config.yaml`: a 2-step run on tiny models saved to disk (no downloads)."""
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytest.importorskip("yaml")
+pytest.importorskip("datasets")
+from nitrobrew.cli import main  # noqa: E402
+from nitrobrew.hf.train_cli import parse, yaml_argv  # noqa: E402
+from test_hf_trainer import V, student_model, teacher_model  # noqa: E402
+
+CONFIG = """\
+student: {student}
+teacher: {teacher}
+data: {data}
+packing: {packing}
+attn_implementation: sdpa
+output_dir: {out}
+max_steps: 2
+per_device_train_batch_size: 2
+learning_rate: 1.0e-3
+divergence: jsd
+beta: 0.3
+ce_weight: 0.1
+temperature: 2.0
+temperature_schedule: linear
+temperature_end: 1.0
+lmbda: 0.5
+max_new_tokens: 3
+logging_steps: 1
+save_strategy: "no"
+report_to: none
+use_cpu: true
+seed: 3
+"""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    student_model().save_pretrained(root / "student")
+    teacher_model().save_pretrained(root / "teacher")
+    g = torch.Generator().manual_seed(0)
+    with open(root / "data.jsonl", "w") as f:
+        for n in (6, 9, 5, 7):
+            ids = torch.randint(0, V, (n,), generator=g).tolist()
+            f.write(json.dumps({"input_ids": ids, "labels": [-100, -100] + ids[2:]}) + "\n")
+    return root
+
+
+def write_config(root, name, packing=False, **extra):
+    text = CONFIG.format(student=root / "student", teacher=root / "teacher", data=root / "data.jsonl",
+                         packing=str(packing).lower(), out=root / name)
+    text += "".join(f"{k}: {v}\n" for k, v in extra.items())
+    path = root / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_two_steps_from_a_yaml_file(files, packing, capsys):
+    name = f"run-{packing}"
+    path = write_config(files, name, packing=packing)
+    overrides = ["--lmbda", "0" if packing else "1", "--kd_weight_schedule", "cosine", "--kd_weight_end", "0.5"]
+    assert main(["train", str(path), *overrides]) == 0
+    assert (files / name / "model.safetensors").exists() and (files / name / "config.json").exists()
+    history = [h for h in json.load(open(files / name / "trainer_state.json"))["log_history"] if "loss" in h]
+    assert [h["step"] for h in history] == [1, 2]
+    assert [h["temperature"] for h in history] == [2.0, 1.5]  # linear from 2 to 1 over 2 steps
+    assert [h["kd_weight"] for h in history] == [1.0, 0.75]   # cosine from 1 to 0.5: halfway at step 1
+    assert all(h["kd_loss"] > 0 and h["ce_loss"] > 0 and h["ce_weight"] == 0.1 for h in history)
+    assert all(("gen_len" in h) != packing for h in history)
+
+
+def test_overrides_and_types(files):
+    path = write_config(files, "parse")
+    model_args, data_args, args = parse(str(path), ["--divergence", "reverse_kl", "--packing", "true"])
+    assert (model_args.student, model_args.attn_implementation) == (str(files / "student"), "sdpa")
+    assert data_args.packing is True and args.divergence == "reverse_kl" and args.beta == 0.3
+    assert args.learning_rate == 1e-3 and args.max_steps == 2 and args.temperature_end == 1.0
+    assert args.report_to in ([], ["none"], "none")
+    assert yaml_argv({"a": True, "b": [1, 2], "c": {"x": 1}, "d": None}) == \
+        ["--a", "true", "--b", "1", "2", "--c", '{"x": 1}']
+
+
+def test_errors_are_one_line(files, tmp_path, capsys):
+    bad = write_config(files, "bad", divergence_typo=1)
+    assert main(["train", str(bad)]) == 2
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert main(["train", str(write_config(files, "div")), "--divergence", "kl"]) == 2
+    (tmp_path / "broken.yaml").write_text("student: [\n")
+    assert main(["train", str(tmp_path / "broken.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 4 and all(line.startswith("nitrobrew train: ") for line in err), err
+    assert "divergence_typo" in err[0] and "missing.yaml" in err[1] and "divergence must be one of" in err[2]
+
+
+def test_text_data_with_prompts(tmp_path):
+    """text_field / prompt_field: tokenized with the student's tokenizer, the prompt's tokens -100."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from nitrobrew.hf.train_cli import DataArguments, load_data
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w2", pad_token="w0").save_pretrained(tmp_path / "tok")
+    with open(tmp_path / "chat.jsonl", "w") as f:
+        f.write(json.dumps({"prompt": "w5 w6", "text": "w7 w8 w9", "other": 1}) + "\n")
+    ds = load_data(DataArguments(data=str(tmp_path / "chat.jsonl"), text_field="text", prompt_field="prompt",
+                                 max_length=5), str(tmp_path / "tok"))
+    assert ds.column_names == ["input_ids", "labels"]
+    assert ds[0] == {"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]}
+    with pytest.raises(ValueError, match="no column 'body'"):
+        load_data(DataArguments(data=str(tmp_path / "chat.jsonl"), text_field="body"), str(tmp_path / "tok"))
+    with pytest.raises(ValueError, match="no input_ids column"):
+        load_data(DataArguments(data=str(tmp_path / "chat.jsonl")), str(tmp_path / "tok"))
