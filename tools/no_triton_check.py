@@ -70,7 +70,7 @@ def _():
 
     q_s, k_s = (torch.randn(1, 2, 7, 4, requires_grad=True) for _ in range(2))
     q_t, k_t = torch.randn(1, 2, 7, 4), torch.randn(1, 2, 7, 4)
-    backward_ok(nitrobrew.attention_kl(q_s, k_s, q_t, k_t), q_s, k_s)
+    backward_ok(nitrobrew.attention_kl(q_s, k_s, q_t, k_t, is_causal=True), q_s, k_s)
 
 
 @check("topk_kl on CPU, backward (normalize full and topk)")
@@ -151,7 +151,7 @@ def _():
     backward_ok(torch.compile(nitrobrew.topk_kl)(xs, ws, ids, logprobs), xs, ws)
     q_s, k_s = (torch.randn(1, 2, 7, 4, requires_grad=True) for _ in range(2))
     q_t, k_t = torch.randn(1, 2, 7, 4), torch.randn(1, 2, 7, 4)
-    backward_ok(torch.compile(nitrobrew.attention_kl)(q_s, k_s, q_t, k_t), q_s, k_s)
+    backward_ok(torch.compile(nitrobrew.attention_kl)(q_s, k_s, q_t, k_t, is_causal=True), q_s, k_s)
 
 
 @check("no loss imported the benchmark harness (nitrobrew.bench)")
