@@ -63,15 +63,17 @@ def check_unit_interval(name: str, value: float) -> None:
 
 
 def divergence_param(divergence: str, beta: float, alpha: float) -> Tuple[str, float]:
-    """The canonical (divergence, parameter) of the public options: beta for jsd, alpha for the
-    skew losses, each checked to lie in [0, 1]; unknown names raise."""
+    """The canonical (divergence, parameter) of the public options: the registry names the option
+    that carries each divergence's parameter (beta for jsd, alpha for the skews), checked to lie in
+    [0, 1]; unknown names raise."""
     from . import divergences as dv
 
-    if divergence == "jsd":
-        check_unit_interval("beta", beta)
-    if divergence in ("skew_kl", "skew_reverse_kl"):
-        check_unit_interval("alpha", alpha)
-    return dv.canonical(divergence, beta if divergence == "jsd" else alpha)
+    entry = dv.REGISTRY.get(divergence)
+    if entry is None or entry.param is None:
+        return dv.canonical(divergence, 0.0)
+    value = {"beta": beta, "alpha": alpha}[entry.param]
+    check_unit_interval(entry.param, value)
+    return dv.canonical(divergence, value)
 
 
 def check_chunk(name: str, value: Optional[int]) -> None:

@@ -195,6 +195,8 @@ def vocab_cases(r, world, group):
                                                        case_kw=dict(labels="none_ignored"))),
         ("jsd beta=0.2", lambda: check_case(r, group, world, "jsd", s1, beta=0.2, case_kw=dict(labels="some"))),
         ("skew_kl alpha=0.3", lambda: check_case(r, group, world, "skew_kl", s0, alpha=0.3)),
+        ("softcapped jsd + ce", lambda: check_case(r, group, world, "jsd", s1, softcap_s=6.0, softcap_t=4.0,
+                                                   ce_weight=0.3, temperature=1.5, case_kw=dict(labels="some"))),
         ("bf16 forward_kl + ce", lambda: check_case(r, group, world, "forward_kl", s0, dtype=torch.bfloat16,
                                                     ce_weight=0.5, temperature=2.0, case_kw=dict(labels="some"))),
         ("bf16 jsd", lambda: check_case(r, group, world, "jsd", s1, dtype=torch.bfloat16, case_kw=dict(bias=True))),
@@ -226,6 +228,8 @@ def vocab_cases(r, world, group):
             ("triton: forward_kl + ce, bias", lambda: check_case(
                 r, group, world, "forward_kl", s0, backend="triton", ce_weight=0.5, temperature=1.5,
                 case_kw=dict(labels="some", bias=True))),
+            ("triton: softcapped forward_kl", lambda: check_case(
+                r, group, world, "forward_kl", s0, backend="triton", softcap_s=6.0, softcap_t=4.0)),
             ("triton: jsd, constant-memory plan", lambda: check_case(
                 r, group, world, "jsd", s1, backend="triton", chunk_V=5, reduction="none",
                 case_kw=dict(labels="some"))),

@@ -13,7 +13,7 @@ from .kernels_bwd import attn_kl_bwd_dk_kernel, attn_kl_bwd_dq_kernel
 from .kernels_fwd import DEFAULT_CONFIGS, LOG2E, attn_kl_fwd_kernel, next_pow2_dim
 
 
-class _SideT:
+class Side:
     """One side's (q, k, scale) and what its launches derive from them, worked out once per call."""
 
     __slots__ = ("q", "k", "scale", "G", "D", "BD", "prec")
@@ -57,7 +57,7 @@ def _kpm_args(kpm: Optional[torch.Tensor], fallback: torch.Tensor):
     return k, k.stride(0), True
 
 
-def triton_forward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lse_x=None, lse_y=None, cfg=None):
+def triton_forward(X: Side, Y: Side, kpm, spec: AttnSpec, lse_x=None, lse_y=None, cfg=None):
     """Launch the forward kernel. Returns (kl natural [B,H,Nq], lse_x, lse_y in log2 units), float32."""
     B, H, Nq, _ = X.q.shape
     Nk = X.k.shape[2]
@@ -92,7 +92,7 @@ def triton_forward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lse_x=None, lse_y=
     return kl, lsx, lsy
 
 
-def triton_backward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lsx, lsy, kl, g, need, cfg=None, g_mult=None):
+def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need, cfg=None, g_mult=None):
     """need = dict(qx=bool, kx=bool, qy=bool, ky=bool). Returns dict of gradients (or None).
     g: the upstream gradient per row [B, H, Nq] float32, or with g_mult given a 0-dim tensor,
     the gradient of g_mult * (sum of the rows)."""
@@ -127,7 +127,7 @@ def triton_backward(X: _SideT, Y: _SideT, kpm, spec: AttnSpec, lsx, lsy, kl, g, 
         out["qx"] = dqx if need["qx"] else None
         out["qy"] = dqy if need["qy"] else None
 
-    def dk_launch(A: _SideT, Bs: _SideT, lsa, lsb, a_is_x: bool, also_b: bool):
+    def dk_launch(A: Side, Bs: Side, lsa, lsb, a_is_x: bool, also_b: bool):
         BM, BN, warps, stages = resolve_config("dk", cfg, dev, max_bd, fp32, A.G > 1)
         Hkva = A.k.shape[1]
         dka = torch.empty_like(A.k)
@@ -166,8 +166,8 @@ class TritonAttentionKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_s, k_s, q_t, k_t, lse_t, kpm, spec: AttnSpec, cfg, reduce: Optional[str] = None):
         q_s, k_s, q_t, k_t = (_last_contig(t) for t in (q_s, k_s, q_t, k_t))
-        S = _SideT(q_s, k_s, spec.scale_s)
-        T = _SideT(q_t, k_t, spec.scale_t)
+        S = Side(q_s, k_s, spec.scale_s)
+        T = Side(q_t, k_t, spec.scale_t)
         if spec.teacher_is_x:
             kl, lsx, lsy = triton_forward(T, S, kpm, spec, lse_x=lse_t, cfg=cfg)
         else:
@@ -185,8 +185,8 @@ class TritonAttentionKL(torch.autograd.Function):
         q_s, k_s, q_t, k_t, kpm, lsx, lsy, kl = ctx.saved_tensors
         spec = ctx.spec
         n = ctx.needs_input_grad
-        S = _SideT(q_s, k_s, spec.scale_s)
-        T = _SideT(q_t, k_t, spec.scale_t)
+        S = Side(q_s, k_s, spec.scale_s)
+        T = Side(q_t, k_t, spec.scale_t)
         g = grad_rows if grad_rows.dtype == torch.float32 else grad_rows.float()
         if ctx.g_mult is None:
             g = g.contiguous()

@@ -306,13 +306,13 @@ def _flops(B, H, N, D, causal: bool) -> float:
 def tune(args, dev, dtype, B, H, Hkv, D, causal) -> Tuple[Dict, List[Row]]:
     """Time each candidate tile config of each kernel at N = --tune-n; return the best."""
     from ..attention.common import AttnSpec
-    from ..attention.triton_function import _SideT, triton_backward, triton_forward
+    from ..attention.triton_function import Side, triton_backward, triton_forward
 
     N = args.tune_n
     q_s, k_s, q_t, k_t = make_inputs(B, H, Hkv, N, D, dtype, dev, args.seed)
     scale = D ** -0.5
     spec = AttnSpec(is_causal=causal, causal_offset=0, scale_s=scale, scale_t=scale, direction="forward")
-    X, Y = _SideT(q_t, k_t, scale), _SideT(q_s, k_s, scale)
+    X, Y = Side(q_t, k_t, scale), Side(q_s, k_s, scale)
     rows, best = [], {}
     kl, lsx, lsy = triton_forward(X, Y, None, spec)
     g = torch.full_like(kl, 1.0 / kl.numel())

@@ -82,8 +82,9 @@ METHODS: Dict[str, str] = {
 }
 NITROBREW = ("torch", "fast", "const-mem", "fast-filter", "const-filter")
 OPT_IN = ("fast-filter", "const-filter")  # run only when named in --methods
-DIVERGENCES = tuple(dv.DIVERGENCE_IDS)
-PARAMS = {"jsd": 0.5, "skew_kl": 0.1, "skew_reverse_kl": 0.1}
+DIVERGENCES = dv.NAMES
+# each divergence's parameter at its documented default (the registry's)
+PARAMS = {d.name: d.default for d in dv.REGISTRY.values() if d.param is not None}
 REGIMES = rg.REGIMES
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
@@ -160,11 +161,8 @@ def _nitro_call(key: str, chunk_v: Optional[int], filter_eps: Optional[float] = 
     grad_filter = (filter_eps or True) if key in ("fast-filter", "const-filter") else False
 
     def call(xs, xt, ws, wt, labels, divergence, temperature):
-        kw = {}
-        if divergence == "jsd":
-            kw["beta"] = PARAMS["jsd"]
-        if divergence in ("skew_kl", "skew_reverse_kl"):
-            kw["alpha"] = PARAMS[divergence]
+        entry = dv.REGISTRY[divergence]
+        kw = {} if entry.param is None else {entry.param: PARAMS[divergence]}
         return nitrobrew.hidden_loss(xs, xt, ws, wt, divergence=divergence, temperature=temperature,
                                      backend=backend, mode=mode, chunk_V=chunk_v, grad_filter=grad_filter, **kw)
 

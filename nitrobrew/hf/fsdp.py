@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .model import decoder, is_fsdp2, unwrap
+from .wrapping import decoder, is_fsdp2, unwrap
 
 
 class Layout(NamedTuple):

@@ -20,7 +20,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from .model import IGNORE_INDEX, unwrap
+from .wrapping import IGNORE_INDEX, unwrap
 
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
