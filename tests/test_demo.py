@@ -135,3 +135,19 @@ def test_toy_rank_and_outputs(tmp_path):
     paths = run_toy(str(tmp_path), progress=False, mode_steps=20, rank_steps=5)["paths"]
     for key in ("table", "modes", "rank"):
         assert os.path.getsize(paths[key]) > 100
+
+
+def test_demo_cli_reports_a_corrupted_checkpoint_in_one_line(monkeypatch, capsys, tmp_path):
+    """A corrupted checkpoint met by `nitrobrew demo --resume` is one line naming the file, exit 2."""
+    from nitrobrew import cli
+    from nitrobrew.demo import lm
+    from nitrobrew.demo.checkpoint import CheckpointError
+
+    def corrupted(*_args, **_kwargs):
+        raise CheckpointError(f"checkpoint {tmp_path}/teacher.safetensors is corrupted: its sha256 does not match")
+
+    monkeypatch.setattr(lm, "run_demo", corrupted)
+    assert cli.main(["demo", "--preset", "tiny", "--out", str(tmp_path), "--resume", "--threads", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("nitrobrew demo: checkpoint") and "teacher.safetensors" in err[-1]
+    assert not any("Traceback" in line for line in err)

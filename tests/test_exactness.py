@@ -351,3 +351,13 @@ def test_tiny_divergences_at_hot_temperature_documented_limit(backend):
     r = reference_attention_kl(q.double(), k.double(), qt.double(), kt.double(), is_causal=True, temperature=1e3,
                                reduction="none")
     assert float((a.double() - r).abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("shape", [(0, 2, 8, 4), (1, 2, 0, 4)])
+def test_attention_empty_batch(backend, shape):
+    q = torch.zeros(shape, requires_grad=True)
+    loss = nb.attention_kl(q, torch.zeros(shape), torch.zeros(shape), torch.zeros(shape), is_causal=True,
+                           backend=backend)
+    loss.backward()
+    assert float(loss) == 0.0 and q.grad.shape == q.shape

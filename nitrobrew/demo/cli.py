@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
         run_toy(args.out or "runs/demo-toy", progress=not args.quiet)
         return 0
+    from .checkpoint import CheckpointError
     from .lm import config_from, run_demo
 
     overrides = {f.name: getattr(args, f.name) for f in fields(DemoConfig) if f.name not in _SKIP}
@@ -103,4 +104,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\ninterrupted: `nitrobrew demo --resume --out {out}` (same flags) continues from the last "
               "checkpoint", file=sys.stderr)
         return 130
+    except CheckpointError as err:  # one line, naming the file; the run's other checkpoints stay usable
+        print(f"nitrobrew demo: {err}", file=sys.stderr)
+        return 2
     return 0
