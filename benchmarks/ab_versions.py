@@ -19,24 +19,11 @@ sys.path.insert(0, sys.argv[1])
 import nitrobrew_old as old  # noqa: E402
 
 import nitrobrew as new  # noqa: E402
+from nitrobrew.bench.common import time_ms  # noqa: E402
 
 DEV = torch.device("cuda")
 V, DS, DT = 152064, 3584, 5120
 OLD_COMMIT = sys.argv[2] if len(sys.argv) > 2 else "?"
-
-
-def time_ms(fn, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def ab(label, make_step):
@@ -46,7 +33,7 @@ def ab(label, make_step):
             step = make_step(pkg)
             if rnd == 0:
                 outs[name] = step()
-            times[name].append(time_ms(step))
+            times[name].append(time_ms(step, DEV, warmup=1, reps=5))
     rel = [float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
            for a, b in zip(outs["old"], outs["new"])]
     mo, mn = statistics.median(times["old"]), statistics.median(times["new"])

@@ -7,7 +7,6 @@ bf16, CUDA-event medians.
     python benchmarks/attention_fwd_experiments.py > attention_fwd_experiments.md
 """
 import importlib.util
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 
 import nitrobrew as nb
 from nitrobrew.attention import kernels_fwd, triton_function
+from nitrobrew.bench.common import time_ms
 
 DEV = torch.device("cuda")
 SRC = Path(kernels_fwd.__file__).read_text()
@@ -59,18 +59,7 @@ def load_variant(name, edits):
 
 
 def median_ms(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    return time_ms(fn, DEV, warmup=3, reps=reps)
 
 
 print(f"# attention_kl forward experiments, {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
