@@ -99,6 +99,17 @@ def test_errors_are_one_line(files, tmp_path, capsys):
     assert "divergence_typo" in err[0] and "missing.yaml" in err[1] and "divergence must be one of" in err[2]
 
 
+def test_usage_names_the_command(files, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "required: config" in err and "overrides" not in err, err
+    with pytest.raises(SystemExit):
+        main(["train", str(write_config(files, "help")), "--help"])
+    assert capsys.readouterr().out.startswith("usage: nitrobrew train CONFIG ")
+
+
 def test_text_data_with_prompts(tmp_path):
     """text_field / prompt_field: tokenized with the student's tokenizer, the prompt's tokens -100."""
     pytest.importorskip("tokenizers")

@@ -75,7 +75,7 @@ def parse(config_path: Optional[str], overrides: List[str]):
 
     from .trainer import DistillationArguments
 
-    parser = HfArgumentParser((ModelArguments, DataArguments, DistillationArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, DistillationArguments), prog="nitrobrew train CONFIG")
     parser.exit_on_error = False  # one line from run(), not argparse's usage and exit
     if any(a in ("-h", "--help") for a in overrides):
         parser.print_help()
@@ -214,7 +214,8 @@ def build(model_args: ModelArguments, data_args: DataArguments, args):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.splitlines()[0]
     p.add_argument("config", help="YAML file of keys (see docs/hf.md); '-' for none")
-    p.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value pairs that override the file")
+    rest = p.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value pairs that override the file")
+    rest.required = False  # may be empty: a missing config names the config alone
 
 
 def run(args: argparse.Namespace) -> int:
