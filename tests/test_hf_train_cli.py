@@ -110,6 +110,24 @@ def test_usage_names_the_command(files, capsys):
     assert capsys.readouterr().out.startswith("usage: nitrobrew train CONFIG ")
 
 
+def test_missing_packages_name_the_extra(files, monkeypatch, capsys):
+    """Without transformers, `train` is one line naming the extra; a command that needs an optional
+    package to load (the demo: safetensors) is one line, not a traceback."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert main(["train", str(write_config(files, "bare"))]) == 2
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    for mod in [m for m in sys.modules if m.startswith("nitrobrew.demo")]:
+        monkeypatch.delitem(sys.modules, mod)
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "toy"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["nitrobrew train: needs transformers: pip install 'nitrobrew[hf]'",
+                   "nitrobrew demo: error: needs safetensors: pip install 'nitrobrew[store]'"], err
+
+
 def test_text_data_with_prompts(tmp_path):
     """text_field / prompt_field: tokenized with the student's tokenizer, the prompt's tokens -100."""
     pytest.importorskip("tokenizers")

@@ -71,7 +71,10 @@ def yaml_argv(config: Dict) -> List[str]:
 
 def parse(config_path: Optional[str], overrides: List[str]):
     """(ModelArguments, DataArguments, DistillationArguments) from the YAML file and the overrides."""
-    from transformers import HfArgumentParser
+    try:
+        from transformers import HfArgumentParser
+    except ImportError as err:
+        raise ImportError("needs transformers: pip install 'nitrobrew[hf]'") from err
 
     from .trainer import DistillationArguments
 
