@@ -149,3 +149,9 @@ def test_text_data_with_prompts(tmp_path):
         load_data(DataArguments(data=str(tmp_path / "chat.jsonl"), text_field="body"), str(tmp_path / "tok"))
     with pytest.raises(ValueError, match="no input_ids column"):
         load_data(DataArguments(data=str(tmp_path / "chat.jsonl")), str(tmp_path / "tok"))
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=V).save_pretrained(tmp_path / "no_tok")  # a model folder without a tokenizer
+    with pytest.raises(ValueError, match="text_field needs a tokenizer: none loads from") as err:
+        load_data(DataArguments(data=str(tmp_path / "chat.jsonl"), text_field="text"), str(tmp_path / "no_tok"))
+    assert "\n" not in str(err.value)

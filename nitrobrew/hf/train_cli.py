@@ -143,7 +143,11 @@ def load_data(data: DataArguments, tokenizer_path: str):
         for name in (data.text_field, data.prompt_field):
             if name is not None and name not in ds.column_names:
                 raise ValueError(f"data {path!r} has no column {name!r} (columns: {ds.column_names})")
-        tok = AutoTokenizer.from_pretrained(tokenizer_path)
+        try:
+            tok = AutoTokenizer.from_pretrained(tokenizer_path)
+        except (OSError, ValueError) as err:  # transformers' message spans lines and names no key
+            raise ValueError(f"text_field needs a tokenizer: none loads from {tokenizer_path!r} (set tokenizer: "
+                             f"PATH): {' '.join(str(err).split())}") from None
 
         def encode(row):
             ids = tok(row[data.text_field], add_special_tokens=data.prompt_field is None)["input_ids"]
@@ -229,6 +233,6 @@ def run(args: argparse.Namespace) -> int:
         trainer.save_model()
         trainer.save_state()  # trainer_state.json: the log history
     except (ValueError, TypeError, OSError, ImportError, KeyError, argparse.ArgumentError) as err:
-        print(f"nitrobrew train: {err}", file=sys.stderr)
+        print(f"nitrobrew train: {' '.join(str(err).split())}", file=sys.stderr)  # one line
         return 2
     return 0
