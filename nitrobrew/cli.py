@@ -24,6 +24,9 @@ COMMANDS = {
 }
 # `nitrobrew bench attention` is spelled as a mode of bench, too.
 BENCH_MODES = {"hidden": "bench", "attention": "bench-attention", "topk": "bench-topk"}
+# optional package -> the extra that installs it (pyproject.toml)
+EXTRAS = {"transformers": "hf", "accelerate": "hf", "datasets": "hf", "yaml": "hf", "safetensors": "store",
+          "pyarrow": "interop", "tqdm": "progress", "matplotlib": "plot", "triton": "triton"}
 
 
 def _normalize(argv: List[str]) -> List[str]:
@@ -48,6 +51,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             except ModuleNotFoundError as err:
                 if err.name and err.name.startswith("nitrobrew"):
                     parser.error(f"command {name!r} is not available in this build ({err})")
+                top = (err.name or "").split(".")[0]
+                if top in EXTRAS:  # one line, not a traceback
+                    print(f"nitrobrew {name}: error: needs {top}: pip install 'nitrobrew[{EXTRAS[top]}]'",
+                          file=sys.stderr)
+                    raise SystemExit(2)
                 raise
     args = parser.parse_args(argv)
     return int(importlib.import_module(args._module).run(args) or 0)

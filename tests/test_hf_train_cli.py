@@ -99,6 +99,35 @@ def test_errors_are_one_line(files, tmp_path, capsys):
     assert "divergence_typo" in err[0] and "missing.yaml" in err[1] and "divergence must be one of" in err[2]
 
 
+def test_usage_names_the_command(files, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "required: config" in err and "overrides" not in err, err
+    with pytest.raises(SystemExit):
+        main(["train", str(write_config(files, "help")), "--help"])
+    assert capsys.readouterr().out.startswith("usage: nitrobrew train CONFIG ")
+
+
+def test_missing_packages_name_the_extra(files, monkeypatch, capsys):
+    """Without transformers, `train` is one line naming the extra; a command that needs an optional
+    package to load (the demo: safetensors) is one line, not a traceback."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert main(["train", str(write_config(files, "bare"))]) == 2
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    for mod in [m for m in sys.modules if m.startswith("nitrobrew.demo")]:
+        monkeypatch.delitem(sys.modules, mod)
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "toy"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["nitrobrew train: needs transformers: pip install 'nitrobrew[hf]'",
+                   "nitrobrew demo: error: needs safetensors: pip install 'nitrobrew[store]'"], err
+
+
 def test_text_data_with_prompts(tmp_path):
     """text_field / prompt_field: tokenized with the student's tokenizer, the prompt's tokens -100."""
     pytest.importorskip("tokenizers")
@@ -120,3 +149,9 @@ def test_text_data_with_prompts(tmp_path):
         load_data(DataArguments(data=str(tmp_path / "chat.jsonl"), text_field="body"), str(tmp_path / "tok"))
     with pytest.raises(ValueError, match="no input_ids column"):
         load_data(DataArguments(data=str(tmp_path / "chat.jsonl")), str(tmp_path / "tok"))
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=V).save_pretrained(tmp_path / "no_tok")  # a model folder without a tokenizer
+    with pytest.raises(ValueError, match="text_field needs a tokenizer: none loads from") as err:
+        load_data(DataArguments(data=str(tmp_path / "chat.jsonl"), text_field="text"), str(tmp_path / "no_tok"))
+    assert "\n" not in str(err.value)

@@ -1,6 +1,7 @@
 """Top-k extraction, storage and batching, on tiny randomly initialized Hugging Face models."""
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -294,3 +295,11 @@ def test_streaming_topk_triton_scan_matches_float64(dtype, group, chunk, T):
     assert torch.equal(ids, ids_t)
     with pytest.raises(ValueError, match="power of 2"):
         streaming_topk(h, w, b, 11, group=12)
+
+
+def test_verify_without_safetensors_names_the_extra(tmp_path, monkeypatch, capsys):
+    """A missing package is one line naming the extra, never a shard reported as corrupted."""
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # `import safetensors` raises ImportError
+    assert cli_main(["topk-verify", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nitrobrew[store]" in err[0], err

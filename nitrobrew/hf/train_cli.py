@@ -71,11 +71,14 @@ def yaml_argv(config: Dict) -> List[str]:
 
 def parse(config_path: Optional[str], overrides: List[str]):
     """(ModelArguments, DataArguments, DistillationArguments) from the YAML file and the overrides."""
-    from transformers import HfArgumentParser
+    try:
+        from transformers import HfArgumentParser
+    except ImportError as err:
+        raise ImportError("needs transformers: pip install 'nitrobrew[hf]'") from err
 
     from .trainer import DistillationArguments
 
-    parser = HfArgumentParser((ModelArguments, DataArguments, DistillationArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, DistillationArguments), prog="nitrobrew train CONFIG")
     parser.exit_on_error = False  # one line from run(), not argparse's usage and exit
     if any(a in ("-h", "--help") for a in overrides):
         parser.print_help()
@@ -140,7 +143,11 @@ def load_data(data: DataArguments, tokenizer_path: str):
         for name in (data.text_field, data.prompt_field):
             if name is not None and name not in ds.column_names:
                 raise ValueError(f"data {path!r} has no column {name!r} (columns: {ds.column_names})")
-        tok = AutoTokenizer.from_pretrained(tokenizer_path)
+        try:
+            tok = AutoTokenizer.from_pretrained(tokenizer_path)
+        except (OSError, ValueError) as err:  # transformers' message spans lines and names no key
+            raise ValueError(f"text_field needs a tokenizer: none loads from {tokenizer_path!r} (set tokenizer: "
+                             f"PATH): {' '.join(str(err).split())}") from None
 
         def encode(row):
             ids = tok(row[data.text_field], add_special_tokens=data.prompt_field is None)["input_ids"]
@@ -214,7 +221,8 @@ def build(model_args: ModelArguments, data_args: DataArguments, args):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.splitlines()[0]
     p.add_argument("config", help="YAML file of keys (see docs/hf.md); '-' for none")
-    p.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value pairs that override the file")
+    rest = p.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value pairs that override the file")
+    rest.required = False  # may be empty: a missing config names the config alone
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,6 +233,6 @@ def run(args: argparse.Namespace) -> int:
         trainer.save_model()
         trainer.save_state()  # trainer_state.json: the log history
     except (ValueError, TypeError, OSError, ImportError, KeyError, argparse.ArgumentError) as err:
-        print(f"nitrobrew train: {err}", file=sys.stderr)
+        print(f"nitrobrew train: {' '.join(str(err).split())}", file=sys.stderr)  # one line
         return 2
     return 0

@@ -20,6 +20,7 @@ from .store import (
     LOGPROB_DTYPES,
     QUANTIZED,
     StoreError,
+    _safetensors,
     dequantize_logprobs,
     read_manifest,
     unpack_ids,
@@ -111,6 +112,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        _safetensors()  # a missing package is not a corrupted shard
+    except ImportError as err:
+        print(f"nitrobrew topk-verify: error: {err}", file=sys.stderr)
+        return 2
     problems = verify_store(args.store, log=None if args.quiet else print)
     for line in problems:
         print(f"nitrobrew topk-verify: {line}", file=sys.stderr)
