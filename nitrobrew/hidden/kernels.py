@@ -15,6 +15,7 @@ import triton.language as tl
 
 from .. import divergences as dv
 from .._launch import launch
+from ..core import online
 from ..core.tl_utils import (
     FORWARD_KL,
     KL_STATS_BLOCK_V,
@@ -43,8 +44,8 @@ C_NSTATE, C_REL, C_LOST = tl.constexpr(NSTATE), tl.constexpr(REL), tl.constexpr(
 LSE_S, LSE_T, LSE_Z, SUM_U = range(4)
 C_LSE_S, C_LSE_T, C_LSE_Z, C_SUM_U = (tl.constexpr(i) for i in range(4))
 # Entries whose other side lies more than this many nats above their own (w e^d could overflow fp32)
-# count in the other side's dropped mass (core.online.FAR_NATS).
-FAR_NATS = tl.constexpr(64.0)
+# count in the other side's dropped mass: the PyTorch path's bound, as a constexpr.
+FAR_NATS = tl.constexpr(online.FAR_NATS)
 
 
 @triton.jit
