@@ -17,6 +17,7 @@ import torch
 
 import nitrobrew as nb
 from nitrobrew.hidden import grad_filter as gf
+from nitrobrew.hidden import kernels_filter as kf
 from nitrobrew.hidden import reference_loss
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -125,3 +126,65 @@ def test_bad_grad_filter_raises(bad):
     xs, xt, ws, wt, _, _ = _inputs(5, False)
     with pytest.raises(ValueError, match="grad_filter"):
         nb.forward_kl(xs, xt, ws, wt, grad_filter=bad)
+
+
+@pytest.mark.parametrize("fraction", [None, 0.02, 0.3, 1.0])
+def test_every_product_path_drops_the_same_columns(monkeypatch, fraction):
+    """The Triton backend's capacity (a speed choice from earlier slabs) never changes the result:
+    dense products (None, 1.0), compacted products plus the device-side overflow (0.02: capacity
+    below the active count), compacted products alone (0.3)."""
+    if not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 on CPU")
+    backend, impl_opts, rows, chunk = SETUPS["triton-fast"]
+    monkeypatch.setattr(gf, "CAP_STEP", 16)
+    monkeypatch.setattr(gf.ActiveFractions, "record", lambda self, count, n_cols: None)
+    monkeypatch.setattr(kf, "FILTER_ROWS", 2)  # several row groups flag (and count) one column
+    monkeypatch.setattr(kf, "FILTER_BLOCK_R", 2)
+    gf._FRACTIONS.clear()
+    gf.fractions_for(torch.device("cpu"), V).fraction = fraction
+    xs, xt, ws, wt, bs, labels = _inputs(6, True)
+    opts = dict(divergence="forward_kl", ce_weight=0.5)
+    (dx_e, dw_e, db_e), _full, _n = _expected(xs, xt, ws, wt, bs, labels, opts, rows, chunk)
+    xs_, ws_, bs_ = (a.clone().requires_grad_() for a in (xs, ws, bs))
+    nb.hidden_loss(xs_, xt, ws_, wt, bs=bs_, labels=labels, backend=backend, grad_filter=EPS, **opts,
+                   **impl_opts).backward()
+    gf._FRACTIONS.clear()
+    for got, exp in ((xs_.grad, dx_e), (ws_.grad, dw_e), (bs_.grad, db_e)):
+        assert _rel(got, exp) < 1e-4
+
+
+def test_capacity_follows_the_active_fraction():
+    f = gf.ActiveFractions()
+    assert f.capacity(100_000) == 100_000  # nothing known: dense
+    f.record(torch.tensor([10_000]), 100_000)
+    cap = f.capacity(100_000)
+    assert 10_000 * gf.HEADROOM <= cap < 10_000 * gf.HEADROOM + gf.CAP_STEP + 1
+    f.record(torch.tensor([60_000]), 100_000)
+    assert f.capacity(100_000) == 100_000  # over half: dense again
+    for _ in range(gf.RECENT - 1):
+        f.record(torch.tensor([0]), 100_000)
+    assert f.fraction == 0.6  # the largest of the last RECENT
+    f.record(torch.tensor([0]), 100_000)
+    assert f.fraction == 0.0
+
+
+def test_an_unfiltered_slab_stays_whole_when_a_small_capacity_was_expected(monkeypatch):
+    """Earlier slabs were sparse (small capacity), this one has more than half its columns active:
+    the device-side products cover every column, as without the filter."""
+    if not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 on CPU")
+    backend, impl_opts, _, _ = SETUPS["triton-fast"]
+    monkeypatch.setattr(gf, "CAP_STEP", 16)
+    monkeypatch.setattr(gf.ActiveFractions, "record", lambda self, count, n_cols: None)
+    monkeypatch.setattr(kf, "OVERFLOW_DW_PROGRAMS", 2)  # each program walks several column blocks
+    xs, xt, ws, wt, _, labels = _inputs(7, False)
+    grads = []
+    for grad_filter, fraction in ((False, None), (1e-6, 0.02)):  # 60-88% of columns active
+        gf._FRACTIONS.clear()
+        gf.fractions_for(torch.device("cpu"), V).fraction = fraction
+        xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+        nb.forward_kl(xs_, xt, ws_, wt, backend=backend, grad_filter=grad_filter, **impl_opts).backward()
+        grads.append((xs_.grad, ws_.grad))
+    gf._FRACTIONS.clear()
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -96,10 +96,10 @@ def hidden_loss(
                                                             ce_weight, V)
     cfg = LossConfig.build(name, param, temperature, kd_weight, ce_weight, scale_t2, chunk_V,
                            gf.resolve_eps(grad_filter, xs.dtype), softcap_s, softcap_t)
-    if cfg.filter_eps is not None:
-        gf.check_not_capturing(xs.device)
     # float64 always takes the PyTorch path; so does an empty batch (nothing to launch: loss 0, zero grads)
     use_triton = impl == "triton" and xs.dtype != torch.float64 and x_s.shape[0] > 0
+    if cfg.filter_eps is not None and not use_triton:
+        gf.check_not_capturing(xs.device)  # the Triton filter needs no host sync; the PyTorch one does
     if torch.compiler.is_compiling():
         # one registered op with a registered backward: the traced step keeps a single graph
         out = compiled_distill(x_s, x_t, ws, wt, bs, bt, ce_labels, mask, cfg, "triton" if use_triton else "torch",

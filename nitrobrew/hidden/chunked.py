@@ -191,13 +191,17 @@ def backward_chunks(ops: Operands, labels, st, cfg, kd_scale, ce_scale, chunk, l
         z = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s)
         t = chunk_logits(xt, wt, bt, c0, c1, acc, cfg.softcap_t) / cfg.temperature
         g = grad_chunk(z, t, None if labels is None else labels - lo, st, cfg, kd_scale, ce_scale, c0)
-        idx = None if cfg.filter_eps is None else gf.compacted(gf.active_columns(g, cfg.filter_eps))
-        if idx is None:
+        if cfg.filter_eps is None:
             head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx, dw, db)
             continue
-        gf.add_column_grads(g, idx, xs_acc, ws[c0:c1], dx, None if dw is None else dw[c0:c1], first=True)
-        if db is not None:
+        if db is not None:  # db is never filtered
             db[c0:c1] = g.sum(0).to(db.dtype)
+        active = gf.active_columns(g, cfg.filter_eps)
+        idx = gf.compacted(active)
+        if idx is None:  # more than half active: not filtered
+            head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx, dw, None)
+        else:
+            gf.add_column_grads(g, idx, xs_acc, ws[c0:c1], dx, None if dw is None else dw[c0:c1], first=True)
     return dx, dw, db
 
 

@@ -1,18 +1,30 @@
-"""Gradient filtering: vocab columns whose logit gradients are all negligible skip dX and dW.
+"""Gradient filtering: vocab columns whose logit gradients are all negligible are dropped.
 
 With ``grad_filter``, column j of a gradient slab (one vocab entry, over one block of rows: the
 whole vocabulary in the fast mode, a vocab chunk in the constant-memory mode and the PyTorch
-path) takes part in dX = G W and dW = G^T X only if some row i of the block has
-|g_ij| > eps * max_j' |g_ij'| (the row's largest entry in the slab). eps = finfo(dtype).eps / 2
-by default (2^-8 for bf16, 2^-11 for fp16, 2^-24 for fp32): half an ulp of the row's largest
-entry, below the input dtype's resolution at that entry's scale. The threshold is relative to each
-row's own gradient, so weights, the reduction and a student close to its teacher (a small
-gradient everywhere) do not change which entries count as negligible. Peaked distributions
-(trained LMs) leave most of the vocabulary below it, so the two products shrink to the active
-columns (when at most half the slab's columns are active; otherwise the slab is not filtered).
-The choice costs one host sync per slab (the number of active columns sizes the products), so it
-cannot be captured in a CUDA graph, and it pays only on large slabs (the fast mode). Filtered
-entries are dropped, not approximated; db, the bias gradient, is never filtered.
+path) is kept only if some row i of the block has |g_ij| > eps * max_j' |g_ij'| (the row's largest
+entry in the slab); the other columns are dropped from dX = G W and dW = G^T X when at most half the
+columns are kept (otherwise the slab is not filtered: keeping most of it is close to exact anyway). eps =
+finfo(dtype).eps / 2 by default (2^-8 for bf16, 2^-11 for fp16, 2^-24 for fp32): half an ulp of the
+row's largest entry, below the input dtype's resolution at that entry's scale. The threshold is
+relative to each row's own gradient, so weights, the reduction and a student close to its teacher
+(a small gradient everywhere) do not change which entries count as negligible. db, the bias
+gradient, is never filtered.
+
+What is dropped depends on the data only; how the products run is a speed choice. Triton backend
+(no host synchronization: it runs inside CUDA graph captures and compiled graphs):
+  1. the gradient kernel writes each row's largest |g| beside the slab (no extra sweep);
+  2. ``kernels_filter.filter_columns_kernel`` flags the active columns and zeroes the others in g;
+  3. the host picks a capacity from the active fractions of earlier slabs of the same width (read
+     back asynchronously, never waited for); a stable sort on the device puts the active columns
+     first (perm), and the products run over the columns perm[:cap] (cuBLAS; columns past the
+     count are zero) plus, on the device, the columns perm[cap:count]
+     that exceed it (``kernels_filter`` overflow products: nothing to do when count <= cap); when
+     the capacity is over half the slab, or nothing is known yet, the dense products run on the
+     zeroed g.
+The PyTorch backend reads the count on the host (one sync per slab): it cannot be captured.
+Peaked distributions (trained LMs) leave most of the vocabulary below the threshold in the fast
+mode's large slabs; the constant-memory mode's [rows, 4096] slabs rarely have a negligible column.
 """
 from __future__ import annotations
 
@@ -44,8 +56,8 @@ def check_grad_filter(grad_filter) -> None:
 
 def check_not_capturing(device: torch.device) -> None:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("grad_filter syncs with the host once per slab: it cannot run inside a CUDA "
-                           "graph capture (leave grad_filter off there)")
+        raise RuntimeError("grad_filter on the PyTorch backend syncs with the host once per slab: it cannot "
+                           "run inside a CUDA graph capture (use the Triton backend, or leave grad_filter off)")
 
 
 def active_columns(g: torch.Tensor, eps: float) -> torch.Tensor:
@@ -57,20 +69,106 @@ def active_columns(g: torch.Tensor, eps: float) -> torch.Tensor:
 
 def compacted(active: torch.Tensor) -> Optional[torch.Tensor]:
     """Indices of the active columns, or None when more than half are active: then gathering the
-    columns would cost more than the full products it saves."""
+    columns would cost more than the full products it saves (PyTorch path: a host sync)."""
     idx = active.nonzero().squeeze(1)  # the host sync
     return idx if 2 * idx.numel() <= active.numel() else None
 
 
+HEADROOM = 1.5    # capacity over the largest active fraction seen: slabs of one call vary
+CAP_STEP = 256    # capacities are multiples of this (fewer distinct product shapes)
+RECENT = 8        # read-backs the capacity covers
+
+
+class ActiveFractions:
+    """The largest active-column fraction seen on slabs of one width and device, read back from the
+    device asynchronously: a count is copied to pinned memory behind an event, and read once the
+    event has passed (``event.query()``, never a wait). Nothing is recorded during a graph capture."""
+
+    def __init__(self):
+        self.fraction: Optional[float] = None
+        self._pending = None   # (pinned count, event, n_cols) of a copy in flight
+        self._host: Optional[torch.Tensor] = None   # the pinned buffer, reused
+        self._recent: list = []
+
+    def capacity(self, n_cols: int) -> int:
+        """Columns the compacted products cover; n_cols means the dense products."""
+        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            self._poll()  # no event queries inside a capture
+        if self.fraction is None:
+            return n_cols
+        cap = -(-int(self.fraction * n_cols * HEADROOM + 1) // CAP_STEP) * CAP_STEP
+        return n_cols if 2 * cap > n_cols else cap
+
+    def record(self, count: torch.Tensor, n_cols: int) -> None:
+        if not count.is_cuda:
+            self._update(int(count), n_cols)
+            return
+        if torch.cuda.is_current_stream_capturing() or self._pending is not None and not self._poll():
+            return
+        if self._host is None or self._host.dtype != count.dtype:
+            self._host = torch.empty(1, dtype=count.dtype, pin_memory=True)
+        host = self._host
+        host.copy_(count.view(1), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending = (host, event, n_cols)
+
+    def _poll(self) -> bool:
+        """Take a finished read-back; False while one is still in flight."""
+        if self._pending is None:
+            return True
+        host, event, n_cols = self._pending
+        if not event.query():
+            return False
+        self._pending = None
+        self._update(int(host[0]), n_cols)
+        return True
+
+    def _update(self, count: int, n_cols: int) -> None:
+        # the largest of the last few: slabs of one call differ (a short last block of rows)
+        self._recent = (self._recent + [count / max(n_cols, 1)])[-RECENT:]
+        self.fraction = max(self._recent)
+
+
+_FRACTIONS: dict = {}
+
+
+def fractions_for(device: torch.device, n_cols: int) -> ActiveFractions:
+    key = (device.type, device.index, n_cols)
+    if key not in _FRACTIONS:
+        _FRACTIONS[key] = ActiveFractions()
+    return _FRACTIONS[key]
+
+
+def kept_columns(count: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """Columns a slab keeps (on the device): the active ones, or all of them when more than half are
+    active (an unfiltered slab)."""
+    return torch.where(2 * count <= n_cols, count, n_cols)
+
+
+def active_first(active: torch.Tensor) -> torch.Tensor:
+    """The column order with the active columns first, in order, then the others (on the device)."""
+    return torch.sort(active, descending=True, stable=True).indices
+
+
 def add_column_grads(g: torch.Tensor, idx: torch.Tensor, xs: torch.Tensor, w: torch.Tensor,
-                     dx_acc: Optional[torch.Tensor], dw: Optional[torch.Tensor], first: bool) -> None:
-    """dx_acc += g[:, idx] w[idx]; dw[idx] += g[:, idx]^T xs (dw zeroed first when `first`)."""
+                     dx_acc: Optional[torch.Tensor], dw: Optional[torch.Tensor], first: bool,
+                     kept: Optional[torch.Tensor] = None, scatter_add=None) -> None:
+    """dx_acc += g[:, idx] w[idx]; dw[idx] += g[:, idx]^T xs (dw zeroed first when `first`). With
+    `kept` (a device count), only the first `kept` entries of idx count; the others add zeros.
+    scatter_add(dw, rows, idx, kept) replaces index_add_ where given (distinct idx)."""
     if dw is not None and first:
         dw.zero_()
     for p0 in range(0, idx.numel(), PIECE):
         cols = idx[p0:p0 + PIECE]
         g_act = g.index_select(1, cols)
+        if kept is not None:
+            g_act.mul_(torch.arange(p0, p0 + cols.numel(), device=g.device) < kept)
         if dx_acc is not None:
             mm_acc_add(dx_acc, g_act, w.index_select(0, cols).to(g_act.dtype))
         if dw is not None:
-            dw.index_add_(0, cols, mm_acc(g_act.t(), xs.to(g_act.dtype), dw.dtype))
+            rows = mm_acc(g_act.t(), xs.to(g_act.dtype), dw.dtype)
+            if scatter_add is None:
+                dw.index_add_(0, cols, rows)
+            else:
+                scatter_add(dw, rows, cols, kept - p0)

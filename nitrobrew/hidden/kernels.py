@@ -200,7 +200,7 @@ def _grad_tile(z_row, t_row, idx, valid, lse_s, lse_t, lse_z, sum_u, kd_scale, c
 @triton.jit
 def grad_kernel(
     z_ptr, t_ptr, g_ptr, stride_z, stride_t, stride_g, rowvals_ptr, kd_scale_ptr, ce_scale_ptr,
-    labels_ptr, active_ptr, n_cols, col_offset, inv_temp, param, log_a, log_1ma, filter_eps, inv_cap,
+    labels_ptr, rowmax_ptr, n_cols, col_offset, inv_temp, param, log_a, log_1ma, inv_cap,
     DIVERGENCE: tl.constexpr, WITH_CE: tl.constexpr, FILTER: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -209,9 +209,8 @@ def grad_kernel(
     g may alias the t slab (a 16-bit g written over fp32 t of the same row): the barrier makes every
     warp finish with a tile's loads before any warp stores it, and a tile's store only reaches
     columns this row has already loaded.
-    FILTER: a first sweep finds the row's largest |g| over the slab, then the writing sweep marks
-    active[j] = 1 where |g_j| > filter_eps * that (see grad_filter.py); every writer writes the
-    same 1, so plain stores suffice.
+    FILTER: also writes the row's largest |g| over the slab to rowmax (the gradient filter's
+    reference, see grad_filter.py).
     """
     inv_temp, param, log_a, log_1ma, inv_cap = f32(inv_temp), f32(param), f32(log_a), f32(log_1ma), f32(inv_cap)
     row = tl.program_id(0).to(tl.int64)
@@ -229,16 +228,7 @@ def grad_kernel(
         ce_scale = tl.load(ce_scale_ptr + row)
         label = tl.load(labels_ptr + row).to(tl.int32) - col_offset
     cols = tl.arange(0, BLOCK_V)
-    thr = 0.0
-    if FILTER:
-        g_max = 0.0
-        for start in range(0, n_cols, BLOCK_V):
-            idx = start + cols
-            valid = idx < n_cols
-            g = _grad_tile(z_row, t_row, idx, valid, lse_s, lse_t, lse_z, sum_u, kd_scale, ce_scale, label,
-                           inv_temp, param, log_a, log_1ma, inv_cap, DIVERGENCE, WITH_CE, SOFTCAP)
-            g_max = tl.maximum(g_max, tl.max(tl.where(valid, tl.abs(g), 0.0), axis=0))
-        thr = f32(filter_eps) * g_max
+    g_max = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK_V):
         idx = start + cols
         valid = idx < n_cols
@@ -247,7 +237,9 @@ def grad_kernel(
         tl.debug_barrier()  # g may alias t: every warp has used its loads of this tile before any store
         tl.store(g_row + idx, g.to(g_ptr.dtype.element_ty), mask=valid)
         if FILTER:
-            tl.store(active_ptr + idx, tl.full([BLOCK_V], 1, tl.int8), mask=valid & (tl.abs(g) > thr))
+            g_max = tl.maximum(g_max, tl.where(valid, tl.abs(g), 0.0))
+    if FILTER:
+        tl.store(rowmax_ptr + row, tl.max(g_max, axis=0))
 
 
 def new_state(n: int, device) -> torch.Tensor:
@@ -275,9 +267,9 @@ def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no:
 
 
 def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, cfg: LossConfig,
-                active=None) -> None:
-    """Write the gradient slab g; with `active` (int8 [C], zeros) also mark the columns that pass
-    the gradient filter cfg.filter_eps."""
+                rowmax=None) -> None:
+    """Write the gradient slab g; with `rowmax` (fp32 [R]) also each row's largest |g| (the
+    gradient filter's reference)."""
     rows, n_cols = z.shape
     if rows == 0:
         return
@@ -286,10 +278,10 @@ def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, c
     launch(grad_kernel, (rows,),
         z, t, g, z.stride(0), t.stride(0), g.stride(0), rowvals, kd_scale,
         ce_scale if with_ce else kd_scale, labels if with_ce else kd_scale,
-        active if active is not None else kd_scale,
-        n_cols, col_offset, inv_temp, a, log_a, log_1ma, cfg.filter_eps or 0.0,
+        rowmax if rowmax is not None else kd_scale,
+        n_cols, col_offset, inv_temp, a, log_a, log_1ma,
         0.0 if cfg.softcap_s is None else 1.0 / cfg.softcap_s,
-        DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence], WITH_CE=with_ce, FILTER=active is not None,
+        DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence], WITH_CE=with_ce, FILTER=rowmax is not None,
         SOFTCAP=cfg.softcap_s is not None,
         BLOCK_V=row_block(n_cols), num_warps=NUM_WARPS,
     )

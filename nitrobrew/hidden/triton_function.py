@@ -23,6 +23,7 @@ from ..core.online import Online, combine_rows, row_scales, row_upstream, spans
 from ..core.slabs import accumulate_dw, alloc_grads, finish_grads, keep_for_backward, take_precomputed_grads
 from . import grad_filter as gf
 from . import kernels as tr
+from . import kernels_filter as kf
 from .chunked import FirstPass, RowStats, finish_stats
 from .config import LossConfig, Operands
 
@@ -122,25 +123,45 @@ def block_grads(ops: Operands, labels, rs, kd_scale, ce_scale, cfg, vchunk, dx_o
     V = ws.shape[0]
     rowvals = _rowvals(rs)
     filtering = cfg.filter_eps is not None
-    if filtering:
-        gf.check_not_capturing(xs.device)
-    dx_acc = None if (vchunk >= V and not filtering) else torch.zeros(xs.shape, dtype=F32, device=xs.device)
+    dx_acc = None if vchunk >= V else torch.zeros(xs.shape, dtype=F32, device=xs.device)
     for v0, v1 in spans(V, vchunk):
         z, t = slabs if slabs is not None else _slabs(ops, v0, v1, cfg)
         g = _grad_buffer(z, t, xs.dtype)
-        active = torch.zeros(v1 - v0, dtype=torch.int8, device=xs.device) if filtering else None
-        tr.launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, v0, cfg, active)
-        idx = gf.compacted(active) if filtering else None
+        rowmax = torch.empty(g.shape[0], dtype=F32, device=xs.device) if filtering else None
+        tr.launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, v0, cfg, rowmax)
+        if db is not None:  # before the filter: db is never filtered
+            db[v0:v1] += g.sum(0, dtype=F32)
         w_chunk, dw_chunk = ws[v0:v1], None if dw is None else dw[v0:v1]
-        if idx is not None:
-            gf.add_column_grads(g, idx, xs, w_chunk, dx_acc if dx_out is not None else None, dw_chunk, first_rows)
+        if filtering:
+            _filtered_column_grads(g, rowmax, cfg.filter_eps, xs, w_chunk, dx_out, dx_acc, dw_chunk, first_rows)
         else:
             _all_column_grads(g, xs, w_chunk, dx_out, dx_acc, dw_chunk, first_rows)
-        if db is not None:
-            db[v0:v1] += g.sum(0, dtype=F32)
         del z, t, g
     if dx_acc is not None and dx_out is not None:
         dx_out.copy_(dx_acc)
+
+
+def _filtered_column_grads(g, rowmax, eps, xs, w, dx_out, dx_acc, dw, first: bool) -> None:
+    """As _all_column_grads, over the slab's active columns only when it is filtered (grad_filter.py);
+    no host synchronization."""
+    n_cols = g.shape[1]
+    active, count = kf.launch_filter_columns(g, rowmax, eps)
+    fractions = gf.fractions_for(g.device, n_cols)
+    fractions.record(count, n_cols)
+    cap = fractions.capacity(n_cols)
+    if cap >= n_cols:
+        kf.launch_drop_columns(g, active, count)  # zero the dropped columns (a filtered slab)
+        _all_column_grads(g, xs, w, dx_out, dx_acc, dw, first)
+        return
+    perm = gf.active_first(active)
+    acc = dx_acc
+    if acc is None and dx_out is not None:
+        acc = torch.zeros(dx_out.shape, dtype=F32, device=g.device)
+    gf.add_column_grads(g, perm[:cap], xs, w, acc, dw, first, kept=gf.kept_columns(count, n_cols),
+                        scatter_add=kf.launch_scatter_add_rows)
+    kf.launch_overflow(g, perm, count, cap, xs, w, acc, dw)
+    if acc is not dx_acc:
+        dx_out.copy_(acc)
 
 
 def _all_column_grads(g, xs, w, dx_out, dx_acc, dw, first: bool) -> None:
