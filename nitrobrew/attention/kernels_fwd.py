@@ -13,6 +13,12 @@ backward. Causal programs skip key blocks above the diagonal and mask only the b
 (two loops: unmasked, then masked). A fixed log-sum-exp (``lse_t``) replaces that side's running
 max (no row max, no rescale); the result still normalizes by l. Masked entries use -inf in the
 exponent only; the centred difference uses the raw (finite) scores, so no 0 * inf appears.
+
+``attn_kl_fwd_tma_kernel`` computes the same, op for op, for 16-bit inputs without a padding mask
+on Hopper: it reads the query and key tiles through TMA tensor descriptors (made in the kernel,
+one per head, so any strides work and rows past Nq or Nk are zero-filled), which lets the
+unmasked key loop be software-pipelined and warp-specialized (a producer warp issues the TMA
+loads, the others run the wgmma dots and the exponentials).
 """
 from __future__ import annotations
 
@@ -24,11 +30,13 @@ from .kernels_tiles import (
     centred_diff,
     exp2_pair,
     flat_rows,
+    hide_invisible,
     key_block_scores,
     key_heads,
     key_ranges,
     load_tile,
     program_block,
+    scores,
 )
 
 LOG2E = 1.4426950408889634
@@ -44,18 +52,15 @@ DEFAULT_CONFIGS = {
     "dk_grouped": (32, 64, 4, 2),   # GQA: the loop over query heads sharing a kv head
     "small": (32, 32, 4, 2),        # fp32 inputs (FMA dots) or head dims > 128
     "interp": (16, 16, 1, 1),
+    # TMA forward (Hopper, 16-bit): + whether the unmasked key loop is warp-specialized
+    "fwd_tma": (128, 64, 8, 3, False),
 }
 
 
 @triton.jit
-def _fwd_tile(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, start_n, offs_m, offs_n0, offs_dx, offs_dy,
-              mx, my, lx, ly, c, Nk, scale_x, scale_y, causal_offset,
-              DX: tl.constexpr, DY: tl.constexpr, BDX: tl.constexpr, BDY: tl.constexpr,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-              X_FIXED: tl.constexpr, Y_FIXED: tl.constexpr, EVEN_N: tl.constexpr, PREC_X: tl.constexpr, PREC_Y: tl.constexpr):
-    _kx, _ky, sx, sy, sxm, sym = key_block_scores(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, offs_m, start_n + offs_n0,
-                                                  offs_dx, offs_dy, Nk, scale_x, scale_y, causal_offset,
-                                                  DX, DY, BDX, BDY, MASKED, CAUSAL, HAS_KPM, EVEN_N, PREC_X, PREC_Y)
+def _online_step(sx, sy, sxm, sym, mx, my, lx, ly, c, X_FIXED: tl.constexpr, Y_FIXED: tl.constexpr):
+    """The row state after one key block, from the raw scores sx, sy (centred difference) and the
+    masked ones sxm, sym (-inf where invisible: maxima and exponents)."""
     if X_FIXED:
         mx_new = mx
     else:
@@ -75,6 +80,47 @@ def _fwd_tile(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, start_n, offs_m, offs_n0, 
 
 
 @triton.jit
+def _fwd_tile(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, start_n, offs_m, offs_n0, offs_dx, offs_dy,
+              mx, my, lx, ly, c, Nk, scale_x, scale_y, causal_offset,
+              DX: tl.constexpr, DY: tl.constexpr, BDX: tl.constexpr, BDY: tl.constexpr,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+              X_FIXED: tl.constexpr, Y_FIXED: tl.constexpr, EVEN_N: tl.constexpr, PREC_X: tl.constexpr, PREC_Y: tl.constexpr):
+    _kx, _ky, sx, sy, sxm, sym = key_block_scores(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, offs_m, start_n + offs_n0,
+                                                  offs_dx, offs_dy, Nk, scale_x, scale_y, causal_offset,
+                                                  DX, DY, BDX, BDY, MASKED, CAUSAL, HAS_KPM, EVEN_N, PREC_X, PREC_Y)
+    return _online_step(sx, sy, sxm, sym, mx, my, lx, ly, c, X_FIXED, Y_FIXED)
+
+
+@triton.jit
+def _init_state(LSEX_IN, LSEY_IN, row, row_ok, BM: tl.constexpr, X_FIXED: tl.constexpr, Y_FIXED: tl.constexpr):
+    """(m_x, m_y, l_x, l_y, c) before the first key block; a fixed side starts at its lse (log2)."""
+    if X_FIXED:
+        mx = tl.load(LSEX_IN + row, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    else:
+        mx = tl.full([BM], -1.0e30, tl.float32)
+    if Y_FIXED:
+        my = tl.load(LSEY_IN + row, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    else:
+        my = tl.full([BM], -1.0e30, tl.float32)
+    lx = tl.zeros([BM], tl.float32)
+    ly = tl.zeros([BM], tl.float32)
+    c = tl.zeros([BM], tl.float32)
+    return mx, my, lx, ly, c
+
+
+@triton.jit
+def _store_rows(mx, my, lx, ly, c, row, row_ok, KL_OUT, LSEX_OUT, LSEY_OUT):
+    """KL (natural units) and both lse's (log2 units) of the block's rows."""
+    ok = (lx != 0) & (ly != 0)  # 0: a row with no visible key (its KL is 0); NaN stays NaN
+    lxs = tl.where(ok, lx, 1.0)
+    lys = tl.where(ok, ly, 1.0)
+    kl2 = c / lxs - tl.log2(lxs) + tl.log2(lys)
+    tl.store(KL_OUT + row, tl.where(ok, kl2 * 0.6931471805599453, 0.0), mask=row_ok)
+    tl.store(LSEX_OUT + row, tl.where(ok, mx + tl.log2(lxs), 0.0), mask=row_ok)
+    tl.store(LSEY_OUT + row, tl.where(ok, my + tl.log2(lys), 0.0), mask=row_ok)
+
+
+@triton.jit
 def attn_kl_fwd_kernel(
     QX, KX, QY, KY, LSEX_IN, LSEY_IN, KPM, KL_OUT, LSEX_OUT, LSEY_OUT,
     s_qx_b, s_qx_h, s_qx_m, s_kx_b, s_kx_h, s_kx_n,
@@ -91,18 +137,7 @@ def attn_kl_fwd_kernel(
     qy = load_tile(QY + b64 * s_qy_b + h.to(tl.int64) * s_qy_h, offs_m, offs_dy, s_qy_m, Nq, DY, BDY, EVEN_M)
     KXb, KYb, KPMb = key_heads(KX, KY, KPM, b64, h, GX, GY, s_kx_b, s_kx_h, s_ky_b, s_ky_h, s_kpm_b)
     row, row_ok = flat_rows(pid_bh, Nq, offs_m)
-    if X_FIXED:
-        mx = tl.load(LSEX_IN + row, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-    else:
-        mx = tl.full([BM], -1.0e30, tl.float32)
-    if Y_FIXED:
-        my = tl.load(LSEY_IN + row, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-    else:
-        my = tl.full([BM], -1.0e30, tl.float32)
-    lx = tl.zeros([BM], tl.float32)
-    ly = tl.zeros([BM], tl.float32)
-    c = tl.zeros([BM], tl.float32)
-
+    mx, my, lx, ly, c = _init_state(LSEX_IN, LSEY_IN, row, row_ok, BM, X_FIXED, Y_FIXED)
     n_full, hi = key_ranges(start_m, Nk, causal_offset, BM, BN, CAUSAL, EVEN_N)
     for start_n in range(0, n_full, BN):
         mx, my, lx, ly, c = _fwd_tile(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, start_n, offs_m, offs_n0,
@@ -113,13 +148,55 @@ def attn_kl_fwd_kernel(
                                       offs_dx, offs_dy, mx, my, lx, ly, c, Nk, scale_x, scale_y, causal_offset,
                                       DX, DY, BDX, BDY, True, CAUSAL, HAS_KPM, X_FIXED, Y_FIXED, EVEN_N, PREC_X, PREC_Y)
 
-    ok = (lx != 0) & (ly != 0)  # 0: a row with no visible key (its KL is 0); NaN stays NaN
-    lxs = tl.where(ok, lx, 1.0)
-    lys = tl.where(ok, ly, 1.0)
-    kl2 = c / lxs - tl.log2(lxs) + tl.log2(lys)
-    tl.store(KL_OUT + row, tl.where(ok, kl2 * 0.6931471805599453, 0.0), mask=row_ok)
-    tl.store(LSEX_OUT + row, tl.where(ok, mx + tl.log2(lxs), 0.0), mask=row_ok)
-    tl.store(LSEY_OUT + row, tl.where(ok, my + tl.log2(lys), 0.0), mask=row_ok)
+    _store_rows(mx, my, lx, ly, c, row, row_ok, KL_OUT, LSEX_OUT, LSEY_OUT)
+
+
+@triton.jit
+def _head_desc(T, b64, h, s_b, s_h, s_r, n_rows, D: tl.constexpr, BR: tl.constexpr):
+    """TMA descriptor of one head's [n_rows, D] matrix, read in [BR, D] tiles (rows past n_rows
+    read as zeros)."""
+    base = T + b64 * s_b + h.to(tl.int64) * s_h
+    return tl.make_tensor_descriptor(base, shape=[n_rows, D], strides=[s_r, 1], block_shape=[BR, D])
+
+
+@triton.jit
+def _tma_scores(qx, qy, dkx, dky, start_n, scale_x, scale_y, PREC_X: tl.constexpr, PREC_Y: tl.constexpr):
+    """Both score tiles of the key block at start_n (log2 units), key tiles through TMA."""
+    sx = scores(qx, dkx.load([start_n, 0]), scale_x, PREC_X)
+    sy = scores(qy, dky.load([start_n, 0]), scale_y, PREC_Y)
+    return sx, sy
+
+
+@triton.jit
+def attn_kl_fwd_tma_kernel(
+    QX, KX, QY, KY, LSEX_IN, LSEY_IN, KL_OUT, LSEX_OUT, LSEY_OUT,
+    s_qx_b, s_qx_h, s_qx_m, s_kx_b, s_kx_h, s_kx_n,
+    s_qy_b, s_qy_h, s_qy_m, s_ky_b, s_ky_h, s_ky_n,
+    H, Nq, Nk, GX, GY, scale_x, scale_y, causal_offset,
+    DX: tl.constexpr, DY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    CAUSAL: tl.constexpr, X_FIXED: tl.constexpr, Y_FIXED: tl.constexpr,
+    PREC_X: tl.constexpr, PREC_Y: tl.constexpr, WARP_SPEC: tl.constexpr,
+):
+    pid_bh, h, b64, start_m, offs_m, offs_n0, _dx, _dy = program_block(H, BM, BN, DX, DY, True)
+    qx = _head_desc(QX, b64, h, s_qx_b, s_qx_h, s_qx_m, Nq, DX, BM).load([start_m, 0])
+    qy = _head_desc(QY, b64, h, s_qy_b, s_qy_h, s_qy_m, Nq, DY, BM).load([start_m, 0])
+    dkx = _head_desc(KX, b64, h // GX, s_kx_b, s_kx_h, s_kx_n, Nk, DX, BN)
+    dky = _head_desc(KY, b64, h // GY, s_ky_b, s_ky_h, s_ky_n, Nk, DY, BN)
+    row, row_ok = flat_rows(pid_bh, Nq, offs_m)
+    mx, my, lx, ly, c = _init_state(LSEX_IN, LSEY_IN, row, row_ok, BM, X_FIXED, Y_FIXED)
+
+    # EVEN_N=False: the tail block past Nk (zero-filled by TMA) goes to the masked loop.
+    n_full, hi = key_ranges(start_m, Nk, causal_offset, BM, BN, CAUSAL, False)
+    for start_n in tl.range(0, n_full, BN, warp_specialize=WARP_SPEC):
+        sx, sy = _tma_scores(qx, qy, dkx, dky, start_n, scale_x, scale_y, PREC_X, PREC_Y)
+        mx, my, lx, ly, c = _online_step(sx, sy, sx, sy, mx, my, lx, ly, c, X_FIXED, Y_FIXED)
+    for start_n in range(n_full, hi, BN):
+        sx, sy = _tma_scores(qx, qy, dkx, dky, start_n, scale_x, scale_y, PREC_X, PREC_Y)
+        sxm, sym = hide_invisible(sx, sy, offs_m, start_n + offs_n0, KL_OUT, Nk, causal_offset,
+                                  True, CAUSAL, False, False)
+        mx, my, lx, ly, c = _online_step(sx, sy, sxm, sym, mx, my, lx, ly, c, X_FIXED, Y_FIXED)
+
+    _store_rows(mx, my, lx, ly, c, row, row_ok, KL_OUT, LSEX_OUT, LSEY_OUT)
 
 
 def next_pow2_dim(d: int) -> int:
