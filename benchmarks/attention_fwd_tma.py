@@ -18,14 +18,20 @@ import triton
 
 import nitrobrew as nb
 from nitrobrew.attention.common import AttnSpec
-from nitrobrew.attention.kernels_fwd import DEFAULT_CONFIGS
+from nitrobrew.attention.kernels_fwd import DEFAULT_CONFIGS, attn_kl_fwd_kernel, attn_kl_fwd_tma_kernel
 from nitrobrew.attention.triton_function import Side, triton_forward
 from nitrobrew.bench.common import time_ms
 
 DEV = torch.device("cuda")
 OLD = {"fwd_tma": False}
-SWEEP = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (128, 64, 8, 2, True), (128, 64, 8, 4, False),
-         (128, 128, 8, 2, False), (128, 128, 8, 2, True), (128, 64, 4, 3, True), (64, 64, 4, 3, False)]
+# (BM, BN, warps, stages, warp-specialized, rotated, scale folded): see attn_kl_fwd_tma_kernel. An
+# earlier sweep of the plain loop: (128, 64, 8, 2/4), (128, 128, 8, 2) without warp specialization
+# and (64, 64, 4, 3) were slower, (128, 64, 4, 3) with it failed to compile (Triton 3.6).
+SWEEP = [(128, 64, 8, 3, False, False, False), (128, 128, 8, 2, True, False, False),
+         (128, 64, 8, 3, False, True, False), (128, 64, 8, 2, False, True, False),
+         (128, 128, 8, 2, False, True, False), (128, 64, 8, 3, True, True, False),
+         (128, 64, 8, 3, False, False, True), (128, 64, 8, 3, False, True, True),
+         (128, 128, 8, 2, True, False, True)]
 
 
 def ms(fn, reps=20):
@@ -70,6 +76,20 @@ def check(tma_cfg):
         print(f"| {name} | {d[0]:.1e} | {d[1]:.1e} | {d[2]:.1e} | {ref} |", flush=True)
 
 
+def compiled(kernel):
+    """id -> compiled kernel, for every specialization of kernel compiled so far (Triton 3.x cache)."""
+    try:
+        return {id(v): v for cache in kernel.device_caches.values() for v in cache[0].values()}
+    except Exception:
+        return {}
+
+
+def regs(kernel, before):
+    """Registers and spills of the kernels compiled since `before`."""
+    new = [k for i, k in compiled(kernel).items() if i not in before]
+    return ", ".join(f"{getattr(k, 'n_regs', '?')}/{getattr(k, 'n_spills', '?')}" for k in new) or "?"
+
+
 def fwd_ms(q, k, qt, kt, cfg, causal=True):
     return ms(lambda: nb.attention_kl(q, k, qt, kt, is_causal=causal, block_config=cfg))
 
@@ -98,24 +118,32 @@ def main():
     default = DEFAULT_CONFIGS["fwd_tma"]
     check(default)
 
-    print("\n## Sweep: TMA forward alone, causal (ms); config = (BM, BN, warps, stages, warp_specialize)\n")
+    print("\n## Sweep: forward alone, causal (ms); TMA config = (BM, BN, warps, stages, warp-specialized, "
+          "rotated, scale folded)\n")
     Ns = (2048, 4096, 8192, 16384)
     data = {N: inputs(N) for N in Ns}
-    print("| config | " + " | ".join(f"N={N}" for N in Ns) + " |\n|---|" + "---|" * len(Ns))
+    print("| config | " + " | ".join(f"N={N}" for N in Ns) + " | max abs diff KL vs pointer (N=2048) | regs/spills |\n"
+          "|---|" + "---|" * (len(Ns) + 2))
+    before = compiled(attn_kl_fwd_kernel)
     old = [fwd_ms(*data[N][:4], OLD) for N in Ns]
-    print("| pointer forward (default tiles) | " + " | ".join(f"{t:.3f}" for t in old) + " |", flush=True)
+    print("| pointer forward (128, 64, 8, 3) | " + " | ".join(f"{t:.3f}" for t in old) + f" | - | "
+          f"{regs(attn_kl_fwd_kernel, before)} |", flush=True)
+    ref = nb.attention_kl(*data[2048][:4], is_causal=True, reduction="none", block_config=OLD)
     best, best_score = default, None
     for cfg in SWEEP:
         try:
+            before = compiled(attn_kl_fwd_tma_kernel)
             t = [fwd_ms(*data[N][:4], {"fwd_tma": cfg}) for N in Ns]
+            out = nb.attention_kl(*data[2048][:4], is_causal=True, reduction="none", block_config={"fwd_tma": cfg})
         except Exception as err:  # a setting the compiler refuses is a result too
             print(f"| {cfg} | failed: {type(err).__name__}: {str(err).splitlines()[0][:100]} |", flush=True)
             continue
         score = sum(a / b for a, b in zip(t, old))
         if best_score is None or score < best_score:
             best, best_score = cfg, score
-        print(f"| {cfg} | " + " | ".join(f"{x:.3f}" for x in t) + " |", flush=True)
-    print(f"\nBest (sum of time ratios to the pointer forward): {best}; library default: {default}\n")
+        print(f"| {cfg} | " + " | ".join(f"{x:.3f}" for x in t) + f" | {float((out - ref).abs().max()):.1e} | "
+              f"{regs(attn_kl_fwd_tma_kernel, before)} |", flush=True)
+    print(f"\nBest TMA setting (sum of time ratios to the pointer forward): {best}; library default: {default}\n")
     if best != default:
         check(best)
 

@@ -125,11 +125,13 @@ def triton_forward(X: Side, Y: Side, kpm, spec: AttnSpec, lse_x=None, lse_y=None
             raise ValueError("the TMA forward needs power-of-2 head dims, 16-byte aligned q/k and no padding mask")
         user = cfg.get("fwd_tma") if cfg else None
         if isinstance(user, (tuple, list)):
-            BM, BN, warps, stages, ws = user
+            BM, BN, warps, stages, ws, rotate, fold = user
         elif dev.type != "cuda" or interpreter_enabled():
-            (BM, BN, warps, stages), ws = DEFAULT_CONFIGS["interp"], False
+            BM, BN, warps, stages = DEFAULT_CONFIGS["interp"]
+            ws, rotate, fold = DEFAULT_CONFIGS["fwd_tma"][4:]
         else:
-            BM, BN, warps, stages, ws = DEFAULT_CONFIGS["fwd_tma"]
+            BM, BN, warps, stages, ws, rotate, fold = DEFAULT_CONFIGS["fwd_tma"]
+        fold = fold and X.scale > 0 and Y.scale > 0  # the max commutes with a positive scale only
         if dev.type == "cuda":
             _ensure_allocator()
         launch(
@@ -139,7 +141,8 @@ def triton_forward(X: Side, Y: Side, kpm, spec: AttnSpec, lse_x=None, lse_y=None
             Y.q.stride(0), Y.q.stride(1), Y.q.stride(2), Y.k.stride(0), Y.k.stride(1), Y.k.stride(2),
             H, Nq, Nk, X.G, Y.G, X.scale * LOG2E, Y.scale * LOG2E, off,
             DX=X.D, DY=Y.D, BM=BM, BN=BN, CAUSAL=spec.is_causal, X_FIXED=x_fixed, Y_FIXED=y_fixed,
-            PREC_X=X.prec, PREC_Y=Y.prec, WARP_SPEC=bool(ws), num_warps=warps, num_stages=stages,
+            PREC_X=X.prec, PREC_Y=Y.prec, WARP_SPEC=bool(ws),
+            ROTATE=bool(rotate), FOLD=bool(fold), num_warps=warps, num_stages=stages,
         )
         return kl, lsx, lsy
     BM, BN, warps, stages = resolve_config("fwd", cfg, dev, max(X.BD, Y.BD), fp32)
