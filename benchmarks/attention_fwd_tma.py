@@ -31,7 +31,8 @@ SWEEP = [(128, 64, 8, 3, False, False, False), (128, 128, 8, 2, True, False, Fal
          (128, 64, 8, 3, False, True, False), (128, 64, 8, 2, False, True, False),
          (128, 128, 8, 2, False, True, False), (128, 64, 8, 3, True, True, False),
          (128, 64, 8, 3, False, False, True), (128, 64, 8, 3, False, True, True),
-         (128, 128, 8, 2, True, False, True)]
+         (128, 128, 8, 2, True, False, True), (128, 64, 8, 2, False, True, True),
+         (128, 64, 8, 3, True, True, True), (128, 128, 8, 2, False, False, True)]
 
 
 def ms(fn, reps=20):
