@@ -14,11 +14,9 @@ backward. Causal programs skip key blocks above the diagonal and mask only the b
 max (no row max, no rescale); the result still normalizes by l. Masked entries use -inf in the
 exponent only; the centred difference uses the raw (finite) scores, so no 0 * inf appears.
 
-``attn_kl_fwd_tma_kernel`` computes the same, op for op, for 16-bit inputs without a padding mask
-on Hopper: it reads the query and key tiles through TMA tensor descriptors (made in the kernel,
-one per head, so any strides work and rows past Nq or Nk are zero-filled), which lets the
-unmasked key loop be software-pipelined and warp-specialized (a producer warp issues the TMA
-loads, the others run the wgmma dots and the exponentials).
+The per-block step, the initial state and the row outputs are helpers (``_online_step``,
+``_init_state``, ``_store_rows``) so that variants of the key loop compute the same, op for op
+(benchmarks/attention_fwd_tma.py: TMA descriptors, measured no faster on H100).
 """
 from __future__ import annotations
 
@@ -28,16 +26,13 @@ import triton.language as tl
 from .._launch import next_pow2
 from .kernels_tiles import (
     centred_diff,
-    dot,
     exp2_pair,
     flat_rows,
-    hide_invisible,
     key_block_scores,
     key_heads,
     key_ranges,
     load_tile,
     program_block,
-    scores,
 )
 
 LOG2E = 1.4426950408889634
@@ -53,9 +48,6 @@ DEFAULT_CONFIGS = {
     "dk_grouped": (32, 64, 4, 2),   # GQA: the loop over query heads sharing a kv head
     "small": (32, 32, 4, 2),        # fp32 inputs (FMA dots) or head dims > 128
     "interp": (16, 16, 1, 1),
-    # TMA forward (Hopper, 16-bit), + the unmasked key loop's switches: warp-specialized,
-    # rotated, scale folded (see attn_kl_fwd_tma_kernel)
-    "fwd_tma": (128, 64, 8, 3, False, False, False),
 }
 
 
@@ -149,101 +141,6 @@ def attn_kl_fwd_kernel(
         mx, my, lx, ly, c = _fwd_tile(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, start_n, offs_m, offs_n0,
                                       offs_dx, offs_dy, mx, my, lx, ly, c, Nk, scale_x, scale_y, causal_offset,
                                       DX, DY, BDX, BDY, True, CAUSAL, HAS_KPM, X_FIXED, Y_FIXED, EVEN_N, PREC_X, PREC_Y)
-
-    _store_rows(mx, my, lx, ly, c, row, row_ok, KL_OUT, LSEX_OUT, LSEY_OUT)
-
-
-@triton.jit
-def _head_desc(T, b64, h, s_b, s_h, s_r, n_rows, D: tl.constexpr, BR: tl.constexpr):
-    """TMA descriptor of one head's [n_rows, D] matrix, read in [BR, D] tiles (rows past n_rows
-    read as zeros)."""
-    base = T + b64 * s_b + h.to(tl.int64) * s_h
-    return tl.make_tensor_descriptor(base, shape=[n_rows, D], strides=[s_r, 1], block_shape=[BR, D])
-
-
-@triton.jit
-def _tma_dots(qx, qy, dkx, dky, start_n, scale_x, scale_y, FOLD: tl.constexpr,
-              PREC_X: tl.constexpr, PREC_Y: tl.constexpr):
-    """Both score tiles of the key block at start_n, key tiles through TMA: in log2 units, or with
-    FOLD the raw products q k^T (the scale goes into the step)."""
-    if FOLD:
-        sx = dot(qx, tl.trans(dkx.load([start_n, 0])), PREC_X)
-        sy = dot(qy, tl.trans(dky.load([start_n, 0])), PREC_Y)
-    else:
-        sx = scores(qx, dkx.load([start_n, 0]), scale_x, PREC_X)
-        sy = scores(qy, dky.load([start_n, 0]), scale_y, PREC_Y)
-    return sx, sy
-
-
-@triton.jit
-def _full_step(sx, sy, scale_x, scale_y, mx, my, lx, ly, c, FOLD: tl.constexpr,
-               X_FIXED: tl.constexpr, Y_FIXED: tl.constexpr):
-    """_online_step on an unmasked block. FOLD: from the raw products, the row max taken before the
-    (positive) scale, which is exact, and each centred score one FMA instead of a product and a
-    difference."""
-    if FOLD:
-        if X_FIXED:
-            mx_new = mx
-        else:
-            mx_new = tl.maximum(mx, tl.max(sx, 1) * scale_x)
-        if Y_FIXED:
-            my_new = my
-        else:
-            my_new = tl.maximum(my, tl.max(sy, 1) * scale_y)
-        ux = sx * scale_x - mx_new[:, None]
-        uy = sy * scale_y - my_new[:, None]
-        px = tl.exp2(ux)
-        ax = tl.exp2(mx - mx_new)
-        ay = tl.exp2(my - my_new)
-        c = ax * (c + lx * ((mx - mx_new) - (my - my_new))) + tl.sum(px * (ux - uy), 1)
-        lx = lx * ax + tl.sum(px, 1)
-        ly = ly * ay + tl.sum(tl.exp2(uy), 1)
-        out = mx_new, my_new, lx, ly, c
-    else:
-        out = _online_step(sx, sy, sx, sy, mx, my, lx, ly, c, X_FIXED, Y_FIXED)
-    return out
-
-
-@triton.jit
-def attn_kl_fwd_tma_kernel(
-    QX, KX, QY, KY, LSEX_IN, LSEY_IN, KL_OUT, LSEX_OUT, LSEY_OUT,
-    s_qx_b, s_qx_h, s_qx_m, s_kx_b, s_kx_h, s_kx_n,
-    s_qy_b, s_qy_h, s_qy_m, s_ky_b, s_ky_h, s_ky_n,
-    H, Nq, Nk, GX, GY, scale_x, scale_y, causal_offset,
-    DX: tl.constexpr, DY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    CAUSAL: tl.constexpr, X_FIXED: tl.constexpr, Y_FIXED: tl.constexpr,
-    PREC_X: tl.constexpr, PREC_Y: tl.constexpr, WARP_SPEC: tl.constexpr,
-    ROTATE: tl.constexpr, FOLD: tl.constexpr,
-):
-    """ROTATE: the unmasked loop issues the next key block's products before this block's
-    exponentials (a hand-rotated software pipeline, so the tensor cores can overlap them)."""
-    pid_bh, h, b64, start_m, offs_m, offs_n0, _dx, _dy = program_block(H, BM, BN, DX, DY, True)
-    qx = _head_desc(QX, b64, h, s_qx_b, s_qx_h, s_qx_m, Nq, DX, BM).load([start_m, 0])
-    qy = _head_desc(QY, b64, h, s_qy_b, s_qy_h, s_qy_m, Nq, DY, BM).load([start_m, 0])
-    dkx = _head_desc(KX, b64, h // GX, s_kx_b, s_kx_h, s_kx_n, Nk, DX, BN)
-    dky = _head_desc(KY, b64, h // GY, s_ky_b, s_ky_h, s_ky_n, Nk, DY, BN)
-    row, row_ok = flat_rows(pid_bh, Nq, offs_m)
-    mx, my, lx, ly, c = _init_state(LSEX_IN, LSEY_IN, row, row_ok, BM, X_FIXED, Y_FIXED)
-
-    # EVEN_N=False: the tail block past Nk (zero-filled by TMA) goes to the masked loop.
-    n_full, hi = key_ranges(start_m, Nk, causal_offset, BM, BN, CAUSAL, False)
-    if ROTATE:
-        if n_full > 0:
-            sx, sy = _tma_dots(qx, qy, dkx, dky, 0, scale_x, scale_y, FOLD, PREC_X, PREC_Y)
-            for start_n in tl.range(BN, n_full, BN, warp_specialize=WARP_SPEC):
-                nx, ny = _tma_dots(qx, qy, dkx, dky, start_n, scale_x, scale_y, FOLD, PREC_X, PREC_Y)
-                mx, my, lx, ly, c = _full_step(sx, sy, scale_x, scale_y, mx, my, lx, ly, c, FOLD, X_FIXED, Y_FIXED)
-                sx, sy = nx, ny
-            mx, my, lx, ly, c = _full_step(sx, sy, scale_x, scale_y, mx, my, lx, ly, c, FOLD, X_FIXED, Y_FIXED)
-    else:
-        for start_n in tl.range(0, n_full, BN, warp_specialize=WARP_SPEC):
-            sx, sy = _tma_dots(qx, qy, dkx, dky, start_n, scale_x, scale_y, FOLD, PREC_X, PREC_Y)
-            mx, my, lx, ly, c = _full_step(sx, sy, scale_x, scale_y, mx, my, lx, ly, c, FOLD, X_FIXED, Y_FIXED)
-    for start_n in range(n_full, hi, BN):
-        sx, sy = _tma_dots(qx, qy, dkx, dky, start_n, scale_x, scale_y, False, PREC_X, PREC_Y)
-        sxm, sym = hide_invisible(sx, sy, offs_m, start_n + offs_n0, KL_OUT, Nk, causal_offset,
-                                  True, CAUSAL, False, False)
-        mx, my, lx, ly, c = _online_step(sx, sy, sxm, sym, mx, my, lx, ly, c, X_FIXED, Y_FIXED)
 
     _store_rows(mx, my, lx, ly, c, row, row_ok, KL_OUT, LSEX_OUT, LSEY_OUT)
 

@@ -4,15 +4,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
 from .. import _checks as ck
 from .._checks import interpreter_enabled
 from .._launch import cdiv, launch
 from .common import AttnSpec
 from .kernels_bwd import attn_kl_bwd_dk_kernel, attn_kl_bwd_dq_kernel
-from .kernels_fwd import DEFAULT_CONFIGS, LOG2E, attn_kl_fwd_kernel, attn_kl_fwd_tma_kernel, next_pow2_dim
+from .kernels_fwd import DEFAULT_CONFIGS, LOG2E, attn_kl_fwd_kernel, next_pow2_dim
 
 
 class Side:
@@ -59,55 +57,16 @@ def _kpm_args(kpm: Optional[torch.Tensor], fallback: torch.Tensor):
     return k, k.stride(0), True
 
 
-def _tma_fits(S: Side) -> bool:
-    """TMA reads of one side: a power-of-2 head dim >= 16 (the tile is the whole row) and 16-byte
-    aligned bases and strides of q and k (the descriptors are made per head)."""
-    if S.BD != S.D or S.q.dtype != S.k.dtype:
-        return False
-    item = S.q.element_size()
-    return all(t.data_ptr() % 16 == 0 and all(st * item % 16 == 0 for st in t.stride()[:3])
-               for t in (S.q, S.k))
-
-
-def _tma_default(X: Side, Y: Side, kpm, dev: torch.device, cfg) -> bool:
-    """The TMA forward where it was measured faster (Hopper, 16-bit, head dims 64/128, no padding
-    mask); a user tile override for "fwd" keeps the pointer kernel it names."""
-    if cfg and "fwd_tma" in cfg:
-        return bool(cfg["fwd_tma"])
-    if cfg and "fwd" in cfg:
-        return False
-    if dev.type != "cuda" or interpreter_enabled() or kpm is not None:
-        return False
-    if not (hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")):
-        return False
-    if torch.cuda.get_device_capability(dev)[0] != 9:
-        return False
-    return all(S.q.dtype in (torch.bfloat16, torch.float16) and S.D in (64, 128) and _tma_fits(S) for S in (X, Y))
-
-
-def _scratch(size: int, align: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator() -> None:
-    """Descriptors made in a kernel live in a little global scratch (128 bytes each per program)
-    that Triton asks its allocator for at launch: install a torch one unless one is set."""
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch)
-
-
-def triton_forward(X: Side, Y: Side, kpm, spec: AttnSpec, lse_x=None, lse_y=None, cfg=None,
-                   tma: Optional[bool] = None):
-    """Launch the forward kernel. Returns (kl natural [B,H,Nq], lse_x, lse_y in log2 units), float32.
-    tma: the TMA-descriptor kernel (True), the pointer kernel (False), or the default (None)."""
+def triton_forward(X: Side, Y: Side, kpm, spec: AttnSpec, lse_x=None, lse_y=None, cfg=None):
+    """Launch the forward kernel. Returns (kl natural [B,H,Nq], lse_x, lse_y in log2 units), float32."""
     B, H, Nq, _ = X.q.shape
     Nk = X.k.shape[2]
     dev = X.q.device
     kl = torch.empty((B, H, Nq), dtype=torch.float32, device=dev)
     lsx, lsy = torch.empty_like(kl), torch.empty_like(kl)
     fp32 = torch.float32 in (X.q.dtype, Y.q.dtype)
+    BM, BN, warps, stages = resolve_config("fwd", cfg, dev, max(X.BD, Y.BD), fp32)
+    kpm_t, s_kpm, has_kpm = _kpm_args(kpm, kl)
 
     def fixed(lse):
         if lse is None:
@@ -117,43 +76,14 @@ def triton_forward(X: Side, Y: Side, kpm, spec: AttnSpec, lse_x=None, lse_y=None
 
     lx_in, x_fixed = fixed(lse_x)
     ly_in, y_fixed = fixed(lse_y)
-    off = spec.causal_offset if spec.is_causal else 0
-    if tma is None:
-        tma = _tma_default(X, Y, kpm, dev, cfg)
-    if tma:
-        if kpm is not None or not (_tma_fits(X) and _tma_fits(Y)):
-            raise ValueError("the TMA forward needs power-of-2 head dims, 16-byte aligned q/k and no padding mask")
-        user = cfg.get("fwd_tma") if cfg else None
-        if isinstance(user, (tuple, list)):
-            BM, BN, warps, stages, ws, rotate, fold = user
-        elif dev.type != "cuda" or interpreter_enabled():
-            BM, BN, warps, stages = DEFAULT_CONFIGS["interp"]
-            ws, rotate, fold = DEFAULT_CONFIGS["fwd_tma"][4:]
-        else:
-            BM, BN, warps, stages, ws, rotate, fold = DEFAULT_CONFIGS["fwd_tma"]
-        fold = fold and X.scale > 0 and Y.scale > 0  # the max commutes with a positive scale only
-        if dev.type == "cuda":
-            _ensure_allocator()
-        launch(
-            attn_kl_fwd_tma_kernel, (cdiv(Nq, BM), B * H),
-            X.q, X.k, Y.q, Y.k, lx_in, ly_in, kl, lsx, lsy,
-            X.q.stride(0), X.q.stride(1), X.q.stride(2), X.k.stride(0), X.k.stride(1), X.k.stride(2),
-            Y.q.stride(0), Y.q.stride(1), Y.q.stride(2), Y.k.stride(0), Y.k.stride(1), Y.k.stride(2),
-            H, Nq, Nk, X.G, Y.G, X.scale * LOG2E, Y.scale * LOG2E, off,
-            DX=X.D, DY=Y.D, BM=BM, BN=BN, CAUSAL=spec.is_causal, X_FIXED=x_fixed, Y_FIXED=y_fixed,
-            PREC_X=X.prec, PREC_Y=Y.prec, WARP_SPEC=bool(ws),
-            ROTATE=bool(rotate), FOLD=bool(fold), num_warps=warps, num_stages=stages,
-        )
-        return kl, lsx, lsy
-    BM, BN, warps, stages = resolve_config("fwd", cfg, dev, max(X.BD, Y.BD), fp32)
-    kpm_t, s_kpm, has_kpm = _kpm_args(kpm, kl)
+    grid = (cdiv(Nq, BM), B * H)
     launch(
-        attn_kl_fwd_kernel, (cdiv(Nq, BM), B * H),
+        attn_kl_fwd_kernel, grid,
         X.q, X.k, Y.q, Y.k, lx_in, ly_in, kpm_t, kl, lsx, lsy,
         X.q.stride(0), X.q.stride(1), X.q.stride(2), X.k.stride(0), X.k.stride(1), X.k.stride(2),
         Y.q.stride(0), Y.q.stride(1), Y.q.stride(2), Y.k.stride(0), Y.k.stride(1), Y.k.stride(2),
         s_kpm,
-        H, Nq, Nk, X.G, Y.G, X.scale * LOG2E, Y.scale * LOG2E, off,
+        H, Nq, Nk, X.G, Y.G, X.scale * LOG2E, Y.scale * LOG2E, spec.causal_offset if spec.is_causal else 0,
         DX=X.D, DY=Y.D, BDX=X.BD, BDY=Y.BD, BM=BM, BN=BN,
         CAUSAL=spec.is_causal, HAS_KPM=has_kpm, X_FIXED=x_fixed, Y_FIXED=y_fixed,
         EVEN_M=Nq % BM == 0, EVEN_N=Nk % BN == 0, PREC_X=X.prec, PREC_Y=Y.prec,
