@@ -138,6 +138,7 @@ def test_every_product_path_drops_the_same_columns(monkeypatch, fraction):
     backend, impl_opts, rows, chunk = SETUPS["triton-fast"]
     monkeypatch.setattr(gf, "CAP_STEP", 16)
     monkeypatch.setattr(gf.ActiveFractions, "record", lambda self, count, n_cols: None)
+    monkeypatch.setattr(gf, "PIECE", 8)  # several products per slab
     monkeypatch.setattr(kf, "FILTER_ROWS", 2)  # several row groups flag (and count) one column
     monkeypatch.setattr(kf, "FILTER_BLOCK_R", 2)
     gf._FRACTIONS.clear()

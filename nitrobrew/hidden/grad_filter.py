@@ -35,7 +35,7 @@ import torch
 from .._ops import mm_acc, mm_acc_add
 
 F32 = torch.float32
-PIECE = 4096  # active columns per product: bounds the gathered copies (G, W rows, dW rows)
+PIECE = 8192  # active columns per product: bounds the gathered copies (G, W rows, dW rows)
 
 
 def resolve_eps(grad_filter: Union[bool, float, None], dtype: torch.dtype) -> Optional[float]:
@@ -156,14 +156,15 @@ def add_column_grads(g: torch.Tensor, idx: torch.Tensor, xs: torch.Tensor, w: to
                      kept: Optional[torch.Tensor] = None, scatter_add=None) -> None:
     """dx_acc += g[:, idx] w[idx]; dw[idx] += g[:, idx]^T xs (dw zeroed first when `first`). With
     `kept` (a device count), only the first `kept` entries of idx count; the others add zeros.
-    scatter_add(dw, rows, idx, kept) replaces index_add_ where given (distinct idx)."""
+    scatter_add(dw, rows, idx, kept, first_row) replaces index_add_ where given (distinct idx)."""
     if dw is not None and first:
         dw.zero_()
+    keep = None if kept is None else (torch.arange(idx.numel(), device=g.device) < kept).to(g.dtype)
     for p0 in range(0, idx.numel(), PIECE):
         cols = idx[p0:p0 + PIECE]
         g_act = g.index_select(1, cols)
-        if kept is not None:
-            g_act.mul_(torch.arange(p0, p0 + cols.numel(), device=g.device) < kept)
+        if keep is not None:
+            g_act.mul_(keep[p0:p0 + PIECE])
         if dx_acc is not None:
             mm_acc_add(dx_acc, g_act, w.index_select(0, cols).to(g_act.dtype))
         if dw is not None:
@@ -171,4 +172,4 @@ def add_column_grads(g: torch.Tensor, idx: torch.Tensor, xs: torch.Tensor, w: to
             if scatter_add is None:
                 dw.index_add_(0, cols, rows)
             else:
-                scatter_add(dw, rows, cols, kept - p0)
+                scatter_add(dw, rows, cols, kept, p0)

@@ -70,11 +70,11 @@ def drop_columns_kernel(g_ptr, stride_g, active_ptr, count_ptr, n_rows, n_cols,
 
 
 @triton.jit
-def scatter_add_rows_kernel(dst_ptr, stride_dst, src_ptr, stride_src, idx_ptr, kept_ptr, n_dims,
+def scatter_add_rows_kernel(dst_ptr, stride_dst, src_ptr, stride_src, idx_ptr, kept_ptr, first_row, n_dims,
                             BLOCK_D: tl.constexpr):
-    """dst[idx[r]] += src[r] for r < kept (idx: distinct rows, so no atomics)."""
+    """dst[idx[r]] += src[r] for first_row + r < kept (idx: distinct rows, so no atomics)."""
     r = tl.program_id(0)
-    if r < tl.load(kept_ptr):
+    if first_row + r < tl.load(kept_ptr):
         dst_row = dst_ptr + tl.load(idx_ptr + r).to(tl.int64) * stride_dst
         src_row = src_ptr + r.to(tl.int64) * stride_src
         for d0 in range(0, n_dims, BLOCK_D):
@@ -161,12 +161,13 @@ def launch_drop_columns(g: torch.Tensor, active: torch.Tensor, count: torch.Tens
            ROWS=FILTER_ROWS, BLOCK_R=FILTER_BLOCK_R, BLOCK_V=FILTER_BLOCK_V, num_warps=4)
 
 
-def launch_scatter_add_rows(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, kept: torch.Tensor) -> None:
-    """dst[idx[r]] += src[r] for the first `kept` (a device count) rows of src."""
+def launch_scatter_add_rows(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, kept: torch.Tensor,
+                            first_row: int = 0) -> None:
+    """dst[idx[r]] += src[r] for the rows r with first_row + r < kept (a device count)."""
     if src.shape[0] == 0:
         return
     launch(scatter_add_rows_kernel, (src.shape[0],), dst, dst.stride(0), src, src.stride(0), idx, kept,
-           src.shape[1], BLOCK_D=1024, num_warps=4)
+           first_row, src.shape[1], BLOCK_D=1024, num_warps=4)
 
 
 def launch_overflow(g, perm, count, cap: int, xs, w, dx_acc, dw) -> None:
