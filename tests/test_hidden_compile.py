@@ -25,6 +25,7 @@ CASES = {
     "ce_bias_chunked": dict(chunk_V=64, ce_weight=0.3, with_labels=True, with_bias=True),
     "jsd_sum_T": dict(divergence="jsd", beta=0.3, reduction="sum", temperature=2.0),
     "tvd_small_budget": dict(divergence="tvd", memory_budget=8 * V * 5, with_labels=True),
+    "grad_filter": dict(grad_filter=0.05, memory_budget=8 * V * 5, with_labels=True, ce_weight=0.5),
 }
 
 

@@ -179,7 +179,13 @@ def forward_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, labels: Option
                backend: str = "auto", mode: Optional[str] = None, memory_budget: Optional[int] = None,
                grad_filter: Union[bool, float] = False, softcap_s: Optional[float] = None,
                softcap_t: Optional[float] = None, return_parts: bool = False, process_group=None):
-    return hidden_loss(**locals(), divergence="forward_kl")
+    # keywords written out: torch.compile cannot trace locals()
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, labels=labels, ignore_index=ignore_index,
+                       temperature=temperature, reduction=reduction, chunk_V=chunk_V, vocab_size=vocab_size,
+                       bs=bs, bt=bt, kd_weight=kd_weight, ce_weight=ce_weight, scale_t2=scale_t2,
+                       backend=backend, mode=mode, memory_budget=memory_budget, grad_filter=grad_filter,
+                       softcap_s=softcap_s, softcap_t=softcap_t, return_parts=return_parts,
+                       process_group=process_group, divergence="forward_kl")
 
 
 def reverse_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, labels: Optional[Tensor] = None,
@@ -189,7 +195,13 @@ def reverse_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, labels: Option
                backend: str = "auto", mode: Optional[str] = None, memory_budget: Optional[int] = None,
                grad_filter: Union[bool, float] = False, softcap_s: Optional[float] = None,
                softcap_t: Optional[float] = None, return_parts: bool = False, process_group=None):
-    return hidden_loss(**locals(), divergence="reverse_kl")
+    # keywords written out: torch.compile cannot trace locals()
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, labels=labels, ignore_index=ignore_index,
+                       temperature=temperature, reduction=reduction, chunk_V=chunk_V, vocab_size=vocab_size,
+                       bs=bs, bt=bt, kd_weight=kd_weight, ce_weight=ce_weight, scale_t2=scale_t2,
+                       backend=backend, mode=mode, memory_budget=memory_budget, grad_filter=grad_filter,
+                       softcap_s=softcap_s, softcap_t=softcap_t, return_parts=return_parts,
+                       process_group=process_group, divergence="reverse_kl")
 
 
 def jsd(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, beta: float = 0.5, labels: Optional[Tensor] = None,
@@ -199,7 +211,13 @@ def jsd(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, beta: float = 0.5, la
         backend: str = "auto", mode: Optional[str] = None, memory_budget: Optional[int] = None,
         grad_filter: Union[bool, float] = False, softcap_s: Optional[float] = None,
         softcap_t: Optional[float] = None, return_parts: bool = False, process_group=None):
-    return hidden_loss(**locals(), divergence="jsd")
+    # keywords written out: torch.compile cannot trace locals()
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, beta=beta, labels=labels, ignore_index=ignore_index,
+                       temperature=temperature, reduction=reduction, chunk_V=chunk_V, vocab_size=vocab_size,
+                       bs=bs, bt=bt, kd_weight=kd_weight, ce_weight=ce_weight, scale_t2=scale_t2,
+                       backend=backend, mode=mode, memory_budget=memory_budget, grad_filter=grad_filter,
+                       softcap_s=softcap_s, softcap_t=softcap_t, return_parts=return_parts,
+                       process_group=process_group, divergence="jsd")
 
 
 def tvd(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, labels: Optional[Tensor] = None,
@@ -209,7 +227,13 @@ def tvd(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, labels: Optional[Tens
         backend: str = "auto", mode: Optional[str] = None, memory_budget: Optional[int] = None,
         grad_filter: Union[bool, float] = False, softcap_s: Optional[float] = None,
         softcap_t: Optional[float] = None, return_parts: bool = False, process_group=None):
-    return hidden_loss(**locals(), divergence="tvd")
+    # keywords written out: torch.compile cannot trace locals()
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, labels=labels, ignore_index=ignore_index,
+                       temperature=temperature, reduction=reduction, chunk_V=chunk_V, vocab_size=vocab_size,
+                       bs=bs, bt=bt, kd_weight=kd_weight, ce_weight=ce_weight, scale_t2=scale_t2,
+                       backend=backend, mode=mode, memory_budget=memory_budget, grad_filter=grad_filter,
+                       softcap_s=softcap_s, softcap_t=softcap_t, return_parts=return_parts,
+                       process_group=process_group, divergence="tvd")
 
 
 def skew_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, alpha: float = 0.1, labels: Optional[Tensor] = None,
@@ -219,7 +243,13 @@ def skew_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, alpha: float = 0.
             backend: str = "auto", mode: Optional[str] = None, memory_budget: Optional[int] = None,
             grad_filter: Union[bool, float] = False, softcap_s: Optional[float] = None,
             softcap_t: Optional[float] = None, return_parts: bool = False, process_group=None):
-    return hidden_loss(**locals(), divergence="skew_kl")
+    # keywords written out: torch.compile cannot trace locals()
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, alpha=alpha, labels=labels, ignore_index=ignore_index,
+                       temperature=temperature, reduction=reduction, chunk_V=chunk_V, vocab_size=vocab_size,
+                       bs=bs, bt=bt, kd_weight=kd_weight, ce_weight=ce_weight, scale_t2=scale_t2,
+                       backend=backend, mode=mode, memory_budget=memory_budget, grad_filter=grad_filter,
+                       softcap_s=softcap_s, softcap_t=softcap_t, return_parts=return_parts,
+                       process_group=process_group, divergence="skew_kl")
 
 
 def skew_reverse_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, alpha: float = 0.1,
@@ -230,7 +260,13 @@ def skew_reverse_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, alpha: fl
                     memory_budget: Optional[int] = None, grad_filter: Union[bool, float] = False,
                     softcap_s: Optional[float] = None, softcap_t: Optional[float] = None, return_parts: bool = False,
                     process_group=None):
-    return hidden_loss(**locals(), divergence="skew_reverse_kl")
+    # keywords written out: torch.compile cannot trace locals()
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, alpha=alpha, labels=labels, ignore_index=ignore_index,
+                       temperature=temperature, reduction=reduction, chunk_V=chunk_V, vocab_size=vocab_size,
+                       bs=bs, bt=bt, kd_weight=kd_weight, ce_weight=ce_weight, scale_t2=scale_t2,
+                       backend=backend, mode=mode, memory_budget=memory_budget, grad_filter=grad_filter,
+                       softcap_s=softcap_s, softcap_t=softcap_t, return_parts=return_parts,
+                       process_group=process_group, divergence="skew_reverse_kl")
 
 
 LOSSES = {f.__name__: f for f in (forward_kl, reverse_kl, jsd, tvd, skew_kl, skew_reverse_kl)}
