@@ -75,8 +75,8 @@ def floor_step(d):
     return lambda: bl.gemm_floor(d.xs.detach(), d.xt, d.ws.detach(), d.wt, g)
 
 
-def fraction_seen(n_cols):
-    f = gf.fractions_for(torch.device("cuda", torch.cuda.current_device()), n_cols)
+def fraction_seen(n_cols, eps=2.0**-8):
+    f = gf.fractions_for(torch.device("cuda", torch.cuda.current_device()), n_cols, eps)
     f.capacity(n_cols)  # takes a finished read-back
     return f.fraction
 

@@ -142,7 +142,9 @@ def test_every_product_path_drops_the_same_columns(monkeypatch, fraction):
     monkeypatch.setattr(kf, "FILTER_ROWS", 2)  # several row groups flag (and count) one column
     monkeypatch.setattr(kf, "FILTER_BLOCK_R", 2)
     gf._FRACTIONS.clear()
-    gf.fractions_for(torch.device("cpu"), V).fraction = fraction
+    gf.fractions_for(torch.device("cpu"), V, EPS).fraction = fraction
+    compacted = []
+    monkeypatch.setattr(gf, "active_first", lambda active, f=gf.active_first: compacted.append(1) or f(active))
     xs, xt, ws, wt, bs, labels = _inputs(6, True)
     opts = dict(divergence="forward_kl", ce_weight=0.5)
     (dx_e, dw_e, db_e), _full, _n = _expected(xs, xt, ws, wt, bs, labels, opts, rows, chunk)
@@ -150,6 +152,7 @@ def test_every_product_path_drops_the_same_columns(monkeypatch, fraction):
     nb.hidden_loss(xs_, xt, ws_, wt, bs=bs_, labels=labels, backend=backend, grad_filter=EPS, **opts,
                    **impl_opts).backward()
     gf._FRACTIONS.clear()
+    assert bool(compacted) == (fraction is not None and fraction < 0.5)  # the path the case names
     for got, exp in ((xs_.grad, dx_e), (ws_.grad, dw_e), (bs_.grad, db_e)):
         assert _rel(got, exp) < 1e-4
 
@@ -182,7 +185,7 @@ def test_an_unfiltered_slab_stays_whole_when_a_small_capacity_was_expected(monke
     grads = []
     for grad_filter, fraction in ((False, None), (1e-6, 0.02)):  # 60-88% of columns active
         gf._FRACTIONS.clear()
-        gf.fractions_for(torch.device("cpu"), V).fraction = fraction
+        gf.fractions_for(torch.device("cpu"), V, 1e-6).fraction = fraction
         xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
         nb.forward_kl(xs_, xt, ws_, wt, backend=backend, grad_filter=grad_filter, **impl_opts).backward()
         grads.append((xs_.grad, ws_.grad))

@@ -133,8 +133,9 @@ class ActiveFractions:
 _FRACTIONS: dict = {}
 
 
-def fractions_for(device: torch.device, n_cols: int) -> ActiveFractions:
-    key = (device.type, device.index, n_cols)
+def fractions_for(device: torch.device, n_cols: int, eps: float) -> ActiveFractions:
+    """The history of slabs of this width, device and threshold (losses of one process stay apart)."""
+    key = (device.type, device.index, n_cols, eps)
     if key not in _FRACTIONS:
         _FRACTIONS[key] = ActiveFractions()
     return _FRACTIONS[key]

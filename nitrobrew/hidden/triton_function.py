@@ -146,7 +146,7 @@ def _filtered_column_grads(g, rowmax, eps, xs, w, dx_out, dx_acc, dw, first: boo
     no host synchronization."""
     n_cols = g.shape[1]
     active, count = kf.launch_filter_columns(g, rowmax, eps)
-    fractions = gf.fractions_for(g.device, n_cols)
+    fractions = gf.fractions_for(g.device, n_cols, eps)
     fractions.record(count, n_cols)
     cap = fractions.capacity(n_cols)
     if cap >= n_cols:
