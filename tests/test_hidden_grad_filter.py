@@ -163,8 +163,10 @@ def test_capacity_follows_the_active_fraction():
     f.record(torch.tensor([10_000]), 100_000)
     cap = f.capacity(100_000)
     assert 10_000 * gf.HEADROOM <= cap < 10_000 * gf.HEADROOM + gf.CAP_STEP + 1
+    f.record(torch.tensor([45_000]), 100_000)
+    assert f.capacity(100_000) < 100_000  # up to half active: compacted, padded past half
     f.record(torch.tensor([60_000]), 100_000)
-    assert f.capacity(100_000) == 100_000  # over half: dense again
+    assert f.capacity(100_000) == 100_000  # over half (unfiltered slabs): dense
     for _ in range(gf.RECENT - 1):
         f.record(torch.tensor([0]), 100_000)
     assert f.fraction == 0.6  # the largest of the last RECENT

@@ -14,14 +14,15 @@ gradient, is never filtered.
 What is dropped depends on the data only; how the products run is a speed choice. Triton backend
 (no host synchronization: it runs inside CUDA graph captures and compiled graphs):
   1. the gradient kernel writes each row's largest |g| beside the slab (no extra sweep);
-  2. ``kernels_filter.filter_columns_kernel`` flags the active columns and zeroes the others in g;
+  2. ``kernels_filter.filter_columns_kernel`` flags and counts the active columns;
   3. the host picks a capacity from the active fractions of earlier slabs of the same width (read
      back asynchronously, never waited for); a stable sort on the device puts the active columns
      first (perm), and the products run over the columns perm[:cap] (cuBLAS; columns past the
-     count are zero) plus, on the device, the columns perm[cap:count]
-     that exceed it (``kernels_filter`` overflow products: nothing to do when count <= cap); when
-     the capacity is over half the slab, or nothing is known yet, the dense products run on the
-     zeroed g.
+     count are zero) plus, on the device, the columns perm[cap:count] that exceed it
+     (``kernels_filter`` overflow products: nothing to do when count <= cap, slow when not); when
+     earlier slabs had more than half their columns active, or nothing is known yet, the dense
+     products run on g (its dropped columns zeroed by ``drop_columns_kernel`` if this slab is
+     filtered after all).
 The PyTorch backend reads the count on the host (one sync per slab): it cannot be captured.
 Peaked distributions (trained LMs) leave most of the vocabulary below the threshold in the fast
 mode's large slabs; the constant-memory mode's [rows, 4096] slabs rarely have a negligible column.
@@ -74,7 +75,7 @@ def compacted(active: torch.Tensor) -> Optional[torch.Tensor]:
     return idx if 2 * idx.numel() <= active.numel() else None
 
 
-HEADROOM = 1.5    # capacity over the largest active fraction seen: slabs of one call vary
+HEADROOM = 1.25   # capacity over the largest active fraction seen: slabs of one call vary
 CAP_STEP = 256    # capacities are multiples of this (fewer distinct product shapes)
 RECENT = 8        # read-backs the capacity covers
 
@@ -94,10 +95,9 @@ class ActiveFractions:
         """Columns the compacted products cover; n_cols means the dense products."""
         if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             self._poll()  # no event queries inside a capture
-        if self.fraction is None:
+        if self.fraction is None or 2 * self.fraction > 1:  # nothing known, or unfiltered slabs
             return n_cols
-        cap = -(-int(self.fraction * n_cols * HEADROOM + 1) // CAP_STEP) * CAP_STEP
-        return n_cols if 2 * cap > n_cols else cap
+        return min(n_cols, -(-int(self.fraction * n_cols * HEADROOM + 1) // CAP_STEP) * CAP_STEP)
 
     def record(self, count: torch.Tensor, n_cols: int) -> None:
         if not count.is_cuda:

@@ -124,6 +124,9 @@ def block_grads(ops: Operands, labels, rs, kd_scale, ce_scale, cfg, vchunk, dx_o
     rowvals = _rowvals(rs)
     filtering = cfg.filter_eps is not None
     dx_acc = None if vchunk >= V else torch.zeros(xs.shape, dtype=F32, device=xs.device)
+    if filtering:  # one capacity per block of rows (host work per slab counts in the narrow slabs)
+        fractions = gf.fractions_for(xs.device, min(vchunk, V), cfg.filter_eps)
+        cap = fractions.capacity(min(vchunk, V))
     for v0, v1 in spans(V, vchunk):
         z, t = slabs if slabs is not None else _slabs(ops, v0, v1, cfg)
         g = _grad_buffer(z, t, xs.dtype)
@@ -133,7 +136,8 @@ def block_grads(ops: Operands, labels, rs, kd_scale, ce_scale, cfg, vchunk, dx_o
             db[v0:v1] += g.sum(0, dtype=F32)
         w_chunk, dw_chunk = ws[v0:v1], None if dw is None else dw[v0:v1]
         if filtering:
-            _filtered_column_grads(g, rowmax, cfg.filter_eps, xs, w_chunk, dx_out, dx_acc, dw_chunk, first_rows)
+            _filtered_column_grads(g, rowmax, cfg.filter_eps, xs, w_chunk, dx_out, dx_acc, dw_chunk, first_rows,
+                                   fractions if v0 == 0 else None, cap if v1 - v0 == min(vchunk, V) else v1 - v0)
         else:
             _all_column_grads(g, xs, w_chunk, dx_out, dx_acc, dw_chunk, first_rows)
         del z, t, g
@@ -141,14 +145,14 @@ def block_grads(ops: Operands, labels, rs, kd_scale, ce_scale, cfg, vchunk, dx_o
         dx_out.copy_(dx_acc)
 
 
-def _filtered_column_grads(g, rowmax, eps, xs, w, dx_out, dx_acc, dw, first: bool) -> None:
+def _filtered_column_grads(g, rowmax, eps, xs, w, dx_out, dx_acc, dw, first: bool, fractions, cap: int) -> None:
     """As _all_column_grads, over the slab's active columns only when it is filtered (grad_filter.py);
-    no host synchronization."""
+    no host synchronization. cap: the compacted products' columns (n_cols: dense); the slab's active
+    count goes to `fractions` when given."""
     n_cols = g.shape[1]
     active, count = kf.launch_filter_columns(g, rowmax, eps)
-    fractions = gf.fractions_for(g.device, n_cols, eps)
-    fractions.record(count, n_cols)
-    cap = fractions.capacity(n_cols)
+    if fractions is not None:
+        fractions.record(count, n_cols)
     if cap >= n_cols:
         kf.launch_drop_columns(g, active, count)  # zero the dropped columns (a filtered slab)
         _all_column_grads(g, xs, w, dx_out, dx_acc, dw, first)
