@@ -26,7 +26,7 @@ import triton.language as tl
 from .._launch import cdiv, launch
 
 FILTER_BLOCK_V = 128   # columns per program of the flag kernels
-FILTER_BLOCK_R = 32    # rows per tile of the flag kernels
+FILTER_BLOCK_R = 64    # rows per tile of the flag kernels (best of an H100 sweep: 0.125 ms per 704 x 152064 slab)
 FILTER_ROWS = 128      # rows per program (a second grid axis: narrow slabs still fill the GPU)
 OVERFLOW_TILES = (64, 64, 32)   # (BLOCK_M, BLOCK_N, BLOCK_K) of the overflow products
 OVERFLOW_DW_PROGRAMS = 64      # column-block programs of the dW overflow (each walks a stride)
