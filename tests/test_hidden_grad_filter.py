@@ -48,8 +48,9 @@ def _inputs(seed: int, bias: bool):
     return xs, xt, ws, wt, bs, labels
 
 
-def _expected(xs, xt, ws, wt, bs, labels, opts, rows: int, chunk: int):
-    """(dX, dW, db) of the filtered gradient, and how many slabs were filtered."""
+def _expected(xs, xt, ws, wt, bs, labels, opts, rows: int, chunk: int, skipped=None):
+    """(dX, dW, db) of the filtered gradient, and how many slabs were filtered. skipped[block][chunk]:
+    tiles the constant-memory backward skipped (zero), as it reported them."""
     d = torch.float64
     ref_opts = dict(opts)
     ref_opts["param"] = ref_opts.pop("beta", 0.0)
@@ -64,6 +65,10 @@ def _expected(xs, xt, ws, wt, bs, labels, opts, rows: int, chunk: int):
     for r0 in range(0, N, rows):
         for c0 in range(0, V, chunk):
             blk = grad[r0:r0 + rows, c0:c0 + chunk]
+            if skipped is not None and skipped[r0 // rows][c0 // chunk]:
+                keep[r0:r0 + rows, c0:c0 + chunk] = 0.0
+                filtered += 1
+                continue
             active = (blk.abs() > EPS * blk.abs().amax(1, keepdim=True)).any(0)
             if 2 * int(active.sum()) <= active.numel():
                 keep[r0:r0 + rows, c0:c0 + chunk] = active.to(d)
@@ -72,26 +77,42 @@ def _expected(xs, xt, ws, wt, bs, labels, opts, rows: int, chunk: int):
     return (kept @ ws.to(d), kept.t() @ xs.to(d), grad.sum(0)), (grad @ ws.to(d), grad.t() @ xs.to(d)), filtered
 
 
+def _spy_tiles(monkeypatch):
+    """The skip masks the constant-memory backward computes (appended per backward)."""
+    seen = []
+
+    def spy(*args, f=gf.negligible_tiles):
+        out = f(*args)
+        seen.append(out)
+        return out
+    monkeypatch.setattr(gf, "negligible_tiles", spy)
+    return seen
+
+
 def _rel(a, b):
     return float((a.double() - b).norm() / b.norm())
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("setup", list(SETUPS))
-def test_filtered_gradients_drop_exactly_the_small_columns(setup, case):
+def test_filtered_gradients_drop_exactly_the_small_columns(monkeypatch, setup, case):
     backend, impl_opts, rows, chunk = SETUPS[setup]
     if backend == "triton" and not INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1 on CPU")
     opts = dict(CASES[case])
     bias = opts.pop("bias", False)
     xs, xt, ws, wt, bs, labels = _inputs(3, bias)
-    (dx_e, dw_e, db_e), (dx_full, dw_full), filtered = _expected(xs, xt, ws, wt, bs, labels, opts, rows, chunk)
-    assert filtered > 0  # the case exercises the filter
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     bs_ = None if bs is None else bs.clone().requires_grad_()
+    skipped = _spy_tiles(monkeypatch)
     loss = nb.hidden_loss(xs_, xt, ws_, wt, bs=bs_, labels=labels, backend=backend, grad_filter=EPS,
                           **opts, **impl_opts)
     loss.backward()
+    (dx_e, dw_e, db_e), (dx_full, dw_full), filtered = _expected(xs, xt, ws, wt, bs, labels, opts, rows, chunk,
+                                                                 skipped[0] if skipped else None)
+    assert filtered > 0  # the case exercises the filter
+    if setup == "triton-const" and case == "fkl_mean":
+        assert any(any(b) for b in skipped[0])  # whole tiles skipped, not only columns
     for got, exp, full in ((xs_.grad, dx_e, dx_full), (ws_.grad, dw_e, dw_full)):
         assert _rel(got, exp) < 1e-4
         assert _rel(full.float(), exp) > 1e-3  # the dropped part is far above the tolerance
@@ -194,3 +215,60 @@ def test_an_unfiltered_slab_stays_whole_when_a_small_capacity_was_expected(monke
     gf._FRACTIONS.clear()
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _spy_tile_args(monkeypatch):
+    seen = []
+
+    def spy(*args, f=gf.negligible_tiles):
+        out = f(*args)
+        seen.append((args, out))
+        return out
+    monkeypatch.setattr(gf, "negligible_tiles", spy)
+    return seen
+
+
+def test_skipped_tiles_hold_only_negligible_entries(monkeypatch):
+    """Constant-memory tile skipping: the per-chunk maxima are the tempered logits' maxima, and every
+    entry of a skipped tile is at most eps x its row's largest |g| over the whole vocabulary."""
+    if not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 on CPU")
+    backend, impl_opts, rows, chunk = SETUPS["triton-const"]
+    seen = _spy_tile_args(monkeypatch)
+    xs, xt, ws, wt, _, labels = _inputs(8, False)
+    T = 1.7
+    xs_ = xs.clone().requires_grad_()
+    nb.forward_kl(xs_, xt, ws, wt, labels=labels, temperature=T, backend=backend, grad_filter=EPS,
+                  **impl_opts).backward()
+    (chunk_max, *_rest), skipped = seen[0]
+    d = torch.float64
+    s, t = (xs.to(d) @ ws.to(d).t()) / T, (xt.to(d) @ wt.to(d).t()) / T
+    counted = labels != -100  # (ignored rows enter the kernels zeroed)
+    for ci, c0 in enumerate(range(0, V, chunk)):
+        for side, logits in ((0, s), (1, t)):
+            torch.testing.assert_close(chunk_max[counted, ci, side].double(),
+                                       logits[counted, c0:c0 + chunk].amax(1), rtol=1e-5, atol=1e-5)
+    g = (s.softmax(1) - t.softmax(1)).abs()  # |g| up to the row's positive factor
+    n_skipped = 0
+    for bi, r0 in enumerate(range(0, N, rows)):
+        for ci, c0 in enumerate(range(0, V, chunk)):
+            if not skipped[bi][ci]:
+                continue
+            n_skipped += 1
+            blk = g[r0:r0 + rows, c0:c0 + chunk][counted[r0:r0 + rows]]
+            assert (blk <= EPS * g[r0:r0 + rows][counted[r0:r0 + rows]].amax(1, keepdim=True)).all()
+    assert n_skipped > 0
+
+
+@pytest.mark.parametrize("opts", [dict(divergence="reverse_kl"), dict(ce_weight=0.5), dict(softcap_s=5.0),
+                                  dict(bias=True)])
+def test_no_tile_skipping_where_the_bounds_do_not_hold(monkeypatch, opts):
+    if not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 on CPU")
+    backend, impl_opts, _, _ = SETUPS["triton-const"]
+    seen = _spy_tile_args(monkeypatch)
+    opts = dict(opts)
+    xs, xt, ws, wt, bs, labels = _inputs(9, opts.pop("bias", False))
+    nb.hidden_loss(xs.clone().requires_grad_(), xt, ws, wt, bs=bs, labels=labels, backend=backend,
+                   grad_filter=EPS, **opts, **impl_opts).backward()
+    assert seen == []

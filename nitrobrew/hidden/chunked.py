@@ -35,6 +35,9 @@ class RowStats:
     sum_u: Tensor            # sum_j dD/dlog q_j
     kd: Tensor               # divergence per row
     ce: Optional[Tensor]     # cross-entropy per row
+    # [N, vocab chunks, 2] largest tempered student/teacher logits per chunk (Triton constant-memory
+    # mode with grad_filter: grad_filter.negligible_tiles); not carried by rows()
+    chunk_max: Optional[Tensor] = None
 
     def rows(self, r0: int, r1: int) -> "RowStats":
         """The statistics of rows [r0, r1)."""

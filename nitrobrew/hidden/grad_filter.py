@@ -26,10 +26,22 @@ What is dropped depends on the data only; how the products run is a speed choice
 The PyTorch backend reads the count on the host (one sync per slab): it cannot be captured.
 Peaked distributions (trained LMs) leave most of the vocabulary below the threshold in the fast
 mode's large slabs; the constant-memory mode's [rows, 4096] slabs rarely have a negligible column.
+
+Constant-memory mode, forward KL without CE, bias or student softcap (``tiles_eligible``): the
+backward skips whole (block of rows, vocab chunk) tiles, the recomputation of their logits
+included, where a bound shows every entry negligible by the rule above with the row's largest
+entry over the whole vocabulary as the reference (``negligible_tiles``). With g = k (q - p):
+|g_ij| <= k max(q_ij, p_ij) <= k U_ic (U_ic: the chunk's largest q or p of the row, from the
+forward's per-chunk maxima of the tempered logits), and the row's largest |g| is at least
+k |max_j p_ij - max_j q_ij| = k L_i (at the argmax of the larger side). A tile is skipped when
+U_ic <= eps L_i for every counted row of the block. The other configurations, and tiles that do
+not qualify, take the per-slab column filter. The decision reads one [blocks, chunks] mask on the
+host per backward (one sync; none inside a graph capture, where nothing is skipped). Extra memory:
+8 bytes per row per vocab chunk.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 import torch
 
@@ -145,6 +157,27 @@ def kept_columns(count: torch.Tensor, n_cols: int) -> torch.Tensor:
     """Columns a slab keeps (on the device): the active ones, or all of them when more than half are
     active (an unfiltered slab)."""
     return torch.where(2 * count <= n_cols, count, n_cols)
+
+
+def tiles_eligible(cfg, has_bias: bool) -> bool:
+    """Whether the constant-memory backward may skip tiles (the bounds of ``negligible_tiles`` hold)."""
+    return (cfg.filter_eps is not None and cfg.divergence == "forward_kl" and not cfg.with_ce
+            and not has_bias and cfg.softcap_s is None)
+
+
+def negligible_tiles(chunk_max: torch.Tensor, lse_s: torch.Tensor, lse_t: torch.Tensor,
+                     kd_scale: torch.Tensor, eps: float, rows_per_block: int) -> Optional[List[List[bool]]]:
+    """skip[block][chunk]: tiles whose every entry is below eps x its row's largest |g| (module doc).
+    chunk_max [N, chunks, 2]: per row and vocab chunk, the largest tempered student and teacher
+    logits; lse_s, lse_t [N] tempered log-sum-exps. None inside a graph capture (no host read)."""
+    if chunk_max.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    cm = chunk_max.float()
+    ls, lt = lse_s.float()[:, None], lse_t.float()[:, None]
+    upper = torch.maximum(cm[..., 0] - ls, cm[..., 1] - lt).exp()                       # [N, chunks]
+    lower = ((cm[..., 0].amax(1) - lse_s.float()).exp() - (cm[..., 1].amax(1) - lse_t.float()).exp()).abs()
+    ok = (upper <= eps * lower[:, None]) | (kd_scale == 0)[:, None]  # NaN bounds never qualify
+    return torch.stack([blk.all(0) for blk in ok.split(rows_per_block)]).tolist()  # the one host read
 
 
 def active_first(active: torch.Tensor) -> torch.Tensor:

@@ -79,12 +79,14 @@ def _kl_lanes_to_row(m_o, l_o, acc, rel, m_x, l_x, lost, mo0, lo0, a0, r0, mx0, 
 
 @triton.jit
 def stats_kernel(
-    z_ptr, t_ptr, stride_z, stride_t, state_ptr, labels_ptr,
+    z_ptr, t_ptr, stride_z, stride_t, state_ptr, labels_ptr, chunk_max_ptr, stride_cm,
     n_cols, col_offset, inv_temp, param, log_a, log_1ma,
     DIVERGENCE: tl.constexpr, PASS: tl.constexpr, RAW_LSE: tl.constexpr, HAS_LABELS: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    CHUNK_MAX: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """PASS 1: online log-sum-exps (+ the one-pass KL accumulator, CE pieces).
+    """PASS 1: online log-sum-exps (+ the one-pass KL accumulator, CE pieces); with CHUNK_MAX also
+    this slab's largest tempered student and teacher logits of the row (chunk_max[row, 0:2]: the
+    constant-memory gradient filter's bounds, grad_filter.negligible_tiles).
     PASS 2: sum of phi and of u given the final log-sum-exps (stored in M_S/M_T as lse).
     Every lane keeps its own running values over the row's tiles; they are reduced once at the end
     (a reduction per tile synchronizes the program's warps and costs more than the exps)."""
@@ -135,6 +137,9 @@ def stats_kernel(
                 m_z, l_z, _w, _sc = lane_update(m_z, l_z, z)
             if HAS_LABELS:
                 z_lab += tl.where(valid & (idx == label), z, 0.0)
+        if CHUNK_MAX:
+            tl.store(chunk_max_ptr + row * stride_cm, tl.max(m_s, axis=0))
+            tl.store(chunk_max_ptr + row * stride_cm + 1, tl.max(m_t, axis=0))
         if DIVERGENCE == FORWARD_KL:
             mt_row, lt_row, a_row, r_row, ms_row, ls_row, b_row = _kl_lanes_to_row(
                 m_t, l_t, acc, rel, m_s, l_s, lost, tl.load(st + C_M_T), tl.load(st + C_L_T), tl.load(st + C_ACC),
@@ -249,8 +254,9 @@ def new_state(n: int, device) -> torch.Tensor:
     return st
 
 
-def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no: int) -> None:
-    """Update `state` rows with the slab (z, t) [R, C]; labels are global ids (or None)."""
+def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no: int, chunk_max=None) -> None:
+    """Update `state` rows with the slab (z, t) [R, C]; labels are global ids (or None). chunk_max
+    ([R, 2] view, pass 1): gets the slab's largest tempered logits per row."""
     rows, n_cols = z.shape
     if rows == 0:
         return
@@ -259,9 +265,11 @@ def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no:
     kl = pass_no == 1 and cfg.divergence in dv.ONE_PASS
     launch(stats_kernel, (rows,),
         z, t, z.stride(0), t.stride(0), state, labels if has_labels else state,
+        state if chunk_max is None else chunk_max, 0 if chunk_max is None else chunk_max.stride(0),
         n_cols, col_offset, inv_temp, a, log_a, log_1ma,
         DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence], PASS=pass_no,
         RAW_LSE=cfg.with_ce and cfg.temperature != 1.0, HAS_LABELS=has_labels,
+        CHUNK_MAX=chunk_max is not None and pass_no == 1,
         BLOCK_V=row_block(n_cols, KL_STATS_BLOCK_V if kl else 0), num_warps=KL_STATS_WARPS if kl else STATS_WARPS,
     )
 

@@ -82,14 +82,15 @@ def _first_pass_from_state(st: torch.Tensor, cfg: LossConfig) -> FirstPass:
     )
 
 
-def block_stats(ops: Operands, labels, cfg: LossConfig, vchunk: int):
-    """RowStats of a block of rows, streaming the vocab; also returns the slabs if there was one."""
+def block_stats(ops: Operands, labels, cfg: LossConfig, vchunk: int, chunk_max=None):
+    """RowStats of a block of rows, streaming the vocab; also returns the slabs if there was one.
+    chunk_max ([rows, chunks, 2]): gets each vocab chunk's largest tempered logits per row."""
     V = ops.vocab
     st = tr.new_state(ops.xs.shape[0], ops.xs.device)
     slabs = None
-    for v0, v1 in spans(V, vchunk):
+    for ci, (v0, v1) in enumerate(spans(V, vchunk)):
         slabs = _slabs(ops, v0, v1, cfg)
-        tr.launch_stats(*slabs, st, labels, v0, cfg, 1)
+        tr.launch_stats(*slabs, st, labels, v0, cfg, 1, None if chunk_max is None else chunk_max[:, ci])
     fp = _first_pass_from_state(st, cfg)
     sums = None
     if cfg.divergence not in dv.ONE_PASS:
@@ -116,9 +117,9 @@ def _rowvals(rs: RowStats) -> torch.Tensor:
 
 
 def block_grads(ops: Operands, labels, rs, kd_scale, ce_scale, cfg, vchunk, dx_out, dw, db,
-                first_rows: bool, slabs=None):
+                first_rows: bool, slabs=None, skip=None):
     """Gradient of a block of rows: writes dx_out (its rows), accumulates dw (written by the
-    first block of rows) and db."""
+    first block of rows) and db. skip[c]: vocab chunk c's gradient is negligible (not recomputed)."""
     xs, ws = ops.xs, ops.ws
     V = ws.shape[0]
     rowvals = _rowvals(rs)
@@ -127,7 +128,11 @@ def block_grads(ops: Operands, labels, rs, kd_scale, ce_scale, cfg, vchunk, dx_o
     if filtering:  # one capacity per block of rows (host work per slab counts in the narrow slabs)
         fractions = gf.fractions_for(xs.device, min(vchunk, V), cfg.filter_eps)
         cap = fractions.capacity(min(vchunk, V))
-    for v0, v1 in spans(V, vchunk):
+    for ci, (v0, v1) in enumerate(spans(V, vchunk)):
+        if skip is not None and skip[ci]:
+            if first_rows and dw is not None:
+                dw[v0:v1].zero_()  # the first block writes dw
+            continue
         z, t = slabs if slabs is not None else _slabs(ops, v0, v1, cfg)
         g = _grad_buffer(z, t, xs.dtype)
         rowmax = torch.empty(g.shape[0], dtype=F32, device=xs.device) if filtering else None
@@ -181,18 +186,25 @@ def _all_column_grads(g, xs, w, dx_out, dx_acc, dw, first: bool) -> None:
         accumulate_dw(dw, g, xs, first)
 
 
-def distill_forward(ops: Operands, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool):
+def distill_forward(ops: Operands, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool,
+                    tile_bounds: bool = False):
     """Reduced (total, kd, ce), the gradients (dx, dw, db) when they are formed here (fast mode,
-    scalar reduction, need_grad) else None, and the row statistics the backward needs otherwise."""
+    scalar reduction, need_grad) else None, and the row statistics the backward needs otherwise
+    (with the per-chunk maxima the constant-memory filter skips tiles by, when tile_bounds)."""
     xs, ws, bs = ops.xs, ops.ws, ops.bs
     n = xs.shape[0]
     precompute = need_grad and plan.mode == "fast" and plan.reduction != "none"
     grads = alloc_grads(xs, ws, bs, plan.dw_fp32) if precompute else None
     red = ck.reduction_scale(mask, plan.reduction) if precompute else None
+    chunk_max = None
+    if (tile_bounds and need_grad and plan.mode != "fast" and plan.vocab_chunk < ws.shape[0]
+            and gf.tiles_eligible(cfg, bs is not None)):
+        chunk_max = torch.empty(n, -(-ws.shape[0] // plan.vocab_chunk), 2, dtype=F32, device=xs.device)
     stats = []
     for r0, r1 in spans(n, plan.row_chunk):
         lab = None if labels is None else labels[r0:r1]
-        rs, slabs = block_stats(ops.rows(r0, r1), lab, cfg, plan.vocab_chunk)
+        rs, slabs = block_stats(ops.rows(r0, r1), lab, cfg, plan.vocab_chunk,
+                                None if chunk_max is None else chunk_max[r0:r1])
         stats.append(rs)
         if precompute:
             kd_scale, ce_scale = row_scales(red.expand(r1 - r0), mask[r0:r1], cfg)
@@ -200,6 +212,7 @@ def distill_forward(ops: Operands, labels, mask, cfg: LossConfig, plan: Plan, ne
                         plan.vocab_chunk, grads[0][r0:r1], grads[1], grads[2], r0 == 0, slabs)
         del slabs
     rs = _concat_stats(stats, xs)
+    rs.chunk_max = chunk_max
     rows = combine_rows(rs.kd, rs.ce, mask, cfg)
     out = tuple(ck.reduce_rows(r, mask, plan.reduction, (n,)) for r in rows)
     return out, (finish_grads(*grads, ws, bs) if precompute else None), rs
@@ -211,11 +224,14 @@ def distill_backward(ops: Operands, labels, mask, rs: RowStats, cfg: LossConfig,
     n = xs.shape[0]
     kd_scale, ce_scale = row_scales(row_upstream(grad_total, mask, plan.reduction, n), mask, cfg)
     dx, dw, db = alloc_grads(xs, ws, bs, plan.dw_fp32)
-    for r0, r1 in spans(n, plan.row_chunk):
+    skip = None
+    if rs.chunk_max is not None:
+        skip = gf.negligible_tiles(rs.chunk_max, rs.lse_s, rs.lse_t, kd_scale, cfg.filter_eps, plan.row_chunk)
+    for bi, (r0, r1) in enumerate(spans(n, plan.row_chunk)):
         sub = rs.rows(r0, r1)
         block_grads(ops.rows(r0, r1), None if labels is None else labels[r0:r1], sub,
                     kd_scale[r0:r1].contiguous(), ce_scale[r0:r1].contiguous(), cfg, plan.vocab_chunk,
-                    dx[r0:r1], dw, db, r0 == 0)
+                    dx[r0:r1], dw, db, r0 == 0, skip=None if skip is None else skip[bi])
     return finish_grads(dx, dw, db, ws, bs)
 
 
@@ -224,7 +240,8 @@ class TritonDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool):
-        out, grads, rs = distill_forward(Operands(xs, xt, ws, wt, bs, bt), labels, mask, cfg, plan, need_grad)
+        out, grads, rs = distill_forward(Operands(xs, xt, ws, wt, bs, bt), labels, mask, cfg, plan, need_grad,
+                                         tile_bounds=True)
         keep_for_backward(ctx, cfg, plan, grads, rs, (xs, xt, ws, wt, bs, bt, labels, mask))
         ctx.mark_non_differentiable(out[1], out[2])
         return out
