@@ -65,9 +65,10 @@ def _expected(xs, xt, ws, wt, bs, labels, opts, rows: int, chunk: int, skipped=N
     for r0 in range(0, N, rows):
         for c0 in range(0, V, chunk):
             blk = grad[r0:r0 + rows, c0:c0 + chunk]
-            if skipped is not None and skipped[r0 // rows][c0 // chunk]:
-                keep[r0:r0 + rows, c0:c0 + chunk] = 0.0
-                filtered += 1
+            if skipped is not None:  # the tile rule alone
+                if skipped[r0 // rows][c0 // chunk]:
+                    keep[r0:r0 + rows, c0:c0 + chunk] = 0.0
+                    filtered += 1
                 continue
             active = (blk.abs() > EPS * blk.abs().amax(1, keepdim=True)).any(0)
             if 2 * int(active.sum()) <= active.numel():

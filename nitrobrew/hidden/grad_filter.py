@@ -34,10 +34,12 @@ entry over the whole vocabulary as the reference (``negligible_tiles``). With g 
 |g_ij| <= k max(q_ij, p_ij) <= k U_ic (U_ic: the chunk's largest q or p of the row, from the
 forward's per-chunk maxima of the tempered logits), and the row's largest |g| is at least
 k |max_j p_ij - max_j q_ij| = k L_i (at the argmax of the larger side). A tile is skipped when
-U_ic <= eps L_i for every counted row of the block. The other configurations, and tiles that do
-not qualify, take the per-slab column filter. The decision reads one [blocks, chunks] mask on the
-host per backward (one sync; none inside a graph capture, where nothing is skipped). Extra memory:
-8 bytes per row per vocab chunk.
+U_ic <= eps L_i for every counted row of the block; nothing else is dropped there (the per-slab
+column filter, whose reference would be the row's largest entry within a 4096-column chunk, is
+off). The decision reads one [blocks, chunks] mask on the host per backward: one sync; inside a
+graph capture, and under torch.compile (whose op does not carry the chunk maxima), this mode drops
+nothing. Extra memory: 8 bytes per row per vocab chunk. Other losses in this mode keep the per-slab
+column filter.
 """
 from __future__ import annotations
 

@@ -117,13 +117,13 @@ def _rowvals(rs: RowStats) -> torch.Tensor:
 
 
 def block_grads(ops: Operands, labels, rs, kd_scale, ce_scale, cfg, vchunk, dx_out, dw, db,
-                first_rows: bool, slabs=None, skip=None):
+                first_rows: bool, slabs=None, skip=None, column_filter: bool = True):
     """Gradient of a block of rows: writes dx_out (its rows), accumulates dw (written by the
     first block of rows) and db. skip[c]: vocab chunk c's gradient is negligible (not recomputed)."""
     xs, ws = ops.xs, ops.ws
     V = ws.shape[0]
     rowvals = _rowvals(rs)
-    filtering = cfg.filter_eps is not None
+    filtering = cfg.filter_eps is not None and column_filter
     dx_acc = None if vchunk >= V else torch.zeros(xs.shape, dtype=F32, device=xs.device)
     if filtering:  # one capacity per block of rows (host work per slab counts in the narrow slabs)
         fractions = gf.fractions_for(xs.device, min(vchunk, V), cfg.filter_eps)
@@ -224,14 +224,16 @@ def distill_backward(ops: Operands, labels, mask, rs: RowStats, cfg: LossConfig,
     n = xs.shape[0]
     kd_scale, ce_scale = row_scales(row_upstream(grad_total, mask, plan.reduction, n), mask, cfg)
     dx, dw, db = alloc_grads(xs, ws, bs, plan.dw_fp32)
+    # the constant-memory filter of eligible losses drops whole tiles (grad_filter.negligible_tiles), no columns
+    tile_rule = plan.vocab_chunk < ws.shape[0] and gf.tiles_eligible(cfg, bs is not None)
     skip = None
-    if rs.chunk_max is not None:
+    if tile_rule and rs.chunk_max is not None:
         skip = gf.negligible_tiles(rs.chunk_max, rs.lse_s, rs.lse_t, kd_scale, cfg.filter_eps, plan.row_chunk)
     for bi, (r0, r1) in enumerate(spans(n, plan.row_chunk)):
         sub = rs.rows(r0, r1)
         block_grads(ops.rows(r0, r1), None if labels is None else labels[r0:r1], sub,
                     kd_scale[r0:r1].contiguous(), ce_scale[r0:r1].contiguous(), cfg, plan.vocab_chunk,
-                    dx[r0:r1], dw, db, r0 == 0, skip=None if skip is None else skip[bi])
+                    dx[r0:r1], dw, db, r0 == 0, skip=None if skip is None else skip[bi], column_filter=not tile_rule)
     return finish_grads(dx, dw, db, ws, bs)
 
 
