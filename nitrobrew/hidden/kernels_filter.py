@@ -12,9 +12,9 @@ the inactive ones in g, so every later product, dense or compacted, drops exactl
 ``scatter_add_rows_kernel``: dW rows of the compacted product added into place (distinct rows: plain
 loads and stores, where index_add_ on a 16-bit head takes atomics).
 
-``overflow_dx_kernel`` / ``overflow_dw_kernel``: the columns perm[cap:count] (active columns past the
-host's capacity cap; count read on the device, all columns in an unfiltered slab; nothing to do when
-count <= cap):
+``overflow_dx_kernel`` / ``overflow_dw_kernel``: the columns perm[cap:kept] (kept: the columns the
+slab keeps, read on the device: its active ones, all of them in an unfiltered slab; nothing to do
+when kept <= cap):
 dX[m] += sum_k g[m, perm[k]] W[perm[k]] and dW[perm[k]] += sum_m g[m, perm[k]] X[m].
 """
 from __future__ import annotations
@@ -85,25 +85,18 @@ def scatter_add_rows_kernel(dst_ptr, stride_dst, src_ptr, stride_src, idx_ptr, k
 
 
 @triton.jit
-def _kept_columns(count_ptr, n_cols):
-    """Columns the products must cover: the active ones, or all of them in an unfiltered slab."""
-    count = tl.load(count_ptr).to(tl.int32)
-    return tl.where(2 * count <= n_cols, count, n_cols)
-
-
-@triton.jit
-def overflow_dx_kernel(g_ptr, stride_g, w_ptr, stride_w, perm_ptr, count_ptr, dx_ptr, stride_dx,
-                       n_rows, n_cols, n_dims, cap, IEEE: tl.constexpr,
+def overflow_dx_kernel(g_ptr, stride_g, w_ptr, stride_w, perm_ptr, kept_ptr, dx_ptr, stride_dx,
+                       n_rows, n_dims, cap, IEEE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    count = _kept_columns(count_ptr, n_cols)
-    if count > cap:
+    kept = tl.load(kept_ptr).to(tl.int32)
+    if kept > cap:
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok, n_ok = rm < n_rows, rn < n_dims
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(cap, count, BLOCK_K):
+        for k0 in range(cap, kept, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < count
+            k_ok = ks < kept
             cols = tl.load(perm_ptr + ks, mask=k_ok, other=0)
             a = tl.load(g_ptr + rm.to(tl.int64)[:, None] * stride_g + cols[None, :],
                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -116,16 +109,16 @@ def overflow_dx_kernel(g_ptr, stride_g, w_ptr, stride_w, perm_ptr, count_ptr, dx
 
 
 @triton.jit
-def overflow_dw_kernel(g_ptr, stride_g, x_ptr, stride_x, perm_ptr, count_ptr, dw_ptr, stride_dw,
-                       n_rows, n_cols, n_dims, cap, IEEE: tl.constexpr,
+def overflow_dw_kernel(g_ptr, stride_g, x_ptr, stride_x, perm_ptr, kept_ptr, dw_ptr, stride_dw,
+                       n_rows, n_dims, cap, IEEE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # a bounded grid: each program walks every num_programs-th block of BLOCK_K columns past cap
-    count = _kept_columns(count_ptr, n_cols)
+    kept = tl.load(kept_ptr).to(tl.int32)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < n_dims
-    for k0 in range(cap + tl.program_id(0) * BLOCK_K, count, tl.num_programs(0) * BLOCK_K):
+    for k0 in range(cap + tl.program_id(0) * BLOCK_K, kept, tl.num_programs(0) * BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < count
+        k_ok = ks < kept
         cols = tl.load(perm_ptr + ks, mask=k_ok, other=0)
         acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
         for m0 in range(0, n_rows, BLOCK_M):
@@ -170,8 +163,9 @@ def launch_scatter_add_rows(dst: torch.Tensor, src: torch.Tensor, idx: torch.Ten
            first_row, src.shape[1], BLOCK_D=1024, num_warps=4)
 
 
-def launch_overflow(g, perm, count, cap: int, xs, w, dx_acc, dw) -> None:
-    """The products of the columns perm[cap:count] (none when count <= cap, decided on the device)."""
+def launch_overflow(g, perm, kept, cap: int, xs, w, dx_acc, dw) -> None:
+    """The products of the columns perm[cap:kept] (kept: grad_filter.kept_columns, on the device; none
+    when kept <= cap)."""
     rows, n_cols = g.shape
     if n_cols <= cap or rows == 0:
         return
@@ -179,9 +173,9 @@ def launch_overflow(g, perm, count, cap: int, xs, w, dx_acc, dw) -> None:
     ieee = g.dtype == torch.float32
     if dx_acc is not None:
         launch(overflow_dx_kernel, (cdiv(rows, bm), cdiv(w.shape[1], bn)),
-               g, g.stride(0), w, w.stride(0), perm, count, dx_acc, dx_acc.stride(0), rows, n_cols, w.shape[1], cap,
+               g, g.stride(0), w, w.stride(0), perm, kept, dx_acc, dx_acc.stride(0), rows, w.shape[1], cap,
                IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     if dw is not None:
         launch(overflow_dw_kernel, (min(cdiv(n_cols - cap, bk), OVERFLOW_DW_PROGRAMS), cdiv(xs.shape[1], bn)),
-               g, g.stride(0), xs, xs.stride(0), perm, count, dw, dw.stride(0), rows, n_cols, xs.shape[1], cap,
+               g, g.stride(0), xs, xs.stride(0), perm, kept, dw, dw.stride(0), rows, xs.shape[1], cap,
                IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)

@@ -166,9 +166,9 @@ def _filtered_column_grads(g, rowmax, eps, xs, w, dx_out, dx_acc, dw, first: boo
     acc = dx_acc
     if acc is None and dx_out is not None:
         acc = torch.zeros(dx_out.shape, dtype=F32, device=g.device)
-    gf.add_column_grads(g, perm[:cap], xs, w, acc, dw, first, kept=gf.kept_columns(count, n_cols),
-                        scatter_add=kf.launch_scatter_add_rows)
-    kf.launch_overflow(g, perm, count, cap, xs, w, acc, dw)
+    kept = gf.kept_columns(count, n_cols)
+    gf.add_column_grads(g, perm[:cap], xs, w, acc, dw, first, kept=kept, scatter_add=kf.launch_scatter_add_rows)
+    kf.launch_overflow(g, perm, kept, cap, xs, w, acc, dw)
     if acc is not dx_acc:
         dx_out.copy_(acc)
 
@@ -186,6 +186,12 @@ def _all_column_grads(g, xs, w, dx_out, dx_acc, dw, first: bool) -> None:
         accumulate_dw(dw, g, xs, first)
 
 
+def _drops_tiles(cfg: LossConfig, plan: Plan, ws, bs) -> bool:
+    """Whether the filter drops whole (rows x vocab chunk) tiles, not columns: the constant-memory mode
+    (vocab chunks narrower than the head) with a loss whose bounds hold (grad_filter.negligible_tiles)."""
+    return plan.vocab_chunk < ws.shape[0] and gf.tiles_eligible(cfg, bs is not None)
+
+
 def distill_forward(ops: Operands, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool,
                     tile_bounds: bool = False):
     """Reduced (total, kd, ce), the gradients (dx, dw, db) when they are formed here (fast mode,
@@ -197,8 +203,7 @@ def distill_forward(ops: Operands, labels, mask, cfg: LossConfig, plan: Plan, ne
     grads = alloc_grads(xs, ws, bs, plan.dw_fp32) if precompute else None
     red = ck.reduction_scale(mask, plan.reduction) if precompute else None
     chunk_max = None
-    if (tile_bounds and need_grad and plan.mode != "fast" and plan.vocab_chunk < ws.shape[0]
-            and gf.tiles_eligible(cfg, bs is not None)):
+    if tile_bounds and need_grad and _drops_tiles(cfg, plan, ws, bs):
         chunk_max = torch.empty(n, -(-ws.shape[0] // plan.vocab_chunk), 2, dtype=F32, device=xs.device)
     stats = []
     for r0, r1 in spans(n, plan.row_chunk):
@@ -224,8 +229,7 @@ def distill_backward(ops: Operands, labels, mask, rs: RowStats, cfg: LossConfig,
     n = xs.shape[0]
     kd_scale, ce_scale = row_scales(row_upstream(grad_total, mask, plan.reduction, n), mask, cfg)
     dx, dw, db = alloc_grads(xs, ws, bs, plan.dw_fp32)
-    # the constant-memory filter of eligible losses drops whole tiles (grad_filter.negligible_tiles), no columns
-    tile_rule = plan.vocab_chunk < ws.shape[0] and gf.tiles_eligible(cfg, bs is not None)
+    tile_rule = _drops_tiles(cfg, plan, ws, bs)
     skip = None
     if tile_rule and rs.chunk_max is not None:
         skip = gf.negligible_tiles(rs.chunk_max, rs.lse_s, rs.lse_t, kd_scale, cfg.filter_eps, plan.row_chunk)
