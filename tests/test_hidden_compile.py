@@ -123,3 +123,21 @@ def test_opcheck(impl, reduction):
             -1, True)
     torch.library.opcheck(custom_op.hidden_distill, args, test_utils=("test_schema", "test_faketensor",
                                                                        "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("name", sorted(nb.hidden.api.LOSSES))
+def test_named_losses_pass_every_argument_on(monkeypatch, name):
+    """The six functions write their keywords out (torch.compile on torch 2.11 cannot trace locals()):
+    each must hand every one of its parameters to hidden_loss, under its own name."""
+    import inspect
+
+    from nitrobrew.hidden import api
+
+    fn = api.LOSSES[name]
+    params = list(inspect.signature(fn).parameters)
+    got = {}
+    monkeypatch.setattr(api, "hidden_loss", lambda **kw: got.update(kw))
+    sent = {p: object() for p in params}
+    fn(**sent)
+    assert set(got) == set(params) | {"divergence"}
+    assert all(got[p] is sent[p] for p in params) and got["divergence"] == name
