@@ -10,6 +10,7 @@ N = 4096) and attention_kl fwd+bwd (B = 1, H = 32, D = 128, causal, N = 4096). T
 of 5 timed calls (CUDA events, after warm-up); the ratio is new / old of the medians. Then the accuracy
 of both against float64 (N = 256 rows, V = 152064) in the random, peaked and close regimes.
 """
+
 import statistics
 import sys
 
@@ -34,8 +35,10 @@ def ab(label, make_step):
             if rnd == 0:
                 outs[name] = step()
             times[name].append(time_ms(step, DEV, warmup=1, reps=5))
-    rel = [float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-           for a, b in zip(outs["old"], outs["new"])]
+    rel = [
+        float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+        for a, b in zip(outs["old"], outs["new"])
+    ]
     mo, mn = statistics.median(times["old"]), statistics.median(times["new"])
     print(f"| {label} | {mo:.2f} | {mn:.2f} | {mn / mo:.3f} | {' / '.join(f'{r:.1e}' for r in rel)} |", flush=True)
 
@@ -55,7 +58,9 @@ def hidden_step(n, divergence, **kw):
             loss = fn(x, xt, w, wt, **kw)
             loss.backward()
             return loss.detach(), x.grad, w.grad
+
         return step
+
     return make
 
 
@@ -72,7 +77,9 @@ def topk_step(n, k=64):
             loss = pkg.topk_kl(x, w, ids, lp)
             loss.backward()
             return loss.detach(), x.grad, w.grad
+
         return step
+
     return make
 
 
@@ -87,7 +94,9 @@ def attention_step(n):
             loss = pkg.attention_kl(a, b, qt, kt, is_causal=True)
             loss.backward()
             return loss.detach(), a.grad, b.grad
+
         return step
+
     return make
 
 
@@ -96,7 +105,10 @@ def accuracy(pkg, regime, divergence, n=256):
     xs = torch.randn(n, DS, device=DEV, generator=g)
     ws = torch.randn(V, DS, device=DEV, generator=g) * (3 / DS**0.5)
     if regime == "random":
-        xt, wt = torch.randn(n, DS, device=DEV, generator=g), torch.randn(V, DS, device=DEV, generator=g) * (3 / DS**0.5)
+        xt, wt = (
+            torch.randn(n, DS, device=DEV, generator=g),
+            torch.randn(V, DS, device=DEV, generator=g) * (3 / DS**0.5),
+        )
     elif regime == "peaked":
         xt, wt = xs * 4, ws * 3
     else:  # close: teacher head = student head + 1% noise
@@ -106,14 +118,23 @@ def accuracy(pkg, regime, divergence, n=256):
     loss = getattr(pkg, divergence)(x, xt, ws, wt, reduction="sum")
     loss.backward()
     x64 = xs.double().requires_grad_()
-    ref = new.hidden.reference_loss(x64, xt.double(), ws.double(), wt.double(), divergence=divergence,
-                                    param=0.5 if divergence == "jsd" else 0.0, reduction="sum")
+    ref = new.hidden.reference_loss(
+        x64,
+        xt.double(),
+        ws.double(),
+        wt.double(),
+        divergence=divergence,
+        param=0.5 if divergence == "jsd" else 0.0,
+        reduction="sum",
+    )
     ref.backward()
     return abs(float(loss) - float(ref)) / abs(float(ref)), float((x.grad.double() - x64.grad).norm() / x64.grad.norm())
 
 
-print(f"# A/B: tree vs {OLD_COMMIT}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-      f"triton {__import__('triton').__version__}\n")
+print(
+    f"# A/B: tree vs {OLD_COMMIT}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+    f"triton {__import__('triton').__version__}\n"
+)
 print("| case | old ms | new ms | new / old | rel. diff loss / dX / dW |\n|---|---|---|---|---|")
 for n in (4096, 16384):
     ab(f"forward_kl fast N={n}", hidden_step(n, "forward_kl"))

@@ -19,6 +19,7 @@ heads) and one non-causal case. The backward is the library's for both forwards.
 
     python benchmarks/attention_fwd_tma.py > fwd_tma.md
 """
+
 import os
 import subprocess
 
@@ -43,12 +44,20 @@ DEFAULT = (128, 64, 8, 3, False, False, False)  # the library forward's tiles, p
 # (BM, BN, warps, stages, warp-specialized, rotated, scale folded): see fwd_tma_kernel. An
 # earlier sweep of the plain loop: (128, 64, 8, 2/4), (128, 128, 8, 2) without warp specialization
 # and (64, 64, 4, 3) were slower, (128, 64, 4, 3) with it failed to compile (Triton 3.6).
-SWEEP = [(128, 64, 8, 3, False, False, False), (128, 128, 8, 2, True, False, False),
-         (128, 64, 8, 3, False, True, False), (128, 64, 8, 2, False, True, False),
-         (128, 128, 8, 2, False, True, False), (128, 64, 8, 3, True, True, False),
-         (128, 64, 8, 3, False, False, True), (128, 64, 8, 3, False, True, True),
-         (128, 128, 8, 2, True, False, True), (128, 64, 8, 2, False, True, True),
-         (128, 64, 8, 3, True, True, True), (128, 128, 8, 2, False, False, True)]
+SWEEP = [
+    (128, 64, 8, 3, False, False, False),
+    (128, 128, 8, 2, True, False, False),
+    (128, 64, 8, 3, False, True, False),
+    (128, 64, 8, 2, False, True, False),
+    (128, 128, 8, 2, False, True, False),
+    (128, 64, 8, 3, True, True, False),
+    (128, 64, 8, 3, False, False, True),
+    (128, 64, 8, 3, False, True, True),
+    (128, 128, 8, 2, True, False, True),
+    (128, 64, 8, 2, False, True, True),
+    (128, 64, 8, 3, True, True, True),
+    (128, 128, 8, 2, False, False, True),
+]
 
 
 @triton.jit
@@ -60,8 +69,9 @@ def _head_desc(T, b64, h, s_b, s_h, s_r, n_rows, D: tl.constexpr, BR: tl.constex
 
 
 @triton.jit
-def _tma_dots(qx, qy, dkx, dky, start_n, scale_x, scale_y, FOLD: tl.constexpr,
-              PREC_X: tl.constexpr, PREC_Y: tl.constexpr):
+def _tma_dots(
+    qx, qy, dkx, dky, start_n, scale_x, scale_y, FOLD: tl.constexpr, PREC_X: tl.constexpr, PREC_Y: tl.constexpr
+):
     """Both score tiles of the key block at start_n, key tiles through TMA: in log2 units, or with
     FOLD the raw products q k^T (the scale goes into the step)."""
     if FOLD:
@@ -74,8 +84,9 @@ def _tma_dots(qx, qy, dkx, dky, start_n, scale_x, scale_y, FOLD: tl.constexpr,
 
 
 @triton.jit
-def _full_step(sx, sy, scale_x, scale_y, mx, my, lx, ly, c, FOLD: tl.constexpr,
-               X_FIXED: tl.constexpr, Y_FIXED: tl.constexpr):
+def _full_step(
+    sx, sy, scale_x, scale_y, mx, my, lx, ly, c, FOLD: tl.constexpr, X_FIXED: tl.constexpr, Y_FIXED: tl.constexpr
+):
     """_online_step on an unmasked block. FOLD: from the raw products, the row max taken before the
     (positive) scale, which is exact, and each centred score one FMA instead of a product and a
     difference."""
@@ -104,14 +115,47 @@ def _full_step(sx, sy, scale_x, scale_y, mx, my, lx, ly, c, FOLD: tl.constexpr,
 
 @triton.jit
 def fwd_tma_kernel(
-    QX, KX, QY, KY, LSEX_IN, LSEY_IN, KL_OUT, LSEX_OUT, LSEY_OUT,
-    s_qx_b, s_qx_h, s_qx_m, s_kx_b, s_kx_h, s_kx_n,
-    s_qy_b, s_qy_h, s_qy_m, s_ky_b, s_ky_h, s_ky_n,
-    H, Nq, Nk, GX, GY, scale_x, scale_y, causal_offset,
-    DX: tl.constexpr, DY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    CAUSAL: tl.constexpr, X_FIXED: tl.constexpr, Y_FIXED: tl.constexpr,
-    PREC_X: tl.constexpr, PREC_Y: tl.constexpr, WARP_SPEC: tl.constexpr,
-    ROTATE: tl.constexpr, FOLD: tl.constexpr,
+    QX,
+    KX,
+    QY,
+    KY,
+    LSEX_IN,
+    LSEY_IN,
+    KL_OUT,
+    LSEX_OUT,
+    LSEY_OUT,
+    s_qx_b,
+    s_qx_h,
+    s_qx_m,
+    s_kx_b,
+    s_kx_h,
+    s_kx_n,
+    s_qy_b,
+    s_qy_h,
+    s_qy_m,
+    s_ky_b,
+    s_ky_h,
+    s_ky_n,
+    H,
+    Nq,
+    Nk,
+    GX,
+    GY,
+    scale_x,
+    scale_y,
+    causal_offset,
+    DX: tl.constexpr,
+    DY: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    X_FIXED: tl.constexpr,
+    Y_FIXED: tl.constexpr,
+    PREC_X: tl.constexpr,
+    PREC_Y: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+    ROTATE: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     """ROTATE: the unmasked loop issues the next key block's products before this block's
     exponentials (a hand-rotated software pipeline, so the tensor cores can overlap them)."""
@@ -139,8 +183,9 @@ def fwd_tma_kernel(
             mx, my, lx, ly, c = _full_step(sx, sy, scale_x, scale_y, mx, my, lx, ly, c, FOLD, X_FIXED, Y_FIXED)
     for start_n in range(n_full, hi, BN):
         sx, sy = _tma_dots(qx, qy, dkx, dky, start_n, scale_x, scale_y, False, PREC_X, PREC_Y)
-        sxm, sym = hide_invisible(sx, sy, offs_m, start_n + offs_n0, KL_OUT, Nk, causal_offset,
-                                  True, CAUSAL, False, False)
+        sxm, sym = hide_invisible(
+            sx, sy, offs_m, start_n + offs_n0, KL_OUT, Nk, causal_offset, True, CAUSAL, False, False
+        )
         mx, my, lx, ly, c = _online_step(sx, sy, sxm, sym, mx, my, lx, ly, c, X_FIXED, Y_FIXED)
 
     _store_rows(mx, my, lx, ly, c, row, row_ok, KL_OUT, LSEX_OUT, LSEY_OUT)
@@ -179,15 +224,51 @@ def tma_forward(X: Side, Y: Side, spec: AttnSpec, setting, lse_x=None, lse_y=Non
     if X.q.is_cuda:
         triton.set_allocator(_scratch)  # descriptors made in a kernel live in global scratch
     launch(
-        fwd_tma_kernel, (cdiv(Nq, BM), B * H),
-        X.q, X.k, Y.q, Y.k, lx_in, ly_in, kl, lsx, lsy,
-        X.q.stride(0), X.q.stride(1), X.q.stride(2), X.k.stride(0), X.k.stride(1), X.k.stride(2),
-        Y.q.stride(0), Y.q.stride(1), Y.q.stride(2), Y.k.stride(0), Y.k.stride(1), Y.k.stride(2),
-        H, Nq, Nk, X.G, Y.G, X.scale * LOG2E, Y.scale * LOG2E, spec.causal_offset if spec.is_causal else 0,
-        DX=X.D, DY=Y.D, BM=BM, BN=BN, CAUSAL=spec.is_causal, X_FIXED=x_fixed, Y_FIXED=y_fixed,
-        PREC_X=X.prec, PREC_Y=Y.prec, WARP_SPEC=bool(ws), ROTATE=bool(rotate),
+        fwd_tma_kernel,
+        (cdiv(Nq, BM), B * H),
+        X.q,
+        X.k,
+        Y.q,
+        Y.k,
+        lx_in,
+        ly_in,
+        kl,
+        lsx,
+        lsy,
+        X.q.stride(0),
+        X.q.stride(1),
+        X.q.stride(2),
+        X.k.stride(0),
+        X.k.stride(1),
+        X.k.stride(2),
+        Y.q.stride(0),
+        Y.q.stride(1),
+        Y.q.stride(2),
+        Y.k.stride(0),
+        Y.k.stride(1),
+        Y.k.stride(2),
+        H,
+        Nq,
+        Nk,
+        X.G,
+        Y.G,
+        X.scale * LOG2E,
+        Y.scale * LOG2E,
+        spec.causal_offset if spec.is_causal else 0,
+        DX=X.D,
+        DY=Y.D,
+        BM=BM,
+        BN=BN,
+        CAUSAL=spec.is_causal,
+        X_FIXED=x_fixed,
+        Y_FIXED=y_fixed,
+        PREC_X=X.prec,
+        PREC_Y=Y.prec,
+        WARP_SPEC=bool(ws),
+        ROTATE=bool(rotate),
         FOLD=bool(fold) and X.scale > 0 and Y.scale > 0,  # the max commutes with a positive scale only
-        num_warps=warps, num_stages=stages,
+        num_warps=warps,
+        num_stages=stages,
     )
     return kl, lsx, lsy
 
@@ -233,18 +314,26 @@ def kl_f64(qx, kx, qy, ky, sx, sy, causal):
 def check(tma_cfg):
     print("## TMA forward vs pointer forward (max abs difference of KL, lse_x, lse_y) and vs float64\n")
     print("| case | KL | lse_x | lse_y | KL vs float64 |\n|---|---|---|---|---|")
-    cases = [("causal N=2048", 2048, 32, 32, 128, True), ("non-causal N=2048", 2048, 32, 32, 128, False),
-             ("causal N=1000 (tail blocks)", 1000, 8, 8, 128, True), ("GQA 32/8 N=2048", 2048, 32, 8, 128, True),
-             ("D=64 N=1536", 1536, 8, 8, 64, True), ("causal N=512 H=4", 512, 4, 4, 128, True)]
+    cases = [
+        ("causal N=2048", 2048, 32, 32, 128, True),
+        ("non-causal N=2048", 2048, 32, 32, 128, False),
+        ("causal N=1000 (tail blocks)", 1000, 8, 8, 128, True),
+        ("GQA 32/8 N=2048", 2048, 32, 8, 128, True),
+        ("D=64 N=1536", 1536, 8, 8, 64, True),
+        ("causal N=512 H=4", 512, 4, 4, 128, True),
+    ]
     for name, N, H, Hkv, D, causal in cases:
         q, k, qt, kt, _ = inputs(N, H, Hkv, D, seed=N + H)
-        spec = AttnSpec(causal, 0, D ** -0.5, D ** -0.5, "forward")
+        spec = AttnSpec(causal, 0, D**-0.5, D**-0.5, "forward")
         X, Y = Side(qt, kt, spec.scale_t), Side(q, k, spec.scale_s)
         a = POINTER_FORWARD(X, Y, None, spec)
         b = tma_forward(X, Y, spec, tma_cfg)
         d = [float((u - w).abs().max()) for u, w in zip(a, b)]
-        ref = f"{float((b[0].double() - kl_f64(qt, kt, q, k, spec.scale_t, spec.scale_s, causal)).abs().max()):.1e}" \
-            if N <= 512 else "-"
+        ref = (
+            f"{float((b[0].double() - kl_f64(qt, kt, q, k, spec.scale_t, spec.scale_s, causal)).abs().max()):.1e}"
+            if N <= 512
+            else "-"
+        )
         print(f"| {name} | {d[0]:.1e} | {d[1]:.1e} | {d[2]:.1e} | {ref} |", flush=True)
 
 
@@ -282,24 +371,36 @@ def sdpa_ms(q, k, v, causal=True):
 def main():
     commit = os.environ.get("CODE_COMMIT")  # the code's commit when it runs from a copy
     try:
-        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = (
+            commit
+            or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        )
     except OSError:
         commit = "?"
-    print(f"# attention_kl TMA forward, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"triton {triton.__version__}, git {commit or '?'}\n")
+    print(
+        f"# attention_kl TMA forward, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"triton {triton.__version__}, git {commit or '?'}\n"
+    )
     default = DEFAULT
     check(default)
 
-    print("\n## Sweep: forward alone, causal (ms); TMA config = (BM, BN, warps, stages, warp-specialized, "
-          "rotated, scale folded)\n")
+    print(
+        "\n## Sweep: forward alone, causal (ms); TMA config = (BM, BN, warps, stages, warp-specialized, "
+        "rotated, scale folded)\n"
+    )
     Ns = (2048, 4096, 8192, 16384)
     data = {N: inputs(N) for N in Ns}
-    print("| config | " + " | ".join(f"N={N}" for N in Ns) + " | max abs diff KL vs pointer (N=2048) | regs/spills |\n"
-          "|---|" + "---|" * (len(Ns) + 2))
+    print(
+        "| config | " + " | ".join(f"N={N}" for N in Ns) + " | max abs diff KL vs pointer (N=2048) | regs/spills |\n"
+        "|---|" + "---|" * (len(Ns) + 2)
+    )
     before = compiled(attn_kl_fwd_kernel)
     old = [fwd_ms(*data[N][:4], OLD) for N in Ns]
-    print("| pointer forward (128, 64, 8, 3) | " + " | ".join(f"{t:.3f}" for t in old) + f" | - | "
-          f"{regs(attn_kl_fwd_kernel, before)} |", flush=True)
+    print(
+        "| pointer forward (128, 64, 8, 3) | " + " | ".join(f"{t:.3f}" for t in old) + f" | - | "
+        f"{regs(attn_kl_fwd_kernel, before)} |",
+        flush=True,
+    )
     ref = nb.attention_kl(*data[2048][:4], is_causal=True, reduction="none", block_config=OLD)
     best, best_score = default, None
     for cfg in SWEEP:
@@ -313,15 +414,20 @@ def main():
         score = sum(a / b for a, b in zip(t, old))
         if best_score is None or score < best_score:
             best, best_score = cfg, score
-        print(f"| {cfg} | " + " | ".join(f"{x:.3f}" for x in t) + f" | {float((out - ref).abs().max()):.1e} | "
-              f"{regs(fwd_tma_kernel, before)} |", flush=True)
+        print(
+            f"| {cfg} | " + " | ".join(f"{x:.3f}" for x in t) + f" | {float((out - ref).abs().max()):.1e} | "
+            f"{regs(fwd_tma_kernel, before)} |",
+            flush=True,
+        )
     print(f"\nBest TMA setting (sum of time ratios to the pointer forward): {best}; plain loop: {default}\n")
     if best != default:
         check(best)
 
     print("\n## attention_kl vs SDPA default (ms; ratio = ÷ SDPA)\n")
-    print("| case | pointer fwd | TMA fwd | SDPA fwd | pointer ÷ SDPA | TMA ÷ SDPA | pointer fwd+bwd | TMA fwd+bwd | "
-          "SDPA fwd+bwd | pointer ÷ SDPA | TMA ÷ SDPA |\n|---|" + "---|" * 10)
+    print(
+        "| case | pointer fwd | TMA fwd | SDPA fwd | pointer ÷ SDPA | TMA ÷ SDPA | pointer fwd+bwd | TMA fwd+bwd | "
+        "SDPA fwd+bwd | pointer ÷ SDPA | TMA ÷ SDPA |\n|---|" + "---|" * 10
+    )
     cases = [(f"causal N={N}", data[N], True) for N in Ns]
     cases += [("causal GQA 32/8 N=8192", inputs(8192, 32, 8), True), ("non-causal N=4096", data[4096], False)]
     new = {"fwd_tma": best}
@@ -329,8 +435,11 @@ def main():
         fo, fn = fwd_ms(q, k, qt, kt, OLD, causal), fwd_ms(q, k, qt, kt, new, causal)
         bo, bn = fwd_bwd_ms(q, k, qt, kt, OLD, causal), fwd_bwd_ms(q, k, qt, kt, new, causal)
         sf, sb = sdpa_ms(q, k, v, causal)
-        print(f"| {name} | {fo:.3f} | {fn:.3f} | {sf:.3f} | {fo / sf:.2f} | {fn / sf:.2f} | {bo:.3f} | {bn:.3f} | "
-              f"{sb:.3f} | {bo / sb:.2f} | {bn / sb:.2f} |", flush=True)
+        print(
+            f"| {name} | {fo:.3f} | {fn:.3f} | {sf:.3f} | {fo / sf:.2f} | {fn / sf:.2f} | {bo:.3f} | {bn:.3f} | "
+            f"{sb:.3f} | {bo / sb:.2f} | {bn / sb:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

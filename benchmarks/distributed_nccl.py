@@ -33,6 +33,7 @@ NVLink multicast (NVLS) is never used: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABL
 NVSHMEM_DISABLE_NVLS=1 are set before torch is imported, and the script refuses to run if the
 environment sets any of them otherwise.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,7 +42,9 @@ import sys
 _NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 for _k, _v in _NO_MULTICAST.items():
     if os.environ.get(_k, _v) != _v:
-        sys.exit(f"refusing to run: {_k}={os.environ[_k]!r} would allow NVLink multicast; this benchmark needs {_k}={_v}")
+        sys.exit(
+            f"refusing to run: {_k}={os.environ[_k]!r} would allow NVLink multicast; this benchmark needs {_k}={_v}"
+        )
     os.environ[_k] = _v
 
 import argparse  # noqa: E402
@@ -125,7 +128,7 @@ class _GatherVocab(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         lo = sum(ctx.sizes[: ctx.rank])
-        return g[:, lo: lo + ctx.sizes[ctx.rank]], None, None, None
+        return g[:, lo : lo + ctx.sizes[ctx.rank]], None, None, None
 
 
 def gathered_logits_loss(xs, xt, ws, wt, labels, sizes, rank, group, name, param, T, ce_weight):
@@ -215,9 +218,17 @@ def main(argv=None) -> int:
     divs = args.divergences.split(",")
     env = environment() if rank == 0 else {}
     if rank == 0:
-        env.update(world=str(world), backend=args.backend, nccl=_nccl_version(), dtype=args.dtype,
-                   vocab=str(V), ds=str(Ds), dt=str(Dt), shards=str(sizes),
-                   **{k: os.environ[k] for k in _NO_MULTICAST})
+        env.update(
+            world=str(world),
+            backend=args.backend,
+            nccl=_nccl_version(),
+            dtype=args.dtype,
+            vocab=str(V),
+            ds=str(Ds),
+            dt=str(Dt),
+            shards=str(sizes),
+            **{k: os.environ[k] for k in _NO_MULTICAST},
+        )
         print(f"# vocab-parallel benchmark: {env}", flush=True)
 
     gen = torch.Generator(device=device).manual_seed(1234)  # same inputs on every rank
@@ -247,8 +258,8 @@ def main(argv=None) -> int:
             if N <= args.naive_max_tokens:
                 keep = labels != -100
                 methods["gathered logits"] = lambda: gathered_logits_loss(
-                    xs[keep], xt[keep], ws_loc, wt_loc, labels[keep], sizes, rank, group, name, param, T,
-                    args.ce_weight)
+                    xs[keep], xt[keep], ws_loc, wt_loc, labels[keep], sizes, rank, group, name, param, T, args.ce_weight
+                )
 
             def leaves(m):
                 return [xs, ws_full] if m.startswith("single") else [xs, ws_loc]
@@ -292,8 +303,11 @@ def main(argv=None) -> int:
                         failures.append(f"N={N} {div} {m} timing: {traceback.format_exc()}")
                     rows.append(Row("vocab-parallel", m, dict(size), note="OOM" if is_oom(e) else "error"))
                     continue
-                err = None if ref is None else max(rel_err(res[0], ref[0]), rel_err(res[1], ref[1]),
-                                                   rel_err(res[2], ref[2]))
+                err = (
+                    None
+                    if ref is None
+                    else max(rel_err(res[0], ref[0]), rel_err(res[1], ref[1]), rel_err(res[2], ref[2]))
+                )
                 spread_loss = reduce_max(res[0].item(), device) + reduce_max(-res[0].item(), device)
                 extra = {"bytes_per_call": float(res[3]), "bytes_per_token": res[3] / N}
                 note = ""
@@ -307,12 +321,24 @@ def main(argv=None) -> int:
                     if err is not None and err > MAX_REL_ERR:
                         note = f"rel err {err:.1e} > {MAX_REL_ERR}"
                         failures.append(f"N={N} {div}: vocab-parallel {note}")
-                rows.append(Row("vocab-parallel", m, dict(size), ms=ms, peak_mib=mib, rel_err=err, note=note,
-                                extra=extra))
-            comm_ms = timed(lambda: _replay_collectives(N, Ds, name, args.ce_weight != 0, T, group, device),
-                            device, args.warmup, args.reps)
-            rows.append(Row("vocab-parallel", "comm only", dict(size), ms=comm_ms,
-                            extra={"bytes_per_call": float(pred["total"]), "bytes_per_token": pred["total"] / N}))
+                rows.append(
+                    Row("vocab-parallel", m, dict(size), ms=ms, peak_mib=mib, rel_err=err, note=note, extra=extra)
+                )
+            comm_ms = timed(
+                lambda: _replay_collectives(N, Ds, name, args.ce_weight != 0, T, group, device),
+                device,
+                args.warmup,
+                args.reps,
+            )
+            rows.append(
+                Row(
+                    "vocab-parallel",
+                    "comm only",
+                    dict(size),
+                    ms=comm_ms,
+                    extra={"bytes_per_call": float(pred["total"]), "bytes_per_token": pred["total"] / N},
+                )
+            )
             base = next((r.ms for r in rows[::-1] if r.method == "single GPU torch" and r.size == size), None)
             for r in rows:
                 if r.size == size and r.ms and base and r.method != "comm only":
@@ -354,12 +380,20 @@ def _table(rows):
     head = ["N", "div", "method", "ms", "speedup", "peak MiB", "rel err", "bytes/call", "bytes/token", "note"]
     body = []
     for r in rows:
-        body.append([str(r.size["N"]), r.size.get("div", ""), r.method,
-                     "-" if r.ms is None else f"{r.ms:.2f}",
-                     f"{r.extra['speedup']:.2f}x" if "speedup" in r.extra else "-",
-                     "-" if r.peak_mib is None else f"{r.peak_mib:.0f}",
-                     "-" if r.rel_err is None else f"{r.rel_err:.1e}",
-                     _fmt_bytes(r.extra.get("bytes_per_call")), _fmt_bytes(r.extra.get("bytes_per_token")), r.note])
+        body.append(
+            [
+                str(r.size["N"]),
+                r.size.get("div", ""),
+                r.method,
+                "-" if r.ms is None else f"{r.ms:.2f}",
+                f"{r.extra['speedup']:.2f}x" if "speedup" in r.extra else "-",
+                "-" if r.peak_mib is None else f"{r.peak_mib:.0f}",
+                "-" if r.rel_err is None else f"{r.rel_err:.1e}",
+                _fmt_bytes(r.extra.get("bytes_per_call")),
+                _fmt_bytes(r.extra.get("bytes_per_token")),
+                r.note,
+            ]
+        )
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     line = "| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
@@ -378,14 +412,18 @@ def _fmt_bytes(b):
 def _markdown(path, table, env, args, failures):
     with open(path, "w") as f:
         f.write("# Vocab-parallel hidden-state losses over NCCL\n\n")
-        f.write(f"`torchrun --nproc-per-node {env.get('world')} benchmarks/distributed_nccl.py "
-                f"{' '.join(sys.argv[1:])}`\n\n")
+        f.write(
+            f"`torchrun --nproc-per-node {env.get('world')} benchmarks/distributed_nccl.py "
+            f"{' '.join(sys.argv[1:])}`\n\n"
+        )
         f.write(", ".join(f"{k}: {v}" for k, v in env.items()) + "\n\n")
-        f.write(f"dtype {args.dtype}, V={args.vocab} split {env.get('shards')}, Ds={args.ds}, Dt={args.dt}, "
-                f"T={args.temperature}, ce_weight={args.ce_weight}; fwd+bwd (grads to xs and the student head), "
-                f"median of {args.reps} after {args.warmup} warm-up, max over ranks. speedup = single GPU torch ms / "
-                "ms. rel err against the single-GPU torch path. bytes = payload bytes per rank per call "
-                "(nitrobrew.parallel.count_comm; equals nitrobrew.parallel.comm_bytes).\n\n")
+        f.write(
+            f"dtype {args.dtype}, V={args.vocab} split {env.get('shards')}, Ds={args.ds}, Dt={args.dt}, "
+            f"T={args.temperature}, ce_weight={args.ce_weight}; fwd+bwd (grads to xs and the student head), "
+            f"median of {args.reps} after {args.warmup} warm-up, max over ranks. speedup = single GPU torch ms / "
+            "ms. rel err against the single-GPU torch path. bytes = payload bytes per rank per call "
+            "(nitrobrew.parallel.count_comm; equals nitrobrew.parallel.comm_bytes).\n\n"
+        )
         f.write(table + "\n")
         if failures:
             f.write("\n## Failures\n\n```\n" + "\n".join(failures) + "\n```\n")

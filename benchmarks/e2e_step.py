@@ -23,6 +23,7 @@ Writes e2e_step.csv, e2e_step.md and e2e_step.png (with matplotlib) into --out.
   python benchmarks/e2e_step.py --out DIR                 # GPU, real shapes
   python benchmarks/e2e_step.py --small --out DIR         # CPU, tiny shapes (CI)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,10 +39,26 @@ import torch
 import torch.nn.functional as F
 
 METHODS = ("nitrobrew", "hf-logits", "trl-gkd", "liger-jsd")
-REAL = dict(vocab=152064, teacher=(28, 3584, 28, 4, 18944), student=(28, 1536, 12, 2, 8960), dtype="bfloat16",
-            seq_len=4096, fit_lens=[8192, 16384, 32768, 65536, 131072], steps=5, warmup=2)
-SMALL = dict(vocab=512, teacher=(2, 64, 4, 2, 128), student=(2, 32, 2, 1, 64), dtype="float32",
-             seq_len=64, fit_lens=[128], steps=2, warmup=1)
+REAL = dict(
+    vocab=152064,
+    teacher=(28, 3584, 28, 4, 18944),
+    student=(28, 1536, 12, 2, 8960),
+    dtype="bfloat16",
+    seq_len=4096,
+    fit_lens=[8192, 16384, 32768, 65536, 131072],
+    steps=5,
+    warmup=2,
+)
+SMALL = dict(
+    vocab=512,
+    teacher=(2, 64, 4, 2, 128),
+    student=(2, 32, 2, 1, 64),
+    dtype="float32",
+    seq_len=64,
+    fit_lens=[128],
+    steps=2,
+    warmup=1,
+)
 
 
 def parse_args(argv=None):
@@ -50,14 +67,24 @@ def parse_args(argv=None):
     p.add_argument("--out", default="e2e-results", help="folder for e2e_step.csv / .md / .png")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--seq-len", type=int, default=None, help="tokens of the timed steps (batch 1)")
-    p.add_argument("--fit-lens", type=int, nargs="*", default=None, metavar="N",
-                   help="sequence lengths tried, ascending, for the longest that fits (empty: skip)")
+    p.add_argument(
+        "--fit-lens",
+        type=int,
+        nargs="*",
+        default=None,
+        metavar="N",
+        help="sequence lengths tried, ascending, for the longest that fits (empty: skip)",
+    )
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--teacher-layers", type=int, default=None, help="override the teacher's depth")
     p.add_argument("--student-layers", type=int, default=None, help="override the student's depth")
-    p.add_argument("--fit-time-limit", type=float, default=60.0,
-                   help="stop a method's fit search after a step slower than this (s)")
+    p.add_argument(
+        "--fit-time-limit",
+        type=float,
+        default=60.0,
+        help="stop a method's fit search after a step slower than this (s)",
+    )
     p.add_argument("--device", default=None, help="default: cuda, or cpu with --small")
     return p.parse_args(argv)
 
@@ -69,13 +96,21 @@ def build(shape, vocab: int, dtype, dev, seed: int):
     import transformers
 
     layers, width, heads, kv, mlp = shape
-    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=width, num_hidden_layers=layers,
-                                   num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=mlp,
-                                   max_position_embeddings=1 << 18, tie_word_embeddings=False, use_cache=False)
+    cfg = transformers.Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=mlp,
+        max_position_embeddings=1 << 18,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)   # weights made in their dtype, on the device: no fp32 copy of 7B
+    torch.set_default_dtype(dtype)  # weights made in their dtype, on the device: no fp32 copy of 7B
     try:
         with torch.device(dev):
             model = transformers.Qwen2ForCausalLM(cfg)
@@ -121,11 +156,13 @@ def unavailable(method: str, dev) -> Optional[str]:
 def baseline(method: str) -> str:
     from nitrobrew.bench.common import nitrobrew_version, package_version
 
-    return {"nitrobrew": f"nitrobrew {nitrobrew_version()} hf.distill_loss(divergence='forward_kl')",
-            "hf-logits": f"transformers {package_version('transformers')} logits + torch {torch.__version__} "
-                         "fp32 log_softmax, F.kl_div",
-            "trl-gkd": f"trl {package_version('trl')} GKDTrainer.generalized_jsd_loss(beta=0) on HF logits",
-            "liger-jsd": f"liger-kernel {package_version('liger-kernel')} LigerFusedLinearJSD(jsd_beta=0)"}[method]
+    return {
+        "nitrobrew": f"nitrobrew {nitrobrew_version()} hf.distill_loss(divergence='forward_kl')",
+        "hf-logits": f"transformers {package_version('transformers')} logits + torch {torch.__version__} "
+        "fp32 log_softmax, F.kl_div",
+        "trl-gkd": f"trl {package_version('trl')} GKDTrainer.generalized_jsd_loss(beta=0) on HF logits",
+        "liger-jsd": f"liger-kernel {package_version('liger-kernel')} LigerFusedLinearJSD(jsd_beta=0)",
+    }[method]
 
 
 def loss_fn(method: str, student, teacher) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -144,6 +181,7 @@ def loss_fn(method: str, student, teacher) -> Callable[[torch.Tensor], torch.Ten
             if gkd is not None:
                 return gkd(s, t, beta=0.0)
             return _kl_rows(s.reshape(-1, s.shape[-1]), t.reshape(-1, t.shape[-1]))
+
         return logits_loss
     if method == "liger-jsd":
         from nitrobrew.bench import baselines as bl
@@ -152,8 +190,13 @@ def loss_fn(method: str, student, teacher) -> Callable[[torch.Tensor], torch.Ten
             with torch.no_grad():
                 ht = final_hidden_states(teacher, ids)[:, :-1]
             hs = final_hidden_states(student, ids)[:, :-1]
-            return bl.liger_fused(hs.reshape(-1, hs.shape[-1]), ht.reshape(-1, ht.shape[-1]),
-                                  student.lm_head.weight, teacher.lm_head.weight)
+            return bl.liger_fused(
+                hs.reshape(-1, hs.shape[-1]),
+                ht.reshape(-1, ht.shape[-1]),
+                student.lm_head.weight,
+                teacher.lm_head.weight,
+            )
+
         return liger_loss
     raise KeyError(method)
 
@@ -204,7 +247,7 @@ def measure(method: str, student, teacher, opt, args, cfg, dev, vocab: int) -> D
 
     err = None
     try:
-        for _ in range(max(1, cfg["warmup"])):   # the first also allocates AdamW's state
+        for _ in range(max(1, cfg["warmup"])):  # the first also allocates AdamW's state
             step(cfg["seq_len"])
         free(dev)
         resident = allocated(dev)
@@ -212,8 +255,9 @@ def measure(method: str, student, teacher, opt, args, cfg, dev, vocab: int) -> D
             torch.cuda.reset_peak_memory_stats()
             times = [step(cfg["seq_len"]) for _ in range(max(1, cfg["steps"]))]
             peak = torch.cuda.max_memory_allocated()
-            row.update(peak_gib=peak / 2**30, above_resident_gib=(peak - resident) / 2**30,
-                       resident_gib=resident / 2**30)
+            row.update(
+                peak_gib=peak / 2**30, above_resident_gib=(peak - resident) / 2**30, resident_gib=resident / 2**30
+            )
         else:  # CPU: tensors made during the steps (weights and optimizer state already exist)
             from nitrobrew._memory import TensorMemoryTracker
 
@@ -263,8 +307,19 @@ def args_fit_lens(cfg) -> List[int]:
 # ---------------------------------------------------------------- output
 
 
-COLUMNS = ["method", "seq_len", "tokens_per_s", "step_ms", "peak_gib", "above_resident_gib", "resident_gib",
-           "max_seq_fit", "first_oom", "note", "baseline"]
+COLUMNS = [
+    "method",
+    "seq_len",
+    "tokens_per_s",
+    "step_ms",
+    "peak_gib",
+    "above_resident_gib",
+    "resident_gib",
+    "max_seq_fit",
+    "first_oom",
+    "note",
+    "baseline",
+]
 
 
 def write(rows: List[Dict], env: Dict[str, str], cfg, out: str) -> List[str]:
@@ -280,19 +335,27 @@ def write(rows: List[Dict], env: Dict[str, str], cfg, out: str) -> List[str]:
         return "-" if v in (None, "") else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
 
     t, s = cfg["teacher"], cfg["student"]
-    lines = ["## Whole distillation step", "",
-             f"Teacher {t[0]} x {t[1]} ({t[2]}/{t[3]} heads, MLP {t[4]}), student {s[0]} x {s[1]} "
-             f"({s[2]}/{s[3]} heads, MLP {s[4]}), vocabulary {cfg['vocab']}, random weights, {cfg['dtype']}, "
-             "AdamW on the student, "
-             f"gradient checkpointing, batch 1; forward KL over every position. "
-             + ", ".join(f"{k} {v}" for k, v in sorted(env.items())) + ".", "",
-             f"| method | tokens/s at {cfg['seq_len']} | step ms | peak GiB | GiB above resident | longest sequence "
-             "that fits (first OOM) | note | baseline |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Whole distillation step",
+        "",
+        f"Teacher {t[0]} x {t[1]} ({t[2]}/{t[3]} heads, MLP {t[4]}), student {s[0]} x {s[1]} "
+        f"({s[2]}/{s[3]} heads, MLP {s[4]}), vocabulary {cfg['vocab']}, random weights, {cfg['dtype']}, "
+        "AdamW on the student, "
+        f"gradient checkpointing, batch 1; forward KL over every position. "
+        + ", ".join(f"{k} {v}" for k, v in sorted(env.items()))
+        + ".",
+        "",
+        f"| method | tokens/s at {cfg['seq_len']} | step ms | peak GiB | GiB above resident | longest sequence "
+        "that fits (first OOM) | note | baseline |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         fit = "-" if "max_seq_fit" not in r else f"{r['max_seq_fit']} ({r.get('first_oom') or '-'})"
-        lines.append(f"| {r['method']} | {fmt(r.get('tokens_per_s'), 0)} | {fmt(r.get('step_ms'), 1)} | "
-                     f"{fmt(r.get('peak_gib'), 1)} | {fmt(r.get('above_resident_gib'), 1)} | {fit} | "
-                     f"{r.get('note', '')} | {r['baseline']} |")
+        lines.append(
+            f"| {r['method']} | {fmt(r.get('tokens_per_s'), 0)} | {fmt(r.get('step_ms'), 1)} | "
+            f"{fmt(r.get('peak_gib'), 1)} | {fmt(r.get('above_resident_gib'), 1)} | {fit} | "
+            f"{r.get('note', '')} | {r['baseline']} |"
+        )
     with open(paths[1], "w") as f:
         f.write("\n".join(lines) + "\n")
     png = plot(rows, cfg, os.path.join(out, "e2e_step.png"))
@@ -313,16 +376,22 @@ def plot(rows, cfg, path) -> Optional[str]:
         return None
     names = [r["method"] for r in ran]
     mem = "peak_gib" if any(r.get("peak_gib") for r in ran) else "above_resident_gib"
-    panels = [("tokens_per_s", f"tokens/s at {cfg['seq_len']} tokens"), (mem, mem.replace("_", " ")),
-              ("max_seq_fit", "longest sequence that fits")]
+    panels = [
+        ("tokens_per_s", f"tokens/s at {cfg['seq_len']} tokens"),
+        (mem, mem.replace("_", " ")),
+        ("max_seq_fit", "longest sequence that fits"),
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
     for ax, (key, label) in zip(axes, panels):
         vals = [float(r.get(key) or 0) for r in ran]
         ax.bar(names, vals, color=["tab:green" if n == "nitrobrew" else "tab:gray" for n in names])
         ax.set_title(label, fontsize=9)
         ax.tick_params(axis="x", labelsize=8, rotation=20)
-    fig.suptitle(f"distillation step, teacher {cfg['teacher'][0]}x{cfg['teacher'][1]}, student "
-                 f"{cfg['student'][0]}x{cfg['student'][1]}, V={cfg['vocab']}", fontsize=9)
+    fig.suptitle(
+        f"distillation step, teacher {cfg['teacher'][0]}x{cfg['teacher'][1]}, student "
+        f"{cfg['student'][0]}x{cfg['student'][1]}, V={cfg['vocab']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -352,7 +421,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     teacher = build(cfg["teacher"], cfg["vocab"], dtype, dev, seed=1).eval().requires_grad_(False)
     student = build(cfg["student"], cfg["vocab"], dtype, dev, seed=2).train()
-    if hasattr(student, "activation_checkpointing_enable"):   # transformers >= 5.x name
+    if hasattr(student, "activation_checkpointing_enable"):  # transformers >= 5.x name
         student.activation_checkpointing_enable({"use_reentrant": False})
     else:
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -363,11 +432,14 @@ def main(argv=None) -> int:
         t1 = time.time()
         row = measure(method, student, teacher, opt, args, cfg, dev, cfg["vocab"])
         rows.append(row)
-        print(f"  {method}: {row.get('tokens_per_s', 0):.0f} tokens/s, step {row.get('step_ms', 0):.1f} ms, "
-              f"peak {row.get('peak_gib', 0):.2f} GiB, fits {row.get('max_seq_fit', '-')} "
-              f"[{row['note']}] ({time.time() - t1:.0f} s)", flush=True)
+        print(
+            f"  {method}: {row.get('tokens_per_s', 0):.0f} tokens/s, step {row.get('step_ms', 0):.1f} ms, "
+            f"peak {row.get('peak_gib', 0):.2f} GiB, fits {row.get('max_seq_fit', '-')} "
+            f"[{row['note']}] ({time.time() - t1:.0f} s)",
+            flush=True,
+        )
         free(dev)
-        paths = write(rows, env, cfg, args.out)   # after each method: a run cut short keeps its rows
+        paths = write(rows, env, cfg, args.out)  # after each method: a run cut short keeps its rows
     for path in paths:
         print(f"wrote {path}")
     bad = [r for r in rows if r["note"].startswith("error")]

@@ -3,6 +3,7 @@ tests/test_exactness.py that has a CUDA form, on CUDA tensors with the compiled 
 
     python benchmarks/exactness_gpu_check.py > exactness_gpu.md
 """
+
 import math
 
 import torch
@@ -34,24 +35,47 @@ for side in ("teacher", "student"):
             bias[torch.randperm(V, device=DEV, generator=g)[:500]] = -gap * T
             bs, bt = (bias, None) if side == "student" else (None, bias)
             for name in ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl"):
-                exact = reference_loss(xs.double(), xs.double(), ws.double(), wt.double(), divergence=name,
-                                       param=0.3 if name in ("jsd", "skew_kl", "skew_reverse_kl") else 0.0,
-                                       bs=None if bs is None else bs.double(), bt=None if bt is None else bt.double(),
-                                       temperature=T, reduction="none")
+                exact = reference_loss(
+                    xs.double(),
+                    xs.double(),
+                    ws.double(),
+                    wt.double(),
+                    divergence=name,
+                    param=0.3 if name in ("jsd", "skew_kl", "skew_reverse_kl") else 0.0,
+                    bs=None if bs is None else bs.double(),
+                    bt=None if bt is None else bt.double(),
+                    temperature=T,
+                    reduction="none",
+                )
                 if not bool(torch.isfinite(exact).all()):
                     continue
                 kw = {"beta": 0.3} if name == "jsd" else ({"alpha": 0.3} if "skew" in name else {})
                 # the fp32 floor: the same loss materialized in float32 (fp32 logits, fp32 log_softmax)
-                floor = reference_loss(xs, xs, ws, wt, divergence=name, bs=bs, bt=bt, temperature=T,
-                                       param=0.3 if kw else 0.0, reduction="none", dtype=torch.float32)
+                floor = reference_loss(
+                    xs,
+                    xs,
+                    ws,
+                    wt,
+                    divergence=name,
+                    bs=bs,
+                    bt=bt,
+                    temperature=T,
+                    param=0.3 if kw else 0.0,
+                    reduction="none",
+                    dtype=torch.float32,
+                )
                 f_err = float((floor.double() - exact).abs().max())
                 for mode, extra in modes.items():
-                    got = getattr(nb, name)(xs, xs, ws, wt, bs=bs, bt=bt, temperature=T, reduction="none",
-                                            mode=mode, **extra, **kw)
+                    got = getattr(nb, name)(
+                        xs, xs, ws, wt, bs=bs, bt=bt, temperature=T, reduction="none", mode=mode, **extra, **kw
+                    )
                     err = float((got.double() - exact).abs().max())
                     scale = float(exact.abs().max())
-                    check(f"{name} {mode} {side} gap {gap} T {T}", err <= max(4 * f_err, 1e-5 * scale),
-                          f"max abs err {err:.1e} (fp32 materialized: {f_err:.1e}; largest row {scale:.2g})")
+                    check(
+                        f"{name} {mode} {side} gap {gap} T {T}",
+                        err <= max(4 * f_err, 1e-5 * scale),
+                        f"max abs err {err:.1e} (fp32 materialized: {f_err:.1e}; largest row {scale:.2g})",
+                    )
 # the close regime with a little mass underflowing on the other side
 xs = torch.randn(32, D, device=DEV, generator=g)
 ws = torch.randn(V, D, device=DEV, generator=g) * (3 / D**0.5)
@@ -59,14 +83,24 @@ wt = ws + torch.randn(V, D, device=DEV, generator=g) * (0.01 * 3 / D**0.5)
 bias = torch.zeros(V, device=DEV)
 bias[17] = -300.0
 for name, (bs, bt) in (("forward_kl", (None, bias)), ("reverse_kl", (bias, None))):
-    exact = reference_loss(xs.double(), xs.double(), ws.double(), wt.double(), divergence=name,
-                           bs=None if bs is None else bs.double(), bt=None if bt is None else bt.double(),
-                           reduction="none")
+    exact = reference_loss(
+        xs.double(),
+        xs.double(),
+        ws.double(),
+        wt.double(),
+        divergence=name,
+        bs=None if bs is None else bs.double(),
+        bt=None if bt is None else bt.double(),
+        reduction="none",
+    )
     for mode, extra in modes.items():
         got = getattr(nb, name)(xs, xs, ws, wt, bs=bs, bt=bt, reduction="none", mode=mode, **extra)
         err = float(((got.double() - exact).abs() / exact).max())
-        check(f"{name} {mode} close + 1 entry 300 nats down (KL ~{float(exact.mean()):.1e})", err < 2e-3,
-              f"max rel err {err:.1e}")
+        check(
+            f"{name} {mode} close + 1 entry 300 nats down (KL ~{float(exact.mean()):.1e})",
+            err < 2e-3,
+            f"max rel err {err:.1e}",
+        )
 # softcap, bf16, CE, every mode
 xs = (torch.randn(128, D, device=DEV, generator=g) * 3).bfloat16().requires_grad_()
 xt = (torch.randn(128, D, device=DEV, generator=g) * 3).bfloat16()
@@ -80,8 +114,11 @@ for mode, extra in modes.items():
     gg = torch.autograd.grad(got, (xs, ws))
     rg = torch.autograd.grad(ref, (xs, ws))
     errs = [abs(float(got) - float(ref)) / float(ref)] + [rel_err(a, b) for a, b in zip(gg, rg)]
-    check(f"jsd softcap bf16 {mode}", errs[0] < 1e-5 and max(errs[1:]) < 1e-2,
-          "loss / dX / dW rel err " + " / ".join(f"{e:.1e}" for e in errs))
+    check(
+        f"jsd softcap bf16 {mode}",
+        errs[0] < 1e-5 and max(errs[1:]) < 1e-2,
+        "loss / dX / dW rel err " + " / ".join(f"{e:.1e}" for e in errs),
+    )
 lp, ids = torch.log_softmax(torch.randn(128, V, device=DEV, generator=g) * 3, -1).topk(64, -1)
 got = nb.topk_kl(xs, ws, ids, lp, softcap_s=30.0, temperature=1.5)
 ref = reference_topk_loss(xs, ws, ids, lp, softcap_s=30.0, temperature=1.5)
@@ -117,11 +154,14 @@ except RuntimeError as err:
     check("double backward refused", "double backward" in str(err))
 got = nb.forward_kl(x.bfloat16(), x * 2, w.bfloat16(), w)
 ref = reference_loss(x.bfloat16().double(), (x * 2).double(), w.bfloat16().double(), w.double())
-rounded = reference_loss(x.bfloat16().double(), (x * 2).bfloat16().double(), w.bfloat16().double(),
-                         w.bfloat16().double())
-check("float32 teacher with a bf16 student: not rounded",
-      abs(float(got) - float(ref)) < 0.1 * abs(float(rounded) - float(ref)),
-      f"{float(got):.6f}; exact {float(ref):.6f}; teacher rounded to bf16 {float(rounded):.6f}")
+rounded = reference_loss(
+    x.bfloat16().double(), (x * 2).bfloat16().double(), w.bfloat16().double(), w.bfloat16().double()
+)
+check(
+    "float32 teacher with a bf16 student: not rounded",
+    abs(float(got) - float(ref)) < 0.1 * abs(float(rounded) - float(ref)),
+    f"{float(got):.6f}; exact {float(ref):.6f}; teacher rounded to bf16 {float(rounded):.6f}",
+)
 dup = ids.clone()
 dup[5, 7] = dup[5, 2]
 for bad, what, text in ((dup, "repeated id", "repeats an id"), (None, "not a sub-distribution", "sub-distribution")):

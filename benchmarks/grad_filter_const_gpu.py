@@ -9,6 +9,7 @@ against float64 on the first 1024 rows.
 
     NITROBREW_COMMIT=$(git rev-parse --short HEAD) python benchmarks/grad_filter_const_gpu.py > const.md
 """
+
 import statistics
 
 import torch
@@ -48,7 +49,7 @@ gf.negligible_tiles = spy
 def by_frequency(d):
     mean = torch.zeros(V, device=DEV)
     for r0 in range(0, N, 1024):
-        mean += (d.xt[r0:r0 + 1024].float() @ d.wt.float().t()).sum(0)
+        mean += (d.xt[r0 : r0 + 1024].float() @ d.wt.float().t()).sum(0)
     perm = mean.argsort(descending=True)
     d.ws = d.ws.detach()[perm].contiguous().requires_grad_()
     d.wt = d.wt[perm].contiguous()
@@ -60,6 +61,7 @@ def step_of(filt, d):
         d.xs.grad = None
         d.ws.grad = None
         nb.forward_kl(d.xs, d.xt, d.ws, d.wt, mode="constant_memory", grad_filter=filt).backward()
+
     return step
 
 
@@ -77,9 +79,11 @@ def peak_extra_mib(step, d):
 
 print(f"# grad_filter, constant-memory mode, {torch.cuda.get_device_name()}\n")
 print(", ".join(f"{k} {v}" for k, v in sorted(environment().items())) + "\n")
-print("| regime (teacher entropy) | vocabulary order | method | ms | round medians | x floor | x const-mem | "
-      "tiles skipped (a tile's largest bound / threshold; skipped at <= 1) | peak MiB above inputs+grads | "
-      "dX / dW rel err |")
+print(
+    "| regime (teacher entropy) | vocabulary order | method | ms | round medians | x floor | x const-mem | "
+    "tiles skipped (a tile's largest bound / threshold; skipped at <= 1) | peak MiB above inputs+grads | "
+    "dX / dW rel err |"
+)
 print("|---|---|---|---|---|---|---|---|---|---|")
 for regime in ("lm", "peaked", "close"):
     for order in ("as generated", "by frequency"):
@@ -87,8 +91,11 @@ for regime in ("lm", "peaked", "close"):
         if order == "by frequency":
             d = by_frequency(d)
         g = torch.randn(bl.floor_chunk_rows(N, V, 2, DEV), V, device=DEV, dtype=torch.bfloat16)
-        steps = {"4 GEMMs (floor)": lambda: bl.gemm_floor(d.xs.detach(), d.xt, d.ws.detach(), d.wt, g),
-                 "const-mem": step_of(False, d), "const-mem + filter": step_of(True, d)}
+        steps = {
+            "4 GEMMs (floor)": lambda: bl.gemm_floor(d.xs.detach(), d.xt, d.ws.detach(), d.wt, g),
+            "const-mem": step_of(False, d),
+            "const-mem + filter": step_of(True, d),
+        }
         times = {k: [] for k in steps}
         for _ in range(ROUNDS):
             for k, s in steps.items():
@@ -103,15 +110,26 @@ for regime in ("lm", "peaked", "close"):
         ref = bh.reference(d, 1024, "forward_kl", 1.0)
         err = {}
         for k, filt in (("const-mem", False), ("const-mem + filter", True)):
-            acc = bh.accuracy(lambda xs, xt, ws, wt, lab, div, T, filt=filt: nb.forward_kl(
-                xs, xt, ws, wt, mode="constant_memory", grad_filter=filt), d, 1024, "forward_kl", 1.0, ref)
+            acc = bh.accuracy(
+                lambda xs, xt, ws, wt, lab, div, T, filt=filt: nb.forward_kl(
+                    xs, xt, ws, wt, mode="constant_memory", grad_filter=filt
+                ),
+                d,
+                1024,
+                "forward_kl",
+                1.0,
+                ref,
+            )
             err[k] = f"{acc['err_dx']:.1e} / {acc['err_dw']:.1e}"
         del ref
         for k, t in med.items():
-            print(f"| {regime} ({d.entropy:.1f}) | {order} | {k} | {t:.2f} | "
-                  f"{min(times[k]):.2f}-{max(times[k]):.2f} | {t / med['4 GEMMs (floor)']:.3f} | "
-                  f"{t / med['const-mem']:.3f} | "
-                  f"{f'{skipped:.3f} (bound/threshold: min {closest[0]:.3g}, median {closest[1]:.3g})' if k.endswith('filter') else '-'} | "
-                  f"{mem.get(k, float('nan')):.1f} | {err.get(k, '-')} |", flush=True)
+            print(
+                f"| {regime} ({d.entropy:.1f}) | {order} | {k} | {t:.2f} | "
+                f"{min(times[k]):.2f}-{max(times[k]):.2f} | {t / med['4 GEMMs (floor)']:.3f} | "
+                f"{t / med['const-mem']:.3f} | "
+                f"{f'{skipped:.3f} (bound/threshold: min {closest[0]:.3g}, median {closest[1]:.3g})' if k.endswith('filter') else '-'} | "
+                f"{mem.get(k, float('nan')):.1f} | {err.get(k, '-')} |",
+                flush=True,
+            )
         del d
         torch.cuda.empty_cache()

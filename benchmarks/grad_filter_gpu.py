@@ -9,6 +9,7 @@ medians. dX/dW relative errors against float64 autograd on the first --ref-rows 
 
     NITROBREW_COMMIT=$(git rev-parse --short HEAD) python benchmarks/grad_filter_gpu.py --prev .ab > filter.md
 """
+
 import argparse
 import statistics
 import sys
@@ -47,17 +48,20 @@ def methods(pkg_new, pkg_prev):
         "fast": lambda x, xt, w, wt: pkg_new.forward_kl(x, xt, w, wt, mode="fast"),
         "fast + filter": lambda x, xt, w, wt: pkg_new.forward_kl(x, xt, w, wt, mode="fast", grad_filter=True),
         "const-mem": lambda x, xt, w, wt: pkg_new.forward_kl(x, xt, w, wt, mode="constant_memory"),
-        "const-mem + filter": lambda x, xt, w, wt: pkg_new.forward_kl(x, xt, w, wt, mode="constant_memory",
-                                                                 grad_filter=True),
+        "const-mem + filter": lambda x, xt, w, wt: pkg_new.forward_kl(
+            x, xt, w, wt, mode="constant_memory", grad_filter=True
+        ),
     }
     for eps in args.eps:
-        m[f"fast + filter (eps {eps:g})"] = (
-            lambda x, xt, w, wt, eps=eps: pkg_new.forward_kl(x, xt, w, wt, mode="fast", grad_filter=eps))
+        m[f"fast + filter (eps {eps:g})"] = lambda x, xt, w, wt, eps=eps: pkg_new.forward_kl(
+            x, xt, w, wt, mode="fast", grad_filter=eps
+        )
     if args.no_const:
         m = {k: f for k, f in m.items() if not k.startswith("const")}
     if pkg_prev is not None:
-        m["fast + filter (previous)"] = lambda x, xt, w, wt: pkg_prev.forward_kl(x, xt, w, wt, mode="fast",
-                                                                            grad_filter=True)
+        m["fast + filter (previous)"] = lambda x, xt, w, wt: pkg_prev.forward_kl(
+            x, xt, w, wt, mode="fast", grad_filter=True
+        )
     return m
 
 
@@ -66,6 +70,7 @@ def step_of(fn, d):
         d.xs.grad = None
         d.ws.grad = None
         fn(d.xs, d.xt, d.ws, d.wt).backward()
+
     return step
 
 
@@ -104,8 +109,9 @@ def regime_rows(regime, n):
         for k, f in ms.items():
             if k.startswith("const") and "filter" not in k:
                 continue
-            acc = bh.accuracy(lambda xs, xt, ws, wt, lab, div, T, f=f: f(xs, xt, ws, wt), d, args.ref_rows,
-                              "forward_kl", 1.0, ref)
+            acc = bh.accuracy(
+                lambda xs, xt, ws, wt, lab, div, T, f=f: f(xs, xt, ws, wt), d, args.ref_rows, "forward_kl", 1.0, ref
+            )
             errs[k] = (acc["err_dx"], acc["err_dw"])
         del ref
     floor = med["4 GEMMs (floor)"]
@@ -114,10 +120,15 @@ def regime_rows(regime, n):
         err = f"{e[0]:.1e} / {e[1]:.1e}" if e else "-"
         spread = f"{min(times[k]):.2f}-{max(times[k]):.2f}"
         vs_fast = f"{t / med['fast']:.3f}" if "fast" in med else "-"
-        print(f"| {regime} ({d.entropy:.1f}) | {n} | {k} | {t:.2f} | {spread} | {t / floor:.3f} | {vs_fast} | {err} |",
-              flush=True)
-    print(f"| {regime} | {n} | active column fraction seen: fast slabs {frac_fast}, const-mem slabs {frac_const} "
-          "| | | | | |", flush=True)
+        print(
+            f"| {regime} ({d.entropy:.1f}) | {n} | {k} | {t:.2f} | {spread} | {t / floor:.3f} | {vs_fast} | {err} |",
+            flush=True,
+        )
+    print(
+        f"| {regime} | {n} | active column fraction seen: fast slabs {frac_fast}, const-mem slabs {frac_const} "
+        "| | | | | |",
+        flush=True,
+    )
     del d
     torch.cuda.empty_cache()
 
@@ -153,8 +164,10 @@ def graph_and_compile_check():
 env = environment()
 print(f"# grad_filter, {torch.cuda.get_device_name()}\n")
 print(", ".join(f"{k} {v}" for k, v in sorted(env.items())) + "\n")
-print(f"forward KL fwd+bwd, bf16, V={V}, Ds={DS}, Dt={DT}; median of {args.rounds} rounds of 5 (CUDA events); "
-      f"errors on the first {args.ref_rows} rows vs float64\n")
+print(
+    f"forward KL fwd+bwd, bf16, V={V}, Ds={DS}, Dt={DT}; median of {args.rounds} rounds of 5 (CUDA events); "
+    f"errors on the first {args.ref_rows} rows vs float64\n"
+)
 print("| regime (teacher entropy) | N | method | ms | round medians | x floor | x fast | dX / dW rel err |")
 print("|---|---|---|---|---|---|---|---|")
 for regime in [] if args.checks_only else args.regimes:

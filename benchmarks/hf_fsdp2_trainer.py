@@ -11,6 +11,7 @@ the gradient of one process on the whole batch.
 Writes OUT.md (a table: variant, worst relative error over the parameters) and exits non-zero
 when an error exceeds 1e-4.
 """
+
 import copy
 import os
 import sys
@@ -27,11 +28,29 @@ V = 1031
 
 def models():
     torch.manual_seed(0)
-    student = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    student = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=V,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
+    )
     torch.manual_seed(1)
-    teacher = Qwen2ForCausalLM(Qwen2Config(vocab_size=V, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    teacher = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=V,
+            hidden_size=96,
+            intermediate_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+    )
     for m in (student, teacher):
         with torch.no_grad():
             m.get_output_embeddings().weight.mul_(8.0)
@@ -48,8 +67,8 @@ def collate(items):
     ids = torch.zeros(len(items), N, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for b, it in enumerate(items):
-        ids[b, :len(it["input_ids"])] = torch.tensor(it["input_ids"])
-        mask[b, :len(it["input_ids"])] = 1
+        ids[b, : len(it["input_ids"])] = torch.tensor(it["input_ids"])
+        mask[b, : len(it["input_ids"])] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE_INDEX)}
 
 
@@ -67,21 +86,37 @@ def one(variant, out_dir):
             fully_shard(layer, mesh=mesh)
         fully_shard(teacher, mesh=mesh)
     args = DistillationArguments(
-        output_dir=out_dir, per_device_train_batch_size=2, max_steps=1, learning_rate=1.0,
-        lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, max_grad_norm=0.0, save_strategy="no",
-        report_to="none", disable_tqdm=True, divergence="jsd", ce_weight=0.2, fsdp="full_shard",
-        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": wrap}, seed=0)
+        output_dir=out_dir,
+        per_device_train_batch_size=2,
+        max_steps=1,
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        optim="sgd",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        divergence="jsd",
+        ce_weight=0.2,
+        fsdp="full_shard",
+        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": wrap},
+        seed=0,
+    )
     before = {n: p.detach().clone().cuda() for n, p in student.named_parameters()}
-    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=data(),
-                                  data_collator=collate)
+    trainer = DistillationTrainer(
+        model=student, teacher_model=teacher, args=args, train_dataset=data(), data_collator=collate
+    )
     trainer.train()
-    after = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-             for n, p in trainer.model.named_parameters()}
+    after = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in trainer.model.named_parameters()
+    }
     ref.cuda()
     t_ref = models()[1].cuda()
     b = {k: v.cuda() for k, v in collate(data()).items()}
-    distill_loss(ref, t_ref, b["input_ids"], b["attention_mask"], b["labels"], divergence="jsd",
-                 ce_weight=0.2).loss.backward()
+    distill_loss(
+        ref, t_ref, b["input_ids"], b["attention_mask"], b["labels"], divergence="jsd", ce_weight=0.2
+    ).loss.backward()
     worst = 0.0
     for n, q in ref.named_parameters():
         g = before[n] - after[n]

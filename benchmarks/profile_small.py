@@ -6,6 +6,7 @@ Cases: topk_kl(normalize="topk") at N=4096, K=64 (V=152064, D=3584) and attentio
 B=1, H=32, N=2048, D=128 (bf16, causal). For each: the median wall time of one call (CUDA events),
 the host time to enqueue it (no synchronization), and the profiler's per-kernel CUDA times.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,10 @@ def report(name, fn, out_dir):
     cp.disable()
     buf = io.StringIO()
     pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(18)
-    text = (f"## {name}\n\nwall {wall:.3f} ms (CUDA events), host enqueue {host:.3f} ms per call\n\n```\n{table}\n```\n"
-            f"\nhost (cProfile, 20 calls):\n```\n{buf.getvalue()}\n```\n")
+    text = (
+        f"## {name}\n\nwall {wall:.3f} ms (CUDA events), host enqueue {host:.3f} ms per call\n\n```\n{table}\n```\n"
+        f"\nhost (cProfile, 20 calls):\n```\n{buf.getvalue()}\n```\n"
+    )
     print(text, flush=True)
     if out_dir:
         with open(os.path.join(out_dir, "profile_small.md"), "a") as f:

@@ -3,6 +3,7 @@
 Shapes share the benchmark's kernel specializations (multiples of 16) but cut row blocks and
 vocab tiles (N = 528 rows, V = 5008) so the boundaries are exercised. Usage: benchmarks/topk_gpu_check.py OUT.md
 """
+
 import sys
 import time
 
@@ -34,14 +35,32 @@ def main(path):
     cases = [
         ("fast full fkl", dict(normalize="full"), "fp32"),
         ("fast full fkl 96-row blocks", dict(normalize="full", **small), "fp32"),
-        ("fast full tail T=2 CE bias", dict(normalize="full", tail=True, temperature=2.0, ce_weight=0.5, labels=labels,
-                                           bs=bs, **small), "fp32"),
-        ("fast full jsd tail CE T=1 none", dict(normalize="full", divergence="jsd", beta=0.5, tail=True, ce_weight=0.3,
-                                               labels=labels, reduction="none", **small), "fp32"),
+        (
+            "fast full tail T=2 CE bias",
+            dict(normalize="full", tail=True, temperature=2.0, ce_weight=0.5, labels=labels, bs=bs, **small),
+            "fp32",
+        ),
+        (
+            "fast full jsd tail CE T=1 none",
+            dict(
+                normalize="full",
+                divergence="jsd",
+                beta=0.5,
+                tail=True,
+                ce_weight=0.3,
+                labels=labels,
+                reduction="none",
+                **small,
+            ),
+            "fp32",
+        ),
         ("const full fkl fp32-acc", dict(normalize="full", **const), "fp32"),
         ("const full fkl native-acc", dict(normalize="full", **const), "native"),
-        ("const full tail T=2 CE bias", dict(normalize="full", tail=True, temperature=2.0, ce_weight=0.5,
-                                            labels=labels, bs=bs, **const), "fp32"),
+        (
+            "const full tail T=2 CE bias",
+            dict(normalize="full", tail=True, temperature=2.0, ce_weight=0.5, labels=labels, bs=bs, **const),
+            "fp32",
+        ),
         ("topk rkl", dict(normalize="topk", divergence="reverse_kl"), "fp32"),
         ("topk fkl bias none", dict(normalize="topk", bs=bs, reduction="none"), "fp32"),
     ]
@@ -74,8 +93,10 @@ def main(path):
         finally:
             td.GRAD_ACCUM = "fp32"
         print(lines[-1], flush=True)
-    text = (f"GPU check ({torch.cuda.get_device_name()}, torch {torch.__version__}), bf16 inputs, "
-            f"N={N} D={D} V={V} K={K}, float64 reference\n\n" + "\n".join(lines) + "\n")
+    text = (
+        f"GPU check ({torch.cuda.get_device_name()}, torch {torch.__version__}), bf16 inputs, "
+        f"N={N} D={D} V={V} K={K}, float64 reference\n\n" + "\n".join(lines) + "\n"
+    )
     open(path, "w").write(text)
     print(text)
 

@@ -8,6 +8,7 @@ float16 and uint8 (nitrobrew.topk.store.quantize_logprobs).
 
     PYTHONPATH=. python benchmarks/topk_logprob_storage.py [--md OUT.md]
 """
+
 import argparse
 import sys
 
@@ -30,7 +31,7 @@ def main(argv=None):
     ap.add_argument("--md", default=None)
     args = ap.parse_args(argv)
     g = torch.Generator().manual_seed(0)
-    ws = torch.randn(V, D, generator=g, dtype=torch.float64) / D ** 0.5
+    ws = torch.randn(V, D, generator=g, dtype=torch.float64) / D**0.5
     bytes_per = {"float32": 8 * K, "bfloat16": 6 * K, "float16": 6 * K, "uint8": 5 * K + 8}
     worst = {d: [0.0, 0.0, 0.0] for d in bytes_per}  # max |row error|, max row rel. error, max |mean error|
     cases = []
@@ -40,13 +41,14 @@ def main(argv=None):
         ent = -(lp_full.exp() * lp_full).sum(-1).mean().item()
         top_lp, top_ids = lp_full.topk(K, -1)
         top_lp = top_lp.float()
-        for student, xs in (("close", xt + 0.3 * torch.randn(R, D, generator=g, dtype=torch.float64)),
-                            ("unrelated", torch.randn(R, D, generator=g, dtype=torch.float64) * spread)):
+        for student, xs in (
+            ("close", xt + 0.3 * torch.randn(R, D, generator=g, dtype=torch.float64)),
+            ("unrelated", torch.randn(R, D, generator=g, dtype=torch.float64) * spread),
+        ):
             ref = reference_topk_loss(xs, ws, top_ids, top_lp.double(), tail=True, reduction="none")
             row = [f"{spread:g} ({ent:.2f} nats)", student, f"{ref.mean().item():.4f}"]
             for dtype in ("bfloat16", "float16", "uint8"):
-                got = reference_topk_loss(xs, ws, top_ids, stored(top_lp, dtype).double(), tail=True,
-                                          reduction="none")
+                got = reference_topk_loss(xs, ws, top_ids, stored(top_lp, dtype).double(), tail=True, reduction="none")
                 err = (got - ref).abs()
                 rel = (err / ref.abs().clamp(min=1e-12)).max().item()
                 mean_err = (got.mean() - ref.mean()).abs().item()
@@ -54,14 +56,23 @@ def main(argv=None):
                 w[0], w[1], w[2] = max(w[0], err.max().item()), max(w[1], rel), max(w[2], mean_err)
                 row.append(f"{err.max().item():.1e} / {mean_err:.1e}")
             cases.append(row)
-    lines = ["| teacher spread (entropy) | student | loss (float32) | bfloat16: max row / mean error | "
-             "float16 | uint8 |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| teacher spread (entropy) | student | loss (float32) | bfloat16: max row / mean error | float16 | uint8 |",
+        "|---|---|---|---|---|---|",
+    ]
     lines += ["| " + " | ".join(r) + " |" for r in cases]
-    lines += ["", "| log-probs | bytes / position at K = 64: int32 / uint24 / uint16 ids | max row error | "
-              "max relative row error | max error of the mean |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| log-probs | bytes / position at K = 64: int32 / uint24 / uint16 ids | max row error | "
+        "max relative row error | max error of the mean |",
+        "|---|---|---|---|---|",
+    ]
     lp_bytes = {d: b - 4 * K for d, b in bytes_per.items()}
-    lines += [f"| {d} | {lp + 4 * K} / {lp + 3 * K} / {lp + 2 * K} | {worst[d][0]:.1e} | {worst[d][1]:.1e} | "
-              f"{worst[d][2]:.1e} |" for d, lp in lp_bytes.items()]
+    lines += [
+        f"| {d} | {lp + 4 * K} / {lp + 3 * K} / {lp + 2 * K} | {worst[d][0]:.1e} | {worst[d][1]:.1e} | "
+        f"{worst[d][2]:.1e} |"
+        for d, lp in lp_bytes.items()
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.md:

@@ -15,6 +15,7 @@ The whole recipe is four lines inside the loop:
 Dividing summed losses by the window's token count (not averaging per micro-batch) makes the
 accumulated gradient equal to the gradient of one big batch, whatever the padding.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,17 @@ def tiny_models(vocab: int):
 
     def make(hidden, layers, seed):
         torch.manual_seed(seed)
-        return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                                            num_hidden_layers=layers, num_attention_heads=4,
-                                            num_key_value_heads=4, max_position_embeddings=256))
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=vocab,
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                max_position_embeddings=256,
+            )
+        )
 
     return make(128, 4, 0), make(64, 2, 1)
 
@@ -51,8 +60,9 @@ def main(argv=None) -> float:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--teacher", help="teacher model path or hub name (default: a tiny random model)")
     p.add_argument("--student", help="student model path or hub name (default: a tiny random model)")
-    p.add_argument("--divergence", default="forward_kl",
-                   help="forward_kl, reverse_kl, jsd, tvd, skew_kl, skew_reverse_kl")
+    p.add_argument(
+        "--divergence", default="forward_kl", help="forward_kl, reverse_kl, jsd, tvd, skew_kl, skew_reverse_kl"
+    )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--ce-weight", type=float, default=0.0, help="add hard-label cross-entropy (default 0)")
     p.add_argument("--steps", type=int, default=30)
@@ -81,9 +91,17 @@ def main(argv=None) -> float:
         n_tokens = sum(count_targets(b["labels"], b["attention_mask"]) for b in window)
         kd = 0.0
         for b in window:
-            out = distill_loss(student, teacher, b["input_ids"], b["attention_mask"], b["labels"],
-                               divergence=args.divergence, temperature=args.temperature,
-                               ce_weight=args.ce_weight, num_items_in_batch=n_tokens)
+            out = distill_loss(
+                student,
+                teacher,
+                b["input_ids"],
+                b["attention_mask"],
+                b["labels"],
+                divergence=args.divergence,
+                temperature=args.temperature,
+                ce_weight=args.ce_weight,
+                num_items_in_batch=n_tokens,
+            )
             out.loss.backward()
             kd += float(out.kd)  # each part is already divided by the window's token count
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)

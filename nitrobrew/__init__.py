@@ -1,4 +1,5 @@
 """nitrobrew: exact, fast, memory-lean knowledge-distillation losses for LLMs."""
+
 from .hidden import (
     DistillLoss,
     DistillOutput,
@@ -34,7 +35,21 @@ def __getattr__(name):
 
 
 __all__ = [
-    "forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl", "hidden_loss",
-    "DistillOutput", "DistillLoss", "ForwardKLLoss", "ReverseKLLoss", "JSDLoss", "TVDLoss",
-    "SkewKLLoss", "SkewReverseKLLoss", "attention_kl", "topk_kl",
+    "forward_kl",
+    "reverse_kl",
+    "jsd",
+    "tvd",
+    "skew_kl",
+    "skew_reverse_kl",
+    "hidden_loss",
+    "DistillOutput",
+    "DistillLoss",
+    "ForwardKLLoss",
+    "ReverseKLLoss",
+    "JSDLoss",
+    "TVDLoss",
+    "SkewKLLoss",
+    "SkewReverseKLLoss",
+    "attention_kl",
+    "topk_kl",
 ]

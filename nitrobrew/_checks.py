@@ -3,6 +3,7 @@
 Every public loss validates its inputs here, before any kernel runs, so bad input raises a
 clear error instead of crashing inside a kernel or returning a silently wrong number.
 """
+
 from __future__ import annotations
 
 import functools
@@ -53,8 +54,9 @@ def is_dtensor(t) -> bool:
 
 def check_softcap(name: str, cap) -> None:
     if cap is not None and not (is_number(cap) and math.isfinite(cap) and cap > 0):
-        raise ValueError(f"{name} must be None or a finite number > 0 (the logit cap c of c * tanh(z / c)), "
-                         f"got {cap!r}")
+        raise ValueError(
+            f"{name} must be None or a finite number > 0 (the logit cap c of c * tanh(z / c)), got {cap!r}"
+        )
 
 
 def check_unit_interval(name: str, value: float) -> None:
@@ -119,8 +121,7 @@ def check_labels(labels: Optional[torch.Tensor], lead_shape: Sequence[int]) -> N
         raise TypeError(f"labels must be an integer tensor (int64 or int32), got {labels.dtype}")
     if tuple(labels.shape) != tuple(lead_shape):
         raise ValueError(
-            f"labels shape {tuple(labels.shape)} must equal the leading shape of the hidden "
-            f"states {tuple(lead_shape)}"
+            f"labels shape {tuple(labels.shape)} must equal the leading shape of the hidden states {tuple(lead_shape)}"
         )
 
 
@@ -138,9 +139,7 @@ def check_ids_in_range(name: str, ids: torch.Tensor, upper: int, ignore_index: O
         raise ValueError(f"{name} must lie in [0, {upper}) (or equal ignore_index), found values in [{lo}, {hi}]")
 
 
-def row_weights(
-    labels: Optional[torch.Tensor], ignore_index: int, n_rows: int, device: torch.device
-) -> torch.Tensor:
+def row_weights(labels: Optional[torch.Tensor], ignore_index: int, n_rows: int, device: torch.device) -> torch.Tensor:
     """float32 [n_rows] mask: 1 where the row counts, 0 where its label is ignore_index."""
     if labels is None:
         return torch.ones(n_rows, device=device, dtype=torch.float32)
@@ -223,7 +222,8 @@ def no_double_backward(backward):
                 "nitrobrew losses do not support double backward (create_graph=True, e.g. for Hessian-vector "
                 "products or gradient penalties through the loss): their backward is not differentiable. Take "
                 "first-order gradients only, or use nitrobrew.hidden.reference_loss (materializing) for "
-                "higher-order derivatives.")
+                "higher-order derivatives."
+            )
         return backward(ctx, *grads)
 
     return checked

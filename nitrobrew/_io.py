@@ -1,4 +1,5 @@
 """Atomic file writes shared by the top-k store and the demo's checkpoints."""
+
 from __future__ import annotations
 
 import os

@@ -11,6 +11,7 @@ The direct path is used on CUDA with Triton 3.x and no launch hooks installed (p
 proton install them); everything else, the interpreter included, goes through the JIT launch unchanged.
 ``NITROBREW_DIRECT_LAUNCH=0`` turns it off.
 """
+
 from __future__ import annotations
 
 import os
@@ -94,10 +95,14 @@ def launch(kernel, grid: Tuple[int, ...], *args, **kwargs) -> None:
     entry = _CACHE.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **kwargs)
-        names = getattr(kernel, "arg_names", ())[len(args):]
+        names = getattr(kernel, "arg_names", ())[len(args) :]
         run = getattr(compiled, "run", None)
-        if (run is not None and all(n in kwargs for n in names) and hasattr(compiled, "function")
-                and hasattr(compiled, "packed_metadata")):
+        if (
+            run is not None
+            and all(n in kwargs for n in names)
+            and hasattr(compiled, "function")
+            and hasattr(compiled, "packed_metadata")
+        ):
             _CACHE[key] = (run, compiled.function, compiled.packed_metadata, tuple(kwargs[n] for n in names))
         return
     run, function, metadata, tail = entry

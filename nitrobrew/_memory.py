@@ -5,6 +5,7 @@ any device, CPU included), tracks the bytes still alive, and reports the peak of
 bytes and the largest single tensor. Tests use it to check memory claims on CPU; the benchmark
 uses it where CUDA's allocator statistics are not available.
 """
+
 from __future__ import annotations
 
 import weakref

@@ -1,4 +1,5 @@
 """Tensor operations shared by the loss families."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -27,8 +28,14 @@ _addmm_out_dtype = [True]
 
 def _cublas_f32_out(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> bool:
     """Whether cuBLAS can take 16-bit operands a, b to an fp32 result directly."""
-    return (a.is_cuda and acc == torch.float32 and a.dtype in (torch.bfloat16, torch.float16)
-            and a.dtype == b.dtype and a.dim() == 2 and b.dim() == 2)
+    return (
+        a.is_cuda
+        and acc == torch.float32
+        and a.dtype in (torch.bfloat16, torch.float16)
+        and a.dtype == b.dtype
+        and a.dim() == 2
+        and b.dim() == 2
+    )
 
 
 def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -58,9 +65,7 @@ def mm_acc_add(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     out += mm_acc(a, b, out.dtype)
 
 
-def linear_logits(
-    x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], acc: torch.dtype
-) -> torch.Tensor:
+def linear_logits(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
     """x @ w.T (+ b) accumulated and returned in `acc` (not for use under autograd)."""
     z = mm_acc(x, w.t(), acc)
     if b is not None:

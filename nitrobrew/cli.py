@@ -3,6 +3,7 @@
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args)``;
 modules are imported only when their command runs (optional extras stay optional).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,17 @@ COMMANDS = {
 # `nitrobrew bench attention` is spelled as a mode of bench, too.
 BENCH_MODES = {"hidden": "bench", "attention": "bench-attention", "topk": "bench-topk"}
 # optional package -> the extra that installs it (pyproject.toml)
-EXTRAS = {"transformers": "hf", "accelerate": "hf", "datasets": "hf", "yaml": "hf", "safetensors": "store",
-          "pyarrow": "interop", "tqdm": "progress", "matplotlib": "plot", "triton": "triton"}
+EXTRAS = {
+    "transformers": "hf",
+    "accelerate": "hf",
+    "datasets": "hf",
+    "yaml": "hf",
+    "safetensors": "store",
+    "pyarrow": "interop",
+    "tqdm": "progress",
+    "matplotlib": "plot",
+    "triton": "triton",
+}
 
 
 def _normalize(argv: List[str]) -> List[str]:
@@ -53,8 +63,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     parser.error(f"command {name!r} is not available in this build ({err})")
                 top = (err.name or "").split(".")[0]
                 if top in EXTRAS:  # one line, not a traceback
-                    print(f"nitrobrew {name}: error: needs {top}: pip install 'nitrobrew[{EXTRAS[top]}]'",
-                          file=sys.stderr)
+                    print(
+                        f"nitrobrew {name}: error: needs {top}: pip install 'nitrobrew[{EXTRAS[top]}]'", file=sys.stderr
+                    )
                     raise SystemExit(2)
                 raise
     args = parser.parse_args(argv)

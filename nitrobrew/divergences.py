@@ -14,6 +14,7 @@ Everything is in log space: mixtures use logaddexp of log-weights (never log of 
 space sum, which underflows to log 0 and gives NaN), and every p*log-ratio product is guarded so
 that an entry with p = 0 (a -inf logit) contributes 0, not 0 * inf = NaN.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,29 +25,39 @@ import torch
 
 Tensor = torch.Tensor
 
+
 @dataclass(frozen=True)
 class Divergence:
     """One entry of the registry: everything else (checks, kernel ids, the HF arguments, the bench and
     the tests' lists) derives from it."""
 
     name: str
-    kernel_id: int                 # DIVERGENCE constexpr of the Triton kernels (core.tl_utils)
-    param: Optional[str]           # the option carrying its parameter ("beta", "alpha") or None
-    default: Optional[float]       # that option's documented default
-    one_pass: bool                 # value and sum_k u_k from the online recurrence alone (docs/design.md §2.3)
-    summary: str                   # one line for docstrings
+    kernel_id: int  # DIVERGENCE constexpr of the Triton kernels (core.tl_utils)
+    param: Optional[str]  # the option carrying its parameter ("beta", "alpha") or None
+    default: Optional[float]  # that option's documented default
+    one_pass: bool  # value and sum_k u_k from the online recurrence alone (docs/design.md §2.3)
+    summary: str  # one line for docstrings
 
 
-REGISTRY: Dict[str, Divergence] = {d.name: d for d in (
-    Divergence("forward_kl", 0, None, None, True, "KL(teacher || student): mean-seeking."),
-    Divergence("reverse_kl", 1, None, None, True, "KL(student || teacher): mode-seeking."),
-    Divergence("jsd", 2, "beta", 0.5, False,
-               "Generalized Jensen-Shannon divergence beta KL(p||M) + (1 - beta) KL(q||M), M = beta p + "
-               "(1 - beta) q; beta=0 is exactly forward_kl, beta=1 reverse_kl."),
-    Divergence("skew_kl", 3, "alpha", 0.1, False, "Skew KL: KL(p || alpha p + (1 - alpha) q)."),
-    Divergence("skew_reverse_kl", 4, "alpha", 0.1, False, "Skew reverse KL: KL(q || alpha q + (1 - alpha) p)."),
-    Divergence("tvd", 5, None, None, False, "Total variation distance 1/2 sum |p - q|."),
-)}
+REGISTRY: Dict[str, Divergence] = {
+    d.name: d
+    for d in (
+        Divergence("forward_kl", 0, None, None, True, "KL(teacher || student): mean-seeking."),
+        Divergence("reverse_kl", 1, None, None, True, "KL(student || teacher): mode-seeking."),
+        Divergence(
+            "jsd",
+            2,
+            "beta",
+            0.5,
+            False,
+            "Generalized Jensen-Shannon divergence beta KL(p||M) + (1 - beta) KL(q||M), M = beta p + "
+            "(1 - beta) q; beta=0 is exactly forward_kl, beta=1 reverse_kl.",
+        ),
+        Divergence("skew_kl", 3, "alpha", 0.1, False, "Skew KL: KL(p || alpha p + (1 - alpha) q)."),
+        Divergence("skew_reverse_kl", 4, "alpha", 0.1, False, "Skew reverse KL: KL(q || alpha q + (1 - alpha) p)."),
+        Divergence("tvd", 5, None, None, False, "Total variation distance 1/2 sum |p - q|."),
+    )
+}
 NAMES: Tuple[str, ...] = tuple(REGISTRY)
 # Names users write -> the Triton kernels' numbers.
 DIVERGENCE_IDS: Dict[str, int] = {d.name: d.kernel_id for d in REGISTRY.values()}

@@ -1,4 +1,5 @@
 """Shared helpers for the attention-KL tests (inputs, reference comparison)."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,9 @@ import torch
 from nitrobrew.attention import attention_kl, reference_attention_kl
 
 
-def make_inputs(B=2, H=4, Nq=19, Nk=None, Ds=16, Dt=24, hkv_s=None, hkv_t=None, dtype=torch.float32,
-                sigma=2.0, close=False, seed=0):
+def make_inputs(
+    B=2, H=4, Nq=19, Nk=None, Ds=16, Dt=24, hkv_s=None, hkv_t=None, dtype=torch.float32, sigma=2.0, close=False, seed=0
+):
     """randn inputs at realistic score spreads (score std ~ sigma^2); close=True: student ~ teacher."""
     g = torch.Generator().manual_seed(seed)
     Nk = Nq if Nk is None else Nk
@@ -35,8 +37,9 @@ def _abs(a, b) -> float:
     return float((a.detach().double() - b.detach().double()).norm())
 
 
-def compare(inputs, *, teacher_grad=False, rtol_val=1e-5, rtol_grad=1e-4, atol=1e-6, reduction="mean", lse_t=None,
-            **kw):
+def compare(
+    inputs, *, teacher_grad=False, rtol_val=1e-5, rtol_grad=1e-4, atol=1e-6, reduction="mean", lse_t=None, **kw
+):
     """Run attention_kl and the float64 reference on the same inputs; check value and gradients:
     ||out - ref|| <= rtol * ||ref|| + atol (atol: fp32 rounding of O(10)-unit scores, which
     matters when a value or gradient is itself ~0, e.g. saturated softmaxes)."""
@@ -49,7 +52,9 @@ def compare(inputs, *, teacher_grad=False, rtol_val=1e-5, rtol_grad=1e-4, atol=1
     assert out.dtype in (torch.float32, torch.float64)
     assert torch.isfinite(out).all()
     err = rel(out, ref)
-    assert err <= rtol_val or _abs(out, ref) <= atol, f"value rel err {err:.2e} (got {out.double().sum().item()}, ref {ref.sum().item()})"
+    assert err <= rtol_val or _abs(out, ref) <= atol, (
+        f"value rel err {err:.2e} (got {out.double().sum().item()}, ref {ref.sum().item()})"
+    )
     # a non-uniform upstream gradient for reduction="none" exercises per-row g
     if reduction == "none":
         w = torch.linspace(0.5, 1.5, out.numel()).reshape(out.shape)

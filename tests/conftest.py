@@ -3,6 +3,7 @@
 BACKENDS: the implementations that every test taking a ``backend`` argument runs against
 (parametrized automatically below unless the test parametrizes ``backend`` itself).
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,11 @@ BACKENDS = ["torch"]
 # HYPOTHESIS_PROFILE=nitrobrew-long draws 20 times more, fresh ones each run.
 for _name, _examples, _fixed in (("nitrobrew", 25, True), ("nitrobrew-long", 500, False)):
     settings.register_profile(
-        _name, deadline=None, max_examples=_examples, print_blob=True, derandomize=_fixed,
+        _name,
+        deadline=None,
+        max_examples=_examples,
+        print_blob=True,
+        derandomize=_fixed,
         suppress_health_check=[HealthCheck.too_slow],
     )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "nitrobrew"))

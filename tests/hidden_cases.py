@@ -9,6 +9,7 @@
 
 A Triton test reuses all of it with ``check_against_reference(backend="triton", ...)``.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -115,8 +116,9 @@ class Case:
         return [t for t in (self.xs, self.ws, self.bs) if t is not None]
 
 
-def make_labels(lead: Sequence[int], vocab: int, mode, gen: torch.Generator,
-                ignore_index: int = IGNORE) -> Optional[torch.Tensor]:
+def make_labels(
+    lead: Sequence[int], vocab: int, mode, gen: torch.Generator, ignore_index: int = IGNORE
+) -> Optional[torch.Tensor]:
     """None, "some" (about a third ignored, at least one counted and one ignored when possible),
     "all" (every row ignored), "none_ignored" (labels everywhere), or a tensor (used as is)."""
     if mode is None or isinstance(mode, torch.Tensor):
@@ -193,7 +195,12 @@ def make_case(
 
     lab = make_labels(lead, vocab, labels, gen, ignore_index)
     return Case(
-        xs=student(xs), xt=teacher(xt), ws=student(ws), wt=teacher(wt), bs=student(bs), bt=teacher(bt),
+        xs=student(xs),
+        xt=teacher(xt),
+        ws=student(ws),
+        wt=teacher(wt),
+        bs=student(bs),
+        bt=teacher(bt),
         labels=None if lab is None else lab.to(device),
         vocab_size=vocab if (pad_s or pad_t) else None,
         ignore_index=ignore_index,
@@ -202,8 +209,7 @@ def make_case(
 
 def run_loss(case: Case, divergence: str = "forward_kl", backend: str = "torch", **options):
     """The public function of `divergence` on `case`; options override the case's kwargs."""
-    return LOSS_FNS[divergence](case.xs, case.xt, case.ws, case.wt, backend=backend,
-                                **{**case.kwargs(), **options})
+    return LOSS_FNS[divergence](case.xs, case.xt, case.ws, case.wt, backend=backend, **{**case.kwargs(), **options})
 
 
 def run_reference(case: Case, divergence: str = "forward_kl", **options):
@@ -224,8 +230,7 @@ def run_reference(case: Case, divergence: str = "forward_kl", **options):
 
     xs, ws = leaf(case.xs), leaf(case.ws)
     opts["bs"], opts["bt"] = leaf(opts.get("bs")), const(opts.get("bt"))
-    value = reference_loss(xs, const(case.xt), ws, const(case.wt), divergence=divergence, param=param,
-                           **opts)
+    value = reference_loss(xs, const(case.xt), ws, const(case.wt), divergence=divergence, param=param, **opts)
     return value, [t for t in (xs, ws, opts["bs"]) if t is not None]
 
 
@@ -254,13 +259,17 @@ def fp32_floors(case: Case, up: torch.Tensor, **options) -> List[float]:
     logits = logits[torch.isfinite(logits)]
     L = 1.0 + (logits.abs().max().item() / T if logits.numel() else 0.0)
     labels = opts.get("labels")
-    mask = torch.ones(xs.shape[0], dtype=f64) if labels is None else \
-        (labels.reshape(-1) != opts.get("ignore_index", IGNORE)).to(f64)
+    mask = (
+        torch.ones(xs.shape[0], dtype=f64)
+        if labels is None
+        else (labels.reshape(-1) != opts.get("ignore_index", IGNORE)).to(f64)
+    )
     count = max(mask.sum().item(), 1.0)
     per_row = up.abs().reshape(-1) if reduction == "none" else up.abs().expand(xs.shape[0])
     per_row = per_row * mask / (count if reduction == "mean" else 1.0)
-    weight = abs(opts.get("kd_weight", 1.0)) * (T**2 if opts.get("scale_t2") else 1.0) \
-        + abs(opts.get("ce_weight", 0.0)) * T  # the CE's logits are not divided by T
+    weight = (
+        abs(opts.get("kd_weight", 1.0)) * (T**2 if opts.get("scale_t2") else 1.0) + abs(opts.get("ce_weight", 0.0)) * T
+    )  # the CE's logits are not divided by T
     logit_grad = 2 * weight * per_row / T
     value = weight * (1.0 if reduction != "sum" else count)
     xs_size = (logit_grad.max().item() if logit_grad.numel() else 0.0) * (ws.abs().max().item() if V else 0.0)
@@ -329,7 +338,7 @@ class Checked:
     """What `check_against_reference` computed, for further assertions by the caller."""
 
     case: Case
-    out: object              # what the loss returned (a tensor or a DistillOutput)
+    out: object  # what the loss returned (a tensor or a DistillOutput)
     loss: torch.Tensor
     grads: List[torch.Tensor]  # of xs, ws (, bs)
     ref: torch.Tensor
@@ -371,8 +380,20 @@ def check_against_reference(
     gradient that nearly vanishes is a difference of terms as large as the logits.
     """
     if case is None:
-        case = make_case(shape=shape, ds=ds, dt=dt, vocab=vocab, pad_s=pad_s, pad_t=pad_t, dtype=dtype,
-                         bias=bias, labels=labels, close=close, spread=spread, seed=seed)
+        case = make_case(
+            shape=shape,
+            ds=ds,
+            dt=dt,
+            vocab=vocab,
+            pad_s=pad_s,
+            pad_t=pad_t,
+            dtype=dtype,
+            bias=bias,
+            labels=labels,
+            close=close,
+            spread=spread,
+            seed=seed,
+        )
     value_tol, grad_tol = tol or TOLERANCES[dtype]
     out = run_loss(case, divergence, backend, **options)
     loss = out.loss if options.get("return_parts") else out
@@ -397,7 +418,7 @@ def check_against_reference(
         if case.counted() == 0:
             assert (g == 0).all(), f"{name} grad not exactly zero with no counted row"
         if name in ("ws", "bs") and g.shape[0] > case.vocab:
-            assert (g[case.vocab:] == 0).all(), f"{name} grad nonzero beyond vocab_size"
+            assert (g[case.vocab :] == 0).all(), f"{name} grad nonzero beyond vocab_size"
     if case.counted() == 0:
         assert (loss == 0).all(), f"loss {loss} with no counted row"
     return Checked(case, out, loss, grads, ref, ref_grads, errors)
@@ -433,8 +454,10 @@ def pairwise(factors: Dict[str, Sequence], seed: int = 0, tries: int = 30) -> Li
             rest = [k for k in range(len(names)) if k not in row]
             rng.shuffle(rest)
             for k in rest:
-                row[k] = max(range(sizes[k]), key=lambda v: (
-                    sum(pair(k, v, m, w) in uncovered for m, w in row.items()), rng.random()))
+                row[k] = max(
+                    range(sizes[k]),
+                    key=lambda v: (sum(pair(k, v, m, w) in uncovered for m, w in row.items()), rng.random()),
+                )
             if best is None or len(pairs_of(row) & uncovered) > len(pairs_of(best) & uncovered):
                 best = row
         uncovered -= pairs_of(best)

@@ -1,6 +1,7 @@
 """The structure docs/design.md §11 and CONTRIBUTING.md declare, checked on the source: no import cycles
 between nitrobrew's modules (function-level imports included), no module importing an underscore name of
 another loss family, the losses never importing the benchmark harness, and the public losses written out."""
+
 from __future__ import annotations
 
 import ast
@@ -60,7 +61,7 @@ def test_no_import_cycles():
         stack.append(m)
         for n in sorted(edges.get(m, ())):
             if state.get(n) == 1:
-                cycles.append(stack[stack.index(n):] + [n])
+                cycles.append(stack[stack.index(n) :] + [n])
             elif n not in state:
                 visit(n)
         stack.pop()

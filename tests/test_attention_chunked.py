@@ -1,4 +1,5 @@
 """attention_kl's PyTorch path (key-chunked autograd Function) against the float64 reference."""
+
 import math
 
 import pytest
@@ -22,11 +23,19 @@ def test_values_and_grads(direction, is_causal):
 def test_reductions_with_masks(reduction):
     ins = make_inputs(B=3, H=2, Nq=13, Nk=17, Ds=8, Dt=8, seed=1)
     kpm = torch.rand(3, 17, generator=torch.Generator().manual_seed(3)) > 0.3
-    kpm[1] = False                   # batch 1: every row fully masked
+    kpm[1] = False  # batch 1: every row fully masked
     qm = torch.ones(3, 13, dtype=torch.bool)
     qm[2, 5:] = False
-    compare(ins, backend="torch", chunk_size=5, reduction=reduction, is_causal=False, key_padding_mask=kpm,
-            query_mask=qm, teacher_grad=True)
+    compare(
+        ins,
+        backend="torch",
+        chunk_size=5,
+        reduction=reduction,
+        is_causal=False,
+        key_padding_mask=kpm,
+        query_mask=qm,
+        teacher_grad=True,
+    )
 
 
 def test_causal_nq_ne_nk_top_left_and_offset():
@@ -40,7 +49,7 @@ def test_causal_alignment_is_sdpa(Nq, Nk):
     """is_causal follows SDPA (top-left aligned): compare with SDPA's own attention weights."""
     q_s, k_s, q_t, k_t = make_inputs(B=1, H=2, Nq=Nq, Nk=Nk, Ds=8, Dt=8, dtype=torch.float64, seed=Nq)
     eye = torch.eye(Nk, dtype=torch.float64).expand(1, 2, Nk, Nk)
-    P = F.scaled_dot_product_attention(q_t, k_t, eye, is_causal=True)   # rows = attention weights
+    P = F.scaled_dot_product_attention(q_t, k_t, eye, is_causal=True)  # rows = attention weights
     Q = F.scaled_dot_product_attention(q_s, k_s, eye, is_causal=True)
     expected = torch.where(P > 0, P * (P.log() - Q.log()), torch.zeros_like(P)).sum(-1)
     got = attention_kl(q_s, k_s, q_t, k_t, backend="torch", is_causal=True, reduction="none")
@@ -74,8 +83,9 @@ def test_fully_masked_rows_zero_and_no_nan():
 
 def test_temperature_scales_and_close_case():
     ins = make_inputs(B=1, H=2, Nq=16, Ds=16, Dt=16, close=True, seed=5)
-    out, ref = compare(ins, backend="torch", chunk_size=4, temperature=2.5, scale_s=0.3, scale_t=0.2,
-                       rtol_val=1e-4, rtol_grad=1e-3)
+    out, ref = compare(
+        ins, backend="torch", chunk_size=4, temperature=2.5, scale_s=0.3, scale_t=0.2, rtol_val=1e-4, rtol_grad=1e-3
+    )
     ins = make_inputs(B=1, H=2, Nq=16, Ds=16, Dt=16, close=True, seed=6)
     out, ref = compare(ins, backend="torch", chunk_size=4, rtol_val=1e-4, rtol_grad=1e-3)
     assert 0 < float(ref.detach()) < 1e-2  # really the "close" regime
@@ -114,14 +124,27 @@ def test_head_mean_target(direction):
     k_t = torch.randn(B, 2, N, 16, generator=g) * 2
     kpm = torch.ones(B, N, dtype=torch.bool)
     kpm[1, 3] = False
-    compare([q_s, k_s, q_t, k_t], backend="torch", chunk_size=4, target="head_mean", direction=direction,
-            key_padding_mask=kpm)
+    compare(
+        [q_s, k_s, q_t, k_t],
+        backend="torch",
+        chunk_size=4,
+        target="head_mean",
+        direction=direction,
+        key_padding_mask=kpm,
+    )
     # with the exact per-head teacher lse supplied
     s = (q_t.double() @ k_t.double().repeat_interleave(3, 1).transpose(-1, -2)) / 4.0
     vis = torch.ones(N, N, dtype=torch.bool).tril()[None, None] & kpm[:, None, None, :]
     lse = torch.logsumexp(s.masked_fill(~vis, float("-inf")), -1)
-    compare([q_s, k_s, q_t, k_t], backend="torch", chunk_size=4, target="head_mean", direction=direction,
-            key_padding_mask=kpm, lse_t=lse.float())
+    compare(
+        [q_s, k_s, q_t, k_t],
+        backend="torch",
+        chunk_size=4,
+        target="head_mean",
+        direction=direction,
+        key_padding_mask=kpm,
+        lse_t=lse.float(),
+    )
 
 
 def test_reference_matches_kl_div():
@@ -172,4 +195,7 @@ def test_rows_counted_in_mean():
     rows = attention_kl(*ins, backend="torch", key_padding_mask=kpm, reduction="none", is_causal=True)
     mean = attention_kl(*ins, backend="torch", key_padding_mask=kpm, is_causal=True)
     assert torch.allclose(mean, rows.sum() / (1 * 2 * 8))
-    assert rel(attention_kl(*ins, backend="torch", key_padding_mask=kpm, reduction="sum", is_causal=True), rows.sum()) < 1e-6
+    assert (
+        rel(attention_kl(*ins, backend="torch", key_padding_mask=kpm, reduction="sum", is_causal=True), rows.sum())
+        < 1e-6
+    )

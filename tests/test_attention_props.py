@@ -1,4 +1,5 @@
 """Property tests (hypothesis): random shapes and options against the float64 reference."""
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -22,8 +23,12 @@ def problems(draw, max_n=20, dims=(4, 8, 12)):
     seed = draw(st.integers(0, 2**16))
     g = torch.Generator().manual_seed(seed)
     sigma = draw(st.sampled_from([0.5, 2.0, 3.0]))
-    ins = [torch.randn(B, H, Nq, Ds, generator=g) * sigma, torch.randn(B, hkv_s, Nk, Ds, generator=g) * sigma,
-           torch.randn(B, H, Nq, Dt, generator=g) * sigma, torch.randn(B, hkv_t, Nk, Dt, generator=g) * sigma]
+    ins = [
+        torch.randn(B, H, Nq, Ds, generator=g) * sigma,
+        torch.randn(B, hkv_s, Nk, Ds, generator=g) * sigma,
+        torch.randn(B, H, Nq, Dt, generator=g) * sigma,
+        torch.randn(B, hkv_t, Nk, Dt, generator=g) * sigma,
+    ]
     kpm = None
     if draw(st.booleans()):
         kpm = torch.rand(B, Nk, generator=g) > draw(st.sampled_from([0.2, 0.6, 1.0]))
@@ -42,8 +47,16 @@ def problems(draw, max_n=20, dims=(4, 8, 12)):
 @given(problems(), st.integers(1, 9), st.booleans())
 def test_chunked_matches_reference(problem, chunk, teacher_grad):
     ins, opts = problem
-    compare(ins, backend="torch", chunk_size=chunk, teacher_grad=teacher_grad, rtol_val=2e-5, rtol_grad=2e-4, atol=2e-5,
-            **opts)
+    compare(
+        ins,
+        backend="torch",
+        chunk_size=chunk,
+        teacher_grad=teacher_grad,
+        rtol_val=2e-5,
+        rtol_grad=2e-4,
+        atol=2e-5,
+        **opts,
+    )
 
 
 @pytest.mark.skipif(not (triton_available() and interpreter_enabled()), reason="needs TRITON_INTERPRET=1")

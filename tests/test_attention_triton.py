@@ -4,6 +4,7 @@ Runs under Triton's CPU interpreter (TRITON_INTERPRET=1, as in CI) at small odd 
 lengths that are not multiples of the 16-wide interpreter tiles, grouped-query attention with
 different groupings per side, different head dims, causal and not, padding masks, bf16.
 """
+
 import pytest
 import torch
 
@@ -11,16 +12,16 @@ from attention_helpers import compare, make_inputs, one_thread, rel  # noqa: F40
 from nitrobrew import attention_kl
 from nitrobrew._checks import interpreter_enabled, triton_available
 
-pytestmark = pytest.mark.skipif(not (triton_available() and interpreter_enabled()),
-                                reason="needs triton with TRITON_INTERPRET=1")
+pytestmark = pytest.mark.skipif(
+    not (triton_available() and interpreter_enabled()), reason="needs triton with TRITON_INTERPRET=1"
+)
 
 
 @pytest.mark.parametrize("direction", ["forward", "reverse"])
 @pytest.mark.parametrize("is_causal", [True, False])
 def test_gqa_odd_shapes_teacher_grads(direction, is_causal):
     ins = make_inputs(B=2, H=4, Nq=21, Ds=16, Dt=24, hkv_s=2, hkv_t=1, seed=1)
-    compare(ins, backend="triton", direction=direction, is_causal=is_causal, teacher_grad=True,
-            temperature=1.7)
+    compare(ins, backend="triton", direction=direction, is_causal=is_causal, teacher_grad=True, temperature=1.7)
 
 
 @pytest.mark.parametrize("direction", ["forward", "reverse"])
@@ -37,8 +38,15 @@ def test_padding_mask_query_mask_nq_ne_nk():
     qm = torch.ones(3, 13, dtype=torch.bool)
     qm[0, 7:] = False
     for is_causal in (False, True):
-        compare(ins, backend="triton", is_causal=is_causal, key_padding_mask=kpm, query_mask=qm,
-                reduction="sum", teacher_grad=True)
+        compare(
+            ins,
+            backend="triton",
+            is_causal=is_causal,
+            key_padding_mask=kpm,
+            query_mask=qm,
+            reduction="sum",
+            teacher_grad=True,
+        )
 
 
 @pytest.mark.parametrize("Nq,Nk,off", [(9, 23, 0), (23, 9, 0), (9, 23, 14), (17, 17, -5)])
@@ -62,16 +70,22 @@ def test_lse_t_and_close_case():
     s = s.masked_fill(torch.ones(18, 18, dtype=torch.bool).triu(1), float("-inf"))
     lse = torch.logsumexp(s, -1).float()
     for direction in ("forward", "reverse"):
-        out, ref = compare(ins, backend="triton", direction=direction, lse_t=lse, rtol_val=1e-4,
-                           rtol_grad=1e-3, teacher_grad=True)
+        out, ref = compare(
+            ins, backend="triton", direction=direction, lse_t=lse, rtol_val=1e-4, rtol_grad=1e-3, teacher_grad=True
+        )
     assert float(ref.detach()) < 1e-2
 
 
 def test_even_tiles_and_block_override_match_torch():
     """Sizes that are multiples of the tiles (the unmasked fast path) and larger tiles."""
     ins = make_inputs(B=1, H=2, Nq=64, Ds=16, Dt=32, seed=7)
-    a = attention_kl(*ins, backend="triton", reduction="none",
-                     block_config={"fwd": (32, 16, 4, 1), "dq": (16, 32, 4, 1), "dk": (32, 16, 4, 1)}, is_causal=True)
+    a = attention_kl(
+        *ins,
+        backend="triton",
+        reduction="none",
+        block_config={"fwd": (32, 16, 4, 1), "dq": (16, 32, 4, 1), "dk": (32, 16, 4, 1)},
+        is_causal=True,
+    )
     b = attention_kl(*ins, backend="torch", reduction="none", is_causal=True)
     assert rel(a, b) < 1e-5
     compare(ins, backend="triton", block_config={"fwd": (32, 16, 4, 1), "dq": (16, 32, 4, 1), "dk": (32, 16, 4, 1)})

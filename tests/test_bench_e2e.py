@@ -1,5 +1,6 @@
 """benchmarks/e2e_step.py --small and benchmarks/gpu_bench_regimes.sh on CPU: they run, write what
 they say, skip the baselines that are not installed, and fail loudly."""
+
 import csv
 import os
 import subprocess
@@ -20,6 +21,7 @@ def test_e2e_step_error_exits_nonzero(tmp_path, monkeypatch):
     def broken(method, student, teacher):
         def fn(ids):
             raise RuntimeError("boom")
+
         return fn
 
     monkeypatch.setattr(e2e_step, "loss_fn", broken)
@@ -32,8 +34,13 @@ def test_gpu_script_cpu_path(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
     env.pop("TRITON_INTERPRET", None)
-    res = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_bench_regimes.sh"), str(out)],
-                         capture_output=True, text=True, env=env, timeout=600)
+    res = subprocess.run(
+        ["bash", os.path.join(ROOT, "benchmarks", "gpu_bench_regimes.sh"), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     log = (out / "log.txt").read_text() if (out / "log.txt").exists() else ""
     assert res.returncode == 0, res.stdout + log[-3000:]
     files = sorted(os.listdir(out))

@@ -1,5 +1,6 @@
 """`nitrobrew bench hidden` at tiny sizes on CPU: CSV columns, agreement with the reference,
 the regimes' construction, skipped and failing methods."""
+
 import csv
 import math
 
@@ -10,8 +11,21 @@ from nitrobrew.bench import baselines as bl
 from nitrobrew.bench import hidden as hb
 from nitrobrew.cli import main
 
-TINY = ["--device", "cpu", "--vocab", "384", "--d-models", "24", "40", "--reps", "1", "--warmup", "1",
-        "--ref-rows", "32"]
+TINY = [
+    "--device",
+    "cpu",
+    "--vocab",
+    "384",
+    "--d-models",
+    "24",
+    "40",
+    "--reps",
+    "1",
+    "--warmup",
+    "1",
+    "--ref-rows",
+    "32",
+]
 
 
 def _run(tmp_path, *extra):
@@ -27,13 +41,39 @@ def _f(row, key):
 
 def test_csv_columns_and_naive_agrees_with_nitrobrew(tmp_path, capsys):
     rows = _run(tmp_path, "--seq-lens", "40", "72", "--methods", "floor", "naive", "torch", "liger-fused")
-    expected = {"mode", "method", "regime", "N", "V", "Ds", "Dt", "divergence", "ms", "peak_mib", "rel_err",
-                "err_loss", "err_dx", "err_dw", "x_floor", "first_s", "loss", "teacher_entropy", "note", "baseline",
-                "device", "torch", "triton", "nitrobrew", "commit", "dtype", "liger_kernel", "cut_cross_entropy"}
+    expected = {
+        "mode",
+        "method",
+        "regime",
+        "N",
+        "V",
+        "Ds",
+        "Dt",
+        "divergence",
+        "ms",
+        "peak_mib",
+        "rel_err",
+        "err_loss",
+        "err_dx",
+        "err_dw",
+        "x_floor",
+        "first_s",
+        "loss",
+        "teacher_entropy",
+        "note",
+        "baseline",
+        "device",
+        "torch",
+        "triton",
+        "nitrobrew",
+        "commit",
+        "dtype",
+        "liger_kernel",
+        "cut_cross_entropy",
+    }
     assert expected <= set(rows[0]), expected - set(rows[0])
     by = {(r["method"], int(r["N"])): r for r in rows}
-    assert set(by) == {(m, n) for m in ("gemm floor", "naive", "nitrobrew torch", "liger fused")
-                       for n in (40, 72)}
+    assert set(by) == {(m, n) for m in ("gemm floor", "naive", "nitrobrew torch", "liger fused") for n in (40, 72)}
     for n in (40, 72):
         floor, naive, nb = by["gemm floor", n], by["naive", n], by["nitrobrew torch", n]
         assert floor["divergence"] == "-" and _f(floor, "x_floor") == pytest.approx(1.0)
@@ -71,8 +111,9 @@ def test_all_divergences_and_ratio_column(tmp_path, capsys):
 
 
 def test_regimes_time_every_method_on_the_same_tensors(tmp_path, capsys):
-    rows = _run(tmp_path, "--seq-lens", "32", "--methods", "naive", "torch", "--regimes", "lm", "flat", "spread",
-                "peaked")
+    rows = _run(
+        tmp_path, "--seq-lens", "32", "--methods", "naive", "torch", "--regimes", "lm", "flat", "spread", "peaked"
+    )
     assert [r["regime"] for r in rows] == [g for g in ("lm", "flat", "spread", "peaked") for _ in (0, 1)]
     by = {(r["regime"], r["method"]): r for r in rows}
     ent = {g: _f(by[g, "naive"], "teacher_entropy") for g in ("lm", "flat", "spread", "peaked")}
@@ -120,8 +161,10 @@ def test_oom_and_errors_become_notes(tmp_path, monkeypatch):
 
     def fake(key, chunk_v, device, *rest):
         if key == "naive":
+
             def oom(*a):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
+
             return oom
         return real(key, chunk_v, device, *rest)
 
@@ -137,8 +180,10 @@ def test_a_failing_method_makes_the_exit_status_nonzero(tmp_path, monkeypatch, c
 
     def fake(key, chunk_v, device, *rest):
         if key == "naive":
+
             def broken(*a):
                 raise RuntimeError("boom")
+
             return broken
         return real(key, chunk_v, device, *rest)
 

@@ -1,5 +1,6 @@
 """The benches' input regimes, their labels, and what every bench must do on any install: run
 without Triton, record nitrobrew's own commit, fail loudly."""
+
 import math
 import os
 import subprocess
@@ -21,14 +22,18 @@ def test_parse_names_aliases_and_errors():
     assert rg.parse(["all"]) == list(rg.REGIMES)
     with pytest.raises(ValueError, match="unknown regime 'zipf'"):
         rg.parse(["zipf"])
-    for argv in (["bench", "--regimes", "zipf"], ["bench", "topk", "--regimes", "zipf"],
-                 ["bench", "attention", "--regimes", "zipf"]):
+    for argv in (
+        ["bench", "--regimes", "zipf"],
+        ["bench", "topk", "--regimes", "zipf"],
+        ["bench", "attention", "--regimes", "zipf"],
+    ):
         with pytest.raises(SystemExit, match="unknown regime 'zipf'"):  # one line, no traceback
             main(argv + ["--device", "cpu"])
 
 
-@pytest.mark.parametrize("ds,dt,regimes", [(24, 40, ("flat", "spread", "lm", "peaked", "close")),
-                                           (40, 24, ("flat", "spread"))])
+@pytest.mark.parametrize(
+    "ds,dt,regimes", [(24, 40, ("flat", "spread", "lm", "peaked", "close")), (40, 24, ("flat", "spread"))]
+)
 def test_hidden_regimes_have_their_entropies(ds, dt, regimes):
     V, n = 16384, 64
     ent, kl = {}, {}
@@ -62,9 +67,7 @@ def test_real_regime_is_a_decoder_run():
 
 def _no_triton(*argv):
     """Run the CLI in a fresh process where `import triton` fails, as on a CPU install without it."""
-    code = ("import sys; sys.modules['triton'] = None\n"
-            "from nitrobrew.cli import main\n"
-            f"sys.exit(main({list(argv)!r}))")
+    code = f"import sys; sys.modules['triton'] = None\nfrom nitrobrew.cli import main\nsys.exit(main({list(argv)!r}))"
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TRITON_INTERPRET", None)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
@@ -72,9 +75,36 @@ def _no_triton(*argv):
 
 def test_benches_run_without_triton(tmp_path):
     out = tmp_path / "t.csv"
-    res = _no_triton("bench", "topk", "--device", "cpu", "--vocab", "200", "--seq-lens", "16", "--d-model", "8",
-                     "--ks", "4", "--reps", "1", "--warmup", "0", "--ref-rows", "4", "--methods", "torch-full",
-                     "torch-topk", "full", "topk", "--regimes", "lm", "peaked", "--csv", str(out))
+    res = _no_triton(
+        "bench",
+        "topk",
+        "--device",
+        "cpu",
+        "--vocab",
+        "200",
+        "--seq-lens",
+        "16",
+        "--d-model",
+        "8",
+        "--ks",
+        "4",
+        "--reps",
+        "1",
+        "--warmup",
+        "0",
+        "--ref-rows",
+        "4",
+        "--methods",
+        "torch-full",
+        "torch-topk",
+        "full",
+        "topk",
+        "--regimes",
+        "lm",
+        "peaked",
+        "--csv",
+        str(out),
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "ModuleNotFoundError" not in res.stdout + res.stderr
     import csv
@@ -83,11 +113,49 @@ def test_benches_run_without_triton(tmp_path):
     for g in ("lm", "peaked"):
         assert float(rows[g, "torch-full K=4"]["ms"]) > 0 and float(rows[g, "torch-topk K=4"]["ms"]) > 0
         assert rows[g, "full K=4"]["note"].startswith("skipped: Triton not installed")
-    res = _no_triton("bench", "--device", "cpu", "--vocab", "128", "--d-models", "8", "8", "--seq-lens", "16",
-                     "--reps", "1", "--warmup", "0", "--ref-rows", "4", "--methods", "torch", "fast")
+    res = _no_triton(
+        "bench",
+        "--device",
+        "cpu",
+        "--vocab",
+        "128",
+        "--d-models",
+        "8",
+        "8",
+        "--seq-lens",
+        "16",
+        "--reps",
+        "1",
+        "--warmup",
+        "0",
+        "--ref-rows",
+        "4",
+        "--methods",
+        "torch",
+        "fast",
+    )
     assert res.returncode == 0 and "skipped: Triton not installed" in res.stdout, res.stdout[-2000:] + res.stderr
-    res = _no_triton("bench", "attention", "--device", "cpu", "--seq-lens", "32", "--heads", "1", "--head-dim", "8",
-                     "--accuracy-n", "16", "--reps", "1", "--warmup", "0", "--methods", "nitrobrew", "sdpa")
+    res = _no_triton(
+        "bench",
+        "attention",
+        "--device",
+        "cpu",
+        "--seq-lens",
+        "32",
+        "--heads",
+        "1",
+        "--head-dim",
+        "8",
+        "--accuracy-n",
+        "16",
+        "--reps",
+        "1",
+        "--warmup",
+        "0",
+        "--methods",
+        "nitrobrew",
+        "sdpa",
+    )
     assert res.returncode == 0 and "fwd+bwd / SDPA default" in res.stdout, res.stdout[-2000:] + res.stderr
 
 
@@ -98,8 +166,9 @@ def test_commit_is_nitrobrews_not_the_working_directorys(tmp_path, monkeypatch):
     git = ["git", "-c", "user.name=x", "-c", "user.email=x@x", "-c", "commit.gpgsign=false"]
     subprocess.run(git + ["init", "-q"], cwd=repo, check=True)
     subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "x"], cwd=repo, check=True)
-    other = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
-                           text=True).stdout.strip()
+    other = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True
+    ).stdout.strip()
     monkeypatch.chdir(repo)
     commit = common.environment()["commit"]
     assert other and not commit.startswith(other)
@@ -137,30 +206,57 @@ def test_demo_regime_reads_a_demo_run(tmp_path, monkeypatch):
     with pytest.raises(rg.RegimeUnavailable, match="no finished teacher and student"):
         rg.make_hidden("demo", 40, 0, 0, 0, torch.float32, CPU, 0)
     save_checkpoint(str(run / "checkpoints" / "forward_kl.safetensors"), student, None, {"done": True})
-    d = rg.make_hidden("demo", 40, 999, 8, 8, torch.float32, CPU, 0)   # the bench's V, Ds, Dt give way
+    d = rg.make_hidden("demo", 40, 999, 8, 8, torch.float32, CPU, 0)  # the bench's V, Ds, Dt give way
     assert d.xs.shape == (40, cfg.student_hidden) and d.xt.shape == (40, cfg.teacher_hidden)
     assert d.ws.shape == (cfg.vocab, cfg.student_hidden) and d.wt.shape == (cfg.vocab, cfg.teacher_hidden)
     assert torch.equal(d.wt, teacher.lm_head.weight.detach())
     assert 0 < d.entropy < math.log(cfg.vocab)
     path = tmp_path / "h.csv"
-    assert main(["bench", "--device", "cpu", "--seq-lens", "40", "--methods", "naive", "torch", "--reps", "1",
-                 "--warmup", "0", "--ref-rows", "8", "--regimes", "demo", "--csv", str(path)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--device",
+                "cpu",
+                "--seq-lens",
+                "40",
+                "--methods",
+                "naive",
+                "torch",
+                "--reps",
+                "1",
+                "--warmup",
+                "0",
+                "--ref-rows",
+                "8",
+                "--regimes",
+                "demo",
+                "--csv",
+                str(path),
+            ]
+        )
+        == 0
+    )
     import csv
 
     rows = list(csv.DictReader(open(path)))
     assert {(r["regime"], r["V"], r["Ds"], r["Dt"]) for r in rows} == {
-        ("demo", str(cfg.vocab), str(cfg.student_hidden), str(cfg.teacher_hidden))}
+        ("demo", str(cfg.vocab), str(cfg.student_hidden), str(cfg.teacher_hidden))
+    }
     assert all(float(r["rel_err"]) < 1e-4 for r in rows)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["bench", "--d-models", "1", "8"], "--d-models must be an integer >= 2"),
-    (["bench", "--seq-lens", "0"], "--seq-lens must be an integer >= 1"),
-    (["bench", "topk", "--ks", "0"], "--ks must be an integer >= 1"),
-    (["bench", "topk", "--vocab", "1"], "--vocab must be an integer >= 2"),
-    (["bench", "attention", "--heads", "4", "--kv-heads", "3"], "--kv-heads 3 must divide --heads 4"),
-    (["bench", "attention", "--seq-lens", "-8"], "--seq-lens must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--d-models", "1", "8"], "--d-models must be an integer >= 2"),
+        (["bench", "--seq-lens", "0"], "--seq-lens must be an integer >= 1"),
+        (["bench", "topk", "--ks", "0"], "--ks must be an integer >= 1"),
+        (["bench", "topk", "--vocab", "1"], "--vocab must be an integer >= 2"),
+        (["bench", "attention", "--heads", "4", "--kv-heads", "3"], "--kv-heads 3 must divide --heads 4"),
+        (["bench", "attention", "--seq-lens", "-8"], "--seq-lens must be an integer >= 1"),
+    ],
+)
 def test_bad_sizes_are_one_line_before_any_work(argv, message):
     with pytest.raises(SystemExit, match=message):
         main(argv + ["--device", "cpu"])
@@ -168,8 +264,12 @@ def test_bad_sizes_are_one_line_before_any_work(argv, message):
 
 def test_plots_draw_one_curve_per_method_and_regime(tmp_path):
     pytest.importorskip("matplotlib")
-    rows = [common.Row("topk", m, {"regime": g, "N": n}, ms=1.0 + n / 64, peak_mib=1.0)
-            for g in ("lm", "flat") for m in ("a", "b") for n in (16, 32)]
+    rows = [
+        common.Row("topk", m, {"regime": g, "N": n}, ms=1.0 + n / 64, peak_mib=1.0)
+        for g in ("lm", "flat")
+        for m in ("a", "b")
+        for n in (16, 32)
+    ]
     labels = {r.method for r in common.per_regime(rows)}
     assert labels == {"a [lm]", "b [lm]", "a [flat]", "b [flat]"}
     one = [r for r in rows if r.size["regime"] == "lm"]

@@ -1,4 +1,5 @@
 """`nitrobrew demo` pieces: the source language, checkpoints, progress, and the toy pictures."""
+
 import itertools
 import os
 import sys
@@ -43,7 +44,7 @@ def test_samples_follow_the_exact_conditionals():
     empirical = torch.nn.functional.one_hot(tokens[:, 1:], 12).double().mean((0, 1))
     torch.testing.assert_close(empirical, probs.mean((0, 1)), rtol=0, atol=3e-3)  # ~3 standard errors
     assert torch.equal(tokens, src.sample(40000, 8, seed=2))  # deterministic in the seed
-    assert (src.emissions.sum(0) > 0).all()                   # every word can be said
+    assert (src.emissions.sum(0) > 0).all()  # every word can be said
 
 
 # ------------------------------------------------------------------------------------- checkpoints
@@ -129,9 +130,9 @@ def test_toy_rank_and_outputs(tmp_path):
 
     res = rank_chase(ranks=(3, 12), features=6, V=16, N=64, steps=150, progress=False)
     for div, dist in res["curves"][3].items():
-        assert dist[-1] < 0.1 * dist[0], div      # in reach: the distance collapses
+        assert dist[-1] < 0.1 * dist[0], div  # in reach: the distance collapses
     for div, dist in res["curves"][12].items():
-        assert dist[-1] > 0.1, div                # out of reach: it cannot
+        assert dist[-1] > 0.1, div  # out of reach: it cannot
     paths = run_toy(str(tmp_path), progress=False, mode_steps=20, rank_steps=5)["paths"]
     for key in ("table", "modes", "rank"):
         assert os.path.getsize(paths[key]) > 100

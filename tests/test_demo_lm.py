@@ -1,4 +1,5 @@
 """`nitrobrew demo` end to end at the tiny preset (seconds): outputs, resume, CLI."""
+
 import json
 import os
 
@@ -20,6 +21,7 @@ def test_batches_and_learning_rate_are_functions_of_the_step():
     lrs = [lr_at(cfg, s, 100) for s in range(100)]
     assert lrs[0] < lrs[cfg.warmup - 1] == pytest.approx(cfg.lr) and lrs[-1] == pytest.approx(0.1 * cfg.lr, rel=0.01)
 
+
 def test_tiny_demo_end_to_end(tmp_path):
     results = run_demo(config_from("tiny"), str(tmp_path), progress=False)
     expected = ["teacher"] + [m for m in METHODS if m != "topk" or topk_available()]
@@ -38,11 +40,13 @@ def test_tiny_demo_end_to_end(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["runs"].keys() == results["runs"].keys()
     assert (tmp_path / "demo_curves.png").stat().st_size > 10_000
 
+
 def _final_weights(out):
     from safetensors.torch import load_file
 
     ck = os.path.join(out, "checkpoints")
     return {f: load_file(os.path.join(ck, f)) for f in sorted(os.listdir(ck))}
+
 
 @pytest.mark.parametrize("stop_after", [7, 12 + 8 + 5], ids=["in-teacher", "in-second-student"])
 def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, stop_after):
@@ -62,25 +66,68 @@ def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, stop_after):
         for k in a[f]:
             assert torch.equal(a[f][k], b[f][k]), (f, k)
 
+
 def test_resume_refuses_other_settings(tmp_path):
     cfg = config_from("tiny", methods=["hard_labels"])
     run_demo(cfg, str(tmp_path), progress=False, plot=False)
     with pytest.raises(SystemExit, match="other settings.*student_steps"):
-        run_demo(config_from("tiny", methods=["hard_labels"], student_steps=9), str(tmp_path), resume=True,
-                 progress=False, plot=False)
+        run_demo(
+            config_from("tiny", methods=["hard_labels"], student_steps=9),
+            str(tmp_path),
+            resume=True,
+            progress=False,
+            plot=False,
+        )
+
 
 def test_cli(tmp_path, capsys):
     out = str(tmp_path / "cli")
-    assert main(["demo", "--preset", "tiny", "--out", out, "--quiet", "--no-plot", "--methods",
-                 "hard_labels,jsd", "--student-steps", "4", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "demo",
+                "--preset",
+                "tiny",
+                "--out",
+                out,
+                "--quiet",
+                "--no-plot",
+                "--methods",
+                "hard_labels,jsd",
+                "--student-steps",
+                "4",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "student: JSD" in text and "student: forward KL" not in text
     assert json.load(open(os.path.join(out, "config.json")))["student_steps"] == 4
     assert main(["demo", "--methods", "bogus", "--out", out]) == 2
     with pytest.raises(SystemExit):  # argparse: a boolean flag takes true/false, nothing else
         main(["demo", "--topk-tail", "maybe", "--out", out])
-    assert main(["demo", "--preset", "tiny", "--out", out, "--quiet", "--no-plot", "--methods", "topk",
-                 "--topk-tail", "false", "--student-steps", "2"]) == 0
+    assert (
+        main(
+            [
+                "demo",
+                "--preset",
+                "tiny",
+                "--out",
+                out,
+                "--quiet",
+                "--no-plot",
+                "--methods",
+                "topk",
+                "--topk-tail",
+                "false",
+                "--student-steps",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert json.load(open(os.path.join(out, "config.json")))["topk_tail"] is False
     with pytest.raises(SystemExit, match="--prompt-len must be between 1 and seq_len - 1"):
         main(["demo", "--preset", "tiny", "--out", out, "--quiet", "--methods", "on_policy_jsd", "--prompt-len", "16"])

@@ -2,6 +2,7 @@
 the code: probabilities that underflow float32 on one side only, the autograd contract (double
 backward, retain_graph, empty batches), NaN in counted and ignored rows, final-logit softcapping,
 mixed teacher/student dtypes, and the inputs that must be refused."""
+
 from __future__ import annotations
 
 import math
@@ -58,7 +59,9 @@ def test_uniform_against_peaked_is_log8(path, divergence):
     assert abs(float(loss) - math.log(8)) < 1e-6
     (g,) = torch.autograd.grad(loss, xs)
     x64 = xs.detach().double().requires_grad_()
-    (g64,) = torch.autograd.grad(reference_loss(x64, xt.double(), eye.double(), eye.double(), divergence=divergence), x64)
+    (g64,) = torch.autograd.grad(
+        reference_loss(x64, xt.double(), eye.double(), eye.double(), divergence=divergence), x64
+    )
     assert _rel(g, g64) < 1e-5
 
 
@@ -78,29 +81,43 @@ def _underflow_case(seed, gap, side, block, temperature, n=5, d=12, vocab=257):
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), gap=st.sampled_from([100.0, 130.0, 300.0, 1000.0, math.inf]),
-       side=st.sampled_from(["teacher", "student"]), block=st.sampled_from([1, 7, 120]),
-       temperature=st.sampled_from([0.25, 1.0, 3.0]), divergence=st.sampled_from(DIVERGENCES),
-       path=st.sampled_from(PATHS))
+@given(
+    seed=st.integers(0, 10_000),
+    gap=st.sampled_from([100.0, 130.0, 300.0, 1000.0, math.inf]),
+    side=st.sampled_from(["teacher", "student"]),
+    block=st.sampled_from([1, 7, 120]),
+    temperature=st.sampled_from([0.25, 1.0, 3.0]),
+    divergence=st.sampled_from(DIVERGENCES),
+    path=st.sampled_from(PATHS),
+)
 def test_one_side_underflows(seed, gap, side, block, temperature, divergence, path):
     """Every divergence, every path, masks and gaps of 100-1000 nats on either side, cold and hot
     temperatures: value and gradient agree with float64 (where the divergence is finite)."""
     xs, xt, ws, wt, bs, bt = _underflow_case(seed, gap, side, block, temperature)
+
     # the materializing reference differentiates -inf logits into NaN (0 * inf): it gets -1e6 there, which
     # underflows the same way and has the same (zero) gradient
     def finite(b):
         return None if b is None else torch.where(torch.isinf(b), -1e6, b).double()
 
     kw = dict(divergence=divergence, param=_param(divergence), temperature=temperature, reduction="none")
-    exact = reference_loss(xs.double(), xt.double(), ws.double(), wt.double(), bs=None if bs is None else bs.double(),
-                           bt=None if bt is None else bt.double(), **kw)
+    exact = reference_loss(
+        xs.double(),
+        xt.double(),
+        ws.double(),
+        wt.double(),
+        bs=None if bs is None else bs.double(),
+        bt=None if bt is None else bt.double(),
+        **kw,
+    )
     if not bool(torch.isfinite(exact).all()):  # e.g. reverse KL against a masked teacher entry the student covers
         return
     x64 = xs.double().requires_grad_()
     ref = reference_loss(x64, xt.double(), ws.double(), wt.double(), bs=finite(bs), bt=finite(bt), **kw)
     x = xs.clone().requires_grad_()
-    got = LOSS_FNS[divergence](x, xt, ws, wt, bs=bs, bt=bt, temperature=temperature, reduction="none",
-                               **_opts(path, divergence))
+    got = LOSS_FNS[divergence](
+        x, xt, ws, wt, bs=bs, bt=bt, temperature=temperature, reduction="none", **_opts(path, divergence)
+    )
     assert (got.double() - ref).abs().max() <= 2e-5 * ref.abs().max() + 1e-6, (got, ref)
     w = torch.linspace(0.5, 1.5, got.numel())
     (g,) = torch.autograd.grad((got * w).sum(), x)
@@ -121,9 +138,16 @@ def test_close_distributions_with_a_little_mass_underflowing(path, divergence):
     bias[17] = -300.0
     bs, bt = (bias, None) if divergence == "reverse_kl" else (None, bias)
     got = LOSS_FNS[divergence](xs, xs, ws, wt, bs=bs, bt=bt, reduction="none", **_opts(path, divergence))
-    ref = reference_loss(xs.double(), xs.double(), ws.double(), wt.double(), divergence=divergence,
-                         bs=None if bs is None else bs.double(), bt=None if bt is None else bt.double(),
-                         reduction="none")
+    ref = reference_loss(
+        xs.double(),
+        xs.double(),
+        ws.double(),
+        wt.double(),
+        divergence=divergence,
+        bs=None if bs is None else bs.double(),
+        bt=None if bt is None else bt.double(),
+        reduction="none",
+    )
     assert float(((got.double() - ref).abs() / ref).max()) < 2e-3
 
 
@@ -149,8 +173,12 @@ def test_float32_teacher_with_bf16_student_is_not_rounded(path):
 
 def _small(seed=0, n=5, d=8, vocab=37):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, d, generator=g).requires_grad_(), torch.randn(n, d, generator=g),
-            torch.randn(vocab, d, generator=g).requires_grad_(), torch.randn(vocab, d, generator=g))
+    return (
+        torch.randn(n, d, generator=g).requires_grad_(),
+        torch.randn(n, d, generator=g),
+        torch.randn(vocab, d, generator=g).requires_grad_(),
+        torch.randn(vocab, d, generator=g),
+    )
 
 
 @pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
@@ -169,8 +197,14 @@ def test_double_backward_is_refused_by_topk_and_attention():
         with pytest.raises(RuntimeError, match="do not support double backward"):
             torch.autograd.grad(loss, xs, create_graph=True)
         q = torch.randn(1, 2, 9, 8, requires_grad=True)
-        loss = nb.attention_kl(q, torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8),
-                               is_causal=True, backend=backend)
+        loss = nb.attention_kl(
+            q,
+            torch.randn(1, 2, 9, 8),
+            torch.randn(1, 2, 9, 8),
+            torch.randn(1, 2, 9, 8),
+            is_causal=True,
+            backend=backend,
+        )
         with pytest.raises(RuntimeError, match="do not support double backward"):
             torch.autograd.grad(loss, q, create_graph=True)
 
@@ -259,8 +293,9 @@ def test_attention_nan_query_gives_nan(backend):
     q = torch.randn(1, 2, 9, 8)
     q[0, 1, 4, 2] = float("nan")
     q.requires_grad_()
-    loss = nb.attention_kl(q, torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8),
-                           is_causal=True, backend=backend)
+    loss = nb.attention_kl(
+        q, torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8), is_causal=True, backend=backend
+    )
     assert torch.isnan(loss)
 
 
@@ -283,8 +318,9 @@ def test_softcap_matches_float64(path, divergence):
     assert abs(float(got) - float(ref)) < 1e-5 * abs(float(ref))
     for a, b in zip(torch.autograd.grad(got, (xs, ws)), torch.autograd.grad(ref, (xs, ws))):
         assert _rel(a, b) < 1e-4
-    uncapped = LOSS_FNS[divergence](xs, xt, ws, wt, labels=labels, ce_weight=0.4, temperature=1.5,
-                                    **_opts(path, divergence))
+    uncapped = LOSS_FNS[divergence](
+        xs, xt, ws, wt, labels=labels, ce_weight=0.4, temperature=1.5, **_opts(path, divergence)
+    )
     assert abs(float(uncapped) - float(got)) > 1e-3  # the cap changes the loss: the option is applied
 
 
@@ -348,10 +384,12 @@ def test_tiny_divergences_at_hot_temperature_documented_limit(backend):
     ref = reference_loss(xs, xt, ws, wt, divergence="jsd", param=0.5, temperature=1e3, reduction="none")
     assert float((got.double() - ref).abs().max()) < 1e-7 and float(((got.double() - ref) / ref).abs().max()) < 5e-3
     from nitrobrew.attention.reference import reference_attention_kl
+
     q, k, qt, kt = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(4))
     a = nb.attention_kl(q, k, qt, kt, is_causal=True, temperature=1e3, backend=backend, reduction="none")
-    r = reference_attention_kl(q.double(), k.double(), qt.double(), kt.double(), is_causal=True, temperature=1e3,
-                               reduction="none")
+    r = reference_attention_kl(
+        q.double(), k.double(), qt.double(), kt.double(), is_causal=True, temperature=1e3, reduction="none"
+    )
     assert float((a.double() - r).abs().max()) < 1e-6
 
 
@@ -359,7 +397,8 @@ def test_tiny_divergences_at_hot_temperature_documented_limit(backend):
 @pytest.mark.parametrize("shape", [(0, 2, 8, 4), (1, 2, 0, 4)])
 def test_attention_empty_batch(backend, shape):
     q = torch.zeros(shape, requires_grad=True)
-    loss = nb.attention_kl(q, torch.zeros(shape), torch.zeros(shape), torch.zeros(shape), is_causal=True,
-                           backend=backend)
+    loss = nb.attention_kl(
+        q, torch.zeros(shape), torch.zeros(shape), torch.zeros(shape), is_causal=True, backend=backend
+    )
     loss.backward()
     assert float(loss) == 0.0 and q.grad.shape == q.shape

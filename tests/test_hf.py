@@ -2,6 +2,7 @@
 
 Every value is checked against the models' own ``model(...).logits`` (materialized) in float64.
 """
+
 import math
 
 import pytest
@@ -26,17 +27,31 @@ V = 97
 
 def llama(hidden=32, vocab=V, tie=False, seed=0):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=tie)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
     return _spread(LlamaForCausalLM(cfg))
 
 
 def qwen2(hidden=48, vocab=V, seed=1):
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     return _spread(Qwen2ForCausalLM(cfg))
 
 
@@ -52,16 +67,17 @@ def batch(seed=0, B=3, N=11):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, V, (B, N), generator=g)
     mask = torch.ones_like(ids)
-    mask[1, 7:] = 0   # right padding
-    mask[2, :3] = 0   # left padding
+    mask[1, 7:] = 0  # right padding
+    mask[2, :3] = 0  # left padding
     labels = ids.clone()
     labels[mask == 0] = IGNORE_INDEX
     labels[0, 4] = IGNORE_INDEX  # an ignored target inside a sequence
     return ids, mask, labels
 
 
-def reference(student, teacher, ids, mask, labels, divergence, T=1.0, kd_weight=1.0, ce_weight=0.0, beta=0.5,
-              vocab=None):
+def reference(
+    student, teacher, ids, mask, labels, divergence, T=1.0, kd_weight=1.0, ce_weight=0.0, beta=0.5, vocab=None
+):
     """float64, from materialized model(...).logits, with the shift written out explicitly."""
     ls = student(input_ids=ids, attention_mask=mask).logits.double()
     with torch.no_grad():
@@ -110,25 +126,45 @@ def test_tied_head_is_the_embedding():
 
 def test_logit_scale_is_folded_in():
     torch.manual_seed(0)
-    cfg = GraniteConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, logits_scaling=4.0,
-                        bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    cfg = GraniteConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        logits_scaling=4.0,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
     model = GraniteForCausalLM(cfg).eval()
     ids, mask, _ = batch()
     assert lm_head(model).scale == 0.25
     check_head(model, ids, mask)
     with torch.no_grad():
         h = final_hidden_states(model, ids, mask)
-        torch.testing.assert_close(0.25 * (h @ lm_head(model).weight.T), model(input_ids=ids, attention_mask=mask).logits)
+        torch.testing.assert_close(
+            0.25 * (h @ lm_head(model).weight.T), model(input_ids=ids, attention_mask=mask).logits
+        )
 
 
 def gemma2(hidden=32, vocab=V, seed=5, cap=3.0):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Gemma2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=cap,
-                       attn_logit_softcapping=50.0, attn_implementation="eager")
+    cfg = Gemma2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=cap,
+        attn_logit_softcapping=50.0,
+        attn_implementation="eager",
+    )
     return _spread(Gemma2ForCausalLM(cfg))
 
 
@@ -195,8 +231,9 @@ def test_ce_matches_transformers_own_shifted_loss():
 def test_distill_loss_values_and_gradients(divergence, temperature):
     student, teacher = llama(seed=3), qwen2(seed=4).eval()
     ids, mask, labels = batch(seed=5)
-    out = distill_loss(student, teacher, ids, mask, labels, divergence=divergence, temperature=temperature,
-                       ce_weight=0.3)
+    out = distill_loss(
+        student, teacher, ids, mask, labels, divergence=divergence, temperature=temperature, ce_weight=0.3
+    )
     out.loss.backward()
     grads = [p.grad.clone() for p in student.parameters()]
     student.zero_grad()
@@ -269,8 +306,9 @@ def test_peft_wrapped_student():
     peft = pytest.importorskip("peft")
     student, teacher = llama(seed=18), llama(hidden=48, seed=19).eval()
     ids, mask, labels = batch(seed=20)
-    wrapped = peft.get_peft_model(student, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                           modules_to_save=["lm_head"]))
+    wrapped = peft.get_peft_model(
+        student, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    )
     with torch.no_grad():  # make the adapters non-trivial
         for name, p in wrapped.named_parameters():
             if "lora_B" in name:

@@ -5,6 +5,7 @@ layouts: the head in the root's unit (the root forward gathers it and keeps it u
 backward: the loss reads a full head), and the decoder sharded apart from the head (the head
 is never gathered: rows are gathered and the loss is vocab-parallel over the rank's block).
 """
+
 import copy
 import json
 import multiprocessing
@@ -28,12 +29,29 @@ def models(teacher_tied=True):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    student = LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                           num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))
+    student = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=61,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+        )
+    )
     torch.manual_seed(1)
-    teacher = Qwen2ForCausalLM(Qwen2Config(vocab_size=61, hidden_size=24, intermediate_size=48, num_hidden_layers=2,
-                                           num_attention_heads=2, num_key_value_heads=1,
-                                           tie_word_embeddings=teacher_tied))
+    teacher = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=61,
+            hidden_size=24,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=teacher_tied,
+        )
+    )
     for m in (student, teacher):
         with torch.no_grad():
             m.get_output_embeddings().weight.mul_(8.0)
@@ -77,8 +95,9 @@ def plain_loop(rank, shard_teacher, apart=False, teacher_apart=False):
     rows = slice(2 * rank, 2 * rank + 2)
     count = count_targets(labels_from_inputs(ids[rows], mask[rows]), mask[rows])
     dist.all_reduce(count)  # the global number of counted positions
-    out = distill_loss(student, teacher, ids[rows], mask[rows], divergence="jsd", ce_weight=0.3,
-                       num_items_in_batch=count)
+    out = distill_loss(
+        student, teacher, ids[rows], mask[rows], divergence="jsd", ce_weight=0.3, num_items_in_batch=count
+    )
     (out.loss * WORLD).backward()  # FSDP averages the gradients over ranks
     from nitrobrew.hf.fsdp import head_is_sharded_apart
 
@@ -106,17 +125,22 @@ def trainer_loss(rank, tmp, apart=False):
     student, teacher = models()
     ref_s = copy.deepcopy(student)
     shard(student, init_device_mesh("cpu", (WORLD,)), apart)
-    args = DistillationArguments(output_dir=tmp, report_to="none", use_cpu=True, divergence="reverse_kl",
-                                 ce_weight=0.2)
-    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, data_collator=collate,
-                                  train_dataset=sequences([9, 4, 7, 6], seed=3))
+    args = DistillationArguments(output_dir=tmp, report_to="none", use_cpu=True, divergence="reverse_kl", ce_weight=0.2)
+    trainer = DistillationTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=args,
+        data_collator=collate,
+        train_dataset=sequences([9, 4, 7, 6], seed=3),
+    )
     b = collate(sequences([9, 4, 7, 6], seed=3))
-    mine = {k: v[2 * rank:2 * rank + 2] for k, v in b.items()}
+    mine = {k: v[2 * rank : 2 * rank + 2] for k, v in b.items()}
     _, count = trainer.get_batch_samples(iter([mine]), 1, None)  # gathered over the processes
     student.train()
     trainer.compute_loss(student, mine, num_items_in_batch=count).backward()
-    ref = distill_loss(ref_s, teacher, b["input_ids"], b["attention_mask"], b["labels"], divergence="reverse_kl",
-                       ce_weight=0.2)
+    ref = distill_loss(
+        ref_s, teacher, b["input_ids"], b["attention_mask"], b["labels"], divergence="reverse_kl", ce_weight=0.2
+    )
     ref.loss.backward()
     assert int(count) == int(ref.n_tokens)
     for (n, p), (_, q) in zip(student.named_parameters(), ref_s.named_parameters()):
@@ -125,18 +149,21 @@ def trainer_loss(rank, tmp, apart=False):
 
 def worker(rank, port, outdir):
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank)
+    )
     failures = []
     try:
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        for name, fn in (("teacher replicated", lambda: plain_loop(rank, False)),
-                         ("teacher sharded", lambda: plain_loop(rank, True)),
-                         ("head sharded (vocab-parallel), teacher replicated", lambda: plain_loop(rank, False, True)),
-                         ("head sharded (vocab-parallel), teacher too", lambda: plain_loop(rank, True, True, True)),
-                         ("student's head gathered, teacher's sharded", lambda: plain_loop(rank, True, False, True)),
-                         ("trainer's loss", lambda: trainer_loss(rank, os.path.join(outdir, "run"))),
-                         ("trainer's loss, head sharded", lambda: trainer_loss(rank, os.path.join(outdir, "run2"), True))):
+        for name, fn in (
+            ("teacher replicated", lambda: plain_loop(rank, False)),
+            ("teacher sharded", lambda: plain_loop(rank, True)),
+            ("head sharded (vocab-parallel), teacher replicated", lambda: plain_loop(rank, False, True)),
+            ("head sharded (vocab-parallel), teacher too", lambda: plain_loop(rank, True, True, True)),
+            ("student's head gathered, teacher's sharded", lambda: plain_loop(rank, True, False, True)),
+            ("trainer's loss", lambda: trainer_loss(rank, os.path.join(outdir, "run"))),
+            ("trainer's loss, head sharded", lambda: trainer_loss(rank, os.path.join(outdir, "run2"), True)),
+        ):
             try:
                 fn()
             except Exception:

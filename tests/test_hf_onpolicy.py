@@ -1,4 +1,5 @@
 """On-policy / sequence-level distillation: on_policy_batch and the trainer's lmbda / seq_kd (tiny models)."""
+
 import copy
 
 import pytest
@@ -17,9 +18,19 @@ EOS, PAD = 3, 0
 
 def student(seed=0):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False,
-                      eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        bos_token_id=None,
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
@@ -30,8 +41,8 @@ def prompts(seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, V, (4, 6), generator=g)
     mask = torch.ones_like(ids)
-    mask[1, 4:] = 0   # right padding
-    mask[2, :3] = 0   # left padding
+    mask[1, 4:] = 0  # right padding
+    mask[2, :3] = 0  # left padding
     return ids, mask
 
 
@@ -51,11 +62,12 @@ def test_fixed_completions_count_generated_tokens_only():
         p = ids[r][mask[r] == 1].tolist()
         n = int(b.n_generated[r])
         row = p + completion[r, :n].tolist()
-        assert b.input_ids[r, :len(row)].tolist() == row  # right-aligned: positions as in generation
+        assert b.input_ids[r, : len(row)].tolist() == row  # right-aligned: positions as in generation
         assert b.attention_mask[r].tolist() == [1] * len(row) + [0] * (b.input_ids.shape[1] - len(row))
-        assert b.labels[r].tolist() == [IGNORE_INDEX] * len(p) + completion[r, :n].tolist() + \
-            [IGNORE_INDEX] * (b.input_ids.shape[1] - len(row))
-        assert bool((b.input_ids[r, len(row):] == PAD).all())
+        assert b.labels[r].tolist() == [IGNORE_INDEX] * len(p) + completion[r, :n].tolist() + [IGNORE_INDEX] * (
+            b.input_ids.shape[1] - len(row)
+        )
+        assert bool((b.input_ids[r, len(row) :] == PAD).all())
     out = distill_loss(student(), teacher_model(), b.input_ids, b.attention_mask, b.labels)
     assert int(out.n_tokens) == int(b.n_generated.sum())
 
@@ -64,8 +76,7 @@ def test_generation_is_seeded_and_masks_after_eos():
     model = student()
     model.train()
     ids, mask = prompts(1)
-    greedy = [on_policy_batch(model, ids, mask, max_new_tokens=6, temperature=0.0, eos_token_id=None)
-              for _ in range(2)]
+    greedy = [on_policy_batch(model, ids, mask, max_new_tokens=6, temperature=0.0, eos_token_id=None) for _ in range(2)]
     assert torch.equal(greedy[0].input_ids, greedy[1].input_ids) and greedy[0].n_generated.tolist() == [6] * 4
     # An EOS the model often emits: its most frequent greedy token.
     eos = int(greedy[0].labels[greedy[0].labels != IGNORE_INDEX].mode().values)
@@ -115,6 +126,7 @@ def test_errors():
 
 # ------------------------------------------------------------------------------------------- trainer
 
+
 def prompt_data(seed=0):
     """Items whose labels are -100 on the prompt (as a chat / instruction collator makes them)."""
     g = torch.Generator().manual_seed(seed)
@@ -139,9 +151,14 @@ def collate(items):
 def train_once(tmp_path, model, teacher, **kw):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     generate_fn = kw.pop("generate_fn", None)
-    trainer = DistillationTrainer(model=model, teacher_model=teacher, generate_fn=generate_fn,
-                                  args=args(tmp_path, per_device_train_batch_size=2, **kw),
-                                  train_dataset=prompt_data(), data_collator=collate)
+    trainer = DistillationTrainer(
+        model=model,
+        teacher_model=teacher,
+        generate_fn=generate_fn,
+        args=args(tmp_path, per_device_train_batch_size=2, **kw),
+        train_dataset=prompt_data(),
+        data_collator=collate,
+    )
     trainer.train()
     return {n: before[n] - p.detach() for n, p in model.named_parameters()}, trainer
 
@@ -165,12 +182,16 @@ def test_lmbda_one_trains_on_the_completions(tmp_path):
         g = torch.Generator().manual_seed(options["seed"])
         completion = torch.randint(4, V, (p.shape[0], options["max_new_tokens"]), generator=g)
         completion[0, 2] = EOS
-        made.append(on_policy_batch(student(), p, m, max_new_tokens=options["max_new_tokens"],
-                                    generate_fn=lambda *a, **k: completion))
+        made.append(
+            on_policy_batch(
+                student(), p, m, max_new_tokens=options["max_new_tokens"], generate_fn=lambda *a, **k: completion
+            )
+        )
         return completion
 
-    got, trainer = train_once(tmp_path, student(seed=7), teacher, lmbda=1.0, max_new_tokens=5, divergence="reverse_kl",
-                              generate_fn=generator)
+    got, trainer = train_once(
+        tmp_path, student(seed=7), teacher, lmbda=1.0, max_new_tokens=5, divergence="reverse_kl", generate_fn=generator
+    )
     b = made[0]
     assert b.n_generated.tolist() == [3, 5]
     s64, t64 = copy.deepcopy(student(seed=7)).double(), copy.deepcopy(teacher).double()
@@ -197,8 +218,12 @@ def test_seq_kd_generates_with_the_teacher(tmp_path):
 
 def test_prompts_are_needed(tmp_path):
     data = [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 10, 11]}]
-    trainer = DistillationTrainer(model=student(), teacher_model=teacher_model(), data_collator=lambda items: {
-        "input_ids": torch.tensor([it["input_ids"][:3] for it in items])},
-        args=args(tmp_path, per_device_train_batch_size=2, lmbda=1.0, max_new_tokens=2), train_dataset=data)
+    trainer = DistillationTrainer(
+        model=student(),
+        teacher_model=teacher_model(),
+        data_collator=lambda items: {"input_ids": torch.tensor([it["input_ids"][:3] for it in items])},
+        args=args(tmp_path, per_device_train_batch_size=2, lmbda=1.0, max_new_tokens=2),
+        train_dataset=data,
+    )
     with pytest.raises(ValueError, match="need prompts"):
         trainer.train()

@@ -1,4 +1,5 @@
 """Packed (padding-free) batches: packed == unpacked, through distill_loss and the trainer."""
+
 import pytest
 import torch
 
@@ -15,9 +16,17 @@ LENGTHS = (7, 5, 4)
 
 def model(hidden, impl, seed):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                      tie_word_embeddings=hidden == 24, attn_implementation=impl)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=hidden == 24,
+        attn_implementation=impl,
+    )
     m = LlamaForCausalLM(cfg)
     with torch.no_grad():
         m.get_output_embeddings().weight.mul_(8.0)
@@ -36,7 +45,7 @@ def packed_and_padded(seed=0):
     padded = torch.zeros(len(d), max(LENGTHS), dtype=torch.long)
     mask = torch.zeros_like(padded)
     for b, x in enumerate(d):
-        padded[b, :len(x)], mask[b, :len(x)] = x, 1
+        padded[b, : len(x)], mask[b, : len(x)] = x, 1
     return packed, position_ids, padded, mask
 
 
@@ -81,7 +90,9 @@ def test_packed_topk_equals_unpacked():
 
     def store(ids, attention_mask=None, position_ids=None):  # the teacher's top-k per position
         with torch.no_grad():  # (position_ids alone do not keep the documents apart under sdpa)
-            lp = teacher(input_ids=ids, **model_inputs(teacher, ids, attention_mask, position_ids)).logits.log_softmax(-1)
+            lp = teacher(input_ids=ids, **model_inputs(teacher, ids, attention_mask, position_ids)).logits.log_softmax(
+                -1
+            )
         top = lp.topk(K, dim=-1)
         return top.indices, top.values
 
@@ -121,8 +132,13 @@ def test_trainer_packed_equals_padded(tmp_path):
     for name, collator in (("packed", DataCollatorWithFlattening()), ("padded", collate)):
         student, teacher = model(16, "sdpa", seed=0), model(24, "sdpa", seed=1)
         before = {n: p.detach().clone() for n, p in student.named_parameters()}
-        DistillationTrainer(model=student, teacher_model=teacher, args=args(tmp_path / name, per_device_train_batch_size=3,
-                            ce_weight=0.3), train_dataset=data, data_collator=collator).train()
+        DistillationTrainer(
+            model=student,
+            teacher_model=teacher,
+            args=args(tmp_path / name, per_device_train_batch_size=3, ce_weight=0.3),
+            train_dataset=data,
+            data_collator=collator,
+        ).train()
         got[name] = {n: before[n] - p.detach() for n, p in student.named_parameters()}
     batch = DataCollatorWithFlattening()(data)
     assert "position_ids" in batch and "attention_mask" not in batch and (batch["labels"] == IGNORE_INDEX).sum() == 3
@@ -149,8 +165,12 @@ def test_trainer_topk_packed_equals_padded(tmp_path):
     for name, collator in (("packed", packed), ("padded", TopKCollator())):
         student = model(16, "sdpa", seed=0)
         before = {n: p.detach().clone() for n, p in student.named_parameters()}
-        DistillationTrainer(model=student, args=args(tmp_path / name, per_device_train_batch_size=3, divergence="topk"),
-                            train_dataset=dataset, data_collator=collator).train()
+        DistillationTrainer(
+            model=student,
+            args=args(tmp_path / name, per_device_train_batch_size=3, divergence="topk"),
+            train_dataset=dataset,
+            data_collator=collator,
+        ).train()
         got[name] = {n: before[n] - p.detach() for n, p in student.named_parameters()}
     for n in got["padded"]:
         torch.testing.assert_close(got["packed"][n], got["padded"][n], rtol=1e-5, atol=1e-6, msg=n)

@@ -1,4 +1,5 @@
 """divergence="topk": distill_loss and DistillationTrainer on a stored top-k dataset (nitrobrew.topk)."""
+
 import copy
 
 import pytest
@@ -45,32 +46,63 @@ def test_distill_loss_from_a_store_batch(tmp_path):
     dataset, _ = make_store(tmp_path / "store", [9, 6, 12])
     batch = TopKCollator()([dataset[i] for i in range(3)])
     student = student_model(seed=2)
-    out = distill_loss(student, None, batch["input_ids"], batch["attention_mask"], targets=batch["labels"],
-                       divergence="topk", topk_ids=batch["topk_ids"], topk_logprobs=batch["topk_logprobs"],
-                       teacher_temperature=dataset.temperature)
+    out = distill_loss(
+        student,
+        None,
+        batch["input_ids"],
+        batch["attention_mask"],
+        targets=batch["labels"],
+        divergence="topk",
+        topk_ids=batch["topk_ids"],
+        topk_logprobs=batch["topk_logprobs"],
+        teacher_temperature=dataset.temperature,
+    )
     out.loss.backward()
     assert int(out.n_tokens) == 8 + 5 + 11
     want = reference(student_model(seed=2), dataset)
     for n, p in student.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=2e-4, atol=2e-6)
     with pytest.raises(ValueError, match="temperature"):
-        distill_loss(student, None, batch["input_ids"], batch["attention_mask"], targets=batch["labels"],
-                     divergence="topk", topk_ids=batch["topk_ids"], topk_logprobs=batch["topk_logprobs"],
-                     temperature=2.0, teacher_temperature=dataset.temperature)
+        distill_loss(
+            student,
+            None,
+            batch["input_ids"],
+            batch["attention_mask"],
+            targets=batch["labels"],
+            divergence="topk",
+            topk_ids=batch["topk_ids"],
+            topk_logprobs=batch["topk_logprobs"],
+            temperature=2.0,
+            teacher_temperature=dataset.temperature,
+        )
     with pytest.raises(ValueError, match="not both"):
-        distill_loss(student, None, batch["input_ids"], labels=batch["labels"], targets=batch["labels"],
-                     divergence="topk", topk_ids=batch["topk_ids"], topk_logprobs=batch["topk_logprobs"])
+        distill_loss(
+            student,
+            None,
+            batch["input_ids"],
+            labels=batch["labels"],
+            targets=batch["labels"],
+            divergence="topk",
+            topk_ids=batch["topk_ids"],
+            topk_logprobs=batch["topk_logprobs"],
+        )
 
 
 def test_trainer_topk_accumulation_equals_one_big_batch(tmp_path):
     dataset, _ = make_store(tmp_path / "store", [14, 4])  # 13 and 3 stored rows
     got = {}
-    for name, kw in (("ga", dict(per_device_train_batch_size=1, gradient_accumulation_steps=2)),
-                     ("big", dict(per_device_train_batch_size=2))):
+    for name, kw in (
+        ("ga", dict(per_device_train_batch_size=1, gradient_accumulation_steps=2)),
+        ("big", dict(per_device_train_batch_size=2)),
+    ):
         student = student_model(seed=3)
         before = {n: p.detach().clone() for n, p in student.named_parameters()}
-        trainer = DistillationTrainer(model=student, args=args(tmp_path / name, divergence="topk", **kw),
-                                      train_dataset=dataset, data_collator=TopKCollator())
+        trainer = DistillationTrainer(
+            model=student,
+            args=args(tmp_path / name, divergence="topk", **kw),
+            train_dataset=dataset,
+            data_collator=TopKCollator(),
+        )
         trainer.train()
         got[name] = {n: before[n] - p.detach() for n, p in student.named_parameters()}
     want = reference(student_model(seed=3), dataset, tail=True)  # the trainer's default keeps the tail
@@ -82,10 +114,18 @@ def test_trainer_topk_accumulation_equals_one_big_batch(tmp_path):
 def test_trainer_refuses_a_store_at_another_temperature(tmp_path):
     dataset, _ = make_store(tmp_path / "store", [6, 6], temperature=2.0)
     with pytest.raises(ValueError, match="extracted at temperature 2.0"):
-        DistillationTrainer(model=student_model(), args=args(tmp_path, divergence="topk"),
-                            train_dataset=dataset, data_collator=TopKCollator())
-    trainer = DistillationTrainer(model=student_model(), args=args(tmp_path, divergence="topk", temperature=2.0),
-                                  train_dataset=dataset, data_collator=TopKCollator())
+        DistillationTrainer(
+            model=student_model(),
+            args=args(tmp_path, divergence="topk"),
+            train_dataset=dataset,
+            data_collator=TopKCollator(),
+        )
+    trainer = DistillationTrainer(
+        model=student_model(),
+        args=args(tmp_path, divergence="topk", temperature=2.0),
+        train_dataset=dataset,
+        data_collator=TopKCollator(),
+    )
     trainer.train()
     assert isinstance(trainer.args, DistillationArguments)
 
@@ -93,5 +133,9 @@ def test_trainer_refuses_a_store_at_another_temperature(tmp_path):
 def test_trainer_warns_without_tail_and_ce(tmp_path):
     dataset, _ = make_store(tmp_path / "store", [6, 6])
     with pytest.warns(UserWarning, match="no mass outside the stored ids"):
-        DistillationTrainer(model=student_model(), args=args(tmp_path, divergence="topk", topk_tail=False),
-                            train_dataset=dataset, data_collator=TopKCollator())
+        DistillationTrainer(
+            model=student_model(),
+            args=args(tmp_path, divergence="topk", topk_tail=False),
+            train_dataset=dataset,
+            data_collator=TopKCollator(),
+        )

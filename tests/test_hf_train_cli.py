@@ -1,4 +1,5 @@
 """`nitrobrew train config.yaml`: a 2-step run on tiny models saved to disk (no downloads)."""
+
 import json
 
 import pytest
@@ -52,13 +53,17 @@ def files(tmp_path_factory):
 
 
 def write_config(root, name, packing=False, **extra):
-    text = CONFIG.format(student=root / "student", teacher=root / "teacher", data=root / "data.jsonl",
-                         packing=str(packing).lower(), out=root / name)
+    text = CONFIG.format(
+        student=root / "student",
+        teacher=root / "teacher",
+        data=root / "data.jsonl",
+        packing=str(packing).lower(),
+        out=root / name,
+    )
     text += "".join(f"{k}: {v}\n" for k, v in extra.items())
     path = root / f"{name}.yaml"
     path.write_text(text)
     return path
-
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -71,7 +76,7 @@ def test_two_steps_from_a_yaml_file(files, packing, capsys):
     history = [h for h in json.load(open(files / name / "trainer_state.json"))["log_history"] if "loss" in h]
     assert [h["step"] for h in history] == [1, 2]
     assert [h["temperature"] for h in history] == [2.0, 1.5]  # linear from 2 to 1 over 2 steps
-    assert [h["kd_weight"] for h in history] == [1.0, 0.75]   # cosine from 1 to 0.5: halfway at step 1
+    assert [h["kd_weight"] for h in history] == [1.0, 0.75]  # cosine from 1 to 0.5: halfway at step 1
     assert all(h["kd_loss"] > 0 and h["ce_loss"] > 0 and h["ce_weight"] == 0.1 for h in history)
     assert all(("gen_len" in h) != packing for h in history)
 
@@ -83,8 +88,15 @@ def test_overrides_and_types(files):
     assert data_args.packing is True and args.divergence == "reverse_kl" and args.beta == 0.3
     assert args.learning_rate == 1e-3 and args.max_steps == 2 and args.temperature_end == 1.0
     assert args.report_to in ([], ["none"], "none")
-    assert yaml_argv({"a": True, "b": [1, 2], "c": {"x": 1}, "d": None}) == \
-        ["--a", "true", "--b", "1", "2", "--c", '{"x": 1}']
+    assert yaml_argv({"a": True, "b": [1, 2], "c": {"x": 1}, "d": None}) == [
+        "--a",
+        "true",
+        "--b",
+        "1",
+        "2",
+        "--c",
+        '{"x": 1}',
+    ]
 
 
 def test_errors_are_one_line(files, tmp_path, capsys):
@@ -124,8 +136,10 @@ def test_missing_packages_name_the_extra(files, monkeypatch, capsys):
         main(["demo", "toy"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["nitrobrew train: needs transformers: pip install 'nitrobrew[hf]'",
-                   "nitrobrew demo: error: needs safetensors: pip install 'nitrobrew[store]'"], err
+    assert err == [
+        "nitrobrew train: needs transformers: pip install 'nitrobrew[hf]'",
+        "nitrobrew demo: error: needs safetensors: pip install 'nitrobrew[store]'",
+    ], err
 
 
 def test_text_data_with_prompts(tmp_path):
@@ -141,8 +155,10 @@ def test_text_data_with_prompts(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w2", pad_token="w0").save_pretrained(tmp_path / "tok")
     with open(tmp_path / "chat.jsonl", "w") as f:
         f.write(json.dumps({"prompt": "w5 w6", "text": "w7 w8 w9", "other": 1}) + "\n")
-    ds = load_data(DataArguments(data=str(tmp_path / "chat.jsonl"), text_field="text", prompt_field="prompt",
-                                 max_length=5), str(tmp_path / "tok"))
+    ds = load_data(
+        DataArguments(data=str(tmp_path / "chat.jsonl"), text_field="text", prompt_field="prompt", max_length=5),
+        str(tmp_path / "tok"),
+    )
     assert ds.column_names == ["input_ids", "labels"]
     assert ds[0] == {"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]}
     with pytest.raises(ValueError, match="no column 'body'"):

@@ -3,6 +3,7 @@
 Gradients are read off one SGD step (lr 1, no momentum, no clipping, constant schedule): the
 parameter change is minus the accumulated gradient, which is compared with a float64 reference.
 """
+
 import copy
 import math
 
@@ -21,8 +22,16 @@ V = 61
 
 def student_model(seed=0):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # logits spread over several units
@@ -31,9 +40,16 @@ def student_model(seed=0):
 
 def teacher_model(seed=1, vocab=V):
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=24, intermediate_size=48, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                      tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=24,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
     model = Qwen2ForCausalLM(cfg)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
@@ -58,10 +74,24 @@ def collate(items):
 
 
 def args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=1, gradient_accumulation_steps=1,
-                max_steps=1, learning_rate=1.0, lr_scheduler_type="constant", optim="sgd", weight_decay=0.0,
-                max_grad_norm=0.0, save_strategy="no", report_to=[], logging_steps=1, use_cpu=True,
-                dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=1,
+        max_steps=1,
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        optim="sgd",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        save_strategy="no",
+        report_to=[],
+        logging_steps=1,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
     base.update(kw)
     return DistillationArguments(**base)
 
@@ -69,8 +99,9 @@ def args(tmp_path, **kw):
 def sgd_step_gradient(tmp_path, data, student, teacher, **kw):
     """-(change of each student parameter) after one optimizer step with lr 1: the gradient used."""
     before = {n: p.detach().clone() for n, p in student.named_parameters()}
-    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args(tmp_path, **kw),
-                                  train_dataset=data, data_collator=collate)
+    trainer = DistillationTrainer(
+        model=student, teacher_model=teacher, args=args(tmp_path, **kw), train_dataset=data, data_collator=collate
+    )
     trainer.train()
     return {n: before[n] - p.detach() for n, p in student.named_parameters()}, trainer
 
@@ -102,8 +133,9 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     """2 micro-batches of 17 and 4 counted tokens, GA=2, == one batch holding both (and == float64)."""
     data = sequences([18, 5], seed=1)
     teacher = teacher_model()
-    accumulated, _ = sgd_step_gradient(tmp_path / "ga", data, student_model(), teacher,
-                                       per_device_train_batch_size=1, gradient_accumulation_steps=2)
+    accumulated, _ = sgd_step_gradient(
+        tmp_path / "ga", data, student_model(), teacher, per_device_train_batch_size=1, gradient_accumulation_steps=2
+    )
     big, _ = sgd_step_gradient(tmp_path / "big", data, student_model(), teacher, per_device_train_batch_size=2)
     assert_grads_close(accumulated, big)
     assert_grads_close(accumulated, reference_gradient(student_model(), teacher, data))
@@ -122,11 +154,20 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
 def test_each_loss_term_contributes_its_gradient(tmp_path, kd_weight, ce_weight):
     data = sequences([9, 9], seed=2)
     teacher = teacher_model(seed=3)
-    got, trainer = sgd_step_gradient(tmp_path, data, student_model(seed=4), teacher, per_device_train_batch_size=2,
-                                     kd_weight=kd_weight, ce_weight=ce_weight, temperature=2.0,
-                                     divergence="reverse_kl")
-    want = reference_gradient(student_model(seed=4), teacher, data, kd_weight, ce_weight, T=2.0,
-                              divergence="reverse_kl")
+    got, trainer = sgd_step_gradient(
+        tmp_path,
+        data,
+        student_model(seed=4),
+        teacher,
+        per_device_train_batch_size=2,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        temperature=2.0,
+        divergence="reverse_kl",
+    )
+    want = reference_gradient(
+        student_model(seed=4), teacher, data, kd_weight, ce_weight, T=2.0, divergence="reverse_kl"
+    )
     assert_grads_close(got, want)
     logged = [h for h in trainer.state.log_history if "kd_loss" in h][0]
     assert (logged["kd_loss"] > 0) == (kd_weight > 0) and (logged["ce_loss"] > 0) == (ce_weight > 0)
@@ -137,10 +178,21 @@ def test_teacher_frozen_and_evaluate(tmp_path):
     teacher = teacher_model(seed=6)
     teacher.train()
     snapshot = {n: p.detach().clone() for n, p in teacher.named_parameters()}
-    trainer = DistillationTrainer(model=student_model(seed=7), teacher_model=teacher,
-                                  args=args(tmp_path, max_steps=2, learning_rate=1e-2, optim="adamw_torch",
-                                            teacher_bf16=True, per_device_eval_batch_size=2),
-                                  train_dataset=data, eval_dataset=data, data_collator=collate)
+    trainer = DistillationTrainer(
+        model=student_model(seed=7),
+        teacher_model=teacher,
+        args=args(
+            tmp_path,
+            max_steps=2,
+            learning_rate=1e-2,
+            optim="adamw_torch",
+            teacher_bf16=True,
+            per_device_eval_batch_size=2,
+        ),
+        train_dataset=data,
+        eval_dataset=data,
+        data_collator=collate,
+    )
     assert trainer.teacher is teacher and not teacher.training
     assert all(not p.requires_grad and p.dtype == torch.bfloat16 for p in teacher.parameters())
     trainer.train()
@@ -154,8 +206,13 @@ def test_teacher_frozen_and_evaluate(tmp_path):
 def test_teacher_from_a_path(tmp_path):
     teacher = teacher_model(seed=8)
     teacher.save_pretrained(tmp_path / "teacher")
-    trainer = DistillationTrainer(model=student_model(), teacher_model=str(tmp_path / "teacher"),
-                                  args=args(tmp_path / "out"), train_dataset=sequences([6, 6]), data_collator=collate)
+    trainer = DistillationTrainer(
+        model=student_model(),
+        teacher_model=str(tmp_path / "teacher"),
+        args=args(tmp_path / "out"),
+        train_dataset=sequences([6, 6]),
+        data_collator=collate,
+    )
     torch.testing.assert_close(trainer.teacher.lm_head.weight, teacher.lm_head.weight)
     assert not trainer.teacher.training
 
@@ -165,8 +222,9 @@ def test_padded_teacher_head(tmp_path):
     teacher = teacher_model(seed=10, vocab=V + 3)
     with pytest.raises(ValueError, match="vocab_size"):
         sgd_step_gradient(tmp_path / "a", data, student_model(), teacher, per_device_train_batch_size=2)
-    got, _ = sgd_step_gradient(tmp_path / "b", data, student_model(), teacher, per_device_train_batch_size=2,
-                               vocab_size=V)
+    got, _ = sgd_step_gradient(
+        tmp_path / "b", data, student_model(), teacher, per_device_train_batch_size=2, vocab_size=V
+    )
     assert all(torch.isfinite(g).all() for g in got.values())
 
 
@@ -184,18 +242,21 @@ def test_check_heads_runs_on_the_first_batch(tmp_path):
         sgd_step_gradient(tmp_path, sequences([6, 6]), student, teacher_model())
 
 
-@pytest.mark.parametrize("bad,match", [
-    (dict(divergence="kl"), "divergence must be one of"),
-    (dict(temperature=0.0), "temperature"),
-    (dict(beta=1.5), "beta"),
-    (dict(alpha=-0.1), "alpha"),
-    (dict(kd_weight=-1.0), "kd_weight"),
-    (dict(ce_weight=float("nan")), "ce_weight"),
-    (dict(kd_weight=0.0), "nothing to train"),
-    (dict(vocab_size=0), "vocab_size"),
-    (dict(topk_normalize="all"), "topk_normalize"),
-    (dict(chunk_v=0), "chunk_v"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(divergence="kl"), "divergence must be one of"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(beta=1.5), "beta"),
+        (dict(alpha=-0.1), "alpha"),
+        (dict(kd_weight=-1.0), "kd_weight"),
+        (dict(ce_weight=float("nan")), "ce_weight"),
+        (dict(kd_weight=0.0), "nothing to train"),
+        (dict(vocab_size=0), "vocab_size"),
+        (dict(topk_normalize="all"), "topk_normalize"),
+        (dict(chunk_v=0), "chunk_v"),
+    ],
+)
 def test_argument_errors(tmp_path, bad, match):
     with pytest.raises(ValueError, match=match):
         args(tmp_path, **bad)
@@ -225,16 +286,19 @@ def test_schedules():
     assert scheduled(3.0, 1.0, "constant", 2, 4) == 3.0
 
 
-@pytest.mark.parametrize("bad,match", [
-    (dict(temperature_schedule="step"), "temperature_schedule must be one of"),
-    (dict(kd_weight_schedule="linear"), "needs kd_weight_end"),
-    (dict(temperature_end=0.0), "temperature_end"),
-    (dict(lmbda=1.5), "lmbda"),
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(divergence="topk", lmbda=0.5), "live teacher"),
-    (dict(divergence="topk", temperature_schedule="linear", temperature_end=2.0), "temperature schedule"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(temperature_schedule="step"), "temperature_schedule must be one of"),
+        (dict(kd_weight_schedule="linear"), "needs kd_weight_end"),
+        (dict(temperature_end=0.0), "temperature_end"),
+        (dict(lmbda=1.5), "lmbda"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(divergence="topk", lmbda=0.5), "live teacher"),
+        (dict(divergence="topk", temperature_schedule="linear", temperature_end=2.0), "temperature schedule"),
+    ],
+)
 def test_new_argument_errors(tmp_path, bad, match):
     with pytest.raises(ValueError, match=match):
         args(tmp_path, **bad)
@@ -248,9 +312,18 @@ def test_topk_defaults_keep_the_tail(tmp_path):
 def test_a_weight_schedule_moves_the_gradient(tmp_path):
     """ce_weight linear from 0 to 1 over 2 steps: step 0 uses 0, step 1 uses 0.5 (logged as used)."""
     data = sequences([9, 9], seed=2)
-    _, trainer = sgd_step_gradient(tmp_path, data, student_model(seed=4), teacher_model(seed=3),
-                                   per_device_train_batch_size=2, max_steps=2, learning_rate=1e-3,
-                                   ce_weight=0.0, ce_weight_schedule="linear", ce_weight_end=1.0)
+    _, trainer = sgd_step_gradient(
+        tmp_path,
+        data,
+        student_model(seed=4),
+        teacher_model(seed=3),
+        per_device_train_batch_size=2,
+        max_steps=2,
+        learning_rate=1e-3,
+        ce_weight=0.0,
+        ce_weight_schedule="linear",
+        ce_weight_end=1.0,
+    )
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["ce_weight"] for h in logged] == [0.0, 0.5] and [h["temperature"] for h in logged] == [1.0, 1.0]
     assert logged[0]["ce_loss"] == 0 and logged[1]["ce_loss"] > 0

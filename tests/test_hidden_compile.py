@@ -5,6 +5,7 @@ backward op); these tests compile a small training step with ``fullgraph=True`` 
 fails), check that the op is in the graph, and compare loss and gradients with eager execution,
 for the PyTorch backend and for the Triton kernels under the interpreter.
 """
+
 from __future__ import annotations
 
 import os
@@ -106,8 +107,11 @@ def test_compiled_labels_out_of_range_raise(impl):
     torch._dynamo.reset()
     lin, h, xt, ws, wt, _, labels = _inputs(impl)
     labels[1] = V + 3
-    step = torch.compile(lambda: nb.forward_kl(lin(h), xt, ws, wt, labels=labels, ce_weight=1.0, backend=impl),
-                         backend="aot_eager", fullgraph=True)
+    step = torch.compile(
+        lambda: nb.forward_kl(lin(h), xt, ws, wt, labels=labels, ce_weight=1.0, backend=impl),
+        backend="aot_eager",
+        fullgraph=True,
+    )
     with pytest.raises(ValueError, match="labels must lie in"):
         step()
 
@@ -119,10 +123,33 @@ def test_opcheck(impl, reduction):
     xs = h.clone().requires_grad_()
     mask = (labels != -100).float()
     ce_labels = torch.where(labels == -100, -1, labels)
-    args = (xs, xt, ws, wt, bs, None, ce_labels, mask, "jsd", 0.4, 1.5, 1.0, 0.5, 64, -1.0, -1.0, -1.0, impl, reduction, "",
-            -1, True)
-    torch.library.opcheck(custom_op.hidden_distill, args, test_utils=("test_schema", "test_faketensor",
-                                                                       "test_autograd_registration"))
+    args = (
+        xs,
+        xt,
+        ws,
+        wt,
+        bs,
+        None,
+        ce_labels,
+        mask,
+        "jsd",
+        0.4,
+        1.5,
+        1.0,
+        0.5,
+        64,
+        -1.0,
+        -1.0,
+        -1.0,
+        impl,
+        reduction,
+        "",
+        -1,
+        True,
+    )
+    torch.library.opcheck(
+        custom_op.hidden_distill, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration")
+    )
 
 
 @pytest.mark.parametrize("name", sorted(nb.hidden.api.LOSSES))

@@ -1,4 +1,5 @@
 """Every bad input to the hidden-state losses raises a clear error (each message is tested)."""
+
 from __future__ import annotations
 
 import math
@@ -31,20 +32,38 @@ def _det(t):
 
 BAD = [
     # (id, overrides, error type, message pattern)
-    ("lead-shapes", dict(xt=torch.randn(3, 2, 10)), ValueError, r"xs \(2, 3, 6\) and xt \(3, 2, 10\) must share their leading shape"),
+    (
+        "lead-shapes",
+        dict(xt=torch.randn(3, 2, 10)),
+        ValueError,
+        r"xs \(2, 3, 6\) and xt \(3, 2, 10\) must share their leading shape",
+    ),
     ("lead-rank", dict(xt=torch.randn(6, 10)), ValueError, "must share their leading shape"),
     ("0-d-xs", dict(xs=torch.tensor(1.0), labels=None), ValueError, "must share their leading shape"),
     ("student-hidden", dict(xs=torch.randn(2, 3, 7)), ValueError, r"student hidden size 7 does not match ws \(11, 6\)"),
-    ("teacher-hidden", dict(xt=torch.randn(2, 3, 6)), ValueError, r"teacher hidden size 6 does not match wt \(11, 10\)"),
+    (
+        "teacher-hidden",
+        dict(xt=torch.randn(2, 3, 6)),
+        ValueError,
+        r"teacher hidden size 6 does not match wt \(11, 10\)",
+    ),
     ("head-3d", dict(ws=torch.randn(11, 6, 1)), ValueError, r"ws and wt must be 2-D \[V, D\] heads"),
     ("head-1d", dict(wt=torch.randn(10)), ValueError, r"ws and wt must be 2-D \[V, D\] heads"),
-    ("vocab-mismatch", dict(wt=torch.randn(12, 10), bt=None), ValueError,
-     r"student vocab 11 != teacher vocab 12: pass vocab_size=N .* \(never zero-pad a head\)"),
+    (
+        "vocab-mismatch",
+        dict(wt=torch.randn(12, 10), bt=None),
+        ValueError,
+        r"student vocab 11 != teacher vocab 12: pass vocab_size=N .* \(never zero-pad a head\)",
+    ),
     ("vocab-size-zero", dict(vocab_size=0), ValueError, r"vocab_size must be an int in \[1, 11\], got 0"),
     ("vocab-size-negative", dict(vocab_size=-3), ValueError, r"vocab_size must be an int in \[1, 11\], got -3"),
     ("vocab-size-too-big", dict(vocab_size=12), ValueError, r"vocab_size must be an int in \[1, 11\], got 12"),
-    ("vocab-size-beyond-smaller-head", dict(wt=torch.randn(9, 10), bt=None, vocab_size=10), ValueError,
-     r"vocab_size must be an int in \[1, 9\], got 10"),
+    (
+        "vocab-size-beyond-smaller-head",
+        dict(wt=torch.randn(9, 10), bt=None, vocab_size=10),
+        ValueError,
+        r"vocab_size must be an int in \[1, 9\], got 10",
+    ),
     ("vocab-size-float", dict(vocab_size=5.0), ValueError, r"vocab_size must be an int in \[1, 11\], got 5.0"),
     ("vocab-size-bool", dict(vocab_size=True), ValueError, r"vocab_size must be an int in \[1, 11\], got True"),
     ("bias-shape", dict(bs=torch.randn(12)), ValueError, r"bs must have shape \(11,\), got \(12,\)"),
@@ -67,34 +86,102 @@ BAD = [
     ("backend", dict(backend="cuda"), ValueError, r"backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'"),
     ("mode", dict(mode="constant-memory"), ValueError, r"mode must be None or one of \('fast', 'constant_memory'\)"),
     ("memory-budget", dict(memory_budget=0), ValueError, "memory_budget must be a positive number of bytes, got 0"),
-    ("labels-shape", dict(labels=torch.zeros(6, dtype=torch.long)), ValueError,
-     r"labels shape \(6,\) must equal the leading shape of the hidden states \(2, 3\)"),
-    ("labels-float", dict(labels=torch.zeros(2, 3)), TypeError, r"labels must be an integer tensor \(int64 or int32\), got torch.float32"),
-    ("labels-bool", dict(labels=torch.zeros(2, 3, dtype=torch.bool)), TypeError, "labels must be an integer tensor .*torch.bool"),
-    ("labels-int16", dict(labels=torch.zeros(2, 3, dtype=torch.int16), ce_weight=1.0), TypeError,
-     "labels must be an integer tensor .*torch.int16"),
+    (
+        "labels-shape",
+        dict(labels=torch.zeros(6, dtype=torch.long)),
+        ValueError,
+        r"labels shape \(6,\) must equal the leading shape of the hidden states \(2, 3\)",
+    ),
+    (
+        "labels-float",
+        dict(labels=torch.zeros(2, 3)),
+        TypeError,
+        r"labels must be an integer tensor \(int64 or int32\), got torch.float32",
+    ),
+    (
+        "labels-bool",
+        dict(labels=torch.zeros(2, 3, dtype=torch.bool)),
+        TypeError,
+        "labels must be an integer tensor .*torch.bool",
+    ),
+    (
+        "labels-int16",
+        dict(labels=torch.zeros(2, 3, dtype=torch.int16), ce_weight=1.0),
+        TypeError,
+        "labels must be an integer tensor .*torch.int16",
+    ),
     ("labels-list", dict(labels=[[0, 1, 2], [0, 1, 2]]), TypeError, "labels must be a torch.Tensor, got list"),
-    ("device-xs", dict(xs=CASE.xs.detach().to("meta")), ValueError, "all tensors must be on one device, got xs on meta, xt on cpu"),
+    (
+        "device-xs",
+        dict(xs=CASE.xs.detach().to("meta")),
+        ValueError,
+        "all tensors must be on one device, got xs on meta, xt on cpu",
+    ),
     ("device-teacher-head", dict(wt=CASE.wt.to("meta")), ValueError, "all tensors must be on one device, .*wt on meta"),
-    ("device-bias", dict(bs=CASE.bs.detach().to("meta")), ValueError, "all tensors must be on one device, .*bs on meta"),
-    ("device-labels", dict(labels=CASE.labels.to("meta")), ValueError, "all tensors must be on one device, .*labels on meta"),
-    ("dtype-student-head", dict(ws=_det(CASE.ws).to(torch.bfloat16)), TypeError,
-     r"tensors must share one dtype \(cast them first\), got xs: torch.float32, ws: torch.bfloat16"),
+    (
+        "device-bias",
+        dict(bs=CASE.bs.detach().to("meta")),
+        ValueError,
+        "all tensors must be on one device, .*bs on meta",
+    ),
+    (
+        "device-labels",
+        dict(labels=CASE.labels.to("meta")),
+        ValueError,
+        "all tensors must be on one device, .*labels on meta",
+    ),
+    (
+        "dtype-student-head",
+        dict(ws=_det(CASE.ws).to(torch.bfloat16)),
+        TypeError,
+        r"tensors must share one dtype \(cast them first\), got xs: torch.float32, ws: torch.bfloat16",
+    ),
     ("dtype-student-bias", dict(bs=_det(CASE.bs).double()), TypeError, "must share one dtype .*bs: torch.float64"),
-    ("dtype-teacher", dict(xt=CASE.xt.half()), TypeError, "must share one dtype .*xt: torch.float16, wt: torch.float32"),
-    ("int-hidden", dict(xs=torch.zeros(2, 3, 6, dtype=torch.long)), TypeError, "xs must be a floating-point tensor, got torch.int64"),
-    ("int-head", dict(wt=torch.zeros(11, 10, dtype=torch.int32)), TypeError, "wt must be a floating-point tensor, got torch.int32"),
+    (
+        "dtype-teacher",
+        dict(xt=CASE.xt.half()),
+        TypeError,
+        "must share one dtype .*xt: torch.float16, wt: torch.float32",
+    ),
+    (
+        "int-hidden",
+        dict(xs=torch.zeros(2, 3, 6, dtype=torch.long)),
+        TypeError,
+        "xs must be a floating-point tensor, got torch.int64",
+    ),
+    (
+        "int-head",
+        dict(wt=torch.zeros(11, 10, dtype=torch.int32)),
+        TypeError,
+        "wt must be a floating-point tensor, got torch.int32",
+    ),
     ("not-a-tensor", dict(ws=[[0.0] * 6] * 11), TypeError, "ws must be a torch.Tensor, got list"),
     ("bias-not-a-tensor", dict(bt=[0.0] * 11), TypeError, "bt must be a torch.Tensor, got list"),
     ("ce-without-labels", dict(labels=None, ce_weight=0.5), ValueError, r"ce_weight != 0 needs labels"),
-    ("labels-out-of-range", dict(labels=torch.tensor([[0, 11, 2], [3, 4, 5]]), ce_weight=0.5), ValueError,
-     r"labels must lie in \[0, 11\) \(or equal ignore_index\), found values in \[0, 11\]"),
-    ("labels-negative", dict(labels=torch.tensor([[0, -1, 2], [3, 4, 5]]), ce_weight=0.5), ValueError,
-     r"labels must lie in \[0, 11\) .*found values in \[-1, 5\]"),
-    ("labels-beyond-vocab-size", dict(labels=torch.tensor([[0, 9, 2], [3, 4, 5]]), ce_weight=0.5, vocab_size=9),
-     ValueError, r"labels must lie in \[0, 9\)"),
-    ("labels-other-ignore-index", dict(labels=torch.tensor([[0, -100, 2], [3, 4, 5]]), ce_weight=0.5, ignore_index=-1),
-     ValueError, r"found values in \[-100, 5\]"),
+    (
+        "labels-out-of-range",
+        dict(labels=torch.tensor([[0, 11, 2], [3, 4, 5]]), ce_weight=0.5),
+        ValueError,
+        r"labels must lie in \[0, 11\) \(or equal ignore_index\), found values in \[0, 11\]",
+    ),
+    (
+        "labels-negative",
+        dict(labels=torch.tensor([[0, -1, 2], [3, 4, 5]]), ce_weight=0.5),
+        ValueError,
+        r"labels must lie in \[0, 11\) .*found values in \[-1, 5\]",
+    ),
+    (
+        "labels-beyond-vocab-size",
+        dict(labels=torch.tensor([[0, 9, 2], [3, 4, 5]]), ce_weight=0.5, vocab_size=9),
+        ValueError,
+        r"labels must lie in \[0, 9\)",
+    ),
+    (
+        "labels-other-ignore-index",
+        dict(labels=torch.tensor([[0, -100, 2], [3, 4, 5]]), ce_weight=0.5, ignore_index=-1),
+        ValueError,
+        r"found values in \[-100, 5\]",
+    ),
     ("chunk-zero", dict(chunk_V=0), ValueError, "chunk_V must be a positive int or None, got 0"),
     ("chunk-negative", dict(chunk_V=-8), ValueError, "chunk_V must be a positive int or None, got -8"),
     ("chunk-float", dict(chunk_V=8.0), ValueError, "chunk_V must be a positive int or None, got 8.0"),
@@ -112,8 +199,11 @@ def test_bad_input_raises(backend, override, exc, pattern):
         call(**{"backend": backend, **override})
 
 
-@pytest.mark.parametrize("override, exc, pattern", [b[1:] for b in BAD if "divergence" not in b[1]],
-                         ids=[b[0] for b in BAD if "divergence" not in b[1]])
+@pytest.mark.parametrize(
+    "override, exc, pattern",
+    [b[1:] for b in BAD if "divergence" not in b[1]],
+    ids=[b[0] for b in BAD if "divergence" not in b[1]],
+)
 def test_bad_input_raises_from_functions_and_modules(backend, override, exc, pattern):
     override = {"backend": backend, **override}
     with pytest.raises(exc, match=pattern):
@@ -132,8 +222,17 @@ def test_errors_leave_no_gradient():
     assert case.xs.grad is None and case.ws.grad is None
 
 
-@pytest.mark.parametrize("divergence, bad", [("forward_kl", "beta"), ("reverse_kl", "alpha"), ("tvd", "beta"),
-                                             ("jsd", "alpha"), ("skew_kl", "beta"), ("skew_reverse_kl", "beta")])
+@pytest.mark.parametrize(
+    "divergence, bad",
+    [
+        ("forward_kl", "beta"),
+        ("reverse_kl", "alpha"),
+        ("tvd", "beta"),
+        ("jsd", "alpha"),
+        ("skew_kl", "beta"),
+        ("skew_reverse_kl", "beta"),
+    ],
+)
 def test_parameter_of_another_divergence_is_rejected(divergence, bad):
     """beta/alpha exist only where they mean something: passing one elsewhere is a TypeError,
     not a silently ignored option (nb.skew_kl(beta=...) would otherwise run with alpha=0.1)."""
@@ -160,7 +259,9 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
             call(backend="triton")
         return
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match=r"backend='triton' on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1"):
+    with pytest.raises(
+        RuntimeError, match=r"backend='triton' on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1"
+    ):
         call(backend="triton")
 
 
@@ -172,11 +273,14 @@ def test_every_function_validates(divergence):
         call(LOSS_FNS[divergence], xt=torch.randn(5, 10))
 
 
-@pytest.mark.parametrize("cls, options, pattern", [
-    (nb.JSDLoss, dict(alpha=0.3), r"JSDLoss got unexpected options \['alpha'\]"),
-    (nb.ForwardKLLoss, dict(divergence="jsd"), r"ForwardKLLoss got unexpected options \['divergence'\]"),
-    (nb.SkewKLLoss, dict(beta=0.5, temprature=2.0), r"got unexpected options \['beta', 'temprature'\]"),
-])
+@pytest.mark.parametrize(
+    "cls, options, pattern",
+    [
+        (nb.JSDLoss, dict(alpha=0.3), r"JSDLoss got unexpected options \['alpha'\]"),
+        (nb.ForwardKLLoss, dict(divergence="jsd"), r"ForwardKLLoss got unexpected options \['divergence'\]"),
+        (nb.SkewKLLoss, dict(beta=0.5, temprature=2.0), r"got unexpected options \['beta', 'temprature'\]"),
+    ],
+)
 def test_module_rejects_options_of_other_losses(cls, options, pattern):
     with pytest.raises(TypeError, match=pattern):
         cls(**options)

@@ -8,6 +8,7 @@ dX = G' W, dW = G'^T X, db = G summed (the bias gradient is never filtered). The
 large (eps = 0.05) so that the dropped part is far above the tolerance: a filter that drops
 nothing, or the wrong columns, fails.
 """
+
 from __future__ import annotations
 
 import os
@@ -64,15 +65,15 @@ def _expected(xs, xt, ws, wt, bs, labels, opts, rows: int, chunk: int, skipped=N
     filtered = 0
     for r0 in range(0, N, rows):
         for c0 in range(0, V, chunk):
-            blk = grad[r0:r0 + rows, c0:c0 + chunk]
+            blk = grad[r0 : r0 + rows, c0 : c0 + chunk]
             if skipped is not None:  # the tile rule alone
                 if skipped[r0 // rows][c0 // chunk]:
-                    keep[r0:r0 + rows, c0:c0 + chunk] = 0.0
+                    keep[r0 : r0 + rows, c0 : c0 + chunk] = 0.0
                     filtered += 1
                 continue
             active = (blk.abs() > EPS * blk.abs().amax(1, keepdim=True)).any(0)
             if 2 * int(active.sum()) <= active.numel():
-                keep[r0:r0 + rows, c0:c0 + chunk] = active.to(d)
+                keep[r0 : r0 + rows, c0 : c0 + chunk] = active.to(d)
                 filtered += 1
     kept = grad * keep
     return (kept @ ws.to(d), kept.t() @ xs.to(d), grad.sum(0)), (grad @ ws.to(d), grad.t() @ xs.to(d)), filtered
@@ -86,6 +87,7 @@ def _spy_tiles(monkeypatch):
         out = f(*args)
         seen.append(out)
         return out
+
     monkeypatch.setattr(gf, "negligible_tiles", spy)
     return seen
 
@@ -106,11 +108,13 @@ def test_filtered_gradients_drop_exactly_the_small_columns(monkeypatch, setup, c
     xs_, ws_ = xs.clone().requires_grad_(), ws.clone().requires_grad_()
     bs_ = None if bs is None else bs.clone().requires_grad_()
     skipped = _spy_tiles(monkeypatch)
-    loss = nb.hidden_loss(xs_, xt, ws_, wt, bs=bs_, labels=labels, backend=backend, grad_filter=EPS,
-                          **opts, **impl_opts)
+    loss = nb.hidden_loss(
+        xs_, xt, ws_, wt, bs=bs_, labels=labels, backend=backend, grad_filter=EPS, **opts, **impl_opts
+    )
     loss.backward()
-    (dx_e, dw_e, db_e), (dx_full, dw_full), filtered = _expected(xs, xt, ws, wt, bs, labels, opts, rows, chunk,
-                                                                 skipped[0] if skipped else None)
+    (dx_e, dw_e, db_e), (dx_full, dw_full), filtered = _expected(
+        xs, xt, ws, wt, bs, labels, opts, rows, chunk, skipped[0] if skipped else None
+    )
     assert filtered > 0  # the case exercises the filter
     if setup == "triton-const" and case == "fkl_mean":
         assert any(any(b) for b in skipped[0])  # whole tiles skipped, not only columns
@@ -171,8 +175,9 @@ def test_every_product_path_drops_the_same_columns(monkeypatch, fraction):
     opts = dict(divergence="forward_kl", ce_weight=0.5)
     (dx_e, dw_e, db_e), _full, _n = _expected(xs, xt, ws, wt, bs, labels, opts, rows, chunk)
     xs_, ws_, bs_ = (a.clone().requires_grad_() for a in (xs, ws, bs))
-    nb.hidden_loss(xs_, xt, ws_, wt, bs=bs_, labels=labels, backend=backend, grad_filter=EPS, **opts,
-                   **impl_opts).backward()
+    nb.hidden_loss(
+        xs_, xt, ws_, wt, bs=bs_, labels=labels, backend=backend, grad_filter=EPS, **opts, **impl_opts
+    ).backward()
     gf._FRACTIONS.clear()
     assert bool(compacted) == (fraction is not None and fraction < 0.5)  # the path the case names
     for got, exp in ((xs_.grad, dx_e), (ws_.grad, dw_e), (bs_.grad, db_e)):
@@ -225,6 +230,7 @@ def _spy_tile_args(monkeypatch):
         out = f(*args)
         seen.append((args, out))
         return out
+
     monkeypatch.setattr(gf, "negligible_tiles", spy)
     return seen
 
@@ -239,16 +245,18 @@ def test_skipped_tiles_hold_only_negligible_entries(monkeypatch):
     xs, xt, ws, wt, _, labels = _inputs(8, False)
     T = 1.7
     xs_ = xs.clone().requires_grad_()
-    nb.forward_kl(xs_, xt, ws, wt, labels=labels, temperature=T, backend=backend, grad_filter=EPS,
-                  **impl_opts).backward()
+    nb.forward_kl(
+        xs_, xt, ws, wt, labels=labels, temperature=T, backend=backend, grad_filter=EPS, **impl_opts
+    ).backward()
     (chunk_max, *_rest), skipped = seen[0]
     d = torch.float64
     s, t = (xs.to(d) @ ws.to(d).t()) / T, (xt.to(d) @ wt.to(d).t()) / T
     counted = labels != -100  # (ignored rows enter the kernels zeroed)
     for ci, c0 in enumerate(range(0, V, chunk)):
         for side, logits in ((0, s), (1, t)):
-            torch.testing.assert_close(chunk_max[counted, ci, side].double(),
-                                       logits[counted, c0:c0 + chunk].amax(1), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                chunk_max[counted, ci, side].double(), logits[counted, c0 : c0 + chunk].amax(1), rtol=1e-5, atol=1e-5
+            )
     g = (s.softmax(1) - t.softmax(1)).abs()  # |g| up to the row's positive factor
     n_skipped = 0
     for bi, r0 in enumerate(range(0, N, rows)):
@@ -256,13 +264,14 @@ def test_skipped_tiles_hold_only_negligible_entries(monkeypatch):
             if not skipped[bi][ci]:
                 continue
             n_skipped += 1
-            blk = g[r0:r0 + rows, c0:c0 + chunk][counted[r0:r0 + rows]]
-            assert (blk <= EPS * g[r0:r0 + rows][counted[r0:r0 + rows]].amax(1, keepdim=True)).all()
+            blk = g[r0 : r0 + rows, c0 : c0 + chunk][counted[r0 : r0 + rows]]
+            assert (blk <= EPS * g[r0 : r0 + rows][counted[r0 : r0 + rows]].amax(1, keepdim=True)).all()
     assert n_skipped > 0
 
 
-@pytest.mark.parametrize("opts", [dict(divergence="reverse_kl"), dict(ce_weight=0.5), dict(softcap_s=5.0),
-                                  dict(bias=True)])
+@pytest.mark.parametrize(
+    "opts", [dict(divergence="reverse_kl"), dict(ce_weight=0.5), dict(softcap_s=5.0), dict(bias=True)]
+)
 def test_no_tile_skipping_where_the_bounds_do_not_hold(monkeypatch, opts):
     if not INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1 on CPU")
@@ -270,6 +279,16 @@ def test_no_tile_skipping_where_the_bounds_do_not_hold(monkeypatch, opts):
     seen = _spy_tile_args(monkeypatch)
     opts = dict(opts)
     xs, xt, ws, wt, bs, labels = _inputs(9, opts.pop("bias", False))
-    nb.hidden_loss(xs.clone().requires_grad_(), xt, ws, wt, bs=bs, labels=labels, backend=backend,
-                   grad_filter=EPS, **opts, **impl_opts).backward()
+    nb.hidden_loss(
+        xs.clone().requires_grad_(),
+        xt,
+        ws,
+        wt,
+        bs=bs,
+        labels=labels,
+        backend=backend,
+        grad_filter=EPS,
+        **opts,
+        **impl_opts,
+    ).backward()
     assert seen == []

@@ -3,6 +3,7 @@
 The chunked losses never hold a [rows, V] tensor: working memory is O(rows * chunk_V), plus the
 [V, D] head gradient. D is tiny here so that the head gradient is itself far below rows * V.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,8 @@ from nitrobrew._memory import TensorMemoryTracker
 
 N, D, V, CHUNK = 128, 4, 4096, 64
 F32_BYTES = 4
-ROWS_X_V = N * V * F32_BYTES            # one fp32 [rows, V] slab: 2 MiB
-SLAB = N * CHUNK * F32_BYTES            # one fp32 [rows, chunk_V] slab: 32 KiB
+ROWS_X_V = N * V * F32_BYTES  # one fp32 [rows, V] slab: 2 MiB
+SLAB = N * CHUNK * F32_BYTES  # one fp32 [rows, chunk_V] slab: 32 KiB
 # Allowance: a bounded number of chunk slabs live at once (logits of both heads, log-probs,
 # the divergence's elementwise terms, the gradient chunk), the [V, D] head gradient and the [V]
 # bias gradient (kept twice: the gradient and its accumulation), and per-row vectors.
@@ -29,7 +30,8 @@ def lean_bound(rows: int, vocab: int, dim: int, chunk: int) -> int:
 def assert_lean(tracker: TensorMemoryTracker, rows: int, vocab: int, dim: int, chunk: int, what: str) -> None:
     """The memory claim: no [rows, V]-sized tensor, live bytes O(rows * chunk + V * D)."""
     assert tracker.largest <= rows * vocab * F32_BYTES // 16, (
-        f"{what}: largest tensor {tracker.largest} B {tracker.largest_shape} vs rows x V = {rows * vocab * 4} B")
+        f"{what}: largest tensor {tracker.largest} B {tracker.largest_shape} vs rows x V = {rows * vocab * 4} B"
+    )
     bound = lean_bound(rows, vocab, dim, chunk)
     assert tracker.peak <= bound, f"{what}: peak live {tracker.peak} B > O(rows*chunk + V*D) bound {bound} B"
 
@@ -58,6 +60,7 @@ def test_chunked_forward_and_backward_are_lean(divergence):
 
 def test_peak_follows_chunk_not_vocab():
     """Forward peak is independent of V; it grows with chunk_V (so the tracker measures the slabs)."""
+
     def fwd_peak(vocab, chunk):
         case = make_case(shape=(N,), ds=D, vocab=vocab, bias=True, labels="some", seed=2)
         return _measure(case, "jsd", chunk_V=chunk)[0].peak

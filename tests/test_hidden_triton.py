@@ -4,6 +4,7 @@ Small, odd shapes: vocab sizes that are not multiples of the block, several row 
 memory_budget), vocab chunks that do not divide V, ignored rows, bf16, extreme temperatures.
 Both modes (fast, constant_memory) against the float64 reference.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,39 +48,100 @@ def _tol(dtype):
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 def test_every_divergence_both_modes(divergence, mode):
-    check_against_reference("triton", torch.float32, divergence=divergence, shape=(13,), ds=24, dt=17,
-                            vocab=V, labels="some", temperature=1.7, **MODES[mode])
+    check_against_reference(
+        "triton",
+        torch.float32,
+        divergence=divergence,
+        shape=(13,),
+        ds=24,
+        dt=17,
+        vocab=V,
+        labels="some",
+        temperature=1.7,
+        **MODES[mode],
+    )
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("divergence,reduction,temperature", [
-    ("forward_kl", "none", 0.05), ("reverse_kl", "sum", 20.0), ("jsd", "none", 1.0),
-    ("skew_reverse_kl", "mean", 0.3), ("tvd", "none", 3.0),
-])
+@pytest.mark.parametrize(
+    "divergence,reduction,temperature",
+    [
+        ("forward_kl", "none", 0.05),
+        ("reverse_kl", "sum", 20.0),
+        ("jsd", "none", 1.0),
+        ("skew_reverse_kl", "mean", 0.3),
+        ("tvd", "none", 3.0),
+    ],
+)
 def test_bf16_reductions_temperatures(divergence, reduction, temperature, mode):
-    check_against_reference("triton", torch.bfloat16, divergence=divergence, shape=(2, 5), ds=24, dt=24,
-                            vocab=V, labels="some", reduction=reduction, temperature=temperature,
-                            tol=_tol(torch.bfloat16), **MODES[mode])
+    check_against_reference(
+        "triton",
+        torch.bfloat16,
+        divergence=divergence,
+        shape=(2, 5),
+        ds=24,
+        dt=24,
+        vocab=V,
+        labels="some",
+        reduction=reduction,
+        temperature=temperature,
+        tol=_tol(torch.bfloat16),
+        **MODES[mode],
+    )
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_fused_ce_bias_padded_heads(mode):
-    check_against_reference("triton", torch.float32, divergence="jsd", shape=(11,), ds=24, dt=24, vocab=V,
-                            pad_s=3, pad_t=9, bias=True, labels="some", temperature=2.5, beta=0.3,
-                            kd_weight=0.6, ce_weight=0.4, scale_t2=True, **MODES[mode])
+    check_against_reference(
+        "triton",
+        torch.float32,
+        divergence="jsd",
+        shape=(11,),
+        ds=24,
+        dt=24,
+        vocab=V,
+        pad_s=3,
+        pad_t=9,
+        bias=True,
+        labels="some",
+        temperature=2.5,
+        beta=0.3,
+        kd_weight=0.6,
+        ce_weight=0.4,
+        scale_t2=True,
+        **MODES[mode],
+    )
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_close_student_bf16(mode):
     # student = teacher + small noise: where bf16-rounded logits would give wrong gradients
-    check_against_reference("triton", torch.bfloat16, divergence="forward_kl", shape=(9,), ds=24, vocab=V,
-                            close=True, tol=_tol(torch.bfloat16), **MODES[mode])
+    check_against_reference(
+        "triton",
+        torch.bfloat16,
+        divergence="forward_kl",
+        shape=(9,),
+        ds=24,
+        vocab=V,
+        close=True,
+        tol=_tol(torch.bfloat16),
+        **MODES[mode],
+    )
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_all_rows_ignored_is_zero(mode):
-    chk = check_against_reference("triton", torch.float32, divergence="reverse_kl", shape=(6,), ds=24,
-                                  vocab=V, labels="all", ce_weight=1.0, **MODES[mode])
+    chk = check_against_reference(
+        "triton",
+        torch.float32,
+        divergence="reverse_kl",
+        shape=(6,),
+        ds=24,
+        vocab=V,
+        labels="all",
+        ce_weight=1.0,
+        **MODES[mode],
+    )
     assert chk.loss.item() == 0.0
     assert all((g == 0).all() for g in chk.grads)
 
@@ -104,9 +166,15 @@ def test_float64_inputs_take_the_float64_path():
     assert chk.loss.dtype == torch.float64
 
 
-@pytest.mark.parametrize("impl", [dict(backend="triton", **MODES["fast"]),
-                                  dict(backend="triton", **MODES["constant_memory"]),
-                                  dict(backend="torch", chunk_V=1000)], ids=["fast", "constant_memory", "torch"])
+@pytest.mark.parametrize(
+    "impl",
+    [
+        dict(backend="triton", **MODES["fast"]),
+        dict(backend="triton", **MODES["constant_memory"]),
+        dict(backend="torch", chunk_V=1000),
+    ],
+    ids=["fast", "constant_memory", "torch"],
+)
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl"])
 def test_tiny_kl_of_close_distributions_keeps_its_digits(divergence, impl):
     xs, ws, wt = tiny_kl_case()

@@ -1,4 +1,5 @@
 """Hidden-state losses against the float64 reference: values and gradients of xs, ws, bs."""
+
 from __future__ import annotations
 
 import inspect
@@ -38,9 +39,9 @@ F64 = torch.float64
 CHUNKING = {
     "auto": (37, None),
     "one_tiny_v": (5, 1),
-    "ragged": (37, 8),     # 8 does not divide 37
+    "ragged": (37, 8),  # 8 does not divide 37
     "equal": (37, 37),
-    "over": (37, 64),      # chunk >= V
+    "over": (37, 64),  # chunk >= V
 }
 PARAMS = {"jsd": {"beta": 0.3}, "skew_kl": {"alpha": 0.2}, "skew_reverse_kl": {"alpha": 0.2}}
 
@@ -60,11 +61,20 @@ MATRIX = pairwise(FACTORS)
 
 
 def _matrix_id(row) -> str:
-    return "-".join([
-        row["divergence"], str(row["dtype"]).removeprefix("torch."), f"T{row['temperature']}",
-        row["reduction"], row["chunking"], f"labels_{row['labels']}", "bias" if row["bias"] else "nobias",
-        "x".join(map(str, row["shape"])), "ds{}_dt{}".format(*row["dims"]), "padded" if row["padded"] else "same",
-    ])
+    return "-".join(
+        [
+            row["divergence"],
+            str(row["dtype"]).removeprefix("torch."),
+            f"T{row['temperature']}",
+            row["reduction"],
+            row["chunking"],
+            f"labels_{row['labels']}",
+            "bias" if row["bias"] else "nobias",
+            "x".join(map(str, row["shape"])),
+            "ds{}_dt{}".format(*row["dims"]),
+            "padded" if row["padded"] else "same",
+        ]
+    )
 
 
 @pytest.mark.parametrize("seed, row", list(enumerate(MATRIX)), ids=[_matrix_id(r) for r in MATRIX])
@@ -74,10 +84,22 @@ def test_pairwise_matrix(backend, seed, row):
     vocab, chunk = CHUNKING[row["chunking"]]
     ds, dt = row["dims"]
     check_against_reference(
-        backend, row["dtype"], divergence=row["divergence"], shape=row["shape"], ds=ds, dt=dt, vocab=vocab,
-        pad_s=3 if row["padded"] else 0, pad_t=5 if row["padded"] else 0, bias=row["bias"],
-        labels=row["labels"], seed=seed, temperature=row["temperature"],
-        reduction=row["reduction"], chunk_V=chunk, **PARAMS.get(row["divergence"], {}),
+        backend,
+        row["dtype"],
+        divergence=row["divergence"],
+        shape=row["shape"],
+        ds=ds,
+        dt=dt,
+        vocab=vocab,
+        pad_s=3 if row["padded"] else 0,
+        pad_t=5 if row["padded"] else 0,
+        bias=row["bias"],
+        labels=row["labels"],
+        seed=seed,
+        temperature=row["temperature"],
+        reduction=row["reduction"],
+        chunk_V=chunk,
+        **PARAMS.get(row["divergence"], {}),
     )
 
 
@@ -103,8 +125,16 @@ def test_inputs_have_realistic_spread():
 def test_float64_inputs_stay_float64(backend, divergence):
     """float64 in -> float64 result and gradients, at float64 accuracy (CONTRIBUTING, docs/design.md §2)."""
     for reduction in ("mean", "none"):
-        check_against_reference(backend, F64, divergence=divergence, bias=True, labels="some", chunk_V=8,
-                                temperature=1.7, reduction=reduction)
+        check_against_reference(
+            backend,
+            F64,
+            divergence=divergence,
+            bias=True,
+            labels="some",
+            chunk_V=8,
+            temperature=1.7,
+            reduction=reduction,
+        )
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
@@ -112,11 +142,23 @@ def test_float64_inputs_stay_float64(backend, divergence):
 def test_close_student(backend, divergence, dtype):
     """student = teacher + small noise: the loss is small and positive, and the gradient matches
     to a tight relative tolerance (the regime where bf16-rounded logits fail; see the next test)."""
-    got = check_against_reference(backend, dtype, divergence=divergence, shape=(4, 8), ds=32, vocab=257,
-                                  close=True, bias=True, chunk_V=64, reduction="none", temperature=1.3)
+    got = check_against_reference(
+        backend,
+        dtype,
+        divergence=divergence,
+        shape=(4, 8),
+        ds=32,
+        vocab=257,
+        close=True,
+        bias=True,
+        chunk_V=64,
+        reduction="none",
+        temperature=1.3,
+    )
     rows = got.loss.detach()
-    far = run_loss(make_case(shape=(4, 8), ds=32, vocab=257, dtype=dtype), divergence, backend,
-                   reduction="none", temperature=1.3).detach()
+    far = run_loss(
+        make_case(shape=(4, 8), ds=32, vocab=257, dtype=dtype), divergence, backend, reduction="none", temperature=1.3
+    ).detach()
     assert (rows > 0).all(), f"close rows must be positive, got min {rows.min().item()}"
     assert rows.mean() < 0.1 * far.mean(), "the close case must be small"
     # per-row values (down to ~1e-4) to 1%, up to fp32 rounding of log-sum-exps near +-20
@@ -157,8 +199,9 @@ def test_jsd_endpoints_are_exactly_the_kls(backend):
             gj = torch.autograd.grad(j, case.student_leaves(), up)
             gk = torch.autograd.grad(k, case.student_leaves(), up)
             assert all(torch.equal(a, b) for a, b in zip(gj, gk)), (beta, reduction)
-        via_hidden = nb.hidden_loss(case.xs, case.xt, case.ws, case.wt, divergence="jsd", beta=beta,
-                                    backend=backend, **case.kwargs())
+        via_hidden = nb.hidden_loss(
+            case.xs, case.xt, case.ws, case.wt, divergence="jsd", beta=beta, backend=backend, **case.kwargs()
+        )
         assert torch.equal(via_hidden, run_loss(case, other, backend))
 
 
@@ -189,8 +232,9 @@ def test_skew_endpoints(backend, name, limit):
     value_tol, grad_tol = TOLERANCES[F32]
     assert_close(s, k, value_tol, f"{name}(alpha=0)")
     up = upstream_grad(s).to(s.dtype)
-    for gs, gk in zip(torch.autograd.grad(s, case.student_leaves(), up),
-                      torch.autograd.grad(k, case.student_leaves(), up)):
+    for gs, gk in zip(
+        torch.autograd.grad(s, case.student_leaves(), up), torch.autograd.grad(k, case.student_leaves(), up)
+    ):
         assert_close(gs, gk, grad_tol, f"{name}(alpha=0) grad")
     one = run_loss(case, name, backend, alpha=1.0, **opts)
     assert one.abs().max() < 1e-6
@@ -204,8 +248,7 @@ def test_no_silent_t2(backend, divergence):
     case = make_case(shape=(6,), labels="some", seed=7)
     for T in (0.5, 2.7):
         plain = check_against_reference(backend, F32, divergence=divergence, case=case, temperature=T)
-        scaled = check_against_reference(backend, F32, divergence=divergence, case=case, temperature=T,
-                                         scale_t2=True)
+        scaled = check_against_reference(backend, F32, divergence=divergence, case=case, temperature=T, scale_t2=True)
         assert_close(scaled.loss, plain.loss * T**2, Tol(1e-6, 1e-7), "scale_t2 value")
         for a, b in zip(scaled.grads, plain.grads):
             assert_close(a, b * T**2, Tol(1e-5, 1e-7), "scale_t2 grad")
@@ -249,8 +292,9 @@ def _materialized_ce(case, reduction):
 @pytest.mark.parametrize("temperature", [1.0, 2.7])
 def test_ce_term(backend, kd_weight, ce_weight, temperature):
     case = make_case(shape=(3, 4), bias=True, labels="some", seed=11)
-    opts = dict(divergence="jsd", case=case, temperature=temperature, chunk_V=8, kd_weight=kd_weight,
-                ce_weight=ce_weight)
+    opts = dict(
+        divergence="jsd", case=case, temperature=temperature, chunk_V=8, kd_weight=kd_weight, ce_weight=ce_weight
+    )
     got = check_against_reference(backend, F32, **opts)
     # each term brings its own gradient: grads are linear in the two weights
     kd_only = check_against_reference(backend, F32, **{**opts, "kd_weight": 1.0, "ce_weight": 0.0})
@@ -264,8 +308,9 @@ def test_ce_term(backend, kd_weight, ce_weight, temperature):
     assert_close(ce_only.loss, ce_ref, Tol(1e-5, 1e-6), "CE vs F.cross_entropy")
     (gz,) = torch.autograd.grad(ce_ref * 0.75, [z])  # 0.75: the upstream used by the helper
     assert_close(ce_only.grads[2], gz.sum(0), Tol(1e-4, 1e-6), "CE bias grad")
-    assert_close(ce_only.grads[0].reshape(gz.shape[0], -1), gz @ case.ws.detach().double(), Tol(1e-4, 1e-6),
-                 "CE xs grad")
+    assert_close(
+        ce_only.grads[0].reshape(gz.shape[0], -1), gz @ case.ws.detach().double(), Tol(1e-4, 1e-6), "CE xs grad"
+    )
 
 
 def test_int32_labels(backend):
@@ -276,7 +321,9 @@ def test_int32_labels(backend):
     b = run_loss(case, "jsd", backend, **{**opts, "labels": case.labels.int()})
     assert torch.equal(a, b)
     up = upstream_grad(a).float()
-    for ga, gb in zip(torch.autograd.grad(a, case.student_leaves(), up), torch.autograd.grad(b, case.student_leaves(), up)):
+    for ga, gb in zip(
+        torch.autograd.grad(a, case.student_leaves(), up), torch.autograd.grad(b, case.student_leaves(), up)
+    ):
         assert torch.equal(ga, gb)
 
 
@@ -375,8 +422,18 @@ def test_masked_vocab_minus_inf_bias(backend, divergence, side):
 def test_all_rows_ignored(backend, divergence, reduction):
     """No counted row: loss exactly 0 and every gradient exactly 0 (never NaN), CE on or off."""
     for ce_weight in (0.0, 0.5):
-        got = check_against_reference(backend, F32, divergence=divergence, shape=(2, 3), bias=True, labels="all",
-                                      reduction=reduction, ce_weight=ce_weight, temperature=2.0, chunk_V=16)
+        got = check_against_reference(
+            backend,
+            F32,
+            divergence=divergence,
+            shape=(2, 3),
+            bias=True,
+            labels="all",
+            reduction=reduction,
+            ce_weight=ce_weight,
+            temperature=2.0,
+            chunk_V=16,
+        )
         assert (got.loss == 0).all() and all((g == 0).all() for g in got.grads)
 
 
@@ -386,8 +443,9 @@ def test_leading_shapes_are_equivalent(backend):
     opts = dict(temperature=1.5, chunk_V=8, **case.kwargs())
     opts["labels"] = None
     rows3 = nb.tvd(case.xs, case.xt, case.ws, case.wt, reduction="none", backend=backend, **opts)
-    rows2 = nb.tvd(case.xs.reshape(12, -1), case.xt.reshape(12, -1), case.ws, case.wt, reduction="none",
-                   backend=backend, **opts)
+    rows2 = nb.tvd(
+        case.xs.reshape(12, -1), case.xt.reshape(12, -1), case.ws, case.wt, reduction="none", backend=backend, **opts
+    )
     assert rows3.shape == (3, 4) and rows2.shape == (12,)
     assert_close(rows3.reshape(-1), rows2, Tol(1e-6, 1e-7), "3-D vs 2-D")
     one = nb.tvd(case.xs[1, 2], case.xt[1, 2], case.ws, case.wt, reduction="none", backend=backend, **opts)
@@ -429,8 +487,12 @@ def test_only_student_head_gradient_needed(backend):
 
 
 MODULES = {
-    "forward_kl": nb.ForwardKLLoss, "reverse_kl": nb.ReverseKLLoss, "jsd": nb.JSDLoss, "tvd": nb.TVDLoss,
-    "skew_kl": nb.SkewKLLoss, "skew_reverse_kl": nb.SkewReverseKLLoss,
+    "forward_kl": nb.ForwardKLLoss,
+    "reverse_kl": nb.ReverseKLLoss,
+    "jsd": nb.JSDLoss,
+    "tvd": nb.TVDLoss,
+    "skew_kl": nb.SkewKLLoss,
+    "skew_reverse_kl": nb.SkewReverseKLLoss,
 }
 
 
@@ -440,26 +502,49 @@ def test_modules_match_functions(backend, divergence):
     assert issubclass(cls, nb.DistillLoss) and issubclass(cls, torch.nn.Module)
     assert cls.divergence == divergence
     case = make_case(shape=(2, 3), bias=True, labels="some", seed=24)
-    opts = dict(temperature=2.7, reduction="sum", chunk_V=8, bs=case.bs, bt=case.bt, backend=backend,
-                **PARAMS.get(divergence, {}))
+    opts = dict(
+        temperature=2.7,
+        reduction="sum",
+        chunk_V=8,
+        bs=case.bs,
+        bt=case.bt,
+        backend=backend,
+        **PARAMS.get(divergence, {}),
+    )
     module = cls(**opts)
     assert "temperature=2.7" in repr(module) and "reduction='sum'" in repr(module)
     got = module(case.xs, case.xt, case.ws, case.wt, case.labels)
     want = LOSS_FNS[divergence](case.xs, case.xt, case.ws, case.wt, labels=case.labels, **opts)
     assert torch.equal(got, want)
     up = torch.tensor(0.75)
-    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(got, case.student_leaves(), up),
-                                                 torch.autograd.grad(want, case.student_leaves(), up)))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            torch.autograd.grad(got, case.student_leaves(), up), torch.autograd.grad(want, case.student_leaves(), up)
+        )
+    )
     # per-call overrides win over the stored options
     over = module(case.xs, case.xt, case.ws, case.wt, labels=case.labels, reduction="none")
-    assert torch.equal(over, LOSS_FNS[divergence](case.xs, case.xt, case.ws, case.wt, labels=case.labels,
-                                                  **{**opts, "reduction": "none"}))
+    assert torch.equal(
+        over,
+        LOSS_FNS[divergence](case.xs, case.xt, case.ws, case.wt, labels=case.labels, **{**opts, "reduction": "none"}),
+    )
     # and against the float64 reference, through the module
-    check_against_reference(backend, F32, divergence=divergence, case=case, temperature=2.7, reduction="sum",
-                            chunk_V=8, **PARAMS.get(divergence, {}))
+    check_against_reference(
+        backend,
+        F32,
+        divergence=divergence,
+        case=case,
+        temperature=2.7,
+        reduction="sum",
+        chunk_V=8,
+        **PARAMS.get(divergence, {}),
+    )
 
 
 def test_generic_module_defaults_to_forward_kl(backend):
     case = make_case(seed=25)
-    assert torch.equal(nb.DistillLoss(backend=backend)(case.xs, case.xt, case.ws, case.wt),
-                       nb.forward_kl(case.xs, case.xt, case.ws, case.wt, backend=backend))
+    assert torch.equal(
+        nb.DistillLoss(backend=backend)(case.xs, case.xt, case.ws, case.wt),
+        nb.forward_kl(case.xs, case.xt, case.ws, case.wt, backend=backend),
+    )

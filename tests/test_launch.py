@@ -2,6 +2,7 @@
 
 The direct path only runs on CUDA; here a stand-in kernel records how it was called, so the
 keying (what Triton specializes on) is checked on CPU."""
+
 import pytest
 import torch
 
@@ -30,6 +31,7 @@ class FakeKernel:
         def jit(*args, **kwargs):
             self.log.append(("jit", grid, args, kwargs))
             return FakeCompiled(self.log)
+
         return jit
 
 
@@ -62,13 +64,13 @@ def test_a_change_triton_specializes_on_compiles_again(direct, change):
     _launch.launch(k, (3,), *base["args"], **base["kw"])
     args, kw = list(base["args"]), dict(base["kw"])
     if change == "one":
-        args[3] = 1                       # an int equal to 1 is a constant to Triton
+        args[3] = 1  # an int equal to 1 is a constant to Triton
     elif change == "not16":
-        args[2] = 63                      # divisibility by 16 is an attribute
+        args[2] = 63  # divisibility by 16 is an attribute
     elif change == "int64":
-        args[2] = 2**33                   # needs a 64-bit parameter
+        args[2] = 2**33  # needs a 64-bit parameter
     elif change == "misaligned":
-        args[0] = torch.zeros(65)[1:]     # 4-byte offset: not 16-byte aligned
+        args[0] = torch.zeros(65)[1:]  # 4-byte offset: not 16-byte aligned
     elif change == "dtype":
         args[1] = torch.zeros(64, dtype=torch.float64)
     elif change == "constexpr":

@@ -1,4 +1,5 @@
 """The shared matmul helpers: fp32 accumulation of 16-bit operands, against float64."""
+
 import pytest
 import torch
 

@@ -6,6 +6,7 @@ case builds the full problem from a seed on every rank, gives each rank its bloc
 (uneven, and an empty block with 3 ranks), and compares the vocab-parallel value and gradients
 with the single-process loss over the whole vocabulary and with the float64 reference.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -65,6 +66,8 @@ def accuracy_no_worse():
     par = sum(a for a, _ in ACCURACY)
     sp = sum(b for _, b in ACCURACY)
     assert len(ACCURACY) > 50 and par <= NO_WORSE * sp, f"{len(ACCURACY)} gradients: {par:.3e} vs {sp:.3e}"
+
+
 # block sizes per rank for a vocabulary of 37 (+ padding): uneven, one with an empty block
 SHARDS = {2: [[20, 17], [5, 32], [19, 18]], 3: [[12, 0, 25], [13, 13, 11], [1, 30, 6]]}
 
@@ -98,14 +101,16 @@ def _parallel_call(case, divergence, sizes, group, r, up, *, x_grad=True, **opts
     return out, loss, dict(zip(names, grads)), c
 
 
-def check_case(r, group, world, divergence, sizes, *, dtype=torch.float32, case_kw=None, x_grad=True,
-               backend="auto", **opts):
+def check_case(
+    r, group, world, divergence, sizes, *, dtype=torch.float32, case_kw=None, x_grad=True, backend="auto", **opts
+):
     """Vocab-parallel (on `backend`) vs single process (same dtype, PyTorch path) and vs float64."""
     case = make_case(dtype=dtype, **(case_kw or {}))
     ref64, ref_leaves = run_reference(case, divergence, **opts)
     up = upstream_grad(ref64, 0)
-    out, loss, grads, comm = _parallel_call(case, divergence, sizes, group, r, up, x_grad=x_grad,
-                                            backend=backend, **opts)
+    out, loss, grads, comm = _parallel_call(
+        case, divergence, sizes, group, r, up, x_grad=x_grad, backend=backend, **opts
+    )
     sl = _block(sizes, r)
     # single process over the whole vocabulary
     sp = run_loss(case, divergence, "torch", **opts)
@@ -133,14 +138,22 @@ def check_case(r, group, world, divergence, sizes, *, dtype=torch.float32, case_
         if name != "xs" and case.vocab_size is not None:
             beyond = max(0, min(g.shape[0], sl.start + g.shape[0] - case.vocab_size))
             if beyond:
-                assert (g[g.shape[0] - beyond:] == 0).all(), f"{name} grad nonzero beyond vocab_size"
+                assert (g[g.shape[0] - beyond :] == 0).all(), f"{name} grad nonzero beyond vocab_size"
     if case.counted() == 0:
         assert (loss == 0).all() and all((g == 0).all() for g in grads.values()), "no counted row: not zero"
     # bytes: exactly the documented formula, independent of V
     n_rows = math.prod(case.lead)
-    pred = comm_bytes(n_rows, case.xs.shape[-1], divergence=divergence, param=opts.get("beta", opts.get("alpha", 0.5)),
-                      with_ce=opts.get("ce_weight", 0) != 0, temperature=opts.get("temperature", 1.0), dtype=dtype,
-                      world=world, x_requires_grad=x_grad)
+    pred = comm_bytes(
+        n_rows,
+        case.xs.shape[-1],
+        divergence=divergence,
+        param=opts.get("beta", opts.get("alpha", 0.5)),
+        with_ce=opts.get("ce_weight", 0) != 0,
+        temperature=opts.get("temperature", 1.0),
+        dtype=dtype,
+        world=world,
+        x_requires_grad=x_grad,
+    )
     assert comm.bytes == pred["total"], f"counted {comm.by_op} != formula {pred}"
     assert "xs" in grads or not x_grad
 
@@ -171,8 +184,13 @@ def vocab_cases(r, world, group):
     combos = [
         dict(ce_weight=0.0, temperature=1.0, reduction="mean", case_kw=dict(labels="some")),
         dict(ce_weight=0.7, temperature=2.0, reduction="sum", chunk_V=3, case_kw=dict(labels="some", bias=True)),
-        dict(ce_weight=0.3, temperature=1.0, reduction="none", chunk_V=4,
-             case_kw=dict(labels="none_ignored", shape=(2, 5), ds=8, dt=12)),
+        dict(
+            ce_weight=0.3,
+            temperature=1.0,
+            reduction="none",
+            chunk_V=4,
+            case_kw=dict(labels="none_ignored", shape=(2, 5), ds=8, dt=12),
+        ),
     ]
     i = 0
     for div in DIVERGENCES:
@@ -180,69 +198,230 @@ def vocab_cases(r, world, group):
             combo = dict(combo)
             sizes = shards[i % len(shards)]
             i += 1
-            cases.append((f"{div} {combo} shards={sizes}",
-                          lambda div=div, combo=combo, sizes=sizes: check_case(r, group, world, div, sizes, **combo)))
-        cases.append((f"{div} float64 ce T=1.5 bias shards={shards[0]}",
-                      lambda div=div: check_case(r, group, world, div, shards[0], dtype=torch.float64, ce_weight=0.5,
-                                                 temperature=1.5, chunk_V=4, case_kw=dict(labels="some", bias=True))))
-        cases.append((f"{div} close case",
-                      lambda div=div: check_case(r, group, world, div, shards[1], ce_weight=0.2, temperature=0.7,
-                                                 case_kw=dict(labels="some", close=True, seed=3))))
+            cases.append(
+                (
+                    f"{div} {combo} shards={sizes}",
+                    lambda div=div, combo=combo, sizes=sizes: check_case(r, group, world, div, sizes, **combo),
+                )
+            )
+        cases.append(
+            (
+                f"{div} float64 ce T=1.5 bias shards={shards[0]}",
+                lambda div=div: check_case(
+                    r,
+                    group,
+                    world,
+                    div,
+                    shards[0],
+                    dtype=torch.float64,
+                    ce_weight=0.5,
+                    temperature=1.5,
+                    chunk_V=4,
+                    case_kw=dict(labels="some", bias=True),
+                ),
+            )
+        )
+        cases.append(
+            (
+                f"{div} close case",
+                lambda div=div: check_case(
+                    r,
+                    group,
+                    world,
+                    div,
+                    shards[1],
+                    ce_weight=0.2,
+                    temperature=0.7,
+                    case_kw=dict(labels="some", close=True, seed=3),
+                ),
+            )
+        )
     s0, s1 = shards[0], shards[1]
     extra = [
         ("jsd beta=0 (forward_kl)", lambda: check_case(r, group, world, "jsd", s0, beta=0.0)),
-        ("jsd beta=1 (reverse_kl)", lambda: check_case(r, group, world, "jsd", s1, beta=1.0, ce_weight=0.1,
-                                                       case_kw=dict(labels="none_ignored"))),
+        (
+            "jsd beta=1 (reverse_kl)",
+            lambda: check_case(
+                r, group, world, "jsd", s1, beta=1.0, ce_weight=0.1, case_kw=dict(labels="none_ignored")
+            ),
+        ),
         ("jsd beta=0.2", lambda: check_case(r, group, world, "jsd", s1, beta=0.2, case_kw=dict(labels="some"))),
         ("skew_kl alpha=0.3", lambda: check_case(r, group, world, "skew_kl", s0, alpha=0.3)),
-        ("softcapped jsd + ce", lambda: check_case(r, group, world, "jsd", s1, softcap_s=6.0, softcap_t=4.0,
-                                                   ce_weight=0.3, temperature=1.5, case_kw=dict(labels="some"))),
-        ("bf16 forward_kl + ce", lambda: check_case(r, group, world, "forward_kl", s0, dtype=torch.bfloat16,
-                                                    ce_weight=0.5, temperature=2.0, case_kw=dict(labels="some"))),
+        (
+            "softcapped jsd + ce",
+            lambda: check_case(
+                r,
+                group,
+                world,
+                "jsd",
+                s1,
+                softcap_s=6.0,
+                softcap_t=4.0,
+                ce_weight=0.3,
+                temperature=1.5,
+                case_kw=dict(labels="some"),
+            ),
+        ),
+        (
+            "bf16 forward_kl + ce",
+            lambda: check_case(
+                r,
+                group,
+                world,
+                "forward_kl",
+                s0,
+                dtype=torch.bfloat16,
+                ce_weight=0.5,
+                temperature=2.0,
+                case_kw=dict(labels="some"),
+            ),
+        ),
         ("bf16 jsd", lambda: check_case(r, group, world, "jsd", s1, dtype=torch.bfloat16, case_kw=dict(bias=True))),
-        ("padded heads, vocab_size cuts a block", lambda: check_case(
-            r, group, world, "reverse_kl", [22, 18] if world == 2 else [14, 14, 12], ce_weight=0.4,
-            case_kw=dict(pad_s=3, pad_t=3, labels="some", bias=True))),
-        ("padded heads, vocab_size leaves a rank empty", lambda: check_case(
-            r, group, world, "tvd", [36, 4] if world == 2 else [30, 6, 4], ce_weight=0.4, temperature=3.0,
-            case_kw=dict(pad_s=3, pad_t=3, labels="some"))),
-        ("every row ignored", lambda: check_case(r, group, world, "skew_reverse_kl", s1, ce_weight=0.5,
-                                                 case_kw=dict(labels="all"))),
-        ("xs without grad (no dX all-reduce)", lambda: check_case(r, group, world, "forward_kl", s0, x_grad=False,
-                                                                  ce_weight=0.5, case_kw=dict(labels="some"))),
-        ("scale_t2, kd_weight, return_parts", lambda: check_case(
-            r, group, world, "jsd", s0, temperature=2.0, scale_t2=True, kd_weight=0.6, ce_weight=0.4,
-            return_parts=True, case_kw=dict(labels="some"))),
-        ("[B, T] rows, no labels, sum", lambda: check_case(r, group, world, "reverse_kl", s1, reduction="sum",
-                                                          case_kw=dict(shape=(3, 4)))),
-        ("huge logits (spread 300), reverse_kl", lambda: check_case(
-            r, group, world, "reverse_kl", s0, ce_weight=0.5, temperature=2.0, case_kw=dict(spread=300.0, labels="some"))),
-        ("huge logits (spread 300), jsd", lambda: check_case(r, group, world, "jsd", s1,
-                                                             case_kw=dict(spread=300.0, seed=4))),
-        ("more rows than chunk", lambda: check_case(r, group, world, "skew_kl", s0, ce_weight=1.0, chunk_V=2,
-                                                    case_kw=dict(shape=(33,), labels="some", vocab=37))),
+        (
+            "padded heads, vocab_size cuts a block",
+            lambda: check_case(
+                r,
+                group,
+                world,
+                "reverse_kl",
+                [22, 18] if world == 2 else [14, 14, 12],
+                ce_weight=0.4,
+                case_kw=dict(pad_s=3, pad_t=3, labels="some", bias=True),
+            ),
+        ),
+        (
+            "padded heads, vocab_size leaves a rank empty",
+            lambda: check_case(
+                r,
+                group,
+                world,
+                "tvd",
+                [36, 4] if world == 2 else [30, 6, 4],
+                ce_weight=0.4,
+                temperature=3.0,
+                case_kw=dict(pad_s=3, pad_t=3, labels="some"),
+            ),
+        ),
+        (
+            "every row ignored",
+            lambda: check_case(r, group, world, "skew_reverse_kl", s1, ce_weight=0.5, case_kw=dict(labels="all")),
+        ),
+        (
+            "xs without grad (no dX all-reduce)",
+            lambda: check_case(
+                r, group, world, "forward_kl", s0, x_grad=False, ce_weight=0.5, case_kw=dict(labels="some")
+            ),
+        ),
+        (
+            "scale_t2, kd_weight, return_parts",
+            lambda: check_case(
+                r,
+                group,
+                world,
+                "jsd",
+                s0,
+                temperature=2.0,
+                scale_t2=True,
+                kd_weight=0.6,
+                ce_weight=0.4,
+                return_parts=True,
+                case_kw=dict(labels="some"),
+            ),
+        ),
+        (
+            "[B, T] rows, no labels, sum",
+            lambda: check_case(r, group, world, "reverse_kl", s1, reduction="sum", case_kw=dict(shape=(3, 4))),
+        ),
+        (
+            "huge logits (spread 300), reverse_kl",
+            lambda: check_case(
+                r,
+                group,
+                world,
+                "reverse_kl",
+                s0,
+                ce_weight=0.5,
+                temperature=2.0,
+                case_kw=dict(spread=300.0, labels="some"),
+            ),
+        ),
+        (
+            "huge logits (spread 300), jsd",
+            lambda: check_case(r, group, world, "jsd", s1, case_kw=dict(spread=300.0, seed=4)),
+        ),
+        (
+            "more rows than chunk",
+            lambda: check_case(
+                r,
+                group,
+                world,
+                "skew_kl",
+                s0,
+                ce_weight=1.0,
+                chunk_V=2,
+                case_kw=dict(shape=(33,), labels="some", vocab=37),
+            ),
+        ),
     ]
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         # each rank runs the Triton row kernels on its block (the path CUDA takes), interpreted
         extra += [
-            ("triton: forward_kl + ce, bias", lambda: check_case(
-                r, group, world, "forward_kl", s0, backend="triton", ce_weight=0.5, temperature=1.5,
-                case_kw=dict(labels="some", bias=True))),
-            ("triton: softcapped forward_kl", lambda: check_case(
-                r, group, world, "forward_kl", s0, backend="triton", softcap_s=6.0, softcap_t=4.0)),
-            ("triton: jsd, constant-memory plan", lambda: check_case(
-                r, group, world, "jsd", s1, backend="triton", chunk_V=5, reduction="none",
-                case_kw=dict(labels="some"))),
-            ("triton: tvd, a rank left empty by vocab_size", lambda: check_case(
-                r, group, world, "tvd", [36, 4] if world == 2 else [30, 6, 4], backend="triton", ce_weight=0.4,
-                case_kw=dict(pad_s=3, pad_t=3, labels="some"))),
+            (
+                "triton: forward_kl + ce, bias",
+                lambda: check_case(
+                    r,
+                    group,
+                    world,
+                    "forward_kl",
+                    s0,
+                    backend="triton",
+                    ce_weight=0.5,
+                    temperature=1.5,
+                    case_kw=dict(labels="some", bias=True),
+                ),
+            ),
+            (
+                "triton: softcapped forward_kl",
+                lambda: check_case(r, group, world, "forward_kl", s0, backend="triton", softcap_s=6.0, softcap_t=4.0),
+            ),
+            (
+                "triton: jsd, constant-memory plan",
+                lambda: check_case(
+                    r,
+                    group,
+                    world,
+                    "jsd",
+                    s1,
+                    backend="triton",
+                    chunk_V=5,
+                    reduction="none",
+                    case_kw=dict(labels="some"),
+                ),
+            ),
+            (
+                "triton: tvd, a rank left empty by vocab_size",
+                lambda: check_case(
+                    r,
+                    group,
+                    world,
+                    "tvd",
+                    [36, 4] if world == 2 else [30, 6, 4],
+                    backend="triton",
+                    ce_weight=0.4,
+                    case_kw=dict(pad_s=3, pad_t=3, labels="some"),
+                ),
+            ),
         ]
     cases += extra
     triton_too = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     for div in ("forward_kl", "reverse_kl"):
         for backend in ("torch", "triton") if triton_too else ("torch",):
-            cases.append((f"{div} tiny KL of close distributions ({backend})",
-                          lambda div=div, backend=backend: tiny_kl_check(r, group, world, div, backend)))
+            cases.append(
+                (
+                    f"{div} tiny KL of close distributions ({backend})",
+                    lambda div=div, backend=backend: tiny_kl_check(r, group, world, div, backend),
+                )
+            )
     cases += error_cases(r, world, group)
     cases.append(("DTensor heads Shard(0)", lambda: dtensor_case(r, world, group)))
     return cases
@@ -254,8 +433,16 @@ def error_cases(r, world, group):
     sl = _block(sizes, r)
 
     def call(ws=None, wt=None, bs=None, labels=case.labels, **opts):
-        return nb.forward_kl(case.xs.detach(), case.xt, case.ws.detach()[sl] if ws is None else ws,
-                             case.wt[sl] if wt is None else wt, labels=labels, bs=bs, process_group=group, **opts)
+        return nb.forward_kl(
+            case.xs.detach(),
+            case.xt,
+            case.ws.detach()[sl] if ws is None else ws,
+            case.wt[sl] if wt is None else wt,
+            labels=labels,
+            bs=bs,
+            process_group=group,
+            **opts,
+        )
 
     other = list(sizes)
     other[0], other[1] = other[0] - 1, other[1] + 1  # same total, another split
@@ -265,22 +452,46 @@ def error_cases(r, world, group):
     if r == 1:
         shifted[-1] = (shifted[-1] + 1) % 37
     return [
-        ("error: teacher split differently", lambda: expect_error(
-            r, lambda: call(wt=case.wt[_block(other, r)]), ValueError, "split the same way")),
-        ("error: label out of range (global ids)", lambda: expect_error(
-            r, lambda: call(labels=bad_label, ce_weight=0.5), ValueError, "labels must lie in [0, 37)")),
-        ("error: one rank's bias has the wrong shape", lambda: expect_error(
-            r, lambda: call(bs=torch.zeros(sizes[r] + (1 if r == 1 else 0))), ValueError,
-            "bs must have shape" if r == 1 else "rank(s) [1]")),
-        ("error: one rank passes a non-tensor", lambda: expect_error(
-            r, lambda: call(ws=[1.0] if r == world - 1 else None), TypeError if r == world - 1 else ValueError,
-            "must be a torch.Tensor" if r == world - 1 else f"rank(s) [{world - 1}]")),
-        ("error: ranks hold different labels", lambda: expect_error(
-            r, lambda: call(labels=shifted), ValueError, "different labels")),
-        ("error: ranks use different options", lambda: expect_error(
-            r, lambda: call(temperature=1.0 + r), ValueError, "different options")),
-        ("error: vocab_size above the global vocabulary", lambda: expect_error(
-            r, lambda: call(vocab_size=38), ValueError, "vocab_size must be an int in [1, 37]")),
+        (
+            "error: teacher split differently",
+            lambda: expect_error(r, lambda: call(wt=case.wt[_block(other, r)]), ValueError, "split the same way"),
+        ),
+        (
+            "error: label out of range (global ids)",
+            lambda: expect_error(
+                r, lambda: call(labels=bad_label, ce_weight=0.5), ValueError, "labels must lie in [0, 37)"
+            ),
+        ),
+        (
+            "error: one rank's bias has the wrong shape",
+            lambda: expect_error(
+                r,
+                lambda: call(bs=torch.zeros(sizes[r] + (1 if r == 1 else 0))),
+                ValueError,
+                "bs must have shape" if r == 1 else "rank(s) [1]",
+            ),
+        ),
+        (
+            "error: one rank passes a non-tensor",
+            lambda: expect_error(
+                r,
+                lambda: call(ws=[1.0] if r == world - 1 else None),
+                TypeError if r == world - 1 else ValueError,
+                "must be a torch.Tensor" if r == world - 1 else f"rank(s) [{world - 1}]",
+            ),
+        ),
+        (
+            "error: ranks hold different labels",
+            lambda: expect_error(r, lambda: call(labels=shifted), ValueError, "different labels"),
+        ),
+        (
+            "error: ranks use different options",
+            lambda: expect_error(r, lambda: call(temperature=1.0 + r), ValueError, "different options"),
+        ),
+        (
+            "error: vocab_size above the global vocabulary",
+            lambda: expect_error(r, lambda: call(vocab_size=38), ValueError, "vocab_size must be an int in [1, 37]"),
+        ),
         ("after errors the group still works", lambda: check_case(r, group, world, "forward_kl", sizes)),
     ]
 
@@ -298,8 +509,18 @@ def dtensor_case(r, world, group):
     xs = case.xs.detach().clone().requires_grad_()
     loss = nb.jsd(xs, case.xt, ws, wt, bs=bs, bt=bt, labels=case.labels, ce_weight=0.5, temperature=1.3)
     gx, gw, gb = torch.autograd.grad(loss, [xs, ws, bs])
-    sp = nb.jsd(case.xs, case.xt, case.ws, case.wt, bs=case.bs, bt=case.bt, labels=case.labels, ce_weight=0.5,
-                temperature=1.3, backend="torch")
+    sp = nb.jsd(
+        case.xs,
+        case.xt,
+        case.ws,
+        case.wt,
+        bs=case.bs,
+        bt=case.bt,
+        labels=case.labels,
+        ce_weight=0.5,
+        temperature=1.3,
+        backend="torch",
+    )
     sx, sw, sb = torch.autograd.grad(sp, [case.xs, case.ws, case.bs])
     vt, gt = SAME_DTYPE_TOL[torch.float32]
     assert_close(loss, sp, vt, "DTensor value")
@@ -313,8 +534,12 @@ def dtensor_case(r, world, group):
         loss_r = nb.forward_kl(case.xs.detach(), case.xt, wr, wtr)
     assert c.bytes == 0
     assert_close(loss_r, nb.forward_kl(case.xs.detach(), case.xt, case.ws.detach(), case.wt), vt, "replicated DTensor")
-    expect_error(r, lambda: nb.forward_kl(case.xs.detach(), case.xt, distribute_tensor(case.ws.detach(), mesh, [Shard(1)]),
-                                          wt), ValueError, "Shard(0)")
+    expect_error(
+        r,
+        lambda: nb.forward_kl(case.xs.detach(), case.xt, distribute_tensor(case.ws.detach(), mesh, [Shard(1)]), wt),
+        ValueError,
+        "Shard(0)",
+    )
 
 
 def ddp_case(r, world):
@@ -377,8 +602,12 @@ def _student_and_batch(world):
     labels = torch.randint(0, 37, (n,), generator=gen)
     labels[torch.rand(n, generator=gen) < 0.4] = -100
     labels[:3] = -100  # rank 0 counts fewer rows than the others
-    batch = dict(inp=torch.randn(n, 6, generator=gen), xt=torch.randn(n, 10, generator=gen),
-                 wt=torch.randn(37, 10, generator=gen) * 2.0, labels=labels)
+    batch = dict(
+        inp=torch.randn(n, 6, generator=gen),
+        xt=torch.randn(n, 10, generator=gen),
+        wt=torch.randn(37, 10, generator=gen) * 2.0,
+        labels=labels,
+    )
     return model, ref_model, batch
 
 
@@ -396,8 +625,10 @@ def subgroup_cases(rank, world):
     r = members.index(rank)
     sizes = [25, 12] if len(members) == 2 else [37]  # a one-rank group with 2 processes
     return [
-        (f"subgroup ranks {members}, jsd + ce", lambda: check_case(r, sub, len(members), "jsd", sizes, ce_weight=0.4,
-                                                              case_kw=dict(labels="some"))),
+        (
+            f"subgroup ranks {members}, jsd + ce",
+            lambda: check_case(r, sub, len(members), "jsd", sizes, ce_weight=0.4, case_kw=dict(labels="some")),
+        ),
         (f"subgroup ranks {members}, forward_kl", lambda: check_case(r, sub, len(members), "forward_kl", sizes)),
     ]
 
@@ -411,6 +642,7 @@ def count_cases(r, world):
         assert int(global_token_count(torch.full((2,), -100))) == 0
         z = data_parallel_loss(torch.tensor(0.0, requires_grad=True), torch.tensor(0))
         assert z.item() == 0.0
+
     return [("global_token_count / data_parallel_loss", run)]
 
 
@@ -423,12 +655,15 @@ def make_topk(dtype, seed=0, N=11, D=20, V=61, K=6, close=False):
     xs = torch.randn(N, D, generator=g, dtype=torch.float64)
     ws = torch.randn(V, D, generator=g, dtype=torch.float64) * 1.6
     bs = torch.randn(V, generator=g, dtype=torch.float64)
-    t = (xs @ ws.t()) + 0.3 * torch.randn(N, V, generator=g, dtype=torch.float64) if close else \
-        torch.randn(N, V, generator=g, dtype=torch.float64) * 5
+    t = (
+        (xs @ ws.t()) + 0.3 * torch.randn(N, V, generator=g, dtype=torch.float64)
+        if close
+        else torch.randn(N, V, generator=g, dtype=torch.float64) * 5
+    )
     lp, ids = torch.log_softmax(t, -1).topk(K, -1)
-    lp[2, K // 2:] = float("-inf")  # padding entries (their ids are garbage)
-    ids[2, K // 2:] = -7
-    lp[4] = float("-inf")           # a row with no valid entry
+    lp[2, K // 2 :] = float("-inf")  # padding entries (their ids are garbage)
+    ids[2, K // 2 :] = -7
+    lp[4] = float("-inf")  # a row with no valid entry
     labels = torch.randint(0, V, (N,), generator=g)
     labels[1] = -100
     return xs.to(dtype), ws.to(dtype), bs.to(dtype), ids, lp.float(), labels
@@ -460,8 +695,15 @@ def topk_case(r, group, world, sizes, dtype=torch.float64, **opts):
     for name, g, e, e64 in (("xs", gx, sx, rx), ("ws", gw, sw[sl], rw[sl]), ("bs", gb, sb[sl], rb[sl])):
         assert_close(g, e, same[1], f"topk grad {name} vs single process")
         assert_close(g, e64, vs_ref[1], f"topk grad {name} vs float64 reference")
-    pred = topk_comm_bytes(xs0.shape[0], ids.shape[-1], xs0.shape[-1], with_ce=opts.get("ce_weight", 0) != 0,
-                           temperature=opts.get("temperature", 1.0), dtype=dtype, world=world)
+    pred = topk_comm_bytes(
+        xs0.shape[0],
+        ids.shape[-1],
+        xs0.shape[-1],
+        with_ce=opts.get("ce_weight", 0) != 0,
+        temperature=opts.get("temperature", 1.0),
+        dtype=dtype,
+        world=world,
+    )
     assert c.bytes == pred["total"], f"counted {c.by_op} != formula {pred}"
 
 
@@ -469,27 +711,54 @@ def topk_cases(r, world, group):
     s0, s1 = TOPK_SHARDS[world]
     cases = [
         ("topk forward_kl float64", lambda: topk_case(r, group, world, s0, chunk_V=7)),
-        ("topk forward_kl float32 + ce T=1.7", lambda: topk_case(r, group, world, s1, dtype=torch.float32,
-                                                                  ce_weight=0.4, temperature=1.7, chunk_V=16)),
-        ("topk forward_kl tail, close", lambda: topk_case(r, group, world, s1, tail=True, close=True,
-                                                          reduction="sum")),
-        ("topk float32 reduction none", lambda: topk_case(r, group, world, s0, dtype=torch.float32,
-                                                          reduction="none", ce_weight=1.0)),
+        (
+            "topk forward_kl float32 + ce T=1.7",
+            lambda: topk_case(r, group, world, s1, dtype=torch.float32, ce_weight=0.4, temperature=1.7, chunk_V=16),
+        ),
+        ("topk forward_kl tail, close", lambda: topk_case(r, group, world, s1, tail=True, close=True, reduction="sum")),
+        (
+            "topk float32 reduction none",
+            lambda: topk_case(r, group, world, s0, dtype=torch.float32, reduction="none", ce_weight=1.0),
+        ),
     ]
     for div in DIVERGENCES[1:]:
-        cases.append((f"topk {div} tail + ce", lambda div=div: topk_case(
-            r, group, world, s0 if div in ("jsd", "skew_kl") else s1, divergence=div, tail=True, ce_weight=0.3,
-            temperature=1.3, beta=0.3, alpha=0.2)))
+        cases.append(
+            (
+                f"topk {div} tail + ce",
+                lambda div=div: topk_case(
+                    r,
+                    group,
+                    world,
+                    s0 if div in ("jsd", "skew_kl") else s1,
+                    divergence=div,
+                    tail=True,
+                    ce_weight=0.3,
+                    temperature=1.3,
+                    beta=0.3,
+                    alpha=0.2,
+                ),
+            )
+        )
     xs, ws, bs, ids, lp, labels = make_topk(torch.float32)
     sl = _block(s0, r)
     bad_ids = ids.clone()
     bad_ids[0, 0] = 61
     cases += [
-        ("topk error: normalize='topk'", lambda: expect_error(
-            r, lambda: topk_kl(xs, ws[sl], ids, lp, normalize="topk", process_group=group), ValueError,
-            'normalize="full"')),
-        ("topk error: id beyond the global vocabulary", lambda: expect_error(
-            r, lambda: topk_kl(xs, ws[sl], bad_ids, lp, process_group=group), ValueError, "[0, 61)")),
+        (
+            "topk error: normalize='topk'",
+            lambda: expect_error(
+                r,
+                lambda: topk_kl(xs, ws[sl], ids, lp, normalize="topk", process_group=group),
+                ValueError,
+                'normalize="full"',
+            ),
+        ),
+        (
+            "topk error: id beyond the global vocabulary",
+            lambda: expect_error(
+                r, lambda: topk_kl(xs, ws[sl], bad_ids, lp, process_group=group), ValueError, "[0, 61)"
+            ),
+        ),
     ]
     return cases
 
@@ -498,13 +767,16 @@ def rank_main(rank, world, init, outdir):
     torch.set_num_threads(1)
     failures, names = [], []
     try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+        )
         group = dist.group.WORLD
         cases = vocab_cases(rank, world, group) + topk_cases(rank, world, group) + count_cases(rank, world)
         if world == 2:
-            cases += [("DDP over gloo", lambda: ddp_case(rank, world)),
-                      ("FSDP2 over gloo", lambda: fsdp2_case(rank, world))]
+            cases += [
+                ("DDP over gloo", lambda: ddp_case(rank, world)),
+                ("FSDP2 over gloo", lambda: fsdp2_case(rank, world)),
+            ]
         cases += subgroup_cases(rank, world)
         cases.append(("accuracy no worse than single process", accuracy_no_worse))
         for name, fn in cases:
@@ -568,7 +840,9 @@ def test_vocab_parallel_over_gloo(world):
     failures = [f for r in range(world) for f in results[r]["failures"]]
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures)
     assert len(results[0]["cases"]) >= 50, results[0]["cases"]
-    print(f"world {world}: {len(results[0]['cases'])} cases, rank CPU s {[round(results[r]['cpu_s'], 1) for r in range(world)]}")
+    print(
+        f"world {world}: {len(results[0]['cases'])} cases, rank CPU s {[round(results[r]['cpu_s'], 1) for r in range(world)]}"
+    )
     if world == 2:
         assert {"DDP over gloo", "FSDP2 over gloo"} <= set(results[0]["cases"])
 

@@ -1,5 +1,6 @@
 """topk_kl inside ``torch.compile``: it runs eagerly (one graph break around it, not a storm), with
 the same numbers as without compilation and its checks of the stored data."""
+
 from __future__ import annotations
 
 import os

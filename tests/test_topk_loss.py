@@ -1,4 +1,5 @@
 """topk_kl (PyTorch backend) against the float64 reference; options, reductions and errors."""
+
 import itertools
 import math
 
@@ -25,9 +26,9 @@ def make(N=11, D=20, V=61, K=6, dtype=torch.float64, close=False, seed=0, lead=N
         t = torch.randn(N, V, generator=g, dtype=torch.float64) * 5
     lp, ids = torch.log_softmax(t, -1).topk(K, -1)
     lp = lp.clone()
-    lp[2, K // 2:] = float("-inf")  # a row with padding entries (their ids are garbage)
-    ids[2, K // 2:] = -7
-    lp[4] = float("-inf")           # a row with no valid entry
+    lp[2, K // 2 :] = float("-inf")  # a row with padding entries (their ids are garbage)
+    ids[2, K // 2 :] = -7
+    lp[4] = float("-inf")  # a row with no valid entry
     labels = torch.randint(0, V, (N,), generator=g)
     labels[1] = -100
     if lead is not None:
@@ -57,8 +58,15 @@ def _rel(a, b):
 def test_matches_reference_float64(div, norm, tail, close):
     xs, ws, bs, ids, lp, labels = make(close=close)
     param = 0.3 if div == "jsd" else 0.2
-    kw = dict(normalize=norm, divergence=div, tail=tail, labels=labels, temperature=1.7,
-              ce_weight=0.4 if norm == "full" else 0.0, bs=bs)
+    kw = dict(
+        normalize=norm,
+        divergence=div,
+        tail=tail,
+        labels=labels,
+        temperature=1.7,
+        ce_weight=0.4 if norm == "full" else 0.0,
+        bs=bs,
+    )
     out = topk_kl(xs, ws, ids, lp, backend="torch", chunk_V=16, beta=param, alpha=param, **kw)
     ref = reference_topk_loss(xs, ws, ids, lp, param=param, **kw)
     assert out.dtype == torch.float64
@@ -106,7 +114,7 @@ def test_topk_normalize_reads_only_k_rows():
     with TensorMemoryTracker() as tr:
         out = topk_kl(xs, ws, ids, lp, normalize="topk", backend="torch")
     assert tr.largest < 7 * 500 * 8
-    gw, = torch.autograd.grad(out, [ws])
+    (gw,) = torch.autograd.grad(out, [ws])
     touched = torch.zeros(500, dtype=torch.bool)
     touched[ids[torch.isfinite(lp)]] = True
     assert (gw[~touched] == 0).all() and (gw[touched].abs().sum(-1) > 0).any()
@@ -118,7 +126,7 @@ def test_full_memory_is_chunked():
     ws = ws.detach()  # dW itself is [V, D]: look at the working memory only
     with TensorMemoryTracker() as tr:
         out = topk_kl(xs, ws, ids, lp, chunk_V=256, labels=labels, ce_weight=0.5, backend="torch")
-        gx, = torch.autograd.grad(out, [xs])
+        (gx,) = torch.autograd.grad(out, [xs])
     assert tr.largest < N * V * 4 / 4, tr.largest_shape  # no [rows, V] buffer
 
 
@@ -139,12 +147,24 @@ def test_reductions_ignore_and_no_counted_rows():
 
 def test_return_parts_and_weights_and_t2():
     xs, ws, bs, ids, lp, labels = make()
-    parts = topk_kl(xs, ws, ids, lp, labels=labels, kd_weight=0.7, ce_weight=0.3, temperature=2.0,
-                    scale_t2=True, return_parts=True, backend="torch")
+    parts = topk_kl(
+        xs,
+        ws,
+        ids,
+        lp,
+        labels=labels,
+        kd_weight=0.7,
+        ce_weight=0.3,
+        temperature=2.0,
+        scale_t2=True,
+        return_parts=True,
+        backend="torch",
+    )
     assert isinstance(parts, nitrobrew.DistillOutput)
     torch.testing.assert_close(parts.loss, 0.7 * 4.0 * parts.kd + 0.3 * parts.ce)
-    ref = reference_topk_loss(xs, ws, ids, lp, labels=labels, kd_weight=0.7, ce_weight=0.3, temperature=2.0,
-                              scale_t2=True, return_parts=True)
+    ref = reference_topk_loss(
+        xs, ws, ids, lp, labels=labels, kd_weight=0.7, ce_weight=0.3, temperature=2.0, scale_t2=True, return_parts=True
+    )
     for a, b in zip(parts, ref):
         torch.testing.assert_close(a, b)
     assert not parts.kd.requires_grad and parts.loss.requires_grad
@@ -192,6 +212,7 @@ def test_whole_vocab_ids_drop_the_tail_bucket_like_the_reference():
 
 
 # --- the student's tail when the top-k holds all but a sliver of its mass ---------------------------
+
 
 def old_tail_logprob(xs, ws, bs, ids, temperature=1.0):
     """log(1 - sum_k q_k) in the working dtype, the formula that cancels (for the tests to show it)."""
@@ -259,8 +280,10 @@ def _mp_logit_grad(s, k: int, lp_k: float, div: str, beta: float):
         return phi(lp, z[k] - L) + phi(lp_t, rest - L)
 
     s = [mp.mpf(float(v)) for v in s]
-    return torch.tensor([float(mp.diff(lambda t, j=j: loss(*(s[:j] + [t] + s[j + 1:])), s[j]))
-                         for j in range(len(s))], dtype=torch.float64)
+    return torch.tensor(
+        [float(mp.diff(lambda t, j=j: loss(*(s[:j] + [t] + s[j + 1 :])), s[j])) for j in range(len(s))],
+        dtype=torch.float64,
+    )
 
 
 def test_tail_of_a_peaked_student_float64():
@@ -342,20 +365,27 @@ def test_tail_vocab_range_pieces_merge_to_the_whole():
     valid = torch.isfinite(lp)
     entries = tc.Entries.build(ids, valid)
     cuts = [0, 17, 30, 45]
-    parts = [tc.vocab_pass(x, w[lo:hi], b[lo:hi], labels, entries, cfg, lo=lo, chunk=5)
-             for lo, hi in zip(cuts, cuts[1:])]
+    parts = [
+        tc.vocab_pass(x, w[lo:hi], b[lo:hi], labels, entries, cfg, lo=lo, chunk=5) for lo, hi in zip(cuts, cuts[1:])
+    ]
     s_state, z_state = merge_states([p.s for p in parts]), merge_states([p.z for p in parts])
-    res, lse_s, lse_z, ce = tc.finish(sum(p.z_ids for p in parts), lp, valid, s_state, z_state,
-                                      sum(p.z_label for p in parts), cfg)
+    res, lse_s, lse_z, ce = tc.finish(
+        sum(p.z_ids for p in parts), lp, valid, s_state, z_state, sum(p.z_label for p in parts), cfg
+    )
     mask = torch.ones(N)
     total = tc.combine_rows(res, ce, mask, cfg)[0]
-    want = reference_topk_loss(xs, ws, ids, lp, bs=bs, tail=True, temperature=1.3, labels=labels, ce_weight=0.4,
-                               reduction="none")
+    want = reference_topk_loss(
+        xs, ws, ids, lp, bs=bs, tail=True, temperature=1.3, labels=labels, ce_weight=0.4, reduction="none"
+    )
     torch.testing.assert_close(total.double(), want, rtol=1e-5, atol=1e-6)
     up = torch.rand(N, generator=torch.Generator().manual_seed(3))
     coef, dense, ce_scale = tc.row_coefficients(up, mask, res, cfg)
-    pieces = [tc.backward_range(x, w[lo:hi], b[lo:hi], labels, entries, coef, lse_s, dense, lse_z, ce_scale, cfg,
-                                lo=lo, chunk=4) for lo, hi in zip(cuts, cuts[1:])]
+    pieces = [
+        tc.backward_range(
+            x, w[lo:hi], b[lo:hi], labels, entries, coef, lse_s, dense, lse_z, ce_scale, cfg, lo=lo, chunk=4
+        )
+        for lo, hi in zip(cuts, cuts[1:])
+    ]
     gx = sum(p[0] for p in pieces)
     gw = torch.cat([p[1] for p in pieces])
     gb = torch.cat([p[2] for p in pieces])
@@ -427,13 +457,23 @@ except ImportError:  # pragma: no cover
     given = None
 
 if given is not None:
+
     @settings(max_examples=12, deadline=None)
-    @given(n=st.integers(1, 9), d=st.integers(1, 12), v=st.integers(2, 40), k=st.integers(1, 6),
-           lead2=st.booleans(), combo=st.sampled_from(list(combos())), temperature=st.floats(0.3, 3.0),
-           reduction=st.sampled_from(["mean", "sum", "none"]), seed=st.integers(0, 2**16))
+    @given(
+        n=st.integers(1, 9),
+        d=st.integers(1, 12),
+        v=st.integers(2, 40),
+        k=st.integers(1, 6),
+        lead2=st.booleans(),
+        combo=st.sampled_from(list(combos())),
+        temperature=st.floats(0.3, 3.0),
+        reduction=st.sampled_from(["mean", "sum", "none"]),
+        seed=st.integers(0, 2**16),
+    )
     # a student whose tail mass (~1e-18) is below float64 eps: 1 - sum_k q_k used to cancel to 0
-    @example(n=1, d=9, v=2, k=1, lead2=False, combo=("forward_kl", "full", True), temperature=0.5,
-             reduction="mean", seed=0)
+    @example(
+        n=1, d=9, v=2, k=1, lead2=False, combo=("forward_kl", "full", True), temperature=0.5, reduction="mean", seed=0
+    )
     def test_property_shapes_and_options(n, d, v, k, lead2, combo, temperature, reduction, seed):
         div, norm, tail = combo
         k = min(k, v)

@@ -1,6 +1,7 @@
 """The top-k pipeline as a tool: each test here failed on the pipeline before it was hardened
 (rehashing, vocabulary, locking, validation, schema, data checks, file modes, CLI errors,
 demo checkpoints), plus scale-out, export/import and verification."""
+
 import json
 import os
 import random
@@ -23,15 +24,28 @@ def _write_store(path, n_shards=10, per=8, k=K, dtype="float32", seed=0, **kw):
     """A synthetic store (no model): n_shards shards of `per` sequences."""
     g = torch.Generator().manual_seed(seed)
     n = n_shards * per
-    w = TopKWriter(str(path), model="synthetic", k=k, temperature=T, vocab_size=50, head_rows=50, num_sequences=n,
-                   sequences_per_shard=per, logprob_dtype=dtype, **kw)
+    w = TopKWriter(
+        str(path),
+        model="synthetic",
+        k=k,
+        temperature=T,
+        vocab_size=50,
+        head_rows=50,
+        num_sequences=n,
+        sequences_per_shard=per,
+        logprob_dtype=dtype,
+        **kw,
+    )
     for j in range(n_shards):
         toks, ids, lps = [], [], []
         for _ in range(per):
             L = int(torch.randint(1, 7, (1,), generator=g))
             toks.append(torch.randint(0, 50, (L,), generator=g))
-            ids.append(torch.stack([torch.randperm(50, generator=g)[:k] for _ in range(L - 1)]) if L > 1
-                       else torch.zeros(0, k, dtype=torch.long))
+            ids.append(
+                torch.stack([torch.randperm(50, generator=g)[:k] for _ in range(L - 1)])
+                if L > 1
+                else torch.zeros(0, k, dtype=torch.long)
+            )
             lps.append(torch.randn(L - 1, k, generator=g).abs().neg().sort(1, descending=True).values - 0.1)
         w.write_shard(j, toks, ids, lps)
     man = w.finish()
@@ -53,8 +67,9 @@ def _tiny_teacher(vocab=30, d=8, seed=0):
 
 def _seqs(n=11, vocab=30, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(0, vocab, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def _files(path):
@@ -62,6 +77,7 @@ def _files(path):
 
 
 # ------------------------------------------------------------------------------------ defect 1
+
 
 def test_shuffled_reads_hash_each_shard_once(tmp_path, monkeypatch):
     _write_store(tmp_path / "s")
@@ -84,10 +100,18 @@ def test_shuffled_reads_hash_each_shard_once(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------ defect 2
 
+
 def _llama_without_tokenizer(tmp_path):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     d = tmp_path / "llama"
     transformers.LlamaForCausalLM(cfg).save_pretrained(d)
@@ -105,25 +129,67 @@ def test_vocabulary_from_the_model_not_an_empty_tokenizer(tmp_path, capsys):
     mdir = _llama_without_tokenizer(tmp_path)
     data = _jsonl(tmp_path / "d.jsonl", _seqs(5, vocab=97))
     out = str(tmp_path / "s")
-    assert cli_main(["topk-extract", "--model", mdir, "--data", data, "--out", out, "--k", "64", "--device", "cpu",
-                     "--no-progress"]) == 0
+    assert (
+        cli_main(
+            [
+                "topk-extract",
+                "--model",
+                mdir,
+                "--data",
+                data,
+                "--out",
+                out,
+                "--k",
+                "64",
+                "--device",
+                "cpu",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "vocabulary: 97 (config.vocab_size" in capsys.readouterr().out
     man = TopKStore(out).manifest
     assert (man["vocab_size"], man["k"]) == (97, 64)
     # K above the vocabulary is refused before anything is loaded or written
-    assert cli_main(["topk-extract", "--model", mdir, "--data", data, "--out", str(tmp_path / "s2"), "--k", "98",
-                     "--device", "cpu"]) == 2
+    assert (
+        cli_main(
+            [
+                "topk-extract",
+                "--model",
+                mdir,
+                "--data",
+                data,
+                "--out",
+                str(tmp_path / "s2"),
+                "--k",
+                "98",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 2
+    )
     assert "--k 98 is larger than the vocabulary (97" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "s2")
 
 
 # ------------------------------------------------------------------------------------ defect 3
 
+
 def test_a_second_extraction_into_the_same_store_fails_at_once(tmp_path, capsys):
     out = str(tmp_path / "s")
     teacher, seqs = _tiny_teacher(), _seqs()
-    holder = TopKWriter(out, model="toy", k=K, temperature=T, vocab_size=30, head_rows=30, num_sequences=len(seqs),
-                        sequences_per_shard=4)
+    holder = TopKWriter(
+        out,
+        model="toy",
+        k=K,
+        temperature=T,
+        vocab_size=30,
+        head_rows=30,
+        num_sequences=len(seqs),
+        sequences_per_shard=4,
+    )
     with pytest.raises(StoreError, match="another extraction is writing into"):
         extract_topk(teacher, seqs, out, k=K, sequences_per_shard=4)
     with pytest.raises(StoreError, match="another extraction is writing into"):
@@ -135,19 +201,38 @@ def test_a_second_extraction_into_the_same_store_fails_at_once(tmp_path, capsys)
     import subprocess
     import sys
 
-    code = ("import sys, time; from nitrobrew.topk.store import TopKWriter; "
-            "w = TopKWriter(sys.argv[1], model='x', k=2, temperature=1.0, vocab_size=97, head_rows=97, "
-            "num_sequences=1); print('locked', flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from nitrobrew.topk.store import TopKWriter; "
+        "w = TopKWriter(sys.argv[1], model='x', k=2, temperature=1.0, vocab_size=97, head_rows=97, "
+        "num_sequences=1); print('locked', flush=True); time.sleep(60)"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
-    other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "c")], stdout=subprocess.PIPE, env=env,
-                             text=True)
+    other = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "c")], stdout=subprocess.PIPE, env=env, text=True
+    )
     try:
         assert other.stdout.readline().strip() == "locked"
         mdir = _llama_without_tokenizer(tmp_path)
         data = _jsonl(tmp_path / "d.jsonl", _seqs(3, vocab=97))
         capsys.readouterr()
-        assert cli_main(["topk-extract", "--model", mdir, "--data", data, "--out", str(tmp_path / "c"), "--k", "2",
-                         "--device", "cpu"]) == 2
+        assert (
+            cli_main(
+                [
+                    "topk-extract",
+                    "--model",
+                    mdir,
+                    "--data",
+                    data,
+                    "--out",
+                    str(tmp_path / "c"),
+                    "--k",
+                    "2",
+                    "--device",
+                    "cpu",
+                ]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
         assert "another extraction is writing into" in err and len(err.strip().splitlines()) == 1
     finally:
@@ -157,10 +242,22 @@ def test_a_second_extraction_into_the_same_store_fails_at_once(tmp_path, capsys)
 
 # ------------------------------------------------------------------------------------ defect 4
 
-@pytest.mark.parametrize("bad", [dict(k=0), dict(k=True), dict(k=31), dict(temperature=0.0),
-                                 dict(temperature=float("nan")), dict(temperature=float("inf")),
-                                 dict(temperature=-1.0), dict(logprob_dtype="int8"), dict(sequences_per_shard=0),
-                                 dict(batch_tokens=0)])
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(k=0),
+        dict(k=True),
+        dict(k=31),
+        dict(temperature=0.0),
+        dict(temperature=float("nan")),
+        dict(temperature=float("inf")),
+        dict(temperature=-1.0),
+        dict(logprob_dtype="int8"),
+        dict(sequences_per_shard=0),
+        dict(batch_tokens=0),
+    ],
+)
 def test_rejected_arguments_write_nothing(tmp_path, bad):
     out = tmp_path / "s"
     with pytest.raises(ValueError):
@@ -186,6 +283,7 @@ def test_boolean_token_ids_are_refused(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------ defect 5
 
+
 def _edit(man, path, value):
     obj = man
     for key in path[:-1]:
@@ -196,21 +294,24 @@ def _edit(man, path, value):
         obj[path[-1]] = value
 
 
-@pytest.mark.parametrize("path,value,match", [
-    (("k",), "8", "field 'k' must be int"),
-    (("k",), KeyError, "lacks the field 'k'"),
-    (("shards",), {"0": 1}, "field 'shards' must be list"),
-    (("shards", 0), 5, r"shards\[0\] must be a JSON object"),
-    (("shards", 0, "sha256"), KeyError, r"shards\[0\] lacks the field 'sha256'"),
-    (("shards", 1, "index"), 0, "shard 0 is listed twice"),
-    (("shards", 0, "index"), 99, "index 99, outside"),
-    (("shards", 0, "file"), "../../etc/passwd", "file must be 'shard-00000.safetensors'"),
-    (("shards", 1, "first_sequence"), 3, r"must hold sequences \[8, 16\)"),
-    (("shards",), "DROP1", r"marked complete but lacks shards \[1\]"),
-    (("k",), 51, r"k 51 must be in \[1, vocab_size = 50\]"),
-    (("temperature",), None, "field 'temperature' must be float"),
-    (("num_rows",), 3, "num_rows 3 is not the sum"),
-])
+@pytest.mark.parametrize(
+    "path,value,match",
+    [
+        (("k",), "8", "field 'k' must be int"),
+        (("k",), KeyError, "lacks the field 'k'"),
+        (("shards",), {"0": 1}, "field 'shards' must be list"),
+        (("shards", 0), 5, r"shards\[0\] must be a JSON object"),
+        (("shards", 0, "sha256"), KeyError, r"shards\[0\] lacks the field 'sha256'"),
+        (("shards", 1, "index"), 0, "shard 0 is listed twice"),
+        (("shards", 0, "index"), 99, "index 99, outside"),
+        (("shards", 0, "file"), "../../etc/passwd", "file must be 'shard-00000.safetensors'"),
+        (("shards", 1, "first_sequence"), 3, r"must hold sequences \[8, 16\)"),
+        (("shards",), "DROP1", r"marked complete but lacks shards \[1\]"),
+        (("k",), 51, r"k 51 must be in \[1, vocab_size = 50\]"),
+        (("temperature",), None, "field 'temperature' must be float"),
+        (("num_rows",), 3, "num_rows 3 is not the sum"),
+    ],
+)
 def test_malformed_manifests_raise_store_errors(tmp_path, path, value, match):
     _write_store(tmp_path / "s", n_shards=3)
     mpath = tmp_path / "s" / "manifest.json"
@@ -229,6 +330,7 @@ def test_malformed_manifests_raise_store_errors(tmp_path, path, value, match):
 
 # ------------------------------------------------------------------------------------ defects 6 and 8
 
+
 def test_bad_data_is_found_first_and_named_by_line(tmp_path, capsys, monkeypatch):
     transformers = pytest.importorskip("transformers")
     mdir = _llama_without_tokenizer(tmp_path)
@@ -237,12 +339,28 @@ def test_bad_data_is_found_first_and_named_by_line(tmp_path, capsys, monkeypatch
     data = _jsonl(tmp_path / "d.jsonl", seqs)
     loads = []
     real = transformers.AutoModelForCausalLM.from_pretrained
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
-                        classmethod(lambda cls, *a, **kw: loads.append(a) or real(*a, **kw)))
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM,
+        "from_pretrained",
+        classmethod(lambda cls, *a, **kw: loads.append(a) or real(*a, **kw)),
+    )
     out = tmp_path / "s"
     capsys.readouterr()
-    argv = ["topk-extract", "--model", mdir, "--data", data, "--out", str(out), "--k", "4",
-            "--sequences-per-shard", "3", "--device", "cpu"]
+    argv = [
+        "topk-extract",
+        "--model",
+        mdir,
+        "--data",
+        data,
+        "--out",
+        str(out),
+        "--k",
+        "4",
+        "--sequences-per-shard",
+        "3",
+        "--device",
+        "cpu",
+    ]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
     assert "d.jsonl:7: token id 97 is outside [0, 97)" in err
@@ -255,8 +373,11 @@ def test_bad_data_is_found_first_and_named_by_line(tmp_path, capsys, monkeypatch
     # other input errors: one line each, before the model loads
     (tmp_path / "d.csv").write_text("1,2\n")
     (tmp_path / "e.jsonl").write_text('{"input_ids": [1, 2]}\n{"input_ids": [1, 2}\n')
-    for data_arg, msg in ((str(tmp_path / "missing.jsonl"), "does not exist"), (str(tmp_path / "d.csv"), "unknown"),
-                          (str(tmp_path / "e.jsonl"), "e.jsonl:2: not valid JSON")):
+    for data_arg, msg in (
+        (str(tmp_path / "missing.jsonl"), "does not exist"),
+        (str(tmp_path / "d.csv"), "unknown"),
+        (str(tmp_path / "e.jsonl"), "e.jsonl:2: not valid JSON"),
+    ):
         assert cli_main(argv[:3] + ["--data", data_arg] + argv[5:]) == 2
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1
@@ -266,6 +387,7 @@ def test_bad_data_is_found_first_and_named_by_line(tmp_path, capsys, monkeypatch
 
 
 # ------------------------------------------------------------------------------------ defect 7
+
 
 def test_files_respect_the_umask(tmp_path):
     old = os.umask(0o022)
@@ -281,6 +403,7 @@ def test_files_respect_the_umask(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ defect 9
+
 
 def test_demo_checkpoints_are_checksummed(tmp_path):
     from nitrobrew.demo import checkpoint as ck
@@ -311,8 +434,9 @@ def test_demo_checkpoints_are_checksummed(tmp_path):
         read_record(path)
 
 
-@pytest.mark.parametrize("flag", [["--batch-size", "0"], ["--student-steps", "-1"], ["--lr", "nan"],
-                                  ["--threads", "0"], ["--vocab", "x"]])
+@pytest.mark.parametrize(
+    "flag", [["--batch-size", "0"], ["--student-steps", "-1"], ["--lr", "nan"], ["--threads", "0"], ["--vocab", "x"]]
+)
 def test_demo_size_flags_are_validated(flag, capsys):
     with pytest.raises(SystemExit) as info:
         cli_main(["demo", "--preset", "tiny", "--out", "/nonexistent/never"] + flag)
@@ -322,10 +446,17 @@ def test_demo_size_flags_are_validated(flag, capsys):
 
 # ------------------------------------------------------------------------------------ scale-out
 
+
 def test_shards_in_parts_reproduce_the_single_process_store(tmp_path):
     teacher, seqs = _tiny_teacher(), _seqs(23)
-    kw = dict(k=K, temperature=1.3, sequences_per_shard=4, batch_tokens=16, logprob_dtype="bfloat16",
-              source={"path": "corpus"})
+    kw = dict(
+        k=K,
+        temperature=1.3,
+        sequences_per_shard=4,
+        batch_tokens=16,
+        logprob_dtype="bfloat16",
+        source={"path": "corpus"},
+    )
     single = extract_topk(teacher, seqs, str(tmp_path / "one"), **kw)
     assert single["complete"] and len(single["shards"]) == 6
     # part 1 of 2 first: the store is not complete until part 0 has run too
@@ -348,8 +479,9 @@ def test_shards_in_parts_reproduce_the_single_process_store(tmp_path):
         return teacher.hidden_fn(ids, mask)
 
     with pytest.raises(KeyboardInterrupt):
-        extract_topk(Teacher(flaky, teacher.weight, None, "toy", 30), seqs, str(tmp_path / "three"),
-                     num_parts=3, part=1, **kw)
+        extract_topk(
+            Teacher(flaky, teacher.weight, None, "toy", 30), seqs, str(tmp_path / "three"), num_parts=3, part=1, **kw
+        )
     extract_topk(teacher, seqs, str(tmp_path / "three"), num_parts=3, part=1, **kw)
     assert _files(tmp_path / "one") == _files(tmp_path / "three")
     # a part run into a complete store has nothing to do; another split is refused while parts exist
@@ -364,9 +496,24 @@ def test_shards_in_parts_reproduce_the_single_process_store(tmp_path):
 def test_cli_shards_and_torchrun_environment(tmp_path, capsys, monkeypatch):
     mdir = _llama_without_tokenizer(tmp_path)
     data = _jsonl(tmp_path / "d.jsonl", _seqs(7, vocab=97))
-    base = ["topk-extract", "--model", mdir, "--data", data, "--k", "4", "--sequences-per-shard", "2",
-            "--logprob-dtype", "float16", "--id-dtype", "uint16",
-            "--device", "cpu", "--no-progress"]
+    base = [
+        "topk-extract",
+        "--model",
+        mdir,
+        "--data",
+        data,
+        "--k",
+        "4",
+        "--sequences-per-shard",
+        "2",
+        "--logprob-dtype",
+        "float16",
+        "--id-dtype",
+        "uint16",
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
     assert cli_main(base + ["--out", str(tmp_path / "one")]) == 0
     assert cli_main(base + ["--out", str(tmp_path / "two"), "--num-shards", "2", "--shard-index", "1"]) == 0
     assert "complete once every part has run" in capsys.readouterr().out
@@ -379,6 +526,7 @@ def test_cli_shards_and_torchrun_environment(tmp_path, capsys, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ verify, export, import
+
 
 def test_verify_command(tmp_path, capsys):
     _write_store(tmp_path / "s", n_shards=3)
@@ -402,8 +550,9 @@ def test_version(capsys):
     assert info.value.code == 0 and capsys.readouterr().out.strip() == f"nitrobrew {__version__}"
 
 
-@pytest.mark.parametrize("dtype,ids", [("float32", "int32"), ("bfloat16", "int32"), ("float16", "uint16"),
-                                       ("uint8", "uint24")])
+@pytest.mark.parametrize(
+    "dtype,ids", [("float32", "int32"), ("bfloat16", "int32"), ("float16", "uint16"), ("uint8", "uint24")]
+)
 def test_export_import_round_trip_is_bit_exact(tmp_path, dtype, ids):
     pytest.importorskip("pyarrow")
     _write_store(tmp_path / "s", n_shards=3, dtype=dtype, id_dtype=ids)
@@ -429,17 +578,26 @@ def test_import_foreign_parquet_and_datasets_reads_the_export(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    rows = [{"input_ids": [5, 6, 7], "target_token_ids": [[1, 2], [3, 4], [0, 0]],
-             "target_logprobs": [[-0.5, -1.0], [-0.125, -3.0], [0.0, 0.0]],
-             "target_mask": [[1, 1], [1, 0], [0, 0]]}]
+    rows = [
+        {
+            "input_ids": [5, 6, 7],
+            "target_token_ids": [[1, 2], [3, 4], [0, 0]],
+            "target_logprobs": [[-0.5, -1.0], [-0.125, -3.0], [0.0, 0.0]],
+            "target_mask": [[1, 1], [1, 0], [0, 0]],
+        }
+    ]
     (tmp_path / "foreign").mkdir()
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "foreign" / "x.parquet")
     with pytest.raises(ValueError, match="pass --temperature"):
         from nitrobrew.topk.interop import import_store
 
         import_store(str(tmp_path / "foreign"), str(tmp_path / "s"))
-    assert cli_main(["topk-import", str(tmp_path / "foreign"), str(tmp_path / "s"), "--temperature", "1",
-                     "--vocab-size", "10"]) == 0
+    assert (
+        cli_main(
+            ["topk-import", str(tmp_path / "foreign"), str(tmp_path / "s"), "--temperature", "1", "--vocab-size", "10"]
+        )
+        == 0
+    )
     item = TopKStore(str(tmp_path / "s"))[0]
     assert item["topk_ids"].tolist() == [[1, 2], [3, 0]]
     assert item["topk_logprobs"].tolist() == [[-0.5, -1.0], [-0.125, float("-inf")]]
@@ -448,11 +606,11 @@ def test_import_foreign_parquet_and_datasets_reads_the_export(tmp_path):
     _write_store(tmp_path / "st", n_shards=2)
     cli_main(["topk-export", str(tmp_path / "st"), str(tmp_path / "pq")])
     ds = datasets.load_dataset("parquet", data_dir=str(tmp_path / "pq" / "data"), split="train")
-    assert len(ds) == 16 and set(ds.column_names) >= {"input_ids", "target_token_ids", "target_logprobs",
-                                                      "target_mask"}
+    assert len(ds) == 16 and set(ds.column_names) >= {"input_ids", "target_token_ids", "target_logprobs", "target_mask"}
 
 
 # ------------------------------------------------------------------------------------ inputs
+
 
 def _word_tokenizer(tmp_path):
     """A tiny word-level tokenizer with a chat template, saved as a model's would be (no downloads)."""
@@ -479,9 +637,14 @@ def test_text_chat_and_datasets_inputs(tmp_path, capsys):
     tok = load_tokenizer(tdir)
     ids = {w: i for i, w in enumerate(words)}
     f = tmp_path / "t.jsonl"
-    f.write_text(json.dumps({"text": "hello world"}) + "\n" +
-                 json.dumps({"messages": [{"role": "user", "content": "how are you"},
-                                          {"role": "assistant", "content": "fine"}]}) + "\n")
+    f.write_text(
+        json.dumps({"text": "hello world"})
+        + "\n"
+        + json.dumps(
+            {"messages": [{"role": "user", "content": "how are you"}, {"role": "assistant", "content": "fine"}]}
+        )
+        + "\n"
+    )
     with pytest.raises(ValueError, match="t.jsonl:2: a chat \\(messages\\) needs --chat-template"):
         read_all(open_corpus(str(f), tokenizer=tok))
     with pytest.raises(ValueError, match="t.jsonl:1: text needs a tokenizer"):
@@ -498,8 +661,28 @@ def test_text_chat_and_datasets_inputs(tmp_path, capsys):
     # end to end: text through the CLI with --tokenizer; the manifest names the tokenizer
     mdir = _llama_without_tokenizer(tmp_path)
     out = str(tmp_path / "s")
-    assert cli_main(["topk-extract", "--model", mdir, "--tokenizer", tdir, "--data", str(f), "--chat-template",
-                     "--out", out, "--k", "4", "--device", "cpu", "--no-progress"]) == 0
+    assert (
+        cli_main(
+            [
+                "topk-extract",
+                "--model",
+                mdir,
+                "--tokenizer",
+                tdir,
+                "--data",
+                str(f),
+                "--chat-template",
+                "--out",
+                out,
+                "--k",
+                "4",
+                "--device",
+                "cpu",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     man = TopKStore(out).manifest
     assert man["source"]["chat_template"] is True and man["num_sequences"] == 2
     assert man["source"]["tokenizer"] == tdir
@@ -509,8 +692,9 @@ def test_text_chat_and_datasets_inputs(tmp_path, capsys):
 def test_progress_bar_reports_tokens(tmp_path, capsys):
     pytest.importorskip("tqdm")
     logs = []
-    man = extract_topk(_tiny_teacher(), _seqs(9), str(tmp_path / "s"), k=K, sequences_per_shard=4, progress=True,
-                       log=logs.append)
+    man = extract_topk(
+        _tiny_teacher(), _seqs(9), str(tmp_path / "s"), k=K, sequences_per_shard=4, progress=True, log=logs.append
+    )
     err = capsys.readouterr().err
     assert "tok/s" in err and f"{man['extracted_tokens']}" in logs[-1] and "ETA" in logs[-1]
 
@@ -554,8 +738,25 @@ def test_hub_id_from_the_local_cache(tmp_path, monkeypatch, capsys):
     with pytest.raises(FileNotFoundError, match="nor in the local Hugging Face cache"):
         resolve_model("acme/absent")
     data = _jsonl(tmp_path / "d.jsonl", _seqs(3, vocab=97))
-    assert cli_main(["topk-extract", "--model", "acme/tiny", "--data", data, "--out", str(tmp_path / "s"), "--k", "4",
-                     "--device", "cpu", "--no-progress"]) == 0
+    assert (
+        cli_main(
+            [
+                "topk-extract",
+                "--model",
+                "acme/tiny",
+                "--data",
+                data,
+                "--out",
+                str(tmp_path / "s"),
+                "--k",
+                "4",
+                "--device",
+                "cpu",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
 
 
 def test_datasets_folder_of_files_streamed_and_shard_flags(tmp_path, capsys):
@@ -566,8 +767,20 @@ def test_datasets_folder_of_files_streamed_and_shard_flags(tmp_path, capsys):
     _jsonl(tmp_path / "folder" / "a.jsonl", [[1, 2], [3]])
     assert read_all(open_corpus(str(tmp_path / "folder"))) == [[1, 2], [3]]
     mdir = _llama_without_tokenizer(tmp_path)
-    argv = ["topk-extract", "--model", mdir, "--data", str(tmp_path / "folder"), "--out", str(tmp_path / "s"),
-            "--k", "4", "--device", "cpu", "--no-progress"]
+    argv = [
+        "topk-extract",
+        "--model",
+        mdir,
+        "--data",
+        str(tmp_path / "folder"),
+        "--out",
+        str(tmp_path / "s"),
+        "--k",
+        "4",
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
     assert cli_main(argv + ["--num-shards", "2"]) == 2  # which part is this process?
     assert "needs --shard-index" in capsys.readouterr().err
     assert cli_main(argv) == 0
@@ -595,8 +808,16 @@ def test_packed_ids(tmp_path, id_dtype, nbytes):
         assert torch.equal(a[i]["topk_logprobs"], b[i]["topk_logprobs"])
     assert cli_main(["topk-verify", str(tmp_path / "p"), "--quiet"]) == 0
     with pytest.raises(ValueError, match="id_dtype must be one of"):
-        TopKWriter(str(tmp_path / "x"), model="m", k=2, temperature=1.0, vocab_size=70000, head_rows=70000,
-                   num_sequences=1, id_dtype="uint16")
+        TopKWriter(
+            str(tmp_path / "x"),
+            model="m",
+            k=2,
+            temperature=1.0,
+            vocab_size=70000,
+            head_rows=70000,
+            num_sequences=1,
+            id_dtype="uint16",
+        )
     assert not (tmp_path / "x").exists()
 
 

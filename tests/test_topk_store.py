@@ -1,4 +1,5 @@
 """Top-k extraction, storage and batching, on tiny randomly initialized Hugging Face models."""
+
 import json
 import os
 import sys
@@ -27,9 +28,16 @@ K, T = 8, 1.5
 
 
 def _llama(tmp_path, tie=False):
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=tie)
+    cfg = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # realistic logit spreads (a fresh init gives near-uniform distributions)
@@ -41,9 +49,16 @@ def _llama(tmp_path, tie=False):
 
 def _qwen_padded(tmp_path):
     """A teacher whose head has 128 rows for a 100-token vocabulary (tied embeddings)."""
-    cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=True)
+    cfg = transformers.Qwen2Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(1)
     model = transformers.Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():  # give the padded rows the largest logits: they must still be excluded
@@ -74,9 +89,32 @@ def test_cli_extract_matches_direct_forward(tmp_path, capsys):
     model, mdir = _llama(tmp_path)
     seqs, data = _corpus(tmp_path)
     out = str(tmp_path / "store")
-    assert cli_main(["topk-extract", "--model", mdir, "--data", data, "--out", out, "--k", str(K),
-                     "--temperature", str(T), "--sequences-per-shard", "3", "--device", "cpu",
-                     "--batch-tokens", "20", "--chunk-v", "13"]) == 0
+    assert (
+        cli_main(
+            [
+                "topk-extract",
+                "--model",
+                mdir,
+                "--data",
+                data,
+                "--out",
+                out,
+                "--k",
+                str(K),
+                "--temperature",
+                str(T),
+                "--sequences-per-shard",
+                "3",
+                "--device",
+                "cpu",
+                "--batch-tokens",
+                "20",
+                "--chunk-v",
+                "13",
+            ]
+        )
+        == 0
+    )
     assert "tokens/s" in capsys.readouterr().out
     store = TopKStore(out)
     man = store.manifest
@@ -112,8 +150,14 @@ def test_padded_vocab_is_excluded(tmp_path):
         torch.testing.assert_close(item["topk_logprobs"].double(), lp, rtol=0, atol=2e-5)
     # without vocab_size the padded rows (largest logits here) would take the top of the list
     everything = teacher_from_hf(model, vocab_size=128)
-    ids_all, _ = streaming_topk(everything.hidden_fn(torch.tensor([seqs[0]]), torch.ones(1, 5, dtype=torch.long))[0],
-                                everything.weight, None, K, T, 128)
+    ids_all, _ = streaming_topk(
+        everything.hidden_fn(torch.tensor([seqs[0]]), torch.ones(1, 5, dtype=torch.long))[0],
+        everything.weight,
+        None,
+        K,
+        T,
+        128,
+    )
     assert int(ids_all.max()) >= 100
 
 
@@ -185,20 +229,42 @@ def test_collator_alignment_with_the_loss(tmp_path):
     for b, s in enumerate(seqs):
         n = len(s)
         assert batch["labels"][b, : n - 1].tolist() == s[1:]
-        assert (batch["labels"][b, max(n - 1, 0):] == -100).all()
-        assert torch.isinf(batch["topk_logprobs"][b, max(n - 1, 0):]).all()
+        assert (batch["labels"][b, max(n - 1, 0) :] == -100).all()
+        assert torch.isinf(batch["topk_logprobs"][b, max(n - 1, 0) :]).all()
     with torch.no_grad():
         h = teacher.hidden_fn(batch["input_ids"], batch["attention_mask"])
     w = teacher.weight.detach()
-    loss = topk_kl(h, w, batch["topk_ids"], batch["topk_logprobs"], labels=batch["labels"], temperature=T,
-                   teacher_temperature=ds.temperature, backend="torch")
+    loss = topk_kl(
+        h,
+        w,
+        batch["topk_ids"],
+        batch["topk_logprobs"],
+        labels=batch["labels"],
+        temperature=T,
+        teacher_temperature=ds.temperature,
+        backend="torch",
+    )
     assert abs(loss.item()) < 1e-4
-    shifted = topk_kl(h[:, 1:], w, batch["topk_ids"][:, :-1], batch["topk_logprobs"][:, :-1],
-                      labels=batch["labels"][:, :-1], temperature=T, backend="torch")
+    shifted = topk_kl(
+        h[:, 1:],
+        w,
+        batch["topk_ids"][:, :-1],
+        batch["topk_logprobs"][:, :-1],
+        labels=batch["labels"][:, :-1],
+        temperature=T,
+        backend="torch",
+    )
     assert shifted.item() > 0.1
     with pytest.raises(ValueError, match="must carry"):
-        TopKCollator()([{"input_ids": torch.arange(4), "topk_ids": torch.zeros(4, K, dtype=torch.long),
-                         "topk_logprobs": torch.zeros(4, K)}])
+        TopKCollator()(
+            [
+                {
+                    "input_ids": torch.arange(4),
+                    "topk_ids": torch.zeros(4, K, dtype=torch.long),
+                    "topk_logprobs": torch.zeros(4, K),
+                }
+            ]
+        )
 
 
 def test_streaming_topk_exact_and_no_vocab_wide_tensor():
@@ -252,8 +318,12 @@ def test_writer_reader_and_extract_errors(tmp_path):
     with pytest.raises(ValueError, match=r"shard 0 holds sequences \[0, 2\)"):
         w.write_shard(0, [torch.arange(3)], [torch.zeros(2, 2)], [torch.zeros(2, 2)])
     with pytest.raises(ValueError, match=r"top-k blocks must be \(2, 2\)"):
-        w.write_shard(0, [torch.arange(3), torch.arange(2)], [torch.zeros(3, 2), torch.zeros(1, 2)],
-                      [torch.zeros(3, 2), torch.zeros(1, 2)])
+        w.write_shard(
+            0,
+            [torch.arange(3), torch.arange(2)],
+            [torch.zeros(3, 2), torch.zeros(1, 2)],
+            [torch.zeros(3, 2), torch.zeros(1, 2)],
+        )
     with pytest.raises(StoreError, match=r"shards \[0, 1\] are not written"):
         w.finish()
     with pytest.raises(StoreError, match="manifest.json is missing"):
@@ -266,8 +336,14 @@ def test_writer_reader_and_extract_errors(tmp_path):
     teacher = Teacher(lambda ids, mask: torch.zeros(*ids.shape, 4), torch.randn(10, 4), None, "t", 10)
     with pytest.raises(ValueError, match=r"sequence 0: token id 30 is outside \[0, 10\)"):
         extract_topk(teacher, [[1, 2, 30]], str(tmp_path / "d"), k=2)
-    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1)
+    cfg = transformers.LlamaConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     model = transformers.LlamaForCausalLM(cfg)
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(NotImplementedError, match="final_logit_softcapping"):
@@ -277,8 +353,10 @@ def test_writer_reader_and_extract_errors(tmp_path):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("dtype,group,chunk,T", [(torch.bfloat16, 16, 211, 0.8), (torch.float32, 8, 500, 1.0),
-                                                 (torch.bfloat16, 32, 3001, 2.0)])
+@pytest.mark.parametrize(
+    "dtype,group,chunk,T",
+    [(torch.bfloat16, 16, 211, 0.8), (torch.float32, 8, 500, 1.0), (torch.bfloat16, 32, 3001, 2.0)],
+)
 def test_streaming_topk_triton_scan_matches_float64(dtype, group, chunk, T):
     """The fused chunk pass (tempering, log-sum-exp, group maxima) at chunk ends that cut groups."""
     g = torch.Generator().manual_seed(1)
@@ -287,8 +365,7 @@ def test_streaming_topk_triton_scan_matches_float64(dtype, group, chunk, T):
     w = (torch.randn(V, D, generator=g) * 0.6).to(dtype)
     b = torch.randn(V, generator=g).to(dtype)
     ids, lp = streaming_topk(h, w, b, 11, T, vocab_size=2999, chunk=chunk, backend="triton", group=group)
-    want_lp, want_ids = torch.log_softmax(
-        (h.double() @ w[:2999].double().t() + b[:2999].double()) / T, -1).topk(11)
+    want_lp, want_ids = torch.log_softmax((h.double() @ w[:2999].double().t() + b[:2999].double()) / T, -1).topk(11)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(lp.double(), want_lp, rtol=0, atol=2e-5)
     ids_t, lp_t = streaming_topk(h, w, b, 11, T, vocab_size=2999, chunk=chunk, backend="torch", group=group)

@@ -1,4 +1,5 @@
 """Triton top-k kernels under the interpreter (TRITON_INTERPRET=1) at small odd shapes."""
+
 import math
 
 import pytest
@@ -24,8 +25,11 @@ def make(dtype=torch.float32, seed=0, close=False):
     xs = torch.randn(N, D, generator=g).to(dtype)
     ws = (torch.randn(V, D, generator=g) * 1.5).to(dtype)
     bs = torch.randn(V, generator=g).to(dtype)
-    t = (xs.double() @ ws.double().t() + 0.3 * torch.randn(N, V, generator=g, dtype=torch.float64)) if close \
+    t = (
+        (xs.double() @ ws.double().t() + 0.3 * torch.randn(N, V, generator=g, dtype=torch.float64))
+        if close
         else torch.randn(N, V, generator=g, dtype=torch.float64) * 5
+    )
     lp, ids = torch.log_softmax(t, -1).topk(K, -1)
     lp = lp.clone()
     lp[2, 3:] = float("-inf")
@@ -86,7 +90,7 @@ def test_triton_native_accumulation_and_no_head_grad(monkeypatch):
     gx, gw = torch.autograd.grad(out, [xs, ws])
     assert _rel(gx, gx_ref) < 1e-4 and _rel(gw, gw_ref) < 1e-4
     out = topk_kl(xs, ws.detach(), ids, lp, backend="triton")
-    gx2, = torch.autograd.grad(out, [xs])
+    (gx2,) = torch.autograd.grad(out, [xs])
     assert _rel(gx2, gx_ref) < 1e-4
 
 
@@ -112,8 +116,10 @@ def test_vocab_range_pieces_merge_to_the_whole():
     safe = torch.where(valid, ids, 0)
     whole = tc.vocab_pass(x, w, b, None, tc.Entries.build(safe, valid), cfg, chunk=8)
     cuts = [0, 17, 30, V]
-    parts = [tc.vocab_pass(x, w[lo:hi], b[lo:hi], None, tc.Entries.build(safe, valid), cfg, lo=lo, chunk=8)
-             for lo, hi in zip(cuts, cuts[1:])]
+    parts = [
+        tc.vocab_pass(x, w[lo:hi], b[lo:hi], None, tc.Entries.build(safe, valid), cfg, lo=lo, chunk=8)
+        for lo, hi in zip(cuts, cuts[1:])
+    ]
     merged = merge_states([p.s for p in parts])
     torch.testing.assert_close(merged.lse(), whole.s.lse())
     torch.testing.assert_close(sum(p.z_ids for p in parts), whole.z_ids)
@@ -141,8 +147,9 @@ def _triton_pieces(xs, ws, bs, ids, lp, labels, cfg):
     lse = td.lse_range(x, w, b, cfg.temperature, True, outside=row_ids if cfg.tail else None)
     z = td.gather_logits(x, w, b, ids_g.contiguous())
     K = ids.shape[1]
-    res, lse_s, lse_z, ce = tc.finish(z[:, :K].reshape(-1), lp, valid, Online(lse[0], ones), Online(lse[1], ones),
-                                      z[:, K], cfg)
+    res, lse_s, lse_z, ce = tc.finish(
+        z[:, :K].reshape(-1), lp, valid, Online(lse[0], ones), Online(lse[1], ones), z[:, K], cfg
+    )
     mask = ones
     total = tc.combine_rows(res, ce, mask, cfg)[0]
     up = torch.rand(n, generator=torch.Generator().manual_seed(7))
@@ -151,8 +158,10 @@ def _triton_pieces(xs, ws, bs, ids, lp, labels, cfg):
     return total, up, grads
 
 
-@pytest.mark.parametrize("dtype,K,div", [(torch.float32, 20, "forward_kl"), (torch.bfloat16, 20, "forward_kl"),
-                                         (torch.float32, 1, "reverse_kl")])
+@pytest.mark.parametrize(
+    "dtype,K,div",
+    [(torch.float32, 20, "forward_kl"), (torch.bfloat16, 20, "forward_kl"), (torch.float32, 1, "reverse_kl")],
+)
 def test_triton_tail_of_a_saturated_student(dtype, K, div):
     """q_tail ~ 1e-9 (below fp32 eps): the old 1 - sum q_k is off by nats, the kernels' directly
     accumulated tail is not. K = 20 > the interpreter's 16-wide tiles: whole tiles of a row's logits
@@ -163,8 +172,15 @@ def test_triton_tail_of_a_saturated_student(dtype, K, div):
     xs, ws, bs, ids, lp, hot = saturated_case(N=13, D=24, V=53, K=K, dtype=dtype, first_hot=0)
     cold = check_saturated(xs, ws, bs, ids, hot, 0.9)
     labels = torch.randint(0, 53, (13,), generator=torch.Generator().manual_seed(1))
-    kw = dict(tail=True, divergence=div, temperature=0.9, bs=bs, labels=labels, ce_weight=0.3 if K > 1 else 0.0,
-              reduction="none")  # (the CE's O(1) gradient would hide an error at the dominant id)
+    kw = dict(
+        tail=True,
+        divergence=div,
+        temperature=0.9,
+        bs=bs,
+        labels=labels,
+        ce_weight=0.3 if K > 1 else 0.0,
+        reduction="none",
+    )  # (the CE's O(1) gradient would hide an error at the dominant id)
     out = topk_kl(xs, ws, ids, lp, backend="triton", **kw)
     ref = reference_topk_loss(xs, ws, ids, lp, **kw)
     torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=1e-6)
@@ -215,7 +231,7 @@ def test_triton_fast_mode_upstream_gradients_and_frozen_head():
     for a, b in zip(torch.autograd.grad(out * 2.5, [xs, ws, bs]), want):
         assert _rel(a, b) < 1e-4
     out = topk_kl(xs, ws.detach(), ids, lp, backend="triton", memory_budget=budget, **dict(kw, bs=bs.detach()))
-    gx, = torch.autograd.grad(out, [xs])
+    (gx,) = torch.autograd.grad(out, [xs])
     assert _rel(gx * 2.5, want[0]) < 1e-4
     with torch.no_grad():
         assert torch.allclose(topk_kl(xs, ws, ids, lp, backend="triton", memory_budget=budget, **kw).double(), ref)
@@ -275,11 +291,18 @@ def _support_case(seed=7, n=13, k=7, v=53, d=24, hot=3):
     return xs.requires_grad_(), ws.requires_grad_(), bs.requires_grad_(), ids, lp, labels
 
 
-@pytest.mark.parametrize("case", [
-    dict(), dict(divergence="reverse_kl", temperature=0.5, bias=True), dict(divergence="jsd", beta=0.3),
-    dict(divergence="tvd", reduction="sum"), dict(divergence="skew_kl", alpha=0.2, reduction="none", bias=True),
-    dict(divergence="skew_reverse_kl", alpha=0.4, temperature=3.0, kd_weight=0.5, scale_t2=True),
-], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(),
+        dict(divergence="reverse_kl", temperature=0.5, bias=True),
+        dict(divergence="jsd", beta=0.3),
+        dict(divergence="tvd", reduction="sum"),
+        dict(divergence="skew_kl", alpha=0.2, reduction="none", bias=True),
+        dict(divergence="skew_reverse_kl", alpha=0.4, temperature=3.0, kd_weight=0.5, scale_t2=True),
+    ],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "default",
+)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_support_kernels_match_reference(case, deterministic, monkeypatch):
     """normalize="topk" kernels: long dW rows (two of them adjacent, so windows meet both), several id
@@ -323,8 +346,18 @@ def test_support_parts(reduction):
     """return_parts of normalize="topk": kd unweighted, ce 0, loss = kd_weight * kd (the scalar
     reductions come from one kernel)."""
     xs, ws, bs, ids, lp, labels = _support_case(seed=4)
-    out = topk_kl(xs, ws, ids, lp, normalize="topk", labels=labels, reduction=reduction, kd_weight=0.25,
-                  return_parts=True, backend="triton")
+    out = topk_kl(
+        xs,
+        ws,
+        ids,
+        lp,
+        normalize="topk",
+        labels=labels,
+        reduction=reduction,
+        kd_weight=0.25,
+        return_parts=True,
+        backend="triton",
+    )
     ref = reference_topk_loss(xs, ws, ids, lp, normalize="topk", labels=labels, reduction=reduction)
     torch.testing.assert_close(out.kd.double(), ref.detach(), rtol=2e-5, atol=1e-6)
     torch.testing.assert_close(out.loss.double(), 0.25 * ref.detach(), rtol=2e-5, atol=1e-6)
@@ -358,9 +391,14 @@ def test_stored_checks_kernel(where):
     lp[5, 3], ids[5, 3] = float("-inf"), 10**6  # padding: any id
     lp[5, 4], ids[5, 4] = float("-inf"), int(ids[5, 0])  # padding may repeat a valid id
     row = 0 if where == 0 else n - 1
-    cases = ((float("nan"), None, None, "NaN"), (float("inf"), None, None, "NaN or \\+inf"),
-             (None, v, None, r"topk_ids .* must lie in \[0, 61\)"), (None, -1, None, r"must lie in"),
-             (None, None, "dup", "repeats an id"), (None, None, "sum", "not a sub-distribution"))
+    cases = (
+        (float("nan"), None, None, "NaN"),
+        (float("inf"), None, None, "NaN or \\+inf"),
+        (None, v, None, r"topk_ids .* must lie in \[0, 61\)"),
+        (None, -1, None, r"must lie in"),
+        (None, None, "dup", "repeats an id"),
+        (None, None, "sum", "not a sub-distribution"),
+    )
     for bad_lp, bad_id, other, match in cases:
         i, l = ids.clone(), lp.clone()
         if bad_lp is not None:

@@ -3,6 +3,7 @@ module of the package is named in CONTRIBUTING.md's layout and in docs/design.md
 
 Run by `make lint` (so by `make test`); prints each problem and exits non-zero if there is one.
 """
+
 from __future__ import annotations
 
 import re
@@ -31,14 +32,21 @@ def main() -> int:
     problems = []
     for path in tracked("*.py", "*.md"):
         for no, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            if ("design" in line and "§" in line and not REF.search(line) and path.name != "design.md"
-                    and path != Path(__file__).resolve()):
+            if (
+                "design" in line
+                and "§" in line
+                and not REF.search(line)
+                and path.name != "design.md"
+                and path != Path(__file__).resolve()
+            ):
                 problems.append(f"{path.relative_to(ROOT)}:{no}: a design reference this check cannot read")
             for number in REF.findall(line):
                 if number not in known:
-                    problems.append(f"{path.relative_to(ROOT)}:{no}: design §{number} is not a section of docs/design.md")
+                    problems.append(
+                        f"{path.relative_to(ROOT)}:{no}: design §{number} is not a section of docs/design.md"
+                    )
     contributing = (ROOT / "CONTRIBUTING.md").read_text()
-    where = design[design.index("## 11."):]
+    where = design[design.index("## 11.") :]
     for module in tracked("nitrobrew/*.py", "nitrobrew/**/*.py"):
         if module.name == "__init__.py":
             continue

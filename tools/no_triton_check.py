@@ -5,6 +5,7 @@ Run by `make test` in a second virtualenv that has torch (CPU) and `pip install 
 no extras): the PyTorch paths must never import a module that imports triton. Prints one line per
 check and a closing "N passed, N failed"; exits non-zero on any failure or if triton is importable.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -30,6 +31,7 @@ def check(name):
         except Exception:  # report every failing check, not only the first
             RESULTS.append((name, traceback.format_exc()))
         return fn
+
     return run
 
 
@@ -54,8 +56,15 @@ def _():
     assert "site-packages" in nitrobrew.__file__, f"nitrobrew imported from {nitrobrew.__file__}"
 
 
-for _name, _opts in (("forward_kl", {}), ("reverse_kl", {}), ("jsd", {"beta": 0.3}), ("tvd", {}),
-                     ("skew_kl", {"alpha": 0.2}), ("skew_reverse_kl", {"alpha": 0.2})):
+for _name, _opts in (
+    ("forward_kl", {}),
+    ("reverse_kl", {}),
+    ("jsd", {"beta": 0.3}),
+    ("tvd", {}),
+    ("skew_kl", {"alpha": 0.2}),
+    ("skew_reverse_kl", {"alpha": 0.2}),
+):
+
     @check(f"{_name} on CPU, backward")
     def _(name=_name, opts=_opts):
         import nitrobrew

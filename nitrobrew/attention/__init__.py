@@ -4,6 +4,7 @@
 (``chunked``), Triton kernels (``kernels_fwd``, ``kernels_bwd``) and a materializing float64
 reference (``reference``). See docs/attention.md.
 """
+
 from .api import attention_kl
 from .reference import reference_attention_kl
 

@@ -1,4 +1,5 @@
 """Public attention-distillation KL: validation, backend dispatch, reduction."""
+
 from __future__ import annotations
 
 import math
@@ -27,12 +28,39 @@ def _check_scale(name: str, value) -> None:
         raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
 
 
-def _validate(q_s, k_s, q_t, k_t, *, is_causal, causal_offset, scale_s, scale_t, temperature, direction,
-              reduction, target, key_padding_mask, kv_lengths, query_mask, lse_t, backend, chunk_size):
+def _validate(
+    q_s,
+    k_s,
+    q_t,
+    k_t,
+    *,
+    is_causal,
+    causal_offset,
+    scale_s,
+    scale_t,
+    temperature,
+    direction,
+    reduction,
+    target,
+    key_padding_mask,
+    kv_lengths,
+    query_mask,
+    lse_t,
+    backend,
+    chunk_size,
+):
     for name, t in (("q_s", q_s), ("k_s", k_s), ("q_t", q_t), ("k_t", k_t)):
         _check_tensor(name, t)
-    ck.check_same_device(q_s=q_s, k_s=k_s, q_t=q_t, k_t=k_t, key_padding_mask=key_padding_mask,
-                         kv_lengths=kv_lengths, query_mask=query_mask, lse_t=lse_t)
+    ck.check_same_device(
+        q_s=q_s,
+        k_s=k_s,
+        q_t=q_t,
+        k_t=k_t,
+        key_padding_mask=key_padding_mask,
+        kv_lengths=kv_lengths,
+        query_mask=query_mask,
+        lse_t=lse_t,
+    )
     ck.check_same_dtype(q_s=q_s, k_s=k_s)
     ck.check_same_dtype(q_t=q_t, k_t=k_t)
     if not isinstance(is_causal, bool):
@@ -60,15 +88,18 @@ def _validate(q_s, k_s, q_t, k_t, *, is_causal, causal_offset, scale_s, scale_t,
         if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
             raise ValueError(
                 f"{name} has {k.shape[1]} kv heads, which must divide the {q.shape[1]} query heads "
-                "(grouped-query attention)")
+                "(grouped-query attention)"
+            )
     if (B, Nq) != (Bt, Nqt) or k_s.shape[2] != k_t.shape[2]:
         raise ValueError(
             f"score grids differ: student [B={B}, Nq={Nq}, Nk={k_s.shape[2]}] vs teacher "
-            f"[B={Bt}, Nq={Nqt}, Nk={k_t.shape[2]}]; batch, query and key lengths must match")
+            f"[B={Bt}, Nq={Nqt}, Nk={k_t.shape[2]}]; batch, query and key lengths must match"
+        )
     if target == "per_head" and Ht != Hs:
         raise ValueError(
             f"student has {Hs} query heads and teacher {Ht}: the score grids [B, H, Nq, Nk] must match "
-            "(use target='head_mean' to distill groups of teacher heads into one student head)")
+            "(use target='head_mean' to distill groups of teacher heads into one student head)"
+        )
     if target == "head_mean" and (Hs == 0 or Ht % Hs != 0):
         raise ValueError(f"target='head_mean' needs the teacher's {Ht} heads to be a multiple of the student's {Hs}")
     Nk = k_s.shape[2]
@@ -76,7 +107,9 @@ def _validate(q_s, k_s, q_t, k_t, *, is_causal, causal_offset, scale_s, scale_t,
         if key_padding_mask.dtype != torch.bool:
             raise TypeError(f"key_padding_mask must be a bool tensor (True = keep), got {key_padding_mask.dtype}")
         if tuple(key_padding_mask.shape) != (B, Nk):
-            raise ValueError(f"key_padding_mask must have shape (B, Nk) = {(B, Nk)}, got {tuple(key_padding_mask.shape)}")
+            raise ValueError(
+                f"key_padding_mask must have shape (B, Nk) = {(B, Nk)}, got {tuple(key_padding_mask.shape)}"
+            )
     if kv_lengths is not None:
         if kv_lengths.dtype.is_floating_point or kv_lengths.dtype == torch.bool:
             raise TypeError(f"kv_lengths must be an integer tensor, got {kv_lengths.dtype}")
@@ -104,8 +137,10 @@ def _validate(q_s, k_s, q_t, k_t, *, is_causal, causal_offset, scale_s, scale_t,
             raise ValueError("backend='triton' supports target='per_head' only; use backend='torch' or 'auto'")
         for name, t in (("q_s", q_s), ("q_t", q_t)):
             if t.dtype not in _TRITON_DTYPES:
-                raise TypeError(f"backend='triton' takes float16/bfloat16/float32 inputs, got {name} {t.dtype} "
-                                "(use backend='torch' for float64)")
+                raise TypeError(
+                    f"backend='triton' takes float16/bfloat16/float32 inputs, got {name} {t.dtype} "
+                    "(use backend='torch' for float64)"
+                )
 
 
 def _pick_backend(backend: str, q_s, q_t, target: str) -> str:
@@ -180,16 +215,39 @@ def attention_kl(
     Returns:
         float32 loss (float64 when an input is float64 on the PyTorch path).
     """
-    _validate(q_s, k_s, q_t, k_t, is_causal=is_causal, causal_offset=causal_offset, scale_s=scale_s,
-              scale_t=scale_t, temperature=temperature, direction=direction, reduction=reduction, target=target,
-              key_padding_mask=key_padding_mask, kv_lengths=kv_lengths, query_mask=query_mask, lse_t=lse_t,
-              backend=backend, chunk_size=chunk_size)
+    _validate(
+        q_s,
+        k_s,
+        q_t,
+        k_t,
+        is_causal=is_causal,
+        causal_offset=causal_offset,
+        scale_s=scale_s,
+        scale_t=scale_t,
+        temperature=temperature,
+        direction=direction,
+        reduction=reduction,
+        target=target,
+        key_padding_mask=key_padding_mask,
+        kv_lengths=kv_lengths,
+        query_mask=query_mask,
+        lse_t=lse_t,
+        backend=backend,
+        chunk_size=chunk_size,
+    )
     impl = _pick_backend(backend, q_s, q_t, target)
     B, H, Nq, _ = q_s.shape
     Nk = k_s.shape[2]
     ss, st = effective_scales(q_s, q_t, scale_s, scale_t, temperature)
-    spec = AttnSpec(is_causal=is_causal, causal_offset=causal_offset if is_causal else 0, scale_s=ss,
-                    scale_t=st, direction=direction, target=target, chunk=chunk_size)
+    spec = AttnSpec(
+        is_causal=is_causal,
+        causal_offset=causal_offset if is_causal else 0,
+        scale_s=ss,
+        scale_t=st,
+        direction=direction,
+        target=target,
+        chunk=chunk_size,
+    )
     kpm = key_mask(key_padding_mask, kv_lengths, B, Nk, q_s.device)
     every_row = kpm is None and query_mask is None and Nk > 0 and (not is_causal or spec.causal_offset >= 0)
     if impl == "triton" and every_row and reduction != "none" and B * H * Nq > 0:

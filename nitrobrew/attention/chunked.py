@@ -26,6 +26,7 @@ accumulator; never a [Nq, Nk] map. Causal chunks skip the rows that see none of 
 log-sum-exps come from ``lse_t`` or from a first pass over the keys; then the mixture's log-probs
 ``log mean_h exp(a_h - lse_h)`` are just another "score" tile with a known log-sum-exp of 0.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,10 +60,10 @@ class _Side:
         self.q_acc = q.to(acc)
 
     def _qv(self, r0: int) -> Tensor:
-        return self.q_acc[:, :, r0:].unflatten(1, (self.Hkv, self.G))   # [B, Hkv, G, M, D]
+        return self.q_acc[:, :, r0:].unflatten(1, (self.Hkv, self.G))  # [B, Hkv, G, M, D]
 
     def _kc(self, c0: int, c1: int) -> Tensor:
-        return self.k[:, :, c0:c1].to(self.acc).unsqueeze(2)           # [B, Hkv, 1, C, D]
+        return self.k[:, :, c0:c1].to(self.acc).unsqueeze(2)  # [B, Hkv, 1, C, D]
 
     def scores(self, r0: int, c0: int, c1: int) -> Tensor:
         """Finite scores [B, H, Nq - r0, c1 - c0] (masking is the caller's job)."""
@@ -156,7 +157,7 @@ def forward_stats(X, Y, spec: AttnSpec, kpm, Nq: int, Nk: int, chunk: int, lse_x
         myn = myo if lse_y is not None else torch.maximum(myo, sym.amax(-1))
         ex = torch.exp(sxm - mxn[..., None])
         ey = torch.exp(sym - myn[..., None])
-        d = (sx - mxn[..., None]) - (sy - myn[..., None])     # finite: raw scores
+        d = (sx - mxn[..., None]) - (sy - myn[..., None])  # finite: raw scores
         ax = torch.exp(mxo - mxn)
         lxo = lx[:, :, r0:]
         c[:, :, r0:] = ax * (c[:, :, r0:] + lxo * ((mxo - mxn) - (myo - myn))) + (ex * d).sum(-1)
@@ -179,10 +180,10 @@ def score_grads(sx, sy, vis, lse_x, lse_y, kl, g, need_x: bool, need_y: bool):
         lx = lx.masked_fill(~vis, float("-inf"))
         ly = ly.masked_fill(~vis, float("-inf"))
     dsx = dsy = None
-    if need_y:   # y is the "student" of a forward KL:  u = -p,  sum u = -1  ->  Y - X
+    if need_y:  # y is the "student" of a forward KL:  u = -p,  sum u = -1  ->  Y - X
         _, u = dv.elementwise("forward_kl", lx, ly)
         dsy = dv.student_logit_grad(u, ly, -torch.ones_like(kl)[..., None]) * g[..., None]
-    if need_x:   # x is the "student" of a reverse KL:  sum u = KL + 1  ->  X (log X - log Y - KL)
+    if need_x:  # x is the "student" of a reverse KL:  sum u = KL + 1  ->  X (log X - log Y - KL)
         _, u = dv.elementwise("reverse_kl", ly, lx)
         dsx = dv.student_logit_grad(u, lx, (kl + 1.0)[..., None]) * g[..., None]
     return dsx, dsy
@@ -238,15 +239,23 @@ class ChunkedAttentionKL(torch.autograd.Function):
         for r0, c0, c1 in key_chunks(spec, Nq, Nk, chunk):
             sx, sy = X.scores(r0, c0, c1), Y.scores(r0, c0, c1)
             vis = visible(Nq, Nk, spec.is_causal, spec.causal_offset, kpm, q_s.device, r0, c0, c1)
-            dsx, dsy = score_grads(sx, sy, vis, lsx[:, :, r0:], lsy[:, :, r0:], kl[:, :, r0:], g[:, :, r0:],
-                                   need_x, need_y)
+            dsx, dsy = score_grads(
+                sx, sy, vis, lsx[:, :, r0:], lsy[:, :, r0:], kl[:, :, r0:], g[:, :, r0:], need_x, need_y
+            )
             ds_s, ds_t = (dsy, dsx) if spec.teacher_is_x else (dsx, dsy)
             if need_s:
                 S.add_grads(ds_s, r0, c0, c1, dq_s, dk_s)
             if teacher_grads:
                 T.add_grads(ds_t, r0, c0, c1, dq_t, dk_t)
-        return (None if dq_s is None else dq_s.to(q_s.dtype), dk_s,
-                None if dq_t is None else dq_t.to(q_t.dtype), dk_t, None, None, None)
+        return (
+            None if dq_s is None else dq_s.to(q_s.dtype),
+            dk_s,
+            None if dq_t is None else dq_t.to(q_t.dtype),
+            dk_t,
+            None,
+            None,
+            None,
+        )
 
 
 def chunked_rows(q_s, k_s, q_t, k_t, lse_t, kpm, spec: AttnSpec) -> Tensor:

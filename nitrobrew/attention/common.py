@@ -10,6 +10,7 @@ Conventions (docs/design.md §3):
   "forward" (KL(P_teacher || Q_student)) maps x = teacher, y = student; "reverse" swaps them.
   One set of kernels and formulas therefore serves both directions.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,9 +29,9 @@ class AttnSpec:
 
     is_causal: bool
     causal_offset: int
-    scale_s: float           # effective natural-unit scale of the student scores: alpha_s / T
-    scale_t: float           # effective scale of the teacher scores: alpha_t / T
-    direction: str           # "forward" = KL(P_t || Q_s), "reverse" = KL(Q_s || P_t)
+    scale_s: float  # effective natural-unit scale of the student scores: alpha_s / T
+    scale_t: float  # effective scale of the teacher scores: alpha_t / T
+    direction: str  # "forward" = KL(P_t || Q_s), "reverse" = KL(Q_s || P_t)
     target: str = "per_head"  # "head_mean": each student head vs the mean of its teacher heads
     chunk: Optional[int] = None  # key chunk of the PyTorch path (None = automatic)
 
@@ -49,8 +50,9 @@ def effective_scales(q_s, q_t, scale_s, scale_t, temperature):
     return s / temperature, t / temperature
 
 
-def key_mask(key_padding_mask: Optional[torch.Tensor], kv_lengths: Optional[torch.Tensor],
-             B: int, Nk: int, device) -> Optional[torch.Tensor]:
+def key_mask(
+    key_padding_mask: Optional[torch.Tensor], kv_lengths: Optional[torch.Tensor], B: int, Nk: int, device
+) -> Optional[torch.Tensor]:
     """bool [B, Nk] (True = keep) combining a padding mask and per-batch key lengths, or None."""
     mask = key_padding_mask
     if kv_lengths is not None:
@@ -59,8 +61,17 @@ def key_mask(key_padding_mask: Optional[torch.Tensor], kv_lengths: Optional[torc
     return mask
 
 
-def visible(Nq: int, Nk: int, is_causal: bool, causal_offset: int, kpm: Optional[torch.Tensor],
-            device, r0: int = 0, c0: int = 0, c1: Optional[int] = None) -> Optional[torch.Tensor]:
+def visible(
+    Nq: int,
+    Nk: int,
+    is_causal: bool,
+    causal_offset: int,
+    kpm: Optional[torch.Tensor],
+    device,
+    r0: int = 0,
+    c0: int = 0,
+    c1: Optional[int] = None,
+) -> Optional[torch.Tensor]:
     """bool mask of visible (row, key) pairs for rows [r0, Nq) and keys [c0, c1), shaped to
     broadcast against [B, H, rows, keys] (None when everything is visible)."""
     c1 = Nk if c1 is None else c1
@@ -75,8 +86,9 @@ def visible(Nq: int, Nk: int, is_causal: bool, causal_offset: int, kpm: Optional
     return out
 
 
-def rows_with_keys(Nq: int, Nk: int, is_causal: bool, causal_offset: int, kpm: Optional[torch.Tensor],
-                   B: int, device) -> torch.Tensor:
+def rows_with_keys(
+    Nq: int, Nk: int, is_causal: bool, causal_offset: int, kpm: Optional[torch.Tensor], B: int, device
+) -> torch.Tensor:
     """bool [B, Nq]: rows that see at least one key (the others are 'fully masked': KL 0, not counted)."""
     rows = torch.arange(Nq, device=device)
     if Nk == 0:
@@ -94,8 +106,9 @@ def rows_with_keys(Nq: int, Nk: int, is_causal: bool, causal_offset: int, kpm: O
     return seen > 0
 
 
-def row_weights(Nq: int, Nk: int, spec_causal: bool, causal_offset: int, kpm, query_mask, B: int,
-                device) -> torch.Tensor:
+def row_weights(
+    Nq: int, Nk: int, spec_causal: bool, causal_offset: int, kpm, query_mask, B: int, device
+) -> torch.Tensor:
     """float32 [B, Nq]: 1 for rows that count (some visible key, and kept by query_mask)."""
     w = rows_with_keys(Nq, Nk, spec_causal, causal_offset, kpm, B, device)
     if query_mask is not None:

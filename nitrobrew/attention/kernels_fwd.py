@@ -18,6 +18,7 @@ The per-block step, the initial state and the row outputs are helpers (``_online
 ``_init_state``, ``_store_rows``) so that variants of the key loop compute the same, op for op
 (benchmarks/attention_fwd_tma.py: TMA descriptors, measured no faster on H100).
 """
+
 from __future__ import annotations
 
 import triton
@@ -45,8 +46,8 @@ DEFAULT_CONFIGS = {
     "fwd": (128, 64, 8, 3),
     "dq": (128, 64, 8, 3),
     "dk": (32, 64, 4, 3),
-    "dk_grouped": (32, 64, 4, 2),   # GQA: the loop over query heads sharing a kv head
-    "small": (32, 32, 4, 2),        # fp32 inputs (FMA dots) or head dims > 128
+    "dk_grouped": (32, 64, 4, 2),  # GQA: the loop over query heads sharing a kv head
+    "small": (32, 32, 4, 2),  # fp32 inputs (FMA dots) or head dims > 128
     "interp": (16, 16, 1, 1),
 }
 
@@ -74,14 +75,68 @@ def _online_step(sx, sy, sxm, sym, mx, my, lx, ly, c, X_FIXED: tl.constexpr, Y_F
 
 
 @triton.jit
-def _fwd_tile(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, start_n, offs_m, offs_n0, offs_dx, offs_dy,
-              mx, my, lx, ly, c, Nk, scale_x, scale_y, causal_offset,
-              DX: tl.constexpr, DY: tl.constexpr, BDX: tl.constexpr, BDY: tl.constexpr,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-              X_FIXED: tl.constexpr, Y_FIXED: tl.constexpr, EVEN_N: tl.constexpr, PREC_X: tl.constexpr, PREC_Y: tl.constexpr):
-    _kx, _ky, sx, sy, sxm, sym = key_block_scores(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, offs_m, start_n + offs_n0,
-                                                  offs_dx, offs_dy, Nk, scale_x, scale_y, causal_offset,
-                                                  DX, DY, BDX, BDY, MASKED, CAUSAL, HAS_KPM, EVEN_N, PREC_X, PREC_Y)
+def _fwd_tile(
+    qx,
+    qy,
+    KXb,
+    KYb,
+    KPMb,
+    s_kx_n,
+    s_ky_n,
+    start_n,
+    offs_m,
+    offs_n0,
+    offs_dx,
+    offs_dy,
+    mx,
+    my,
+    lx,
+    ly,
+    c,
+    Nk,
+    scale_x,
+    scale_y,
+    causal_offset,
+    DX: tl.constexpr,
+    DY: tl.constexpr,
+    BDX: tl.constexpr,
+    BDY: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    X_FIXED: tl.constexpr,
+    Y_FIXED: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    PREC_X: tl.constexpr,
+    PREC_Y: tl.constexpr,
+):
+    _kx, _ky, sx, sy, sxm, sym = key_block_scores(
+        qx,
+        qy,
+        KXb,
+        KYb,
+        KPMb,
+        s_kx_n,
+        s_ky_n,
+        offs_m,
+        start_n + offs_n0,
+        offs_dx,
+        offs_dy,
+        Nk,
+        scale_x,
+        scale_y,
+        causal_offset,
+        DX,
+        DY,
+        BDX,
+        BDY,
+        MASKED,
+        CAUSAL,
+        HAS_KPM,
+        EVEN_N,
+        PREC_X,
+        PREC_Y,
+    )
     return _online_step(sx, sy, sxm, sym, mx, my, lx, ly, c, X_FIXED, Y_FIXED)
 
 
@@ -116,15 +171,51 @@ def _store_rows(mx, my, lx, ly, c, row, row_ok, KL_OUT, LSEX_OUT, LSEY_OUT):
 
 @triton.jit
 def attn_kl_fwd_kernel(
-    QX, KX, QY, KY, LSEX_IN, LSEY_IN, KPM, KL_OUT, LSEX_OUT, LSEY_OUT,
-    s_qx_b, s_qx_h, s_qx_m, s_kx_b, s_kx_h, s_kx_n,
-    s_qy_b, s_qy_h, s_qy_m, s_ky_b, s_ky_h, s_ky_n,
+    QX,
+    KX,
+    QY,
+    KY,
+    LSEX_IN,
+    LSEY_IN,
+    KPM,
+    KL_OUT,
+    LSEX_OUT,
+    LSEY_OUT,
+    s_qx_b,
+    s_qx_h,
+    s_qx_m,
+    s_kx_b,
+    s_kx_h,
+    s_kx_n,
+    s_qy_b,
+    s_qy_h,
+    s_qy_m,
+    s_ky_b,
+    s_ky_h,
+    s_ky_n,
     s_kpm_b,
-    H, Nq, Nk, GX, GY, scale_x, scale_y, causal_offset,
-    DX: tl.constexpr, DY: tl.constexpr, BDX: tl.constexpr, BDY: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, X_FIXED: tl.constexpr, Y_FIXED: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PREC_X: tl.constexpr, PREC_Y: tl.constexpr,
+    H,
+    Nq,
+    Nk,
+    GX,
+    GY,
+    scale_x,
+    scale_y,
+    causal_offset,
+    DX: tl.constexpr,
+    DY: tl.constexpr,
+    BDX: tl.constexpr,
+    BDY: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    X_FIXED: tl.constexpr,
+    Y_FIXED: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    PREC_X: tl.constexpr,
+    PREC_Y: tl.constexpr,
 ):
     pid_bh, h, b64, start_m, offs_m, offs_n0, offs_dx, offs_dy = program_block(H, BM, BN, BDX, BDY, True)
     qx = load_tile(QX + b64 * s_qx_b + h.to(tl.int64) * s_qx_h, offs_m, offs_dx, s_qx_m, Nq, DX, BDX, EVEN_M)
@@ -134,13 +225,77 @@ def attn_kl_fwd_kernel(
     mx, my, lx, ly, c = _init_state(LSEX_IN, LSEY_IN, row, row_ok, BM, X_FIXED, Y_FIXED)
     n_full, hi = key_ranges(start_m, Nk, causal_offset, BM, BN, CAUSAL, EVEN_N)
     for start_n in range(0, n_full, BN):
-        mx, my, lx, ly, c = _fwd_tile(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, start_n, offs_m, offs_n0,
-                                      offs_dx, offs_dy, mx, my, lx, ly, c, Nk, scale_x, scale_y, causal_offset,
-                                      DX, DY, BDX, BDY, False, CAUSAL, HAS_KPM, X_FIXED, Y_FIXED, EVEN_N, PREC_X, PREC_Y)
+        mx, my, lx, ly, c = _fwd_tile(
+            qx,
+            qy,
+            KXb,
+            KYb,
+            KPMb,
+            s_kx_n,
+            s_ky_n,
+            start_n,
+            offs_m,
+            offs_n0,
+            offs_dx,
+            offs_dy,
+            mx,
+            my,
+            lx,
+            ly,
+            c,
+            Nk,
+            scale_x,
+            scale_y,
+            causal_offset,
+            DX,
+            DY,
+            BDX,
+            BDY,
+            False,
+            CAUSAL,
+            HAS_KPM,
+            X_FIXED,
+            Y_FIXED,
+            EVEN_N,
+            PREC_X,
+            PREC_Y,
+        )
     for start_n in range(n_full, hi, BN):
-        mx, my, lx, ly, c = _fwd_tile(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, start_n, offs_m, offs_n0,
-                                      offs_dx, offs_dy, mx, my, lx, ly, c, Nk, scale_x, scale_y, causal_offset,
-                                      DX, DY, BDX, BDY, True, CAUSAL, HAS_KPM, X_FIXED, Y_FIXED, EVEN_N, PREC_X, PREC_Y)
+        mx, my, lx, ly, c = _fwd_tile(
+            qx,
+            qy,
+            KXb,
+            KYb,
+            KPMb,
+            s_kx_n,
+            s_ky_n,
+            start_n,
+            offs_m,
+            offs_n0,
+            offs_dx,
+            offs_dy,
+            mx,
+            my,
+            lx,
+            ly,
+            c,
+            Nk,
+            scale_x,
+            scale_y,
+            causal_offset,
+            DX,
+            DY,
+            BDX,
+            BDY,
+            True,
+            CAUSAL,
+            HAS_KPM,
+            X_FIXED,
+            Y_FIXED,
+            EVEN_N,
+            PREC_X,
+            PREC_Y,
+        )
 
     _store_rows(mx, my, lx, ly, c, row, row_ok, KL_OUT, LSEX_OUT, LSEY_OUT)
 

@@ -7,6 +7,7 @@ tiles. The dk kernel holds a key block and streams query blocks: [keys, rows] ti
 (``KEYS_FIRST``). These are @triton.jit helpers: Triton inlines them and the constexpr switches
 select the code, so each kernel compiles as if it were written inline.
 """
+
 from __future__ import annotations
 
 import triton
@@ -14,8 +15,9 @@ import triton.language as tl
 
 
 @triton.jit
-def program_block(H, BR: tl.constexpr, BO: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr,
-                  LAST_FIRST: tl.constexpr):
+def program_block(
+    H, BR: tl.constexpr, BO: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr, LAST_FIRST: tl.constexpr
+):
     """This program's block of BR rows (grid axis 0: query rows, or keys for the dk kernel) and
     batch*head (axis 1): (pid_bh, head, batch as int64, first row, the block's rows, offsets in a
     block of BO along the other axis, both head-dim ranges). LAST_FIRST runs the blocks in
@@ -54,8 +56,9 @@ def flat_rows(pid_bh, Nq, offs_m):
 
 
 @triton.jit
-def key_ranges(start_m, Nk, causal_offset, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
-               EVEN_N: tl.constexpr):
+def key_ranges(
+    start_m, Nk, causal_offset, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, EVEN_N: tl.constexpr
+):
     """Key-loop bounds of a query block: blocks in [0, n_full) need no mask, [n_full, hi) do
     (they cut the causal diagonal or end past Nk); blocks from hi on are invisible."""
     if CAUSAL:
@@ -87,8 +90,7 @@ def load_tile(ptr, offs_r, offs_d, stride_r, n_rows, D: tl.constexpr, BD: tl.con
 def store_tile(ptr, offs_r, offs_d, stride_r, n_rows, D: tl.constexpr, acc, out_scale):
     """acc * out_scale into a [rows, BD] tile of ptr's dtype (rows < n_rows, columns < D only)."""
     ptrs = ptr + offs_r[:, None] * stride_r + offs_d[None, :]
-    tl.store(ptrs, (acc * out_scale).to(ptr.dtype.element_ty),
-             mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < D))
+    tl.store(ptrs, (acc * out_scale).to(ptr.dtype.element_ty), mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < D))
 
 
 @triton.jit
@@ -129,8 +131,17 @@ def _on_keys(v, KEYS_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _visible(offs_m, offs_n, KPMb, Nk, causal_offset, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-             HAS_KPM: tl.constexpr, KEYS_FIRST: tl.constexpr):
+def _visible(
+    offs_m,
+    offs_n,
+    KPMb,
+    Nk,
+    causal_offset,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    KEYS_FIRST: tl.constexpr,
+):
     """Visible (row, key) pairs of a tile: key in range, causal, and kept by the padding mask.
     Unmasked tiles (MASKED False) only consult the padding mask."""
     if MASKED:
@@ -147,8 +158,19 @@ def _visible(offs_m, offs_n, KPMb, Nk, causal_offset, MASKED: tl.constexpr, CAUS
 
 
 @triton.jit
-def hide_invisible(sx, sy, offs_m, offs_n, KPMb, Nk, causal_offset, MASKED: tl.constexpr,
-                   CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, KEYS_FIRST: tl.constexpr):
+def hide_invisible(
+    sx,
+    sy,
+    offs_m,
+    offs_n,
+    KPMb,
+    Nk,
+    causal_offset,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    KEYS_FIRST: tl.constexpr,
+):
     """Both score tiles with the invisible pairs at -inf. For exponents only: the centred
     differences use the raw (finite) scores, so no 0 * inf appears."""
     if MASKED or HAS_KPM:
@@ -162,11 +184,33 @@ def hide_invisible(sx, sy, offs_m, offs_n, KPMb, Nk, causal_offset, MASKED: tl.c
 
 
 @triton.jit
-def key_block_scores(qx, qy, KXb, KYb, KPMb, s_kx_n, s_ky_n, offs_m, offs_n, offs_dx, offs_dy,
-                     Nk, scale_x, scale_y, causal_offset,
-                     DX: tl.constexpr, DY: tl.constexpr, BDX: tl.constexpr, BDY: tl.constexpr,
-                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, EVEN_N: tl.constexpr,
-                     PREC_X: tl.constexpr, PREC_Y: tl.constexpr):
+def key_block_scores(
+    qx,
+    qy,
+    KXb,
+    KYb,
+    KPMb,
+    s_kx_n,
+    s_ky_n,
+    offs_m,
+    offs_n,
+    offs_dx,
+    offs_dy,
+    Nk,
+    scale_x,
+    scale_y,
+    causal_offset,
+    DX: tl.constexpr,
+    DY: tl.constexpr,
+    BDX: tl.constexpr,
+    BDY: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    PREC_X: tl.constexpr,
+    PREC_Y: tl.constexpr,
+):
     """The key tiles kx, ky of the key block at offs_n and the [rows, keys] score tiles against
     qx, qy: raw x, y and masked x, y (-inf where invisible)."""
     even = EVEN_N or not MASKED

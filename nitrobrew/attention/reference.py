@@ -3,6 +3,7 @@
 Builds both [B, H, Nq, Nk] score maps, so memory is O(B * H * Nq * Nk): for tests, accuracy
 checks and small problems only. Uses the shared elementwise math of ``nitrobrew.divergences``.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,9 +20,23 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, dtype) -> torch.Tens
     return (q.to(dtype) @ kk.transpose(-1, -2)) * scale
 
 
-def reference_rows(q_s, k_s, q_t, k_t, *, is_causal, causal_offset=0, scale_s=None, scale_t=None,
-                   temperature=1.0, direction="forward", target="per_head", key_padding_mask=None,
-                   kv_lengths=None, dtype=torch.float64) -> torch.Tensor:
+def reference_rows(
+    q_s,
+    k_s,
+    q_t,
+    k_t,
+    *,
+    is_causal,
+    causal_offset=0,
+    scale_s=None,
+    scale_t=None,
+    temperature=1.0,
+    direction="forward",
+    target="per_head",
+    key_padding_mask=None,
+    kv_lengths=None,
+    dtype=torch.float64,
+) -> torch.Tensor:
     """Per-row KL [B, H_s, Nq] in ``dtype`` (0 at rows that see no key)."""
     B, _, Nq, _ = q_s.shape
     Nk = k_s.shape[2]
@@ -48,15 +63,42 @@ def reference_rows(q_s, k_s, q_t, k_t, *, is_causal, causal_offset=0, scale_s=No
     return phi.sum(-1)
 
 
-def reference_attention_kl(q_s, k_s, q_t, k_t, *, is_causal, causal_offset=0, scale_s=None,
-                           scale_t=None, temperature=1.0, direction="forward", reduction="mean",
-                           target="per_head", key_padding_mask=None, kv_lengths=None, query_mask=None,
-                           dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def reference_attention_kl(
+    q_s,
+    k_s,
+    q_t,
+    k_t,
+    *,
+    is_causal,
+    causal_offset=0,
+    scale_s=None,
+    scale_t=None,
+    temperature=1.0,
+    direction="forward",
+    reduction="mean",
+    target="per_head",
+    key_padding_mask=None,
+    kv_lengths=None,
+    query_mask=None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
     """Same contract as ``attention_kl`` (lse_t is not needed: the reference computes it)."""
-    rows = reference_rows(q_s, k_s, q_t, k_t, is_causal=is_causal, causal_offset=causal_offset,
-                          scale_s=scale_s, scale_t=scale_t, temperature=temperature, direction=direction,
-                          target=target, key_padding_mask=key_padding_mask, kv_lengths=kv_lengths,
-                          dtype=dtype)
+    rows = reference_rows(
+        q_s,
+        k_s,
+        q_t,
+        k_t,
+        is_causal=is_causal,
+        causal_offset=causal_offset,
+        scale_s=scale_s,
+        scale_t=scale_t,
+        temperature=temperature,
+        direction=direction,
+        target=target,
+        key_padding_mask=key_padding_mask,
+        kv_lengths=kv_lengths,
+        dtype=dtype,
+    )
     B, H, Nq = rows.shape
     kpm = key_mask(key_padding_mask, kv_lengths, B, k_s.shape[2], q_s.device)
     w = row_weights(Nq, k_s.shape[2], is_causal, causal_offset, kpm, query_mask, B, q_s.device).to(dtype)

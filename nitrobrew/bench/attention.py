@@ -31,6 +31,7 @@ have no score-map form and are skipped with a note) give the inputs; every metho
 tensors of each regime, each row carries the teacher's measured mean row entropy. The exit status
 is 1 when a method or a check failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,12 +62,30 @@ from .common import (
     write_csv,
 )
 
-GPU_DEFAULTS = dict(seq_lens=[2048, 4096, 8192, 16384, 65536, 131072], heads=32, head_dim=128, batch=1,
-                    dtype="bfloat16", reps=5, warmup=2, accuracy_n=1024)
-CPU_DEFAULTS = dict(seq_lens=[256, 512], heads=4, head_dim=32, batch=1, dtype="float32", reps=3, warmup=1,
-                    accuracy_n=128)
-METHODS = ("nitrobrew", "nitrobrew-fwd", "sdpa", "sdpa-fwd", "sdpa-flash", "sdpa-flash-fwd", "naive", "compile",
-           "torch")
+GPU_DEFAULTS = dict(
+    seq_lens=[2048, 4096, 8192, 16384, 65536, 131072],
+    heads=32,
+    head_dim=128,
+    batch=1,
+    dtype="bfloat16",
+    reps=5,
+    warmup=2,
+    accuracy_n=1024,
+)
+CPU_DEFAULTS = dict(
+    seq_lens=[256, 512], heads=4, head_dim=32, batch=1, dtype="float32", reps=3, warmup=1, accuracy_n=128
+)
+METHODS = (
+    "nitrobrew",
+    "nitrobrew-fwd",
+    "sdpa",
+    "sdpa-fwd",
+    "sdpa-flash",
+    "sdpa-flash-fwd",
+    "naive",
+    "compile",
+    "torch",
+)
 SDPA = {"sdpa": None, "sdpa-fwd": None, "sdpa-flash": "FLASH_ATTENTION", "sdpa-flash-fwd": "FLASH_ATTENTION"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -89,8 +108,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES))
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
-    p.add_argument("--methods", nargs="+", default=None, choices=METHODS,
-                   help="default: all but torch on GPU; nitrobrew(-fwd) (torch backend), sdpa(-fwd), naive on CPU")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=METHODS,
+        help="default: all but torch on GPU; nitrobrew(-fwd) (torch backend), sdpa(-fwd), naive on CPU",
+    )
     p.add_argument("--no-causal", action="store_true")
     p.add_argument("--direction", default="forward", choices=["forward", "reverse"])
     p.add_argument("--teacher-grad", action="store_true", help="also give gradients to the teacher's q and k")
@@ -101,9 +125,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune", action="store_true", help="sweep Triton tile configs at --tune-n, use the best")
     p.add_argument("--tune-n", type=int, default=8192)
     p.add_argument("--warm", action="store_true", help="compile all kernel variants in parallel processes first")
-    p.add_argument("--regimes", nargs="+", default=["spread"], metavar="REGIME",
-                   help="input regimes (%s, or all; lm and real are skipped here; default spread)"
-                        % " ".join(rg.ATTENTION_REGIMES))
+    p.add_argument(
+        "--regimes",
+        nargs="+",
+        default=["spread"],
+        metavar="REGIME",
+        help="input regimes (%s, or all; lm and real are skipped here; default spread)"
+        % " ".join(rg.ATTENTION_REGIMES),
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv", default=None, help="write the rows here")
     p.add_argument("--plot", default=None, help="draw time and memory against N here (PNG)")
@@ -111,6 +140,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------------------------------- inputs
+
 
 def make_inputs(B, H, Hkv, N, D, dtype, dev, seed=0, close=False):
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -152,13 +182,24 @@ CHECK_CASES = [
     dict(name="bf16 causal fwd-KL D128 N=384", B=1, H=4, Nq=384, D=128),
     dict(name="bf16 causal reverse D128 N=1000 (odd tiles)", B=2, H=2, Nq=1000, D=128, direction="reverse"),
     dict(name="bf16 non-causal kpm Nq=200 Nk=333", B=2, H=2, Nq=200, Nk=333, D=64, causal=False, kpm=True),
-    dict(name="bf16 GQA 2/1 Ds=64 Dt=128 teacher grads", B=1, H=4, Nq=300, D=64, Dt=128, hkv_s=2, hkv_t=1,
-         teacher=True),
-    dict(name="bf16 GQA same grouping teacher grads reverse", B=1, H=4, Nq=256, D=64, hkv_s=2, hkv_t=2,
-         teacher=True, direction="reverse"),
+    dict(
+        name="bf16 GQA 2/1 Ds=64 Dt=128 teacher grads", B=1, H=4, Nq=300, D=64, Dt=128, hkv_s=2, hkv_t=1, teacher=True
+    ),
+    dict(
+        name="bf16 GQA same grouping teacher grads reverse",
+        B=1,
+        H=4,
+        Nq=256,
+        D=64,
+        hkv_s=2,
+        hkv_t=2,
+        teacher=True,
+        direction="reverse",
+    ),
     dict(name="fp32 causal D64 (ieee dots)", B=1, H=2, Nq=300, D=64, dtype="float32", tol=(1e-5, 1e-4)),
-    dict(name="fp16 D96 causal bottom-right Nq=100 Nk=300", B=1, H=2, Nq=100, Nk=300, D=96, dtype="float16",
-         offset=200),
+    dict(
+        name="fp16 D96 causal bottom-right Nq=100 Nk=300", B=1, H=2, Nq=100, Nk=300, D=96, dtype="float16", offset=200
+    ),
     dict(name="bf16 lse_t given, kpm, causal", B=2, H=2, Nq=256, D=128, lse=True, kpm=True),
     dict(name="bf16 close case D128", B=1, H=4, Nq=512, D=128, close=True),
     dict(name="bf16 D256", B=1, H=2, Nq=300, D=256),
@@ -188,15 +229,19 @@ def _check_case(case: Dict) -> Dict:
             k_s = torch.randn(B, hs, Nk, Ds, generator=g) * 2
         ins = [t.to(dev, dtype) for t in (q_s, k_s, q_t, k_t)]
         teacher = case.get("teacher", False)
-        kw = dict(is_causal=case.get("causal", True), causal_offset=case.get("offset", 0),
-                  direction=case.get("direction", "forward"), temperature=1.3)
+        kw = dict(
+            is_causal=case.get("causal", True),
+            causal_offset=case.get("offset", 0),
+            direction=case.get("direction", "forward"),
+            temperature=1.3,
+        )
         if case.get("kpm"):
             kpm = torch.rand(B, Nk, generator=g) > 0.3
             kpm[-1, : Nk // 2] = False
             kw["key_padding_mask"] = kpm.to(dev)
         lse = None
         if case.get("lse"):
-            a = (ins[2].double() @ ins[3].double().transpose(-1, -2)) * (Dt ** -0.5 / 1.3)
+            a = (ins[2].double() @ ins[3].double().transpose(-1, -2)) * (Dt**-0.5 / 1.3)
             vis = torch.ones(Nq, Nk, dtype=torch.bool, device=dev).tril(kw["causal_offset"])
             if "key_padding_mask" in kw:
                 vis = vis[None, None] & kw["key_padding_mask"][:, None, None, :]
@@ -213,8 +258,9 @@ def _check_case(case: Dict) -> Dict:
         out["loss_err"] = rel_err(lm, lr)
         errs = [rel_err(a.grad, b.grad) for a, b in zip(mine, ref) if b.grad is not None]
         out["grad_err"] = max(errs)
-        out["finite"] = bool(torch.isfinite(lm).all()) and all(bool(torch.isfinite(a.grad).all())
-                                                                for a in mine if a.grad is not None)
+        out["finite"] = bool(torch.isfinite(lm).all()) and all(
+            bool(torch.isfinite(a.grad).all()) for a in mine if a.grad is not None
+        )
         tv, tg = case.get("tol", (1e-3, 2e-2))
         out["ok"] = out["finite"] and out["loss_err"] <= tv and out["grad_err"] <= tg
     except Exception as err:  # reported, not raised: the battery goes on
@@ -240,8 +286,7 @@ def _warm_case(task: Tuple) -> str:
         else:
             from ..attention import attention_kl
 
-            attention_kl(*ins, is_causal=causal, direction=direction, backend="triton",
-                         block_config=cfg).backward()
+            attention_kl(*ins, is_causal=causal, direction=direction, backend="triton", block_config=cfg).backward()
             with torch.no_grad():
                 attention_kl(*ins, is_causal=causal, direction=direction, backend="triton", block_config=cfg)
         if dev.type == "cuda":
@@ -266,6 +311,7 @@ def _parallel(checks: List[Dict], warm: List[Tuple]) -> Tuple[List[Dict], List[s
 
 # ----------------------------------------------------------------------------------------- timing
 
+
 def _timed(fn: Callable[[], object], dev, warmup: int, reps: int) -> float:
     """Median ms; long calls (> 150 ms) get one warm-up and 3 repetitions."""
     t0 = time.perf_counter()
@@ -282,9 +328,11 @@ def _grad_mib(tensors) -> float:
     return sum(t.numel() * t.element_size() for t in tensors) / 2**20
 
 
-def _measure(step: Callable[[], None], params: List[torch.Tensor], dev, warmup, reps,
-             grads: bool = True) -> Tuple[float, float]:
+def _measure(
+    step: Callable[[], None], params: List[torch.Tensor], dev, warmup, reps, grads: bool = True
+) -> Tuple[float, float]:
     """(ms, MiB above the inputs and, when the step makes them, their gradients) of one step."""
+
     def run():
         for p in params:
             p.grad = None
@@ -310,7 +358,7 @@ def tune(args, dev, dtype, B, H, Hkv, D, causal) -> Tuple[Dict, List[Row]]:
 
     N = args.tune_n
     q_s, k_s, q_t, k_t = make_inputs(B, H, Hkv, N, D, dtype, dev, args.seed)
-    scale = D ** -0.5
+    scale = D**-0.5
     spec = AttnSpec(is_causal=causal, causal_offset=0, scale_s=scale, scale_t=scale, direction="forward")
     X, Y = Side(q_t, k_t, scale), Side(q_s, k_s, scale)
     rows, best = [], {}
@@ -351,8 +399,7 @@ def accuracy(args, dev, dtype, B, H, Hkv, D, causal, methods, cfg) -> List[Row]:
         ref = [t.double().requires_grad_(i < 2) for i, t in enumerate(ins)]
         lr = reference_attention_kl(*ref, is_causal=causal, direction=args.direction)
         lr.backward()
-        cands = {"nitrobrew": lambda *a: attention_kl(*a, is_causal=causal, direction=args.direction,
-                                                       block_config=cfg)}
+        cands = {"nitrobrew": lambda *a: attention_kl(*a, is_causal=causal, direction=args.direction, block_config=cfg)}
         if "torch" in methods or dev.type != "cuda":
             cands["torch"] = lambda *a: attention_kl(*a, is_causal=causal, direction=args.direction, backend="torch")
         if "naive" in methods:
@@ -371,8 +418,11 @@ def accuracy(args, dev, dtype, B, H, Hkv, D, causal, methods, cfg) -> List[Row]:
             except Exception as err:
                 row.note = "OOM" if is_oom(err) else f"failed: {type(err).__name__}"
             rows.append(row)
-            print(f"  accuracy {row.method}: loss {row.extra.get('loss_rel_err')}, dq {row.extra.get('grad_q_rel_err')}, "
-                  f"dk {row.extra.get('grad_k_rel_err')} {row.note}", flush=True)
+            print(
+                f"  accuracy {row.method}: loss {row.extra.get('loss_rel_err')}, dq {row.extra.get('grad_q_rel_err')}, "
+                f"dk {row.extra.get('grad_k_rel_err')} {row.note}",
+                flush=True,
+            )
             del mine
         del ref, ins
         gc.collect()
@@ -395,11 +445,22 @@ def sdpa_kernels(call: Callable[[], None], dev) -> str:
     except Exception as err:  # the profiler is a label: never a reason to fail the bench
         return f"unknown ({type(err).__name__})"
     names = list(dict.fromkeys(e.name for e in prof.events()))
-    ops = [n for n in names if n.startswith("aten::_scaled_dot_product") or n.startswith("aten::_flash_attention")
-           or n.startswith("aten::_efficient_attention") or n.startswith("aten::_cudnn_attention")]
+    ops = [
+        n
+        for n in names
+        if n.startswith("aten::_scaled_dot_product")
+        or n.startswith("aten::_flash_attention")
+        or n.startswith("aten::_efficient_attention")
+        or n.startswith("aten::_cudnn_attention")
+    ]
     keys = ("fmha", "flash", "attention", "sdpa", "cudnn", "attn")
-    kernels = [n for n in names if not n.startswith(("aten::", "autograd::", "torch::")) and "Backward" not in n
-               and any(k in n.lower() for k in keys)]
+    kernels = [
+        n
+        for n in names
+        if not n.startswith(("aten::", "autograd::", "torch::"))
+        and "Backward" not in n
+        and any(k in n.lower() for k in keys)
+    ]
     text = " + ".join(ops[:2]) or "?"
     if kernels:
         text += "; kernels: " + ", ".join(k[:90] for k in kernels[:3])
@@ -428,13 +489,15 @@ def run_speed(args, dev, dtype, B, H, Hkv, D, causal, methods, cfg, env) -> List
                 rows.append(Row("attention", "-", dict(regime=regime), note=f"skipped: {err}"))
                 break
             print(f"regime {regime}: teacher mean row entropy {ent:.2f} nats (N={N})", flush=True)
-            rows += _speed_at(args, dev, dtype, B, H, Hkv, D, N, causal, methods, cfg, env, regime, ent,
-                              ins, compiled, rows)
+            rows += _speed_at(
+                args, dev, dtype, B, H, Hkv, D, N, causal, methods, cfg, env, regime, ent, ins, compiled, rows
+            )
     return rows
 
 
-def _speed_at(args, dev, dtype, B, H, Hkv, D, N, causal, methods, cfg, env, regime, ent, ins, compiled,
-              done: List[Row]) -> List[Row]:
+def _speed_at(
+    args, dev, dtype, B, H, Hkv, D, N, causal, methods, cfg, env, regime, ent, ins, compiled, done: List[Row]
+) -> List[Row]:
     import torch.nn.functional as F
 
     from ..attention import attention_kl
@@ -457,8 +520,7 @@ def _speed_at(args, dev, dtype, B, H, Hkv, D, N, causal, methods, cfg, env, regi
             row.baseline = f"torch {tv} " + ("eager" if method == "naive" else "torch.compile(dynamic=True)")
 
         def ours(bk=backend):
-            attention_kl(*ins, is_causal=causal, direction=args.direction, backend=bk,
-                         block_config=cfg).backward()
+            attention_kl(*ins, is_causal=causal, direction=args.direction, backend=bk, block_config=cfg).backward()
 
         def ours_fwd(bk=backend):
             with torch.no_grad():
@@ -489,8 +551,9 @@ def _speed_at(args, dev, dtype, B, H, Hkv, D, N, causal, methods, cfg, env, regi
                 params = [ins[0], ins[1], v]
                 fwd_only = method.endswith("-fwd")
                 with _sdpa_ctx(SDPA[method]):  # entered once, as a training loop would
-                    row.ms, row.peak_mib = _measure(lambda: sdpa(fwd_only), params, dev, args.warmup,
-                                                    args.reps, grads=not fwd_only)
+                    row.ms, row.peak_mib = _measure(
+                        lambda: sdpa(fwd_only), params, dev, args.warmup, args.reps, grads=not fwd_only
+                    )
                     kern = sdpa_kernels(lambda: sdpa(fwd_only), dev)
                 for p in params:
                     p.grad = None
@@ -525,8 +588,11 @@ def _speed_at(args, dev, dtype, B, H, Hkv, D, N, causal, methods, cfg, env, regi
             torch.cuda.empty_cache()
         out.append(row)
         tf = row.extra.get("tflops")
-        print(f"  {method:14s} {regime} N={N:6d}: {_fmt(row.ms)} ms  {_fmt(row.peak_mib)} MiB"
-              f"{'' if tf is None else f'  {tf:.0f} TFLOP/s'}  {row.note}", flush=True)
+        print(
+            f"  {method:14s} {regime} N={N:6d}: {_fmt(row.ms)} ms  {_fmt(row.peak_mib)} MiB"
+            f"{'' if tf is None else f'  {tf:.0f} TFLOP/s'}  {row.note}",
+            flush=True,
+        )
         if args.csv:
             write_csv(args.csv, done + out, env)
     return out
@@ -542,6 +608,7 @@ def ratios(rows: List[Row]) -> List[Dict]:
     by = {(r.size.get("regime"), r.size["N"], r.method): r for r in speed}
     out = []
     for regime, N in dict.fromkeys((r.size.get("regime"), r.size["N"]) for r in speed):
+
         def ms(m):
             r = by.get((regime, N, m))
             return None if r is None else r.ms
@@ -551,33 +618,50 @@ def ratios(rows: List[Row]) -> List[Dict]:
 
         nb = by.get((regime, N, "nitrobrew"))
         ent = next(r.extra.get("teacher_entropy") for r in speed if (r.size.get("regime"), r.size["N"]) == (regime, N))
-        out.append(dict(regime=regime, N=N, entropy=ent,
-                        nb=ms("nitrobrew"), nb_fwd=ms("nitrobrew-fwd"), sdpa=ms("sdpa"), sdpa_fwd=ms("sdpa-fwd"),
-                        flash=ms("sdpa-flash"), flash_fwd=ms("sdpa-flash-fwd"),
-                        naive=ms("naive"), compile=ms("compile"),
-                        fb_vs_sdpa=div(ms("nitrobrew"), ms("sdpa")), fwd_vs_sdpa=div(ms("nitrobrew-fwd"), ms("sdpa-fwd")),
-                        fb_vs_flash=div(ms("nitrobrew"), ms("sdpa-flash")),
-                        fwd_vs_flash=div(ms("nitrobrew-fwd"), ms("sdpa-flash-fwd")),
-                        naive_vs_nb=div(ms("naive"), ms("nitrobrew")), compile_vs_nb=div(ms("compile"), ms("nitrobrew")),
-                        nb_mib=nb.peak_mib if nb else None,
-                        stats_mib=nb.extra.get("stats_mib") if nb else None,
-                        notes={m: by[(regime, N, m)].note for m in METHODS
-                               if (regime, N, m) in by and by[(regime, N, m)].note}))
+        out.append(
+            dict(
+                regime=regime,
+                N=N,
+                entropy=ent,
+                nb=ms("nitrobrew"),
+                nb_fwd=ms("nitrobrew-fwd"),
+                sdpa=ms("sdpa"),
+                sdpa_fwd=ms("sdpa-fwd"),
+                flash=ms("sdpa-flash"),
+                flash_fwd=ms("sdpa-flash-fwd"),
+                naive=ms("naive"),
+                compile=ms("compile"),
+                fb_vs_sdpa=div(ms("nitrobrew"), ms("sdpa")),
+                fwd_vs_sdpa=div(ms("nitrobrew-fwd"), ms("sdpa-fwd")),
+                fb_vs_flash=div(ms("nitrobrew"), ms("sdpa-flash")),
+                fwd_vs_flash=div(ms("nitrobrew-fwd"), ms("sdpa-flash-fwd")),
+                naive_vs_nb=div(ms("naive"), ms("nitrobrew")),
+                compile_vs_nb=div(ms("compile"), ms("nitrobrew")),
+                nb_mib=nb.peak_mib if nb else None,
+                stats_mib=nb.extra.get("stats_mib") if nb else None,
+                notes={m: by[(regime, N, m)].note for m in METHODS if (regime, N, m) in by and by[(regime, N, m)].note},
+            )
+        )
     return out
 
 
 def markdown(rows: List[Row], env: Dict[str, str], args, cfg, checks) -> str:
-    lines = [f"# attention_kl benchmark ({env.get('device')})", "",
-             f"torch {env.get('torch')}, triton {env.get('triton')}, nitrobrew {env.get('nitrobrew')}, "
-             f"commit {env.get('commit')}; "
-             f"B={args.batch}, H={args.heads}, D={args.head_dim}, {args.dtype}, "
-             f"{'non-causal' if args.no_causal else 'causal'}, direction={args.direction}; tiles {cfg}", "",
-             f"SDPA default backend dispatched to: {env.get('sdpa_default', '-')} (forward alone: "
-             f"{env.get('sdpa_default_fwd', '-')}). Ratios are nitrobrew / SDPA (above 1: nitrobrew slower).", "",
-             "| regime (teacher row entropy) | N | nitrobrew fwd+bwd ms | SDPA default fwd+bwd ms | ratio | "
-             "SDPA flash fwd+bwd ms | ratio | nitrobrew fwd ms | SDPA default fwd ms | ratio | SDPA flash fwd ms | "
-             "ratio | naive ms (x nitrobrew) | compile ms (x nitrobrew) | nitrobrew extra MiB (per-row stats MiB) |",
-             "|" + "---|" * 15]
+    lines = [
+        f"# attention_kl benchmark ({env.get('device')})",
+        "",
+        f"torch {env.get('torch')}, triton {env.get('triton')}, nitrobrew {env.get('nitrobrew')}, "
+        f"commit {env.get('commit')}; "
+        f"B={args.batch}, H={args.heads}, D={args.head_dim}, {args.dtype}, "
+        f"{'non-causal' if args.no_causal else 'causal'}, direction={args.direction}; tiles {cfg}",
+        "",
+        f"SDPA default backend dispatched to: {env.get('sdpa_default', '-')} (forward alone: "
+        f"{env.get('sdpa_default_fwd', '-')}). Ratios are nitrobrew / SDPA (above 1: nitrobrew slower).",
+        "",
+        "| regime (teacher row entropy) | N | nitrobrew fwd+bwd ms | SDPA default fwd+bwd ms | ratio | "
+        "SDPA flash fwd+bwd ms | ratio | nitrobrew fwd ms | SDPA default fwd ms | ratio | SDPA flash fwd ms | "
+        "ratio | naive ms (x nitrobrew) | compile ms (x nitrobrew) | nitrobrew extra MiB (per-row stats MiB) |",
+        "|" + "---|" * 15,
+    ]
 
     def f(x, p=2):
         return "-" if x is None else f"{x:.{p}f}"
@@ -585,30 +669,44 @@ def markdown(rows: List[Row], env: Dict[str, str], args, cfg, checks) -> str:
     for r in ratios(rows):
         naive = r["notes"].get("naive") or f"{f(r['naive'])} ({f(r['naive_vs_nb'], 1)}x)"
         comp = r["notes"].get("compile") or f"{f(r['compile'])} ({f(r['compile_vs_nb'], 1)}x)"
-        lines.append(f"| {rg.entropy_label(r['regime'], r['entropy'])} | {r['N']} | {f(r['nb'])} | {f(r['sdpa'])} | "
-                     f"{f(r['fb_vs_sdpa'])} | {f(r['flash'])} | {f(r['fb_vs_flash'])} | {f(r['nb_fwd'])} | "
-                     f"{f(r['sdpa_fwd'])} | {f(r['fwd_vs_sdpa'])} | {f(r['flash_fwd'])} | {f(r['fwd_vs_flash'])} | "
-                     f"{naive} | {comp} | {f(r['nb_mib'], 1)} ({f(r['stats_mib'], 1)}) |")
+        lines.append(
+            f"| {rg.entropy_label(r['regime'], r['entropy'])} | {r['N']} | {f(r['nb'])} | {f(r['sdpa'])} | "
+            f"{f(r['fb_vs_sdpa'])} | {f(r['flash'])} | {f(r['fb_vs_flash'])} | {f(r['nb_fwd'])} | "
+            f"{f(r['sdpa_fwd'])} | {f(r['fwd_vs_sdpa'])} | {f(r['flash_fwd'])} | {f(r['fwd_vs_flash'])} | "
+            f"{naive} | {comp} | {f(r['nb_mib'], 1)} ({f(r['stats_mib'], 1)}) |"
+        )
     acc = [r for r in rows if r.mode == "accuracy"]
     if acc:
-        lines += ["", "Accuracy vs float64 (relative error, norm):", "",
-                  "| method | N | loss | dq_s | dk_s |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Accuracy vs float64 (relative error, norm):",
+            "",
+            "| method | N | loss | dq_s | dk_s |",
+            "|---|---|---|---|---|",
+        ]
         for r in acc:
-            lines.append(f"| {r.method} | {r.size['N']} | {r.extra.get('loss_rel_err', '-'):.2e} | "
-                         f"{r.extra.get('grad_q_rel_err', float('nan')):.2e} | "
-                         f"{r.extra.get('grad_k_rel_err', float('nan')):.2e} |" if r.rel_err is not None
-                         else f"| {r.method} | {r.size['N']} | {r.note} | | |")
+            lines.append(
+                f"| {r.method} | {r.size['N']} | {r.extra.get('loss_rel_err', '-'):.2e} | "
+                f"{r.extra.get('grad_q_rel_err', float('nan')):.2e} | "
+                f"{r.extra.get('grad_k_rel_err', float('nan')):.2e} |"
+                if r.rel_err is not None
+                else f"| {r.method} | {r.size['N']} | {r.note} | | |"
+            )
     tune_rows = [r for r in rows if r.mode == "tune"]
     if tune_rows:
         lines += ["", f"Tile sweep at N={args.tune_n} (ms, model TFLOP/s):", ""]
-        lines += [f"- {r.method}: {_fmt(r.ms)} ms"
-                  f"{'' if 'tflops' not in r.extra else ' (%.0f TFLOP/s)' % r.extra['tflops']} {r.note}"
-                  for r in tune_rows]
+        lines += [
+            f"- {r.method}: {_fmt(r.ms)} ms"
+            f"{'' if 'tflops' not in r.extra else ' (%.0f TFLOP/s)' % r.extra['tflops']} {r.note}"
+            for r in tune_rows
+        ]
     if checks:
         lines += ["", "GPU correctness battery (compiled kernels vs float64):", ""]
         for c in checks:
-            lines.append(f"- {'PASS' if c.get('ok') else 'FAIL'} {c['name']}: loss {c.get('loss_err', '-')}, "
-                         f"grads {c.get('grad_err', '-')} {c.get('error', '')}")
+            lines.append(
+                f"- {'PASS' if c.get('ok') else 'FAIL'} {c['name']}: loss {c.get('loss_err', '-')}, "
+                f"grads {c.get('grad_err', '-')} {c.get('error', '')}"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -623,9 +721,17 @@ def run(args) -> int:
     for k, v in d.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
-    check_sizes("nitrobrew bench attention", seq_lens=(args.seq_lens, 1), heads=(args.heads, 1),
-                head_dim=(args.head_dim, 1), batch=(args.batch, 1), reps=(args.reps, 1), warmup=(args.warmup, 0),
-                accuracy_n=(args.accuracy_n, 0), kv_heads=(args.kv_heads or args.heads, 1))
+    check_sizes(
+        "nitrobrew bench attention",
+        seq_lens=(args.seq_lens, 1),
+        heads=(args.heads, 1),
+        head_dim=(args.head_dim, 1),
+        batch=(args.batch, 1),
+        reps=(args.reps, 1),
+        warmup=(args.warmup, 0),
+        accuracy_n=(args.accuracy_n, 0),
+        kv_heads=(args.kv_heads or args.heads, 1),
+    )
     if args.heads % (args.kv_heads or args.heads):
         raise SystemExit(f"nitrobrew bench attention: --kv-heads {args.kv_heads} must divide --heads {args.heads}")
     dtype = DTYPES[args.dtype]
@@ -660,8 +766,11 @@ def run(args) -> int:
         for line in warmed:
             print("  " + line, flush=True)
         for c in checks:
-            print(f"  check {'PASS' if c.get('ok') else 'FAIL'} {c['name']}: loss {c.get('loss_err')}, "
-                  f"grads {c.get('grad_err')} {c.get('error', '')}", flush=True)
+            print(
+                f"  check {'PASS' if c.get('ok') else 'FAIL'} {c['name']}: loss {c.get('loss_err')}, "
+                f"grads {c.get('grad_err')} {c.get('error', '')}",
+                flush=True,
+            )
         print(f"parallel checks / compile warm-up: {time.time() - t1:.1f} s", flush=True)
     if dev.type == "cuda" and args.tune:
         cfg, tune_rows = tune(args, dev, dtype, B, H, Hkv, D, causal)
@@ -672,10 +781,12 @@ def run(args) -> int:
     print_table([r for r in rows if r.mode == "attention"], ["regime", "N", "B", "H", "D"])
     print(f"SDPA default backend: {env.get('sdpa_default', '-')}")
     for r in ratios(rows):
-        print(f"{r['regime']} N={r['N']}: fwd+bwd / SDPA default = {_fmt(r['fb_vs_sdpa'])} (/ flash "
-              f"{_fmt(r['fb_vs_flash'])}), fwd / SDPA default fwd = {_fmt(r['fwd_vs_sdpa'])} (/ flash "
-              f"{_fmt(r['fwd_vs_flash'])}), naive / nitrobrew = {_fmt(r['naive_vs_nb'])}, "
-              f"compile / nitrobrew = {_fmt(r['compile_vs_nb'])}")
+        print(
+            f"{r['regime']} N={r['N']}: fwd+bwd / SDPA default = {_fmt(r['fb_vs_sdpa'])} (/ flash "
+            f"{_fmt(r['fb_vs_flash'])}), fwd / SDPA default fwd = {_fmt(r['fwd_vs_sdpa'])} (/ flash "
+            f"{_fmt(r['fwd_vs_flash'])}), naive / nitrobrew = {_fmt(r['naive_vs_nb'])}, "
+            f"compile / nitrobrew = {_fmt(r['compile_vs_nb'])}"
+        )
     if args.csv:
         write_csv(args.csv, rows, env)
         print(f"wrote {args.csv}")
@@ -686,9 +797,13 @@ def run(args) -> int:
     if args.plot:
         speed = [r for r in rows if r.mode == "attention" and r.ms is not None]
         if speed:
-            plot(args.plot, per_regime(speed), "N",
-                 f"attention_kl vs baselines, {env.get('device')}, B={B} H={H} D={D} "
-                 f"{args.dtype} {'causal' if causal else 'non-causal'}")
+            plot(
+                args.plot,
+                per_regime(speed),
+                "N",
+                f"attention_kl vs baselines, {env.get('device')}, B={B} H={H} D={D} "
+                f"{args.dtype} {'causal' if causal else 'non-causal'}",
+            )
     print(f"bench attention: {time.time() - t0:.1f} s")
     bad = failed(rows)
     for r in bad:

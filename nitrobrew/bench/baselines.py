@@ -35,6 +35,7 @@ What each baseline is, and what its API needed (checked against the released pac
   probabilities are below eps(dtype)/32, so its time depends on the data (``bench topk`` also
   runs it with filter_eps=None). Not a distillation loss. Needs CUDA (Triton kernels).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -66,8 +67,7 @@ def floor_chunk_rows(n: int, vocab: int, elem: int, device: torch.device, fracti
     return chunk
 
 
-def gemm_floor(xs: torch.Tensor, xt: torch.Tensor, ws: torch.Tensor, wt: torch.Tensor,
-               g: torch.Tensor) -> None:
+def gemm_floor(xs: torch.Tensor, xt: torch.Tensor, ws: torch.Tensor, wt: torch.Tensor, g: torch.Tensor) -> None:
     """s = xs ws^T, t = xt wt^T, dX = G ws, dW = G^T xs: bare GEMMs, row-chunked by g.shape[0]."""
     n, chunk = xs.shape[0], g.shape[0]
     with torch.no_grad():
@@ -92,8 +92,15 @@ def gemm_floor(xs: torch.Tensor, xt: torch.Tensor, ws: torch.Tensor, wt: torch.T
 # ---------------------------------------------------------------- naive PyTorch
 
 
-def naive_loss(xs: torch.Tensor, xt: torch.Tensor, ws: torch.Tensor, wt: torch.Tensor,
-               divergence: str = "forward_kl", param: float = 0.0, temperature: float = 1.0) -> torch.Tensor:
+def naive_loss(
+    xs: torch.Tensor,
+    xt: torch.Tensor,
+    ws: torch.Tensor,
+    wt: torch.Tensor,
+    divergence: str = "forward_kl",
+    param: float = 0.0,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """Materialize both logit sets, fp32 log_softmax, mean over rows of D(p || q); autograd."""
     s = (xs @ ws.t()).float() / temperature
     with torch.no_grad():
@@ -133,8 +140,11 @@ def compile_unavailable(device: torch.device) -> Optional[str]:
 
 
 def _not_importable(dist: str, err: BaseException) -> str:
-    if isinstance(err, ModuleNotFoundError) and err.name and err.name.split(".")[0] in (
-            dist.replace("-", "_"), "liger_kernel", "cut_cross_entropy"):
+    if (
+        isinstance(err, ModuleNotFoundError)
+        and err.name
+        and err.name.split(".")[0] in (dist.replace("-", "_"), "liger_kernel", "cut_cross_entropy")
+    ):
         return f"{dist} not installed"
     return f"{dist} not importable ({type(err).__name__}: {err})"[:160]
 
@@ -156,8 +166,9 @@ def liger_unavailable(device: torch.device, fused: bool) -> Optional[str]:
     return None
 
 
-def liger_chunked(xs, xt, ws, wt, labels, temperature: float = 1.0, compiled: bool = True,
-                  chunk_size: int = 1024) -> torch.Tensor:
+def liger_chunked(
+    xs, xt, ws, wt, labels, temperature: float = 1.0, compiled: bool = True, chunk_size: int = 1024
+) -> torch.Tensor:
     """LigerFusedLinearJSDLoss at beta=0 (forward KL(p||q)), distillation term only."""
     mod = _import("liger_kernel.chunked_loss.jsd_loss")
     key = ("liger_chunked", temperature, compiled, chunk_size)
@@ -170,8 +181,14 @@ def liger_chunked(xs, xt, ws, wt, labels, temperature: float = 1.0, compiled: bo
     _MODULES["liger_chunked_shape"] = shape
     if key not in _MODULES:
         _MODULES[key] = mod.LigerFusedLinearJSDLoss(
-            weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, ignore_index=-100,
-            temperature=temperature, compiled=compiled, chunk_size=chunk_size)
+            weight_hard_loss=0.0,
+            weight_soft_loss=1.0,
+            beta=0.0,
+            ignore_index=-100,
+            temperature=temperature,
+            compiled=compiled,
+            chunk_size=chunk_size,
+        )
     return _MODULES[key](xs, ws, xt, wt, labels)
 
 

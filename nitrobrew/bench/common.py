@@ -1,4 +1,5 @@
 """Timing, memory and reporting helpers shared by every benchmark mode (docs/design.md §8 protocol)."""
+
 from __future__ import annotations
 
 import csv
@@ -28,7 +29,7 @@ class Row:
     rel_err: Optional[float] = None
     note: str = ""
     extra: Dict[str, float] = field(default_factory=dict)
-    baseline: str = ""   # what ran: package, version, configuration
+    baseline: str = ""  # what ran: package, version, configuration
 
 
 FAILED = ("error", "failed")  # notes of rows whose method broke (not skipped, not out of memory)
@@ -102,7 +103,7 @@ def nitrobrew_commit() -> str:
     """The commit of nitrobrew's own source tree (not of the directory the user stands in):
     git in the package's directory, only when that repository's nitrobrew/ is this package;
     else the installed version. "+dirty": the package's files differ from the commit."""
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # .../nitrobrew
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../nitrobrew
     try:
         top = _git(pkg, "rev-parse", "--show-toplevel")
         if top and os.path.samefile(os.path.join(top, "nitrobrew"), pkg):
@@ -168,13 +169,16 @@ def print_table(rows: List[Row], columns: List[str]) -> str:
     header = columns + ["method", "ms", "peak MiB", "rel err", "note"]
     body = []
     for r in rows:
-        body.append([str(r.size.get(c, "")) for c in columns] + [
-            r.method,
-            "-" if r.ms is None else f"{r.ms:.2f}",
-            "-" if r.peak_mib is None else f"{r.peak_mib:.1f}",
-            "-" if r.rel_err is None else f"{r.rel_err:.1e}",
-            r.note,
-        ])
+        body.append(
+            [str(r.size.get(c, "")) for c in columns]
+            + [
+                r.method,
+                "-" if r.ms is None else f"{r.ms:.2f}",
+                "-" if r.peak_mib is None else f"{r.peak_mib:.1f}",
+                "-" if r.rel_err is None else f"{r.rel_err:.1e}",
+                r.note,
+            ]
+        )
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
     fmt = "  ".join("{:<%d}" % w for w in widths)
     lines.append(fmt.format(*header))
@@ -190,28 +194,54 @@ def write_csv(path: str, rows: List[Row], env: Dict[str, str]) -> None:
     extra_keys = sorted({k for r in rows for k in r.extra})
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["mode", "method", *size_keys, "ms", "peak_mib", "rel_err", *extra_keys, "note",
-                    "baseline", *sorted(env)])
+        w.writerow(
+            ["mode", "method", *size_keys, "ms", "peak_mib", "rel_err", *extra_keys, "note", "baseline", *sorted(env)]
+        )
         for r in rows:
-            w.writerow([r.mode, r.method, *(r.size.get(k, "") for k in size_keys), r.ms, r.peak_mib,
-                        r.rel_err, *(r.extra.get(k, "") for k in extra_keys), r.note, r.baseline,
-                        *(env[k] for k in sorted(env))])
+            w.writerow(
+                [
+                    r.mode,
+                    r.method,
+                    *(r.size.get(k, "") for k in size_keys),
+                    r.ms,
+                    r.peak_mib,
+                    r.rel_err,
+                    *(r.extra.get(k, "") for k in extra_keys),
+                    r.note,
+                    r.baseline,
+                    *(env[k] for k in sorted(env)),
+                ]
+            )
 
 
-def write_markdown(path: str, title: str, rows: List[Row], columns: List[str], env: Dict[str, str],
-                   extras: Sequence[str] = ()) -> None:
+def write_markdown(
+    path: str, title: str, rows: List[Row], columns: List[str], env: Dict[str, str], extras: Sequence[str] = ()
+) -> None:
     """One markdown table of rows (size columns, method, ms, peak MiB, error, extras, baseline),
     headed by the environment line (device, versions, commit)."""
+
     def f(v, fmt):
         return "-" if v is None or v == "" else (format(v, fmt) if isinstance(v, float) else str(v))
 
     head = columns + ["method", "ms", "peak MiB", "rel err", *extras, "note", "baseline"]
-    lines = [f"## {title}", "", ", ".join(f"{k} {v}" for k, v in sorted(env.items())), "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [
+        f"## {title}",
+        "",
+        ", ".join(f"{k} {v}" for k, v in sorted(env.items())),
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for r in rows:
         cells = [str(r.size.get(c, "")) for c in columns] + [
-            r.method, f(r.ms, ".2f"), f(r.peak_mib, ".1f"), f(r.rel_err, ".1e"),
-            *(f(r.extra.get(e), ".2f" if e == "teacher_entropy" else ".3g") for e in extras), r.note.replace("|", "/"), r.baseline.replace("|", "/")]
+            r.method,
+            f(r.ms, ".2f"),
+            f(r.peak_mib, ".1f"),
+            f(r.rel_err, ".1e"),
+            *(f(r.extra.get(e), ".2f" if e == "teacher_entropy" else ".3g") for e in extras),
+            r.note.replace("|", "/"),
+            r.baseline.replace("|", "/"),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")

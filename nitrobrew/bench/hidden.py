@@ -33,6 +33,7 @@ close real demo, or all); every method runs on the same tensors of each, and eac
 regime and the teacher's measured mean entropy. baseline = the package, version and
 configuration of what ran. The exit status is 1 when a method failed (not skipped, not OOM).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,13 +87,19 @@ DIVERGENCES = dv.NAMES
 # each divergence's parameter at its documented default (the registry's)
 PARAMS = {d.name: d.default for d in dv.REGISTRY.values() if d.param is not None}
 REGIMES = rg.REGIMES
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
 
-GPU_DEFAULTS = dict(vocab=152064, seq_lens=[1024, 4096, 8192, 16384], d_models=[3584, 5120],
-                    dtype="bfloat16", reps=10, warmup=3)
-CPU_DEFAULTS = dict(vocab=8192, seq_lens=[128, 512], d_models=[128, 192], dtype="float32",
-                    reps=3, warmup=1)
+GPU_DEFAULTS = dict(
+    vocab=152064, seq_lens=[1024, 4096, 8192, 16384], d_models=[3584, 5120], dtype="bfloat16", reps=10, warmup=3
+)
+CPU_DEFAULTS = dict(vocab=8192, seq_lens=[128, 512], d_models=[128, 192], dtype="float32", reps=3, warmup=1)
 
 PEAKED_ENTROPY = rg.PEAKED_ENTROPY
 
@@ -100,43 +107,74 @@ PEAKED_ENTROPY = rg.PEAKED_ENTROPY
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.split("\n\n")[0]
     p.epilog = "Defaults depend on the device: GPU %s; CPU %s." % (
-        _fmt_defaults(GPU_DEFAULTS), _fmt_defaults(CPU_DEFAULTS))
+        _fmt_defaults(GPU_DEFAULTS),
+        _fmt_defaults(CPU_DEFAULTS),
+    )
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size V")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=None, metavar="N",
-                   help="numbers of rows (tokens) N to measure")
-    p.add_argument("--d-models", type=int, nargs=2, default=None, metavar=("DS", "DT"),
-                   help="student and teacher hidden sizes")
-    p.add_argument("--divergences", nargs="+", default=["forward_kl"], metavar="DIV",
-                   help="divergences for the nitrobrew methods ('all' = all six; baselines run "
-                        "forward_kl only)")
-    p.add_argument("--regimes", nargs="+", default=["lm"], metavar="REGIME",
-                   help="input regimes, each timed and checked on the same tensors for every method: "
-                        "%s, or all (default lm)" % " ".join(REGIMES))
-    p.add_argument("--methods", nargs="+", default=None, choices=list(METHODS), metavar="METHOD",
-                   help="subset of: " + ", ".join(METHODS))
+    p.add_argument(
+        "--seq-lens", type=int, nargs="+", default=None, metavar="N", help="numbers of rows (tokens) N to measure"
+    )
+    p.add_argument(
+        "--d-models", type=int, nargs=2, default=None, metavar=("DS", "DT"), help="student and teacher hidden sizes"
+    )
+    p.add_argument(
+        "--divergences",
+        nargs="+",
+        default=["forward_kl"],
+        metavar="DIV",
+        help="divergences for the nitrobrew methods ('all' = all six; baselines run forward_kl only)",
+    )
+    p.add_argument(
+        "--regimes",
+        nargs="+",
+        default=["lm"],
+        metavar="REGIME",
+        help="input regimes, each timed and checked on the same tensors for every method: "
+        "%s, or all (default lm)" % " ".join(REGIMES),
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=list(METHODS),
+        metavar="METHOD",
+        help="subset of: " + ", ".join(METHODS),
+    )
     p.add_argument("--csv", default=None, metavar="PATH", help="write every row as CSV")
     p.add_argument("--md", default=None, metavar="PATH", help="write the rows as a markdown table")
-    p.add_argument("--plot", default=None, metavar="PATH",
-                   help="PNG of time and memory vs N per method (needs matplotlib)")
+    p.add_argument(
+        "--plot", default=None, metavar="PATH", help="PNG of time and memory vs N per method (needs matplotlib)"
+    )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                   help="input dtype (bfloat16 on GPU, float32 on CPU)")
+    p.add_argument(
+        "--dtype", default=None, choices=sorted(DTYPES), help="input dtype (bfloat16 on GPU, float32 on CPU)"
+    )
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (median)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls before timing")
-    p.add_argument("--ref-rows", type=int, default=256,
-                   help="rows of the float64 accuracy check (0: skip it)")
-    p.add_argument("--chunk-v", type=int, default=None,
-                   help="chunk_V passed to the nitrobrew methods (default: automatic)")
+    p.add_argument("--ref-rows", type=int, default=256, help="rows of the float64 accuracy check (0: skip it)")
+    p.add_argument(
+        "--chunk-v", type=int, default=None, help="chunk_V passed to the nitrobrew methods (default: automatic)"
+    )
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--grad-filter", type=float, default=None, metavar="EPS",
-                   help="threshold of the *-filter methods (default: the dtype's, 2^-8 for bf16)")
+    p.add_argument(
+        "--grad-filter",
+        type=float,
+        default=None,
+        metavar="EPS",
+        help="threshold of the *-filter methods (default: the dtype's, 2^-8 for bf16)",
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
 def _fmt_defaults(d: dict) -> str:
     return "V=%d, N %s, d-models %s, %s, reps %d, warmup %d" % (
-        d["vocab"], " ".join(map(str, d["seq_lens"])), " ".join(map(str, d["d_models"])),
-        d["dtype"], d["reps"], d["warmup"])
+        d["vocab"],
+        " ".join(map(str, d["seq_lens"])),
+        " ".join(map(str, d["d_models"])),
+        d["dtype"],
+        d["reps"],
+        d["warmup"],
+    )
 
 
 # ---------------------------------------------------------------- data
@@ -156,15 +194,31 @@ def teacher_entropy(d: Data, rows: int) -> float:
 def _nitro_call(key: str, chunk_v: Optional[int], filter_eps: Optional[float] = None):
     import nitrobrew
 
-    backend, mode = {"torch": ("torch", None), "fast": ("triton", "fast"), "fast-filter": ("triton", "fast"),
-                     "const-mem": ("triton", "constant_memory"), "const-filter": ("triton", "constant_memory")}[key]
+    backend, mode = {
+        "torch": ("torch", None),
+        "fast": ("triton", "fast"),
+        "fast-filter": ("triton", "fast"),
+        "const-mem": ("triton", "constant_memory"),
+        "const-filter": ("triton", "constant_memory"),
+    }[key]
     grad_filter = (filter_eps or True) if key in ("fast-filter", "const-filter") else False
 
     def call(xs, xt, ws, wt, labels, divergence, temperature):
         entry = dv.REGISTRY[divergence]
         kw = {} if entry.param is None else {entry.param: PARAMS[divergence]}
-        return nitrobrew.hidden_loss(xs, xt, ws, wt, divergence=divergence, temperature=temperature,
-                                     backend=backend, mode=mode, chunk_V=chunk_v, grad_filter=grad_filter, **kw)
+        return nitrobrew.hidden_loss(
+            xs,
+            xt,
+            ws,
+            wt,
+            divergence=divergence,
+            temperature=temperature,
+            backend=backend,
+            mode=mode,
+            chunk_V=chunk_v,
+            grad_filter=grad_filter,
+            **kw,
+        )
 
     return call
 
@@ -234,9 +288,15 @@ def reference(d: Data, rows: int, divergence: str, temperature: float, ce: bool 
     if ce:
         loss = bl.ce_reference(xs, ws, d.labels[:rows])
     else:
-        loss = reference_loss(xs, d.xt[:rows].detach().double(), ws, d.wt.detach().double(),
-                              divergence=divergence, param=PARAMS.get(divergence, 0.0),
-                              temperature=temperature)
+        loss = reference_loss(
+            xs,
+            d.xt[:rows].detach().double(),
+            ws,
+            d.wt.detach().double(),
+            divergence=divergence,
+            param=PARAMS.get(divergence, 0.0),
+            temperature=temperature,
+        )
     loss.backward()
     # Kept while the methods run: a big head's float64 gradient goes down to float32 (rounding
     # 6e-8 relative, far below any error measured) so that it takes less of the device.
@@ -248,8 +308,8 @@ def _rel(a: torch.Tensor, ref: torch.Tensor, block: int = 4096) -> float:
     """||a - ref|| / ||ref|| in float64, on a's device, in row blocks (no full float64 copy)."""
     num = den = 0.0
     for r0 in range(0, ref.shape[0], block):
-        r = ref[r0:r0 + block]
-        num += float((a[r0:r0 + block].double() - r).pow(2).sum())
+        r = ref[r0 : r0 + block]
+        num += float((a[r0 : r0 + block].double() - r).pow(2).sum())
         den += float(r.pow(2).sum())
     return math.sqrt(num) / max(math.sqrt(den), 1e-300)
 
@@ -307,9 +367,15 @@ def _resolve(args) -> Tuple[torch.device, dict]:
         raise SystemExit("--device cuda: no CUDA device visible")
     defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
-    check_sizes("nitrobrew bench", vocab=(cfg["vocab"], 2), seq_lens=(cfg["seq_lens"], 1),
-                d_models=(cfg["d_models"], 2), reps=(cfg["reps"], 1), warmup=(cfg["warmup"], 0),
-                ref_rows=(args.ref_rows, 0))
+    check_sizes(
+        "nitrobrew bench",
+        vocab=(cfg["vocab"], 2),
+        seq_lens=(cfg["seq_lens"], 1),
+        d_models=(cfg["d_models"], 2),
+        reps=(cfg["reps"], 1),
+        warmup=(cfg["warmup"], 0),
+        ref_rows=(args.ref_rows, 0),
+    )
     return device, cfg
 
 
@@ -333,10 +399,13 @@ def baseline(key: str, device: torch.device, filter_eps: Optional[float] = None)
     """Package, version and configuration of a method, recorded with its rows."""
     tv = torch.__version__
     if key in NITROBREW:
-        how = {"torch": "hidden_loss(backend='torch')", "fast": "hidden_loss(mode='fast')",
-               "const-mem": "hidden_loss(mode='constant_memory')",
-               "fast-filter": f"hidden_loss(mode='fast', grad_filter={filter_eps or True})",
-               "const-filter": f"hidden_loss(mode='constant_memory', grad_filter={filter_eps or True})"}[key]
+        how = {
+            "torch": "hidden_loss(backend='torch')",
+            "fast": "hidden_loss(mode='fast')",
+            "const-mem": "hidden_loss(mode='constant_memory')",
+            "fast-filter": f"hidden_loss(mode='fast', grad_filter={filter_eps or True})",
+            "const-filter": f"hidden_loss(mode='constant_memory', grad_filter={filter_eps or True})",
+        }[key]
         return f"nitrobrew {nitrobrew_version()} {how}"
     if key == "floor":
         return f"torch {tv} matmul (4 GEMMs)"
@@ -346,8 +415,10 @@ def baseline(key: str, device: torch.device, filter_eps: Optional[float] = None)
         return f"torch {tv} torch.compile(naive, dynamic=False), default mode"
     lk = package_version("liger-kernel")
     if key == "liger-chunked":
-        return (f"liger-kernel {lk} LigerFusedLinearJSDLoss(beta=0, weight_soft_loss=1, chunk_size=1024, "
-                f"compiled={device.type == 'cuda'})")
+        return (
+            f"liger-kernel {lk} LigerFusedLinearJSDLoss(beta=0, weight_soft_loss=1, chunk_size=1024, "
+            f"compiled={device.type == 'cuda'})"
+        )
     if key == "liger-fused":
         return f"liger-kernel {lk} LigerFusedLinearJSD(jsd_beta=0)"
     if key == "cce":
@@ -390,9 +461,11 @@ def _run(args) -> int:
     env["liger_kernel"], env["cut_cross_entropy"] = bl.liger_versions()
     env["dtype"] = str(dtype).replace("torch.", "")
     print("nitrobrew bench hidden: " + ", ".join(f"{k}={v}" for k, v in sorted(env.items())))
-    print(f"V={vocab} Ds={ds} Dt={dt} N={seq_lens} divergences={divs} methods={keys} "
-          f"reps={reps} warmup={warmup} ref_rows={args.ref_rows} regimes={regimes}",
-          flush=True)
+    print(
+        f"V={vocab} Ds={ds} Dt={dt} N={seq_lens} divergences={divs} methods={keys} "
+        f"reps={reps} warmup={warmup} ref_rows={args.ref_rows} regimes={regimes}",
+        flush=True,
+    )
 
     skip = {k: unavailable(k, device, explicit) for k in keys}
     _freeze_imports()
@@ -403,7 +476,7 @@ def _run(args) -> int:
             write_csv(args.csv, rows, env)
 
     def measure_size(rows, data, n, regime, flush_csv):
-        n = data.xs.shape[0]   # the demo regime brings its own sizes
+        n = data.xs.shape[0]  # the demo regime brings its own sizes
         ref_rows = min(args.ref_rows, n)
         size_base = {"regime": regime, "N": n, "V": data.ws.shape[0], "Ds": data.xs.shape[1], "Dt": data.xt.shape[1]}
         floor_ms = None
@@ -416,9 +489,13 @@ def _run(args) -> int:
                     continue
                 if key == "floor" and div != divs[0]:
                     continue
-                row = Row(mode="hidden", method=METHODS[key], size=dict(size),
-                          extra={"teacher_entropy": data.entropy},
-                          baseline=baseline(key, device, args.grad_filter))
+                row = Row(
+                    mode="hidden",
+                    method=METHODS[key],
+                    size=dict(size),
+                    extra={"teacher_entropy": data.entropy},
+                    baseline=baseline(key, device, args.grad_filter),
+                )
                 rows.append(row)
                 if skip[key]:
                     row.note = skip[key]
@@ -473,8 +550,7 @@ def _run(args) -> int:
                 data = make_data(regime, n, vocab, ds, dt, dtype, device, args.seed)
             except rg.RegimeUnavailable as err:
                 print(f"regime {regime}: skipped ({err})", flush=True)
-                rows.append(Row(mode="hidden", method="-", size={"N": n, "regime": regime},
-                                note=f"skipped: {err}"))
+                rows.append(Row(mode="hidden", method="-", size={"N": n, "regime": regime}, note=f"skipped: {err}"))
                 break
             print(f"regime {regime}: mean teacher entropy {data.entropy:.2f} nats (V={vocab}, N={n})", flush=True)
             measure_size(rows, data, n, regime, flush_csv)
@@ -485,22 +561,34 @@ def _run(args) -> int:
     print_hidden_table(rows, show_vs_fkl=len(divs) > 1)
     if len(divs) > 1:
         print_divergence_check(rows)
-    print("\nms: median fwd+bwd; x floor: ms / gemm floor ms; peak MiB: above inputs+grads; "
-          f"err: relative error on the first {args.ref_rows} rows vs float64 autograd of the same "
-          "inputs (loss |dL|/|L|, dX and dW Frobenius)")
+    print(
+        "\nms: median fwd+bwd; x floor: ms / gemm floor ms; peak MiB: above inputs+grads; "
+        f"err: relative error on the first {args.ref_rows} rows vs float64 autograd of the same "
+        "inputs (loss |dL|/|L|, dX and dW Frobenius)"
+    )
     if args.csv:
         write_csv(args.csv, rows, env)
         print(f"wrote {args.csv}")
     if args.md:
-        write_markdown(args.md, f"nitrobrew bench hidden: V={vocab} Ds={ds} Dt={dt}", rows,
-                       ["regime", "N", "divergence"], env, extras=("teacher_entropy", "x_floor"))
+        write_markdown(
+            args.md,
+            f"nitrobrew bench hidden: V={vocab} Ds={ds} Dt={dt}",
+            rows,
+            ["regime", "N", "divergence"],
+            env,
+            extras=("teacher_entropy", "x_floor"),
+        )
         print(f"wrote {args.md}")
     if args.plot:
         pts = [r for r in rows if r.size.get("divergence") in ("forward_kl", "-") and r.ms is not None]
         pts = per_regime(pts)
-        out = plot(args.plot, pts, "N",
-                   f"hidden-state loss fwd+bwd, V={vocab} Ds={ds} Dt={dt} {env['dtype']}, "
-                   f"{env['device']}, torch {env['torch']}, commit {env['commit']}")
+        out = plot(
+            args.plot,
+            pts,
+            "N",
+            f"hidden-state loss fwd+bwd, V={vocab} Ds={ds} Dt={dt} {env['dtype']}, "
+            f"{env['device']}, torch {env['torch']}, commit {env['commit']}",
+        )
         if out:
             print(f"wrote {out}")
     bad = failed(rows)
@@ -528,7 +616,7 @@ def _time_floor(row: Row, d: Data, device, dtype, warmup: int, reps: int) -> Non
 
 
 def _time_loss(row: Row, fn, d: Data, div: str, T: float, device, warmup: int, reps: int) -> None:
-    d.xs.grad = torch.zeros_like(d.xs)     # gradients allocated before, as the protocol says
+    d.xs.grad = torch.zeros_like(d.xs)  # gradients allocated before, as the protocol says
     d.ws.grad = torch.zeros_like(d.ws)
 
     def step():
@@ -585,19 +673,43 @@ def _table(header: List[str], body: List[List[str]]) -> str:
 
 
 def print_hidden_table(rows: List[Row], show_vs_fkl: bool = False) -> str:
-    header = ["regime", "H_t", "N", "V", "Ds", "Dt", "divergence", "method", "ms", "x floor", "peak MiB",
-              "err loss", "err dX", "err dW", "first s"]
+    header = [
+        "regime",
+        "H_t",
+        "N",
+        "V",
+        "Ds",
+        "Dt",
+        "divergence",
+        "method",
+        "ms",
+        "x floor",
+        "peak MiB",
+        "err loss",
+        "err dX",
+        "err dW",
+        "first s",
+    ]
     if show_vs_fkl:
         header.append("vs fkl")
     header.append("note")
     body = []
     for r in rows:
         e = r.extra
-        line = [str(r.size.get("regime", "")), _f(e.get("teacher_entropy"), ".2f")] + [
-            str(r.size.get(k, "")) for k in ("N", "V", "Ds", "Dt", "divergence")] + [
-            r.method, _f(r.ms, ".2f"), _f(e.get("x_floor"), ".2f"), _f(r.peak_mib, ".1f"),
-            _f(e.get("err_loss"), ".1e"), _f(e.get("err_dx"), ".1e"), _f(e.get("err_dw"), ".1e"),
-            _f(e.get("first_s"), ".1f")]
+        line = (
+            [str(r.size.get("regime", "")), _f(e.get("teacher_entropy"), ".2f")]
+            + [str(r.size.get(k, "")) for k in ("N", "V", "Ds", "Dt", "divergence")]
+            + [
+                r.method,
+                _f(r.ms, ".2f"),
+                _f(e.get("x_floor"), ".2f"),
+                _f(r.peak_mib, ".1f"),
+                _f(e.get("err_loss"), ".1e"),
+                _f(e.get("err_dx"), ".1e"),
+                _f(e.get("err_dw"), ".1e"),
+                _f(e.get("first_s"), ".1f"),
+            ]
+        )
         if show_vs_fkl:
             line.append(_f(e.get("vs_fkl"), ".2f"))
         line.append(r.note)

@@ -30,6 +30,7 @@ Attention regimes (score maps; lm and real have no score-map form and are skippe
 flat (score std 0.5), spread (score std 3), peaked (teacher scores scaled for 2 nats of mean
 row entropy), close (spread teacher; student q, k = teacher's + noise).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,8 @@ ALIASES = {"random": "spread"}
 
 FLAT_STD = 0.5
 SPREAD_STD = 3.0
-LM_ENTROPY = 5.5        # nats, target mean teacher entropy of "lm"
-PEAKED_ENTROPY = 2.0    # nats, "peaked" and "close"
+LM_ENTROPY = 5.5  # nats, target mean teacher entropy of "lm"
+PEAKED_ENTROPY = 2.0  # nats, "peaked" and "close"
 ZIPF_SLOPE = 1.1
 STUDENT_NOISE = {"flat": 0.25, "spread": 1.0, "lm": 1.0, "peaked": 1.0, "close": 0.05}
 REAL_LAYERS = 2
@@ -76,13 +77,13 @@ def parse(names: Iterable[str], allowed: Sequence[str] = REGIMES) -> List[str]:
 
 @dataclass
 class Data:
-    xs: torch.Tensor       # [N, Ds], requires grad
-    xt: torch.Tensor       # [N, Dt]
-    ws: torch.Tensor       # [V, Ds], requires grad
-    wt: torch.Tensor       # [V, Dt]
-    labels: torch.Tensor   # [N] int64, random ids (Liger's API, CCE)
+    xs: torch.Tensor  # [N, Ds], requires grad
+    xt: torch.Tensor  # [N, Dt]
+    ws: torch.Tensor  # [V, Ds], requires grad
+    wt: torch.Tensor  # [V, Dt]
+    labels: torch.Tensor  # [N] int64, random ids (Liger's API, CCE)
     regime: str
-    entropy: float = float("nan")   # teacher's mean entropy, nats, on the first rows
+    entropy: float = float("nan")  # teacher's mean entropy, nats, on the first rows
 
 
 def _randn(shape, gen, device, dtype=torch.float32):
@@ -111,7 +112,7 @@ def _calibrate(base: torch.Tensor, gauss: torch.Tensor, target: float) -> float:
     """Scale c of the context term giving mean entropy `target` of base + c gauss (bisection on
     log c; entropy falls as c grows). A target above what the base alone reaches gives c ~ 0."""
     lo, hi = -6.0, 4.0
-    for _ in range(24):   # log c to 6e-7: far below what the entropy label shows
+    for _ in range(24):  # log c to 6e-7: far below what the entropy label shows
         mid = 0.5 * (lo + hi)
         if float(mean_entropy(base + math.exp(mid) * gauss)) > target:
             lo = mid
@@ -120,8 +121,17 @@ def _calibrate(base: torch.Tensor, gauss: torch.Tensor, target: float) -> float:
     return math.exp(0.5 * (lo + hi))
 
 
-def make_hidden(regime: str, n: int, vocab: int, ds: int, dt: int, dtype: torch.dtype,
-                device: torch.device, seed: int, calib_rows: int = 256) -> Data:
+def make_hidden(
+    regime: str,
+    n: int,
+    vocab: int,
+    ds: int,
+    dt: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    calib_rows: int = 256,
+) -> Data:
     """Inputs of one regime (module doc); random normal everywhere, never zeros."""
     regime = ALIASES.get(regime, regime)
     if regime == "real":
@@ -137,7 +147,7 @@ def make_hidden(regime: str, n: int, vocab: int, ds: int, dt: int, dtype: torch.
     r = min(ds, dt)
     if r < 2:
         raise ValueError("the regimes need hidden sizes of at least 2")
-    a = _randn((vocab, r), gen, device) / math.sqrt(r - 1)   # context logits ~ N(0, |h|^2 / (r-1))
+    a = _randn((vocab, r), gen, device) / math.sqrt(r - 1)  # context logits ~ N(0, |h|^2 / (r-1))
     h = _randn((n, r), gen, device)
     kappa = 4.0
     h[:, 0] = kappa
@@ -159,8 +169,7 @@ def make_hidden(regime: str, n: int, vocab: int, ds: int, dt: int, dtype: torch.
     xs, ws = (hs @ ps).to(dtype), (a @ ps).to(dtype)
     del a, h, hs, pt, ps
     labels = torch.randint(0, vocab, (n,), generator=gen, device=device)
-    return Data(xs.requires_grad_(), xt, ws.requires_grad_(), wt, labels, regime,
-                teacher_entropy(xt, wt, calib_rows))
+    return Data(xs.requires_grad_(), xt, ws.requires_grad_(), wt, labels, regime, teacher_entropy(xt, wt, calib_rows))
 
 
 def _qwen2_config(d: int, vocab: int):
@@ -169,15 +178,22 @@ def _qwen2_config(d: int, vocab: int):
     head_dim = next(h for h in (128, 64, 32, 16, 8, 4, 2, 1) if d % h == 0 and d // h >= 1)
     heads = d // head_dim
     kv = next(k for k in (4, 2, 1) if heads % k == 0)
-    return transformers.Qwen2Config(vocab_size=vocab, hidden_size=d, intermediate_size=(16 * d) // 3,
-                                    num_hidden_layers=REAL_LAYERS, num_attention_heads=heads,
-                                    num_key_value_heads=kv, max_position_embeddings=1 << 17,
-                                    tie_word_embeddings=False)
+    return transformers.Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=d,
+        intermediate_size=(16 * d) // 3,
+        num_hidden_layers=REAL_LAYERS,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=1 << 17,
+        tie_word_embeddings=False,
+    )
 
 
 @torch.no_grad()
-def decoder_states(d: int, vocab: int, ids: torch.Tensor, dtype, device, seed: int
-                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+def decoder_states(
+    d: int, vocab: int, ids: torch.Tensor, dtype, device, seed: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(final hidden states [N, d], LM head [V, d]) of a randomly initialized Qwen2-shaped decoder."""
     try:
         import transformers
@@ -187,8 +203,7 @@ def decoder_states(d: int, vocab: int, ids: torch.Tensor, dtype, device, seed: i
     with torch.device(device):
         model = transformers.Qwen2ForCausalLM(_qwen2_config(d, vocab)).to(dtype).eval()
     seq = min(ids.numel(), 4096)
-    rows = [model.model(input_ids=chunk.view(1, -1), use_cache=False).last_hidden_state[0]
-            for chunk in ids.split(seq)]
+    rows = [model.model(input_ids=chunk.view(1, -1), use_cache=False).last_hidden_state[0] for chunk in ids.split(seq)]
     head = model.lm_head.weight.detach().clone()
     del model
     return torch.cat(rows), head
@@ -200,9 +215,8 @@ def _real_hidden(n, vocab, ds, dt, dtype, device, seed) -> Data:
     ids = torch.randint(0, vocab, (n,), generator=gen, device=device)
     xt, wt = decoder_states(dt, vocab, ids, dtype, device, seed)
     xs, ws = decoder_states(ds, vocab, ids, dtype, device, seed + 1)
-    labels = torch.roll(ids, -1)   # the next token: what a CE term would use
-    return Data(xs.requires_grad_(), xt, ws.requires_grad_(), wt, labels, "real",
-                teacher_entropy(xt, wt))
+    labels = torch.roll(ids, -1)  # the next token: what a CE term would use
+    return Data(xs.requires_grad_(), xt, ws.requires_grad_(), wt, labels, "real", teacher_entropy(xt, wt))
 
 
 DEMO_RUN_ENV = "NITROBREW_DEMO_RUN"
@@ -217,8 +231,10 @@ def demo_hidden(n: int, dtype, device, seed: int = 0, run: Optional[str] = None)
     cfg_path = os.path.join(run, "config.json")
     ckpt = os.path.join(run, "checkpoints")
     if not os.path.exists(cfg_path):
-        raise RegimeUnavailable(f"regime demo needs a finished `nitrobrew demo` run: none in {run!r} "
-                                f"(run `nitrobrew demo --out DIR` and set {DEMO_RUN_ENV}=DIR)")
+        raise RegimeUnavailable(
+            f"regime demo needs a finished `nitrobrew demo` run: none in {run!r} "
+            f"(run `nitrobrew demo --out DIR` and set {DEMO_RUN_ENV}=DIR)"
+        )
     try:
         from ..demo.checkpoint import load_checkpoint, read_record
         from ..demo.lm import DemoConfig, make_data, make_model
@@ -258,7 +274,7 @@ def _row_entropy(q: torch.Tensor, k: torch.Tensor, causal: bool, rows: int = 64)
     """Mean entropy of softmax(q k^T / sqrt(D)) over the last `rows` query rows of head 0."""
     n, d = q.shape[-2], q.shape[-1]
     qr = q[0, 0, -rows:].double()
-    s = qr @ k[0, 0].double().t() * d ** -0.5
+    s = qr @ k[0, 0].double().t() * d**-0.5
     if causal:
         i = torch.arange(n - qr.shape[0], n, device=q.device)[:, None]
         s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > i, float("-inf"))
@@ -266,17 +282,17 @@ def _row_entropy(q: torch.Tensor, k: torch.Tensor, causal: bool, rows: int = 64)
     return float(-(lp.exp() * lp.nan_to_num(0.0)).sum(-1).mean())
 
 
-def make_attention(regime: str, B: int, H: int, Hkv: int, N: int, D: int, dtype, dev, seed: int = 0,
-                   causal: bool = True) -> Tuple[List[torch.Tensor], float]:
+def make_attention(
+    regime: str, B: int, H: int, Hkv: int, N: int, D: int, dtype, dev, seed: int = 0, causal: bool = True
+) -> Tuple[List[torch.Tensor], float]:
     """([q_s, k_s, q_t, k_t], teacher's mean row entropy) of one attention regime.
 
     q, k ~ N(0, sigma^2) give scores of std sigma^2 (q.k / sqrt(D)); peaked scales the queries
     until the teacher's rows have 2 nats."""
     regime = ALIASES.get(regime, regime)
     if regime not in ATTENTION_REGIMES:
-        raise RegimeUnavailable(f"regime {regime} has no score-map form (attention: "
-                                f"{', '.join(ATTENTION_REGIMES)})")
-    g = torch.Generator(device=dev).manual_seed(seed)   # on the device: 10^8-element inputs at real N
+        raise RegimeUnavailable(f"regime {regime} has no score-map form (attention: {', '.join(ATTENTION_REGIMES)})")
+    g = torch.Generator(device=dev).manual_seed(seed)  # on the device: 10^8-element inputs at real N
     std = FLAT_STD if regime == "flat" else SPREAD_STD
 
     def rnd(*shape, sigma=math.sqrt(std)):

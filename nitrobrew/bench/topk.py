@@ -40,6 +40,7 @@ teacher's own forward with logits (model(input_ids).logits), of the naive extrac
 logits in fp32, log_softmax, torch.topk) and of the decoder + streaming top-k (on GPU also with
 the PyTorch chunk pass in place of the fused Triton one), and the peak memory of each.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,11 +75,22 @@ from .common import (
     write_markdown,
 )
 
-GPU_DEFAULTS = dict(vocab=152064, seq_lens=[4096, 16384], d_model=3584, ks=[64, 256], dtype="bfloat16",
-                    reps=5, warmup=2)
+GPU_DEFAULTS = dict(
+    vocab=152064, seq_lens=[4096, 16384], d_model=3584, ks=[64, 256], dtype="bfloat16", reps=5, warmup=2
+)
 CPU_DEFAULTS = dict(vocab=4096, seq_lens=[128, 512], d_model=128, ks=[8, 32], dtype="float32", reps=3, warmup=1)
-GPU_METHODS = ["floor", "cce", "cce-exact", "full", "full-256m", "full-64m", "full-const", "full-native", "topk",
-               "topk-graph"]
+GPU_METHODS = [
+    "floor",
+    "cce",
+    "cce-exact",
+    "full",
+    "full-256m",
+    "full-64m",
+    "full-const",
+    "full-native",
+    "topk",
+    "topk-graph",
+]
 METHODS = (*GPU_METHODS, "torch-full", "torch-topk")
 # topk_kl keyword arguments of each nitrobrew method
 METHOD_KWARGS = {
@@ -103,8 +115,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ks", type=int, nargs="+", default=None, metavar="K", help="stored entries per row")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES))
-    p.add_argument("--methods", nargs="+", default=None, choices=METHODS,
-                   help="default: all but the torch ones on GPU; torch-full torch-topk on CPU")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=METHODS,
+        help="default: all but the torch ones on GPU; torch-full torch-topk on CPU",
+    )
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--ref-rows", type=int, default=128, help="rows of the float64 accuracy check (0: skip)")
@@ -112,8 +129,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extract-only", action="store_true", help="measure the extraction throughput alone")
     p.add_argument("--csv", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH", help="PNG of time and memory vs N (needs matplotlib)")
-    p.add_argument("--regimes", nargs="+", default=["lm"], metavar="REGIME",
-                   help="input regimes (%s, or all; default lm)" % " ".join(rg.REGIMES))
+    p.add_argument(
+        "--regimes",
+        nargs="+",
+        default=["lm"],
+        metavar="REGIME",
+        help="input regimes (%s, or all; default lm)" % " ".join(rg.REGIMES),
+    )
     p.add_argument("--md", default=None, metavar="PATH", help="write the rows as a markdown table")
     p.add_argument("--seed", type=int, default=0)
 
@@ -122,12 +144,28 @@ def _settings(args):
     dev = cuda_device(args.device)
     d = GPU_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else d[name]  # noqa: E731
-    check_sizes("nitrobrew bench topk", vocab=(pick("vocab"), 2), seq_lens=(pick("seq_lens"), 1),
-                d_model=(pick("d_model"), 2), ks=(pick("ks"), 1), reps=(pick("reps"), 1),
-                warmup=(pick("warmup"), 0), ref_rows=(args.ref_rows, 0))
+    check_sizes(
+        "nitrobrew bench topk",
+        vocab=(pick("vocab"), 2),
+        seq_lens=(pick("seq_lens"), 1),
+        d_model=(pick("d_model"), 2),
+        ks=(pick("ks"), 1),
+        reps=(pick("reps"), 1),
+        warmup=(pick("warmup"), 0),
+        ref_rows=(args.ref_rows, 0),
+    )
     methods = args.methods or (GPU_METHODS if dev.type == "cuda" else ["torch-full", "torch-topk"])
-    return dev, pick("vocab"), pick("seq_lens"), pick("d_model"), pick("ks"), DTYPES[pick("dtype")], \
-        pick("reps"), pick("warmup"), methods
+    return (
+        dev,
+        pick("vocab"),
+        pick("seq_lens"),
+        pick("d_model"),
+        pick("ks"),
+        DTYPES[pick("dtype")],
+        pick("reps"),
+        pick("warmup"),
+        methods,
+    )
 
 
 def make_inputs(N: int, V: int, D: int, K: int, dtype, dev, seed: int = 0, regime: str = "lm"):
@@ -184,11 +222,13 @@ def _fwd_bwd(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], xs, ws, a
             loss = fn(x, w)
             loss.backward()
         return loss.detach(), x.grad, w.grad
+
     return step
 
 
 def _floor(xs, ws):
     """logits (fp32 out), G (input dtype), dX = G ws, dW = G^T xs."""
+
     def step():
         z = mm_acc(xs, ws.t(), torch.float32)
         g = z.to(xs.dtype)
@@ -196,6 +236,7 @@ def _floor(xs, ws):
         dx = g @ ws
         dw = g.t() @ xs
         return dx, dw
+
     return step
 
 
@@ -221,6 +262,7 @@ def _graph_step(fn, xs, ws):
     def fwd_bwd():
         loss = fn(x, w)
         return (loss.detach(), *torch.autograd.grad(loss, [x, w]))
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -234,6 +276,7 @@ def _graph_step(fn, xs, ws):
     def step():
         graph.replay()
         return out
+
     return step
 
 
@@ -341,7 +384,7 @@ def run_loss(args, env: Dict[str, str]) -> List[Row]:
                     print(f"regime {regime}: skipped ({err})", flush=True)
                     break
                 print(f"regime {regime}: mean teacher entropy {ent:.2f} nats (N={N}, K={K})", flush=True)
-                n, v, d = xs.shape[0], ws.shape[0], xs.shape[1]   # the demo regime brings its own sizes
+                n, v, d = xs.shape[0], ws.shape[0], xs.shape[1]  # the demo regime brings its own sizes
                 for method in methods:
                     if method in once and K != ks[0]:
                         continue
@@ -352,13 +395,26 @@ def run_loss(args, env: Dict[str, str]) -> List[Row]:
                     if why:
                         row.note = why
                     else:
-                        _measure(row, method, xs, ws, ids, lp, labels, dev, warmup, reps,
-                                 args.ref_rows if N == seq_lens[0] else 0)  # accuracy: not N-dependent
+                        _measure(
+                            row,
+                            method,
+                            xs,
+                            ws,
+                            ids,
+                            lp,
+                            labels,
+                            dev,
+                            warmup,
+                            reps,
+                            args.ref_rows if N == seq_lens[0] else 0,
+                        )  # accuracy: not N-dependent
                     if row.ms is not None:
                         _ratios(row, label, method, base, n, v, d, K, xs.element_size(), bw)
                     rows.append(row)
-                    print(f"  {label} {regime} N={N}: {row.ms} ms, {row.peak_mib} MiB, err {row.rel_err} {row.note}",
-                          flush=True)
+                    print(
+                        f"  {label} {regime} N={N}: {row.ms} ms, {row.peak_mib} MiB, err {row.rel_err} {row.note}",
+                        flush=True,
+                    )
                     if args.csv:  # written as it goes: a run cut short keeps what it measured
                         write_csv(args.csv, rows, env)
                 del xs, ws, ids, lp, labels
@@ -378,10 +434,16 @@ def run_extract(args) -> List[Row]:
 
     dev, V, _, _, ks, dtype, reps, warmup, _ = _settings(args)
     gpu = dev.type == "cuda"
-    cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=1024 if gpu else 64, intermediate_size=2816 if gpu else 128,
-                                   num_hidden_layers=8 if gpu else 2, num_attention_heads=16 if gpu else 4,
-                                   num_key_value_heads=4 if gpu else 2, max_position_embeddings=4096,
-                                   tie_word_embeddings=False)
+    cfg = transformers.Qwen2Config(
+        vocab_size=V,
+        hidden_size=1024 if gpu else 64,
+        intermediate_size=2816 if gpu else 128,
+        num_hidden_layers=8 if gpu else 2,
+        num_attention_heads=16 if gpu else 4,
+        num_key_value_heads=4 if gpu else 2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     B, L = (16, 1024) if gpu else (4, 64)
     with torch.device(dev):
         model = transformers.Qwen2ForCausalLM(cfg).to(dtype).eval()
@@ -413,8 +475,11 @@ def run_extract(args) -> List[Row]:
     def extract_torch_scan():  # the same selection with PyTorch ops in place of the fused chunk pass
         return teacher_topk(teacher, seqs, ks[0], 1.0, batch_tokens=tokens, backend="torch")
 
-    methods = [("teacher forward + logits", with_logits), ("teacher forward (hidden only)", hidden_only),
-               (f"naive top-{ks[0]} (logits, log_softmax, topk)", naive_extract)]
+    methods = [
+        ("teacher forward + logits", with_logits),
+        ("teacher forward (hidden only)", hidden_only),
+        (f"naive top-{ks[0]} (logits, log_softmax, topk)", naive_extract),
+    ]
     if gpu:
         methods.append((f"extract top-{ks[0]}, PyTorch chunk pass", extract_torch_scan))
     methods.append((f"extract top-{ks[0]} (hidden + streaming top-k)", extract))
@@ -432,8 +497,9 @@ def run_extract(args) -> List[Row]:
     for r in rows:
         if r.ms and ref:
             r.extra["x_forward_with_logits"] = r.ms / ref
-        r.note = " ".join([r.note, f"params={params / 1e6:.0f}M"] +
-                          [f"{k}={v:.4g}" for k, v in r.extra.items()]).strip()
+        r.note = " ".join(
+            [r.note, f"params={params / 1e6:.0f}M"] + [f"{k}={v:.4g}" for k, v in r.extra.items()]
+        ).strip()
     # alignment spot check: stored rows equal the top-k of the model's own logits
     with torch.no_grad():
         logits = model(input_ids=ids[:1, :64], use_cache=False).logits[0, :-1].float()
@@ -468,13 +534,18 @@ def run(args) -> int:
         write_csv(args.csv, rows, env)
         print(f"wrote {args.csv}")
     if args.md:
-        write_markdown(args.md, "nitrobrew bench topk", rows, ["regime", "N", "K", "V", "D"], env,
-                       extras=("teacher_entropy",))
+        write_markdown(
+            args.md, "nitrobrew bench topk", rows, ["regime", "N", "K", "V", "D"], env, extras=("teacher_entropy",)
+        )
         print(f"wrote {args.md}")
     timed = [r for r in rows if r.mode == "topk" and r.ms is not None]
     if args.plot and timed:
-        plot(args.plot, per_regime(timed), "N",
-             f"topk_kl fwd+bwd, V={timed[0].size['V']}, D={timed[0].size['D']} ({env['device']})")
+        plot(
+            args.plot,
+            per_regime(timed),
+            "N",
+            f"topk_kl fwd+bwd, V={timed[0].size['V']}, D={timed[0].size['D']} ({env['device']})",
+        )
     print(f"bench topk: {time.time() - t0:.1f} s")
     bad = failed(rows)
     for r in bad:

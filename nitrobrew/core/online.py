@@ -5,6 +5,7 @@ The math (docs/design.md §2.3-§2.4): a row's running max m, rescaled sum l = s
 forward/reverse KL's accumulators a, r (and b on the other side), merged across chunks, lanes and
 ranks by rescaling to the larger max.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,11 +39,17 @@ class Online:
     def empty(n: int, acc: torch.dtype, device, with_acc: bool = False, with_lost: bool = False) -> "Online":
         m = torch.full((n,), float("-inf"), dtype=acc, device=device)
         zero = torch.zeros(n, dtype=acc, device=device)
-        return Online(m, zero, zero.clone() if with_acc else None, zero.clone() if with_acc else None,
-                      zero.clone() if with_lost else None)
+        return Online(
+            m,
+            zero,
+            zero.clone() if with_acc else None,
+            zero.clone() if with_acc else None,
+            zero.clone() if with_lost else None,
+        )
 
-    def update(self, x: Tensor, d: Optional[Tensor] = None, lost: Optional[Tensor] = None,
-               other_scale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    def update(
+        self, x: Tensor, d: Optional[Tensor] = None, lost: Optional[Tensor] = None, other_scale: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Tensor]:
         """Add a chunk x [n, c]; d = x - y feeds a and r. For b: lost (bool [n, c]) marks the entries
         whose weight on the other side underflowed, and rows whose other_scale is 0 had the other
         side's earlier sums underflow away (all of this side's mass so far is lost to them).

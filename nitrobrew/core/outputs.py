@@ -1,4 +1,5 @@
 """Output types shared by the loss families."""
+
 from __future__ import annotations
 
 from typing import NamedTuple

@@ -1,6 +1,7 @@
 """The slab plumbing the loss families share: logits of a vocab range (softcapped in place), their
 gradient fed into dX/dW/db, gradient buffers, and gradients formed in the forward and handed to the
 backward once (fast modes with a scalar reduction)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -13,8 +14,9 @@ Tensor = torch.Tensor
 F32 = torch.float32
 
 
-def chunk_logits(x: Tensor, w: Tensor, b: Optional[Tensor], lo: int, hi: int, acc,
-                 softcap: Optional[float] = None) -> Tensor:
+def chunk_logits(
+    x: Tensor, w: Tensor, b: Optional[Tensor], lo: int, hi: int, acc, softcap: Optional[float] = None
+) -> Tensor:
     """Logits of the head rows [lo, hi) in `acc`, softcapped when softcap is given."""
     return softcap_(linear_logits(x, w[lo:hi], None if b is None else b[lo:hi], acc), softcap)
 
@@ -75,7 +77,8 @@ def take_precomputed_grads(ctx, grad_total):
         raise RuntimeError(
             "nitrobrew: this loss formed its gradients in the forward (Triton fast mode, scalar reduction) and "
             "handed them out in the first backward; a second backward through the same graph (retain_graph=True) "
-            "is not supported. Compute the loss again, or use mode='constant_memory' or backend='torch'.")
+            "is not supported. Compute the loss again, or use mode='constant_memory' or backend='torch'."
+        )
     dx, dw, db = ctx.grads
     ctx.grads = None
     if not _is_one(grad_total):

@@ -4,6 +4,7 @@
 DIVERGENCE (ids from ``divergences.DIVERGENCE_IDS``, spelled by the named constexprs below); the online
 helpers are the streaming log-sum-exp of docs/design.md §2.3.
 """
+
 from __future__ import annotations
 
 import math
@@ -139,8 +140,8 @@ def math_args(cfg):
 # Launch configuration of the row kernels, also those of topk's fast mode (tuned on an H200: see
 # benchmarks/results/hidden/row_kernel_sweep.md).
 BLOCK_V = 4096
-NUM_WARPS = 4     # gradient pass
-STATS_WARPS = 8   # statistics passes
+NUM_WARPS = 4  # gradient pass
+STATS_WARPS = 8  # statistics passes
 # The KLs' statistics pass keeps two more per-lane sums (a, r): with 4096-column tiles on 8 warps it
 # needs more than 128 registers a thread, which halves the programs an SM holds
 KL_STATS_BLOCK_V = 2048

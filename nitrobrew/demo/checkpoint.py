@@ -7,6 +7,7 @@ Its metadata carries a sha256 over the record and every tensor (name, dtype, sha
 flipped byte is refused on load (``CheckpointError`` naming the file) instead of resuming with
 different numbers.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,8 +35,9 @@ def _digest(meta_json: str, tensors: Dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def save_checkpoint(path: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                    record: Dict[str, Any]) -> None:
+def save_checkpoint(
+    path: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], record: Dict[str, Any]
+) -> None:
     """Model weights, optimizer state and `record` (JSON-serializable) in one safetensors file."""
     tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
     meta: Dict[str, Any] = {"record": record}
@@ -71,26 +73,28 @@ def _read(path: str, with_tensors: bool) -> Tuple[Dict[str, Any], Dict[str, torc
     except FileNotFoundError:
         raise
     except Exception as err:  # safetensors' own errors do not name the file
-        raise CheckpointError(f"checkpoint {path} is corrupted or not a nitrobrew checkpoint "
-                              f"({type(err).__name__}: {err})") from None
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted or not a nitrobrew checkpoint ({type(err).__name__}: {err})"
+        ) from None
     want = header.get("sha256")
     if with_tensors and want is not None and _digest(meta_json, tensors) != want:
         raise CheckpointError(f"checkpoint {path} is corrupted: its sha256 does not match its contents")
     return meta, tensors
 
 
-def load_checkpoint(path: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                    device: str = "cpu") -> Dict[str, Any]:
+def load_checkpoint(
+    path: str, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, device: str = "cpu"
+) -> Dict[str, Any]:
     """Restore model (and optimizer) from `path`; returns the record. The checksum is checked
     before anything is restored (checkpoints written before it existed load unchecked)."""
     meta, tensors = _read(path, with_tensors=True)
     tensors = {k: v.to(device) for k, v in tensors.items()}
-    model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+    model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
     if optimizer is not None:
         state: Dict[int, Dict[str, Any]] = {}
         for k, v in tensors.items():
             if k.startswith("optim."):
-                idx, key = _split(k[len("optim."):])
+                idx, key = _split(k[len("optim.") :])
                 state.setdefault(idx, {})[key] = v
         for k, v in meta.get("optim_scalars", {}).items():
             idx, key = _split(k)

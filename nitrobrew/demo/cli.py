@@ -1,11 +1,12 @@
 """`nitrobrew demo [lm|toy]`: distill a small causal LM end to end, or draw the toy pictures.
 
-    nitrobrew demo                     # about five minutes on 2 CPU cores; artifacts in runs/demo
-    nitrobrew demo --resume            # continue an interrupted run from its checkpoints
-    nitrobrew demo --device cuda --preset large
-    nitrobrew demo --student-steps 600 --teacher-hidden 192   # any DemoConfig field as a flag
-    nitrobrew demo toy                 # mode-seeking vs mean-seeking, and the rank picture
+nitrobrew demo                     # about five minutes on 2 CPU cores; artifacts in runs/demo
+nitrobrew demo --resume            # continue an interrupted run from its checkpoints
+nitrobrew demo --device cuda --preset large
+nitrobrew demo --student-steps 600 --teacher-hidden 192   # any DemoConfig field as a flag
+nitrobrew demo toy                 # mode-seeking vs mean-seeking, and the rank picture
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,16 +25,28 @@ _ZERO_OK = ("warmup", "seed")  # sizes that may be 0; every other size must be >
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.splitlines()[0]
-    p.add_argument("what", nargs="?", choices=["lm", "toy"], default="lm",
-                   help="lm (default): teacher, students, table and curves; toy: the divergence pictures")
+    p.add_argument(
+        "what",
+        nargs="?",
+        choices=["lm", "toy"],
+        default="lm",
+        help="lm (default): teacher, students, table and curves; toy: the divergence pictures",
+    )
     p.add_argument("--out", default=None, help="artifact directory (default runs/demo, runs/demo-toy for toy)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                   help="sizes: tiny (seconds), default (about 5 min on 2 CPU cores), large (a GPU)")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="default",
+        help="sizes: tiny (seconds), default (about 5 min on 2 CPU cores), large (a GPU)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
-    p.add_argument("--methods", default=None,
-                   help=f"comma-separated students to train (default: all of {','.join(METHODS)})")
-    p.add_argument("--threads", type=_number(int, zero_ok=False), default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--methods", default=None, help=f"comma-separated students to train (default: all of {','.join(METHODS)})"
+    )
+    p.add_argument(
+        "--threads", type=_number(int, zero_ok=False), default=None, help="torch CPU threads (default: torch's choice)"
+    )
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     sizes = p.add_argument_group("sizes (override the preset; any DemoConfig field)")
@@ -42,12 +55,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             continue
         kind = type(f.default)
         check = _boolean if kind is bool else _number(kind, zero_ok=f.name in _ZERO_OK)
-        sizes.add_argument("--" + f.name.replace("_", "-"), type=check, default=None,
-                           dest=f.name, metavar=kind.__name__.upper())
+        sizes.add_argument(
+            "--" + f.name.replace("_", "-"), type=check, default=None, dest=f.name, metavar=kind.__name__.upper()
+        )
 
 
 def _number(kind, zero_ok: bool):
     """argparse type: a finite number of `kind`, > 0 (>= 0 for the fields where 0 means none)."""
+
     def parse(text: str):
         try:
             value = kind(text)
@@ -74,9 +89,12 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     elif torch.get_num_threads() > 1 and hasattr(os, "getloadavg") and os.getloadavg()[0] >= 1.0:
-        print(f"note: other processes keep this machine busy (load average {os.getloadavg()[0]:.1f}); torch's "
-              f"{torch.get_num_threads()} threads slow down badly when they share cores with them: "
-              "--threads 1 is steadier", file=sys.stderr)
+        print(
+            f"note: other processes keep this machine busy (load average {os.getloadavg()[0]:.1f}); torch's "
+            f"{torch.get_num_threads()} threads slow down badly when they share cores with them: "
+            "--threads 1 is steadier",
+            file=sys.stderr,
+        )
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"--device {args.device}: CUDA is not available on this machine", file=sys.stderr)
         return 2
@@ -101,8 +119,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         run_demo(cfg, out, device=args.device, resume=args.resume, progress=not args.quiet, plot=not args.no_plot)
     except KeyboardInterrupt:
-        print(f"\ninterrupted: `nitrobrew demo --resume --out {out}` (same flags) continues from the last "
-              "checkpoint", file=sys.stderr)
+        print(
+            f"\ninterrupted: `nitrobrew demo --resume --out {out}` (same flags) continues from the last checkpoint",
+            file=sys.stderr,
+        )
         return 130
     except CheckpointError as err:  # one line, naming the file; the run's other checkpoints stay usable
         print(f"nitrobrew demo: {err}", file=sys.stderr)

@@ -17,6 +17,7 @@ Every stage writes atomic safetensors checkpoints; ``--resume`` continues an int
 and ends exactly where an uninterrupted one ends (batches and learning rates are functions of
 the step; model and optimizer state are restored bit for bit).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,10 +37,15 @@ from .progress import Progress
 from .source import HMMSource
 
 METHODS = ("hard_labels", "forward_kl", "reverse_kl", "jsd", "topk", "on_policy_reverse_kl", "on_policy_jsd")
-LABELS = {"hard_labels": "hard labels (CE)", "forward_kl": "forward KL", "reverse_kl": "reverse KL",
-          "jsd": "JSD (beta 0.5)", "topk": "top-k store, forward KL",
-          "on_policy_reverse_kl": "on-policy, reverse KL on student samples",
-          "on_policy_jsd": "on-policy, JSD (beta 0.5) on student samples"}
+LABELS = {
+    "hard_labels": "hard labels (CE)",
+    "forward_kl": "forward KL",
+    "reverse_kl": "reverse KL",
+    "jsd": "JSD (beta 0.5)",
+    "topk": "top-k store, forward KL",
+    "on_policy_reverse_kl": "on-policy, reverse KL on student samples",
+    "on_policy_jsd": "on-policy, JSD (beta 0.5) on student samples",
+}
 ON_POLICY = {"on_policy_reverse_kl": "reverse_kl", "on_policy_jsd": "jsd"}
 # Settings that may change between a run and its --resume (they add or drop whole stages).
 RESUMABLE_CHANGES = ("methods",)
@@ -66,7 +72,7 @@ class DemoConfig:
     temperature: float = 1.0
     topk: int = 16
     topk_tail: bool = True
-    prompt_len: int = 16        # on-policy students: prompt tokens; the student generates the rest
+    prompt_len: int = 16  # on-policy students: prompt tokens; the student generates the rest
     methods: Tuple[str, ...] = METHODS
     eval_every: int = 25
     checkpoint_every: int = 50
@@ -75,15 +81,47 @@ class DemoConfig:
 
 PRESETS: Dict[str, Dict] = {
     # seconds on a CPU: what the tests run
-    "tiny": dict(vocab=24, states=6, seq_len=16, train_sequences=128, test_sequences=16, teacher_hidden=32,
-                 teacher_layers=1, teacher_steps=12, student_hidden=16, student_layers=1, student_steps=8,
-                 batch_size=8, warmup=2, topk=6, eval_every=4, checkpoint_every=3, prompt_len=4),
+    "tiny": dict(
+        vocab=24,
+        states=6,
+        seq_len=16,
+        train_sequences=128,
+        test_sequences=16,
+        teacher_hidden=32,
+        teacher_layers=1,
+        teacher_steps=12,
+        student_hidden=16,
+        student_layers=1,
+        student_steps=8,
+        batch_size=8,
+        warmup=2,
+        topk=6,
+        eval_every=4,
+        checkpoint_every=3,
+        prompt_len=4,
+    ),
     "default": {},  # about five minutes on 2 CPU cores
     # a GPU (or patience): a larger language, wider models, longer training
-    "large": dict(vocab=512, states=64, seq_len=128, train_sequences=65536, test_sequences=1024,
-                  teacher_hidden=512, teacher_layers=8, teacher_steps=4000, student_hidden=256,
-                  student_layers=4, student_steps=2000, batch_size=64, lr=1e-3, warmup=100, topk=32,
-                  eval_every=100, checkpoint_every=250, prompt_len=32),
+    "large": dict(
+        vocab=512,
+        states=64,
+        seq_len=128,
+        train_sequences=65536,
+        test_sequences=1024,
+        teacher_hidden=512,
+        teacher_layers=8,
+        teacher_steps=4000,
+        student_hidden=256,
+        student_layers=4,
+        student_steps=2000,
+        batch_size=64,
+        lr=1e-3,
+        warmup=100,
+        topk=32,
+        eval_every=100,
+        checkpoint_every=250,
+        prompt_len=32,
+    ),
 }
 
 
@@ -92,6 +130,7 @@ class Interrupted(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------ the pieces
+
 
 def require_transformers():
     try:
@@ -104,19 +143,28 @@ def make_model(cfg: DemoConfig, hidden: int, layers: int, seed: int, device: tor
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=cfg.vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=max(hidden // 16, 1),
-                         num_key_value_heads=max(hidden // 16, 1), max_position_embeddings=cfg.seq_len,
-                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=cfg.vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 16, 1),
+        num_key_value_heads=max(hidden // 16, 1),
+        max_position_embeddings=cfg.seq_len,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     return LlamaForCausalLM(config).to(device)
 
 
 @dataclass
 class Data:
     source: HMMSource
-    train: torch.Tensor        # [n, L] int64
-    test: torch.Tensor         # [m, L]
-    test_probs: torch.Tensor   # [m, L - 1, V] float64: the source's exact next-token distributions
+    train: torch.Tensor  # [n, L] int64
+    test: torch.Tensor  # [m, L]
+    test_probs: torch.Tensor  # [m, L - 1, V] float64: the source's exact next-token distributions
 
 
 def make_data(cfg: DemoConfig) -> Data:
@@ -131,7 +179,7 @@ def batch_indices(cfg: DemoConfig, step: int) -> torch.Tensor:
     per_epoch = max(cfg.train_sequences // cfg.batch_size, 1)
     epoch, i = divmod(step, per_epoch)
     perm = torch.randperm(cfg.train_sequences, generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch))
-    return perm[i * cfg.batch_size:(i + 1) * cfg.batch_size]
+    return perm[i * cfg.batch_size : (i + 1) * cfg.batch_size]
 
 
 def lr_at(cfg: DemoConfig, step: int, steps: int) -> float:
@@ -145,9 +193,12 @@ def lr_at(cfg: DemoConfig, step: int, steps: int) -> float:
 def source_metrics(data: Data) -> Dict[str, float]:
     P, nxt = data.test_probs, data.test[:, 1:]
     logp = P.clamp_min(1e-300).log()
-    return {"kl": 0.0, "ppl": float((-logp.gather(-1, nxt[..., None])).mean().exp()),
-            "acc": float((P.argmax(-1) == nxt).double().mean()),
-            "entropy": float(-(P * logp).sum(-1).mean())}
+    return {
+        "kl": 0.0,
+        "ppl": float((-logp.gather(-1, nxt[..., None])).mean().exp()),
+        "acc": float((P.argmax(-1) == nxt).double().mean()),
+        "entropy": float(-(P * logp).sum(-1).mean()),
+    }
 
 
 @torch.no_grad()
@@ -157,9 +208,9 @@ def evaluate(model, data: Data, device: torch.device, batch: int = 64) -> Dict[s
     model.eval()
     kl = nll = correct = 0.0
     for i in range(0, data.test.shape[0], batch):
-        ids = data.test[i:i + batch].to(device)
+        ids = data.test[i : i + batch].to(device)
         logq = model(input_ids=ids).logits[:, :-1].double().log_softmax(-1).cpu()
-        P, nxt = data.test_probs[i:i + batch], data.test[i:i + batch, 1:]
+        P, nxt = data.test_probs[i : i + batch], data.test[i : i + batch, 1:]
         kl += float((P * (P.clamp_min(1e-300).log() - logq)).sum(-1).sum())
         nll += float(-logq.gather(-1, nxt[..., None]).sum())
         correct += float((logq.argmax(-1) == nxt).sum())
@@ -170,11 +221,19 @@ def evaluate(model, data: Data, device: torch.device, batch: int = 64) -> Dict[s
 
 # -------------------------------------------------------------------------------- one training run
 
+
 class Runner:
     """Runs stages with checkpoints, progress bars and the interruption hook."""
 
-    def __init__(self, cfg: DemoConfig, out: str, device: torch.device, resume: bool, progress: bool,
-                 stop_after: Optional[int] = None):
+    def __init__(
+        self,
+        cfg: DemoConfig,
+        out: str,
+        device: torch.device,
+        resume: bool,
+        progress: bool,
+        stop_after: Optional[int] = None,
+    ):
         self.cfg, self.out, self.device = cfg, out, device
         self.resume, self.progress = resume, progress
         self.stop_after, self.steps_done = stop_after, 0
@@ -184,8 +243,9 @@ class Runner:
     def ckpt(self, name: str) -> str:
         return os.path.join(self.ckpt_dir, f"{name}.safetensors")
 
-    def train(self, name: str, model, steps: int, loss_fn: Callable[[torch.Tensor, int], torch.Tensor],
-              data: Data, desc: str) -> Dict:
+    def train(
+        self, name: str, model, steps: int, loss_fn: Callable[[torch.Tensor, int], torch.Tensor], data: Data, desc: str
+    ) -> Dict:
         """Train `model` for `steps` (resuming from its checkpoint); returns its record.
 
         loss_fn may return (loss, stats): numbers added up in the record (timed steps only)."""
@@ -253,6 +313,7 @@ class Runner:
 
 # --------------------------------------------------------------------------------------- the demo
 
+
 def topk_available() -> bool:
     try:
         from ..topk import data as _d  # noqa: F401
@@ -274,16 +335,30 @@ def extract_store(runner: Runner, teacher, data: Data) -> str:
     seqs = data.train.tolist()
     if runner.progress:
         print(f"extracting the teacher's top-{cfg.topk} over {len(seqs)} sequences into {path}")
-    extract_topk(teacher_from_hf(teacher, name="nitrobrew-demo-teacher"), seqs, path, k=cfg.topk,
-                 temperature=cfg.temperature, sequences_per_shard=max(len(seqs) // 4, 1),
-                 source={"demo_config": _jsonable(cfg)}, resume=runner.resume)
+    extract_topk(
+        teacher_from_hf(teacher, name="nitrobrew-demo-teacher"),
+        seqs,
+        path,
+        k=cfg.topk,
+        temperature=cfg.temperature,
+        sequences_per_shard=max(len(seqs) // 4, 1),
+        source={"demo_config": _jsonable(cfg)},
+        resume=runner.resume,
+    )
     if runner.progress:
         print(f"  store written in {time.perf_counter() - t0:.1f} s")
     return path
 
 
-def run_demo(cfg: DemoConfig, out: str, device: str = "cpu", resume: bool = False, progress: bool = True,
-             stop_after: Optional[int] = None, plot: bool = True) -> Dict:
+def run_demo(
+    cfg: DemoConfig,
+    out: str,
+    device: str = "cpu",
+    resume: bool = False,
+    progress: bool = True,
+    stop_after: Optional[int] = None,
+    plot: bool = True,
+) -> Dict:
     """The whole demo; returns the results (also written to OUT/results.json)."""
     require_transformers()
     from ..hf import distill_loss, on_policy_batch
@@ -304,16 +379,24 @@ def run_demo(cfg: DemoConfig, out: str, device: str = "cpu", resume: bool = Fals
     train_dev = data.train.to(dev)
     src = source_metrics(data)
     if progress:
-        print(f"language: {cfg.vocab} words, {cfg.states} hidden states; {cfg.train_sequences} training "
-              f"sequences of {cfg.seq_len} tokens; source entropy {src['entropy']:.3f} nats/token "
-              f"(perplexity floor {src['ppl']:.2f})")
+        print(
+            f"language: {cfg.vocab} words, {cfg.states} hidden states; {cfg.train_sequences} training "
+            f"sequences of {cfg.seq_len} tokens; source entropy {src['entropy']:.3f} nats/token "
+            f"(perplexity floor {src['ppl']:.2f})"
+        )
 
     teacher = make_model(cfg, cfg.teacher_hidden, cfg.teacher_layers, cfg.seed + 10, dev)
     params = {"teacher": _params(teacher)}
-    records = {"teacher": runner.train(
-        "teacher", teacher, cfg.teacher_steps,
-        lambda idx, step: distill_loss(teacher, None, train_dev[idx], kd_weight=0.0, ce_weight=1.0).loss,
-        data, f"teacher ({_params(teacher) / 1e6:.2f}M params)")}
+    records = {
+        "teacher": runner.train(
+            "teacher",
+            teacher,
+            cfg.teacher_steps,
+            lambda idx, step: distill_loss(teacher, None, train_dev[idx], kd_weight=0.0, ce_weight=1.0).loss,
+            data,
+            f"teacher ({_params(teacher) / 1e6:.2f}M params)",
+        )
+    }
     teacher.eval().requires_grad_(False)
 
     store = None
@@ -331,37 +414,75 @@ def run_demo(cfg: DemoConfig, out: str, device: str = "cpu", resume: bool = Fals
                 return distill_loss(student, None, train_dev[idx], kd_weight=0.0, ce_weight=1.0).loss
             if method == "topk":
                 b = collate([store[int(i)] for i in idx])
-                return distill_loss(student, None, b["input_ids"].to(dev), b["attention_mask"].to(dev),
-                                    targets=b["labels"].to(dev), divergence="topk",
-                                    topk_ids=b["topk_ids"].to(dev), topk_logprobs=b["topk_logprobs"].to(dev),
-                                    topk_tail=cfg.topk_tail, temperature=cfg.temperature,
-                                    teacher_temperature=store.temperature).loss
+                return distill_loss(
+                    student,
+                    None,
+                    b["input_ids"].to(dev),
+                    b["attention_mask"].to(dev),
+                    targets=b["labels"].to(dev),
+                    divergence="topk",
+                    topk_ids=b["topk_ids"].to(dev),
+                    topk_logprobs=b["topk_logprobs"].to(dev),
+                    topk_tail=cfg.topk_tail,
+                    temperature=cfg.temperature,
+                    teacher_temperature=store.temperature,
+                ).loss
             if method in ON_POLICY:
                 # The student completes each sequence's first prompt_len tokens (seeded by the step:
                 # --resume generates the same samples), the teacher scores the student's own tokens.
-                prompts = train_dev[idx][:, :cfg.prompt_len]
-                gen = on_policy_batch(student, prompts, max_new_tokens=cfg.seq_len - cfg.prompt_len,
-                                      temperature=1.0, eos_token_id=None, pad_token_id=0,
-                                      seed=cfg.seed * 1_000_003 + step)
-                out = distill_loss(student, teacher, gen.input_ids, gen.attention_mask, gen.labels,
-                                   divergence=ON_POLICY[method], temperature=cfg.temperature)
+                prompts = train_dev[idx][:, : cfg.prompt_len]
+                gen = on_policy_batch(
+                    student,
+                    prompts,
+                    max_new_tokens=cfg.seq_len - cfg.prompt_len,
+                    temperature=1.0,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                    seed=cfg.seed * 1_000_003 + step,
+                )
+                out = distill_loss(
+                    student,
+                    teacher,
+                    gen.input_ids,
+                    gen.attention_mask,
+                    gen.labels,
+                    divergence=ON_POLICY[method],
+                    temperature=cfg.temperature,
+                )
                 return out.loss, {"gen_seconds": gen.seconds}
-            return distill_loss(student, teacher, train_dev[idx], divergence=method,
-                                temperature=cfg.temperature).loss
+            return distill_loss(student, teacher, train_dev[idx], divergence=method, temperature=cfg.temperature).loss
 
         params[method] = _params(student)
-        records[method] = runner.train(method, student, cfg.student_steps, loss_fn, data,
-                                       f"student: {LABELS[method]} ({_params(student) / 1e6:.2f}M params)")
+        records[method] = runner.train(
+            method,
+            student,
+            cfg.student_steps,
+            loss_fn,
+            data,
+            f"student: {LABELS[method]} ({_params(student) / 1e6:.2f}M params)",
+        )
 
-    results = {"config": asdict(cfg), "source": src, "runs": {}, "environment": environment(),
-               "device": str(dev), "threads": torch.get_num_threads(),
-               "wall_seconds_this_session": time.perf_counter() - t_start}
+    results = {
+        "config": asdict(cfg),
+        "source": src,
+        "runs": {},
+        "environment": environment(),
+        "device": str(dev),
+        "threads": torch.get_num_threads(),
+        "wall_seconds_this_session": time.perf_counter() - t_start,
+    }
     for name, rec in records.items():
         final = rec["curve"][-1]
-        results["runs"][name] = {"kl": final["kl"], "ppl": final["ppl"], "acc": final["acc"],
-                                 "peak_mib": rec["peak_mib"], "train_seconds": rec["train_seconds"],
-                                 "gen_seconds": rec.get("gen_seconds"), "params": params[name],
-                                 "curve": rec["curve"]}
+        results["runs"][name] = {
+            "kl": final["kl"],
+            "ppl": final["ppl"],
+            "acc": final["acc"],
+            "peak_mib": rec["peak_mib"],
+            "train_seconds": rec["train_seconds"],
+            "gen_seconds": rec.get("gen_seconds"),
+            "params": params[name],
+            "curve": rec["curve"],
+        }
     from .report import write_report
 
     write_report(results, out, plot=plot)
@@ -384,11 +505,12 @@ def _check_or_save_config(cfg: DemoConfig, out: str, resume: bool) -> None:
     if resume and os.path.exists(path):
         with open(path) as f:
             saved = json.load(f)
-        diff = sorted(k for k in set(saved) | set(mine)
-                      if saved.get(k) != mine.get(k) and k not in RESUMABLE_CHANGES)
+        diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k) and k not in RESUMABLE_CHANGES)
         if diff:
-            raise SystemExit(f"--resume: the run in {out} was made with other settings ({', '.join(diff)}); "
-                             "use the same flags, or another --out")
+            raise SystemExit(
+                f"--resume: the run in {out} was made with other settings ({', '.join(diff)}); "
+                "use the same flags, or another --out"
+            )
     if not resume:
         shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)
     atomic_write_text(path, json.dumps(mine, indent=1) + "\n")
@@ -401,5 +523,3 @@ def config_from(preset: str, **overrides) -> DemoConfig:
     if "methods" in values:
         values["methods"] = tuple(values["methods"])
     return DemoConfig(**values)
-
-

@@ -1,4 +1,5 @@
 """A progress bar: tqdm when installed, otherwise a plain line every ~10%."""
+
 from __future__ import annotations
 
 import sys
@@ -36,8 +37,10 @@ class Progress:
             self._bar.update(n)
         elif self.n >= self._next_print or self.n >= self.total:
             extra = " ".join(f"{k}={v}" for k, v in self._postfix.items())
-            print(f"{self.desc}: {self.n}/{self.total} ({time.perf_counter() - self._t0:.0f}s) {extra}".rstrip(),
-                  flush=True)
+            print(
+                f"{self.desc}: {self.n}/{self.total} ({time.perf_counter() - self._t0:.0f}s) {extra}".rstrip(),
+                flush=True,
+            )
             self._next_print = self.n + max(self.total // 10, 1)
 
     def close(self) -> None:

@@ -1,4 +1,5 @@
 """The demo's outputs: a markdown table, results.json and a PNG of the curves."""
+
 from __future__ import annotations
 
 import json
@@ -7,11 +8,16 @@ from typing import Dict, Optional
 
 from .._io import atomic_write_text
 
-NAMES = {"teacher": "teacher", "hard_labels": "student: hard labels (CE)", "forward_kl": "student: forward KL",
-         "reverse_kl": "student: reverse KL", "jsd": "student: JSD (beta 0.5)",
-         "topk": "student: top-k store, forward KL",
-         "on_policy_reverse_kl": "student: on-policy, reverse KL on student samples",
-         "on_policy_jsd": "student: on-policy, JSD (beta 0.5) on student samples"}
+NAMES = {
+    "teacher": "teacher",
+    "hard_labels": "student: hard labels (CE)",
+    "forward_kl": "student: forward KL",
+    "reverse_kl": "student: reverse KL",
+    "jsd": "student: JSD (beta 0.5)",
+    "topk": "student: top-k store, forward KL",
+    "on_policy_reverse_kl": "student: on-policy, reverse KL on student samples",
+    "on_policy_jsd": "student: on-policy, JSD (beta 0.5) on student samples",
+}
 
 
 def _fmt(value: Optional[float], spec: str) -> str:
@@ -32,9 +38,11 @@ def table(results: Dict) -> str:
         vs = "-"
         if hard and name not in ("teacher", "hard_labels"):
             vs = f"{100 * (r['kl'] - hard) / hard:+.0f}%"
-        lines.append(f"| {NAMES.get(name, name)} | {r['params'] / 1e6:.2f}M | {r['kl']:.4f} | {vs} | {r['ppl']:.3f} "
-                     f"| {r['acc']:.3f} | {_fmt(r['peak_mib'], '.1f')} | {r['train_seconds']:.1f} "
-                     f"| {_fmt(r.get('gen_seconds'), '.1f')} |")
+        lines.append(
+            f"| {NAMES.get(name, name)} | {r['params'] / 1e6:.2f}M | {r['kl']:.4f} | {vs} | {r['ppl']:.3f} "
+            f"| {r['acc']:.3f} | {_fmt(r['peak_mib'], '.1f')} | {r['train_seconds']:.1f} "
+            f"| {_fmt(r.get('gen_seconds'), '.1f')} |"
+        )
     env = results["environment"]
     lines += [
         "",
@@ -79,17 +87,21 @@ def plot_curves(results: Dict, path: str) -> Optional[str]:
     ax_kl.set_ylabel("KL(source || model), nats/token (held-out)")
     ax_ppl.set_ylabel("held-out perplexity")
     # Zoom on the last two thirds of training, where the students separate.
-    late = [p["ppl"] for n, r in runs.items() if n != "teacher" for p in r["curve"]
-            if p["step"] >= cfg["student_steps"] / 3]
+    late = [
+        p["ppl"] for n, r in runs.items() if n != "teacher" for p in r["curve"] if p["step"] >= cfg["student_steps"] / 3
+    ]
     if late:
         ax_ppl.set_ylim(src["ppl"] * 0.99, max(late) * 1.01)
     for ax in (ax_kl, ax_ppl):
         ax.set_xlabel("student step")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"nitrobrew demo: distilling a {cfg['teacher_layers']}x{cfg['teacher_hidden']} teacher into "
-                 f"{cfg['student_layers']}x{cfg['student_hidden']} students, {cfg['student_steps']} steps each "
-                 f"(same data), on a language with a known source", fontsize=10)
+    fig.suptitle(
+        f"nitrobrew demo: distilling a {cfg['teacher_layers']}x{cfg['teacher_hidden']} teacher into "
+        f"{cfg['student_layers']}x{cfg['student_hidden']} students, {cfg['student_steps']} steps each "
+        f"(same data), on a language with a known source",
+        fontsize=10,
+    )
     fig.tight_layout()
     tmp = f"{path}.tmp{os.getpid()}.png"
     fig.savefig(tmp, dpi=110)

@@ -7,6 +7,7 @@ states), which is what a language model has to learn. The forward algorithm give
 ``p(x_{t+1} | x_1..x_t)`` for any sequence, so a model's quality can be measured as its KL
 divergence to the source, not only its perplexity on sampled text.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,8 +39,9 @@ class HMMSource:
     emissions: torch.Tensor
 
     @classmethod
-    def make(cls, vocab: int = 64, states: int = 16, successors: int = 3, words_per_state: int = 6,
-             seed: int = 0) -> "HMMSource":
+    def make(
+        cls, vocab: int = 64, states: int = 16, successors: int = 3, words_per_state: int = 6, seed: int = 0
+    ) -> "HMMSource":
         gen = torch.Generator().manual_seed(seed)
         transitions = _sparse_rows(states, states, min(successors, states), 1.0, gen)
         emissions = _sparse_rows(states, vocab, min(words_per_state, vocab), 0.7, gen)

@@ -10,6 +10,7 @@
    own compromise. The distance plotted is the total variation to the teacher, the same yardstick
    for every training divergence.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,9 +30,9 @@ COLORS = {"forward_kl": "tab:blue", "reverse_kl": "tab:red", "jsd": "tab:green",
 def two_modes(steps: int = 400, V: int = 241, progress: bool = True) -> Dict:
     """Fit N(mu, sigma^2) to 0.6 N(2.2, 0.6^2) + 0.4 N(-2.2, 0.6^2) on a grid of V points."""
     x = torch.linspace(-6.0, 6.0, V, dtype=torch.float64)
-    target = 0.6 * torch.exp(-(x - 2.2) ** 2 / (2 * 0.36)) + 0.4 * torch.exp(-(x + 2.2) ** 2 / (2 * 0.36))
+    target = 0.6 * torch.exp(-((x - 2.2) ** 2) / (2 * 0.36)) + 0.4 * torch.exp(-((x + 2.2) ** 2) / (2 * 0.36))
     xt, wt = torch.ones(1, 1, dtype=torch.float64), target.log()[:, None]  # teacher logits = log p
-    ws = torch.stack([x, x * x], 1)                                       # student logits = ws @ xs
+    ws = torch.stack([x, x * x], 1)  # student logits = ws @ xs
     fits = {}
     with Progress(steps * len(DIVERGENCES), "toy: one Gaussian vs two modes", enabled=progress) as bar:
         for div in DIVERGENCES:
@@ -47,19 +48,31 @@ def two_modes(steps: int = 400, V: int = 241, progress: bool = True) -> Dict:
                 loss.backward()
                 opt.step()
                 bar.update(1)
-            fits[div] = {"mu": float(mu.detach()), "sigma": float(log_sigma.detach().exp()),
-                         "loss": float(loss.detach())}
+            fits[div] = {
+                "mu": float(mu.detach()),
+                "sigma": float(log_sigma.detach().exp()),
+                "loss": float(loss.detach()),
+            }
     return {"x": x, "target": target / target.sum(), "fits": fits}
 
 
-def rank_chase(ranks=(4, 16, 64), features: int = 16, V: int = 64, N: int = 512, steps: int = 300,
-               divergences=DIVERGENCES + ("tvd",), progress: bool = True, seed: int = 0) -> Dict:
+def rank_chase(
+    ranks=(4, 16, 64),
+    features: int = 16,
+    V: int = 64,
+    N: int = 512,
+    steps: int = 300,
+    divergences=DIVERGENCES + ("tvd",),
+    progress: bool = True,
+    seed: int = 0,
+) -> Dict:
     """TVD(teacher, student) over steps, for each training divergence and teacher rank."""
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(N, max(max(ranks), features), generator=g)
     curves: Dict[int, Dict[str, List[float]]] = {}
-    with Progress(steps * len(ranks) * len(divergences), "toy: softmax regression vs teacher rank",
-                  enabled=progress) as bar:
+    with Progress(
+        steps * len(ranks) * len(divergences), "toy: softmax regression vs teacher rank", enabled=progress
+    ) as bar:
         for r in ranks:
             xt = X[:, :r].contiguous()
             wt = torch.randn(V, r, generator=g) * (3.0 / math.sqrt(r))  # logits of std ~3
@@ -90,13 +103,21 @@ def plot_modes(res: Dict, path: str) -> None:
     dx = float(res["x"][1] - res["x"][0])
     styles = {"forward_kl": "-", "reverse_kl": "-", "jsd": "--"}
     for div, f in res["fits"].items():
-        q = torch.exp(-(res["x"] - f["mu"]) ** 2 / (2 * f["sigma"] ** 2))
-        ax.plot(x, (q / q.sum()).numpy(), color=COLORS[div], lw=2, ls=styles.get(div, "-"),
-                label=f"{div}: mu={f['mu']:+.2f}, sigma={f['sigma']:.2f}")
+        q = torch.exp(-((res["x"] - f["mu"]) ** 2) / (2 * f["sigma"] ** 2))
+        ax.plot(
+            x,
+            (q / q.sum()).numpy(),
+            color=COLORS[div],
+            lw=2,
+            ls=styles.get(div, "-"),
+            label=f"{div}: mu={f['mu']:+.2f}, sigma={f['sigma']:.2f}",
+        )
     ax.set_xlabel("x")
     ax.set_ylabel(f"probability per bin (width {dx:.2f})")
-    ax.set_title("One Gaussian fitted to two modes\nforward KL covers both (mean-seeking), reverse KL picks "
-                 "one (mode-seeking)", fontsize=9)
+    ax.set_title(
+        "One Gaussian fitted to two modes\nforward KL covers both (mean-seeking), reverse KL picks one (mode-seeking)",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     _save(fig, path)
@@ -137,10 +158,15 @@ def run_toy(out: str, progress: bool = True, mode_steps: int = 400, rank_steps: 
     ranks = rank_chase(steps=rank_steps, progress=progress)
     lines = ["| fitted by | mu | sigma |", "|---|---|---|"]
     lines += [f"| {d} | {f['mu']:+.3f} | {f['sigma']:.3f} |" for d, f in modes["fits"].items()]
-    lines += ["", "Target: 0.6 N(+2.2, 0.6^2) + 0.4 N(-2.2, 0.6^2).", "",
-              "| teacher rank | " + " | ".join(f"TVD after {rank_steps} steps, trained with {d}"
-                                            for d in ranks["curves"][ranks["ranks"][0]]) + " |",
-              "|---|" + "---|" * len(ranks["curves"][ranks["ranks"][0]])]
+    lines += [
+        "",
+        "Target: 0.6 N(+2.2, 0.6^2) + 0.4 N(-2.2, 0.6^2).",
+        "",
+        "| teacher rank | "
+        + " | ".join(f"TVD after {rank_steps} steps, trained with {d}" for d in ranks["curves"][ranks["ranks"][0]])
+        + " |",
+        "|---|" + "---|" * len(ranks["curves"][ranks["ranks"][0]]),
+    ]
     for r in ranks["ranks"]:
         lines.append(f"| {r} | " + " | ".join(f"{c[-1]:.2e}" for c in ranks["curves"][r].values()) + " |")
     text = "\n".join(lines) + "\n"
@@ -160,5 +186,8 @@ def run_toy(out: str, progress: bool = True, mode_steps: int = 400, rank_steps: 
         plot_modes(modes, paths["modes"])
         plot_rank(ranks, paths["rank"])
     print("wrote " + ", ".join(paths.values()))
-    return {"modes": modes["fits"], "ranks": {r: {d: c[-1] for d, c in v.items()}
-                                             for r, v in ranks["curves"].items()}, "paths": paths}
+    return {
+        "modes": modes["fits"],
+        "ranks": {r: {d: c[-1] for d, c in v.items()} for r, v in ranks["curves"].items()},
+        "paths": paths,
+    }

@@ -9,6 +9,7 @@
 
 The helpers and ``distill_loss`` do not import transformers; the trainer does (on first use).
 """
+
 from .loss import DIVERGENCES, LMDistillOutput, distill_loss
 from .model import (
     IGNORE_INDEX,
@@ -36,8 +37,24 @@ def __getattr__(name):
 
 
 __all__ = [
-    "distill_loss", "LMDistillOutput", "DIVERGENCES", "DistillationTrainer", "DistillationArguments",
-    "final_hidden_states", "lm_head", "LMHead", "decoder", "unwrap", "shift_labels", "labels_from_inputs",
-    "count_targets", "check_head", "IGNORE_INDEX", "on_policy_batch", "GeneratedBatch", "block_causal_mask",
-    "document_targets", "scheduled",
+    "distill_loss",
+    "LMDistillOutput",
+    "DIVERGENCES",
+    "DistillationTrainer",
+    "DistillationArguments",
+    "final_hidden_states",
+    "lm_head",
+    "LMHead",
+    "decoder",
+    "unwrap",
+    "shift_labels",
+    "labels_from_inputs",
+    "count_targets",
+    "check_head",
+    "IGNORE_INDEX",
+    "on_policy_batch",
+    "GeneratedBatch",
+    "block_causal_mask",
+    "document_targets",
+    "scheduled",
 ]

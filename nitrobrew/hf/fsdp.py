@@ -13,6 +13,7 @@ way back to this rank's rows, because FSDP averages the decoder's gradients over
 loss value is 1/world of the loss over all ranks' rows, so that the usual ``loss * world``
 (what the trainer does with a global token count) gives exact gradients in both layouts.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -67,8 +68,10 @@ def layout(weight) -> Layout:
     offset = min(rank * chunk, V)
     rows = weight.to_local().shape[0]
     if rows != max(min(chunk, V - offset), 0):
-        raise ValueError(f"FSDP2 head block of {rows} rows on rank {rank}, expected torch.chunk's "
-                         f"{max(min(chunk, V - offset), 0)} of {V}")
+        raise ValueError(
+            f"FSDP2 head block of {rows} rows on rank {rank}, expected torch.chunk's "
+            f"{max(min(chunk, V - offset), 0)} of {V}"
+        )
     return Layout(group, world, rank, offset, rows)
 
 
@@ -84,7 +87,7 @@ class _GatherRows(torch.autograd.Function):
         sizes = [int(s) for s in sizes]
         pad = max(sizes)
         padded = x.new_zeros((pad,) + tuple(x.shape[1:]))
-        padded[:x.shape[0]] = x
+        padded[: x.shape[0]] = x
         parts = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(parts, padded.contiguous(), group=group)
         ctx.start, ctx.n, ctx.scale = sum(sizes[:rank]), x.shape[0], scale
@@ -92,7 +95,7 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[ctx.start:ctx.start + ctx.n] * ctx.scale, None, None
+        return grad[ctx.start : ctx.start + ctx.n] * ctx.scale, None, None
 
 
 def gather_rows(x: torch.Tensor, group, scale: float = 1.0) -> torch.Tensor:
@@ -102,6 +105,7 @@ def gather_rows(x: torch.Tensor, group, scale: float = 1.0) -> torch.Tensor:
 def head_block(weight: torch.Tensor, bias: Optional[torch.Tensor], lay: Layout):
     """This rank's block of a head (and bias): the local shard of a DTensor on the same layout,
     or a slice of a full head (replicated, or gathered by FSDP for the forward)."""
+
     def block(t):
         if t is None:
             return None
@@ -109,9 +113,12 @@ def head_block(weight: torch.Tensor, bias: Optional[torch.Tensor], lay: Layout):
             if any(p.is_shard() for p in t.placements):
                 theirs = layout(t)
                 if (theirs.offset, theirs.rows) != (lay.offset, lay.rows):
-                    raise ValueError("the teacher's head is sharded into other blocks than the student's: use "
-                                     "heads of the same size (vocab_size= for padded ones) on the same mesh")
+                    raise ValueError(
+                        "the teacher's head is sharded into other blocks than the student's: use "
+                        "heads of the same size (vocab_size= for padded ones) on the same mesh"
+                    )
                 return t.to_local()
             t = t.to_local()
-        return t[lay.offset:lay.offset + lay.rows]
+        return t[lay.offset : lay.offset + lay.rows]
+
     return block(weight), block(bias)

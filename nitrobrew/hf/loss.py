@@ -1,4 +1,5 @@
 """One distillation loss for a batch of a causal LM: the piece the Trainer and plain loops share."""
+
 from __future__ import annotations
 
 import contextlib
@@ -128,8 +129,9 @@ def distill_loss(
     if divergence != "topk" and teacher is None and kd_weight != 0:
         raise ValueError(f"divergence={divergence!r} needs a teacher model (or kd_weight=0 for CE only)")
     if targets is None:
-        target = shift_labels(labels_from_inputs(input_ids, attention_mask) if labels is None else labels,
-                              attention_mask)
+        target = shift_labels(
+            labels_from_inputs(input_ids, attention_mask) if labels is None else labels, attention_mask
+        )
     elif labels is not None:
         raise ValueError("pass labels (per token) or targets (already shifted), not both")
     elif tuple(targets.shape) != tuple(input_ids.shape):
@@ -148,10 +150,13 @@ def distill_loss(
     # backward; with the decoder sharded apart from the head, the head stays sharded (fsdp.py).
     sharded_head = head_is_sharded_apart(student)
     if sharded_head and divergence == "topk":
-        raise ValueError("divergence='topk' with an FSDP2 head sharded apart from the decoder is not supported: "
-                         "shard the decoder and the head in one unit (the root)")
-    hs = final_hidden_states(student, input_ids, through_forward=(through_forward or is_fsdp2(student))
-                             and not sharded_head, **s_inputs)
+        raise ValueError(
+            "divergence='topk' with an FSDP2 head sharded apart from the decoder is not supported: "
+            "shard the decoder and the head in one unit (the root)"
+        )
+    hs = final_hidden_states(
+        student, input_ids, through_forward=(through_forward or is_fsdp2(student)) and not sharded_head, **s_inputs
+    )
     xs, ws, bs, cap_s = _head_operands(student, hs, _rows(hs, keep))
     group, world = None, 1
     if sharded_head:
@@ -161,9 +166,22 @@ def distill_loss(
         rows_labels = gather_rows(rows_labels, group)
         ws = ws.to_local()
         bs = bs.to_local() if bs is not None and type(bs).__name__ == "DTensor" else bs
-    options = dict(labels=rows_labels, temperature=temperature, scale_t2=scale_t2, kd_weight=kd_weight,
-                   ce_weight=ce_weight, beta=beta, alpha=alpha, reduction="sum", bs=bs, chunk_V=chunk_V,
-                   backend=backend, softcap_s=cap_s, return_parts=True, process_group=group)
+    options = dict(
+        labels=rows_labels,
+        temperature=temperature,
+        scale_t2=scale_t2,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        beta=beta,
+        alpha=alpha,
+        reduction="sum",
+        bs=bs,
+        chunk_V=chunk_V,
+        backend=backend,
+        softcap_s=cap_s,
+        return_parts=True,
+        process_group=group,
+    )
     if divergence == "topk":
         ids, lp = (t.to(xs.device).reshape(-1, t.shape[-1])[keep] for t in (topk_ids, topk_logprobs))
         if vocab_size is not None:  # a padded student head: the first vocab_size rows are the vocabulary
@@ -172,8 +190,16 @@ def distill_loss(
         from ..topk import topk_kl
 
         with _no_autocast(xs.device):
-            parts = topk_kl(xs, ws, ids, lp.float(), normalize=topk_normalize, tail=topk_tail,
-                            teacher_temperature=teacher_temperature, **options)
+            parts = topk_kl(
+                xs,
+                ws,
+                ids,
+                lp.float(),
+                normalize=topk_normalize,
+                tail=topk_tail,
+                teacher_temperature=teacher_temperature,
+                **options,
+            )
     else:
         ce_only = teacher is None or kd_weight == 0
         if ce_only:  # no teacher forward: a constant teacher of width 1, weighted 0
@@ -182,8 +208,9 @@ def distill_loss(
         else:
             with torch.no_grad():
                 apart = head_is_sharded_apart(teacher)
-                ht = final_hidden_states(teacher, input_ids, through_forward=is_fsdp2(teacher) and not apart,
-                                         **t_inputs).to(xs.device)
+                ht = final_hidden_states(
+                    teacher, input_ids, through_forward=is_fsdp2(teacher) and not apart, **t_inputs
+                ).to(xs.device)
                 xt, wt, bt, cap_t = _head_operands(teacher, ht, _rows(ht, keep))
                 if sharded_head:  # all ranks' teacher rows, this rank's block of the teacher's head
                     xt = gather_rows(xt, group)
@@ -191,8 +218,9 @@ def distill_loss(
                 elif apart:  # a teacher head kept sharded, a student head whole: gather the teacher's
                     wt, bt = (None if t is None else t.full_tensor() for t in (wt, bt))
         with _no_autocast(xs.device):
-            parts = hidden_loss(xs, xt, ws, wt, divergence=divergence, vocab_size=vocab_size, bt=bt, softcap_t=cap_t,
-                                **options)
+            parts = hidden_loss(
+                xs, xt, ws, wt, divergence=divergence, vocab_size=vocab_size, bt=bt, softcap_t=cap_t, **options
+            )
         if ce_only:  # the divergence to the stand-in teacher means nothing: report 0
             parts = parts._replace(kd=torch.zeros_like(parts.kd))
     if sharded_head:  # the loss covers all ranks' rows: count them, and report 1/world of it

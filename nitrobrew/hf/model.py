@@ -8,6 +8,7 @@ Alignment convention (used everywhere in nitrobrew.hf): the hidden state at posi
 token i+1. ``shift_labels`` turns per-token labels into per-position targets once, so that a
 row of the hidden states and a row of the targets always belong together.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -18,8 +19,21 @@ from torch import nn
 
 from .wrapping import IGNORE_INDEX, decoder, is_fsdp2, is_wrapped, unwrap
 
-__all__ = ["IGNORE_INDEX", "LMHead", "decoder", "is_fsdp2", "is_wrapped", "unwrap", "lm_head", "final_hidden_states",
-           "labels_from_inputs", "shift_labels", "count_targets", "check_head"]
+__all__ = [
+    "IGNORE_INDEX",
+    "LMHead",
+    "decoder",
+    "is_fsdp2",
+    "is_wrapped",
+    "unwrap",
+    "lm_head",
+    "final_hidden_states",
+    "labels_from_inputs",
+    "shift_labels",
+    "count_targets",
+    "check_head",
+]
+
 
 class LMHead(NamedTuple):
     """The output layer: ``logits = scale * (h @ weight.T + bias)``, then ``softcap * tanh(logits / softcap)``
@@ -44,7 +58,7 @@ def _logit_scale(model: nn.Module) -> float:
     if config is None:
         return 1.0
     scale = 1.0
-    if getattr(config, "logit_scale", None) is not None:   # Cohere: logits * logit_scale
+    if getattr(config, "logit_scale", None) is not None:  # Cohere: logits * logit_scale
         scale *= float(config.logit_scale)
     if getattr(config, "logits_scaling", None) is not None:  # Granite: logits / logits_scaling
         scale /= float(config.logits_scaling)
@@ -81,8 +95,11 @@ def lm_head(model: nn.Module) -> LMHead:
             "the LM head's weight is empty here (parameters partitioned, e.g. DeepSpeed ZeRO-3 or "
             "FSDP version 1): use FSDP2 (fully_shard) or ZeRO-2"
         )
-    if type(linear.weight).__name__ == "DTensor" and is_fsdp2(m) and any(
-            p.is_shard() for p in linear.weight.placements):
+    if (
+        type(linear.weight).__name__ == "DTensor"
+        and is_fsdp2(m)
+        and any(p.is_shard() for p in linear.weight.placements)
+    ):
         from .fsdp import head_is_sharded_apart
 
         if not head_is_sharded_apart(m):
@@ -120,11 +137,19 @@ def final_hidden_states(
     use it when the model is wrapped by something whose forward must run (DDP).
     """
     if through_forward:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                    output_hidden_states=True, return_dict=True, **_forward_kwargs(model), **kwargs)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            use_cache=False,
+            output_hidden_states=True,
+            return_dict=True,
+            **_forward_kwargs(model),
+            **kwargs,
+        )
         return out.hidden_states[-1]
-    out = decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                         return_dict=True, **kwargs)
+    out = decoder(model)(
+        input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True, **kwargs
+    )
     return out.last_hidden_state
 
 
@@ -157,9 +182,16 @@ def count_targets(labels: torch.Tensor, attention_mask: Optional[torch.Tensor] =
 
 
 @torch.no_grad()
-def check_head(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-               *, through_forward: bool = False, rtol: float = 1e-3, position_ids: Optional[torch.Tensor] = None,
-               **varlen) -> float:
+def check_head(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    *,
+    through_forward: bool = False,
+    rtol: float = 1e-3,
+    position_ids: Optional[torch.Tensor] = None,
+    **varlen,
+) -> float:
     """Verify that ``final_hidden_states`` and ``lm_head`` reproduce ``model(...).logits``.
 
     Computes the full logits once; raises ValueError when they differ (an architecture with a

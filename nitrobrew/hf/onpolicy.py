@@ -8,6 +8,7 @@ padding after EOS never do). Distilling on it with ``reverse_kl`` is "on-policy 
 GKD (TRL's GKDTrainer) mixes such batches with the dataset's with probability ``lmbda`` and
 defaults to ``jsd``; ``seq_kd`` trains on the teacher's completions instead.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,8 +56,9 @@ def completion_mask(completion: torch.Tensor, eos_token_id: Union[None, int, Seq
     """1 up to and including the first EOS of each row, 0 after it (all 1 without an EOS id)."""
     if eos_token_id is None:
         return torch.ones_like(completion)
-    eos = torch.as_tensor(list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id],
-                          device=completion.device)
+    eos = torch.as_tensor(
+        list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id], device=completion.device
+    )
     is_eos = torch.isin(completion, eos).long()
     after = (is_eos.cumsum(1) - is_eos) > 0
     return (~after).long()
@@ -112,9 +114,11 @@ def on_policy_batch(
     from .fsdp import head_is_sharded_apart
 
     if generate_fn is None and head_is_sharded_apart(m):
-        raise ValueError("generation with an FSDP2 head sharded apart from the decoder would gather it through the "
-                         "root's forward, breaking the vocab-parallel layout: pass generate_fn (an external "
-                         "generator), or shard the decoder and the head in one unit")
+        raise ValueError(
+            "generation with an FSDP2 head sharded apart from the decoder would gather it through the "
+            "root's forward, breaking the vocab-parallel layout: pass generate_fn (an external "
+            "generator), or shard the decoder and the head in one unit"
+        )
     gen_config = getattr(m, "generation_config", None)
     if eos_token_id is None:
         eos_token_id = getattr(gen_config, "eos_token_id", None)
@@ -125,32 +129,53 @@ def on_policy_batch(
     pad = 0 if pad_token_id is None else int(pad_token_id)
     device = next(m.parameters()).device
     ids, mask = left_pad(prompt_ids.to(device), None if prompt_mask is None else prompt_mask.to(device), pad)
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 \
+    sampling = (
+        dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+        if temperature > 0
         else dict(do_sample=False)
+    )
     t0 = time.perf_counter()
     with _rng(seed, device):
         if seed is not None:
             torch.manual_seed(seed)
         if generate_fn is not None:
-            completion = generate_fn(ids, mask, model=model, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     top_p=top_p, top_k=top_k, eos_token_id=eos_token_id, pad_token_id=pad,
-                                     seed=seed)
+            completion = generate_fn(
+                ids,
+                mask,
+                model=model,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                eos_token_id=eos_token_id,
+                pad_token_id=pad,
+                seed=seed,
+            )
             completion = torch.as_tensor(completion, device=device)
         else:
             was_training = m.training
             m.eval()
             try:
-                out = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                 eos_token_id=eos_token_id, pad_token_id=pad, use_cache=True, **sampling)
+                out = m.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=eos_token_id,
+                    pad_token_id=pad,
+                    use_cache=True,
+                    **sampling,
+                )
             finally:
                 m.train(was_training)
-            completion = out[:, ids.shape[1]:]
+            completion = out[:, ids.shape[1] :]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     if completion.dim() != 2 or completion.shape[0] != ids.shape[0] or completion.shape[1] > max_new_tokens:
-        raise ValueError(f"the generator returned completions of shape {tuple(completion.shape)}; expected "
-                         f"[{ids.shape[0]}, <= {max_new_tokens}]")
+        raise ValueError(
+            f"the generator returned completions of shape {tuple(completion.shape)}; expected "
+            f"[{ids.shape[0]}, <= {max_new_tokens}]"
+        )
     cmask = completion_mask(completion, eos_token_id)
     labels = torch.cat([torch.full_like(ids, IGNORE_INDEX), completion.masked_fill(cmask == 0, IGNORE_INDEX)], 1)
     # Right-aligned again: every row starts at column 0, so the training forward numbers the
@@ -171,8 +196,10 @@ def prompts_of(batch: dict, pad: int = 0):
         return batch["prompts"], batch.get("prompt_attention_mask")
     ids, labels, mask = batch["input_ids"], batch.get("labels"), batch.get("attention_mask")
     if labels is None:
-        raise ValueError("on-policy / seq_kd batches need prompts: a 'prompts' column (and "
-                         "'prompt_attention_mask'), or labels that are -100 on each row's prompt")
+        raise ValueError(
+            "on-policy / seq_kd batches need prompts: a 'prompts' column (and "
+            "'prompt_attention_mask'), or labels that are -100 on each row's prompt"
+        )
     counted = labels != IGNORE_INDEX
     if mask is not None:
         counted &= mask != 0
@@ -182,6 +209,8 @@ def prompts_of(batch: dict, pad: int = 0):
     before = torch.arange(n, device=ids.device)[None] < first[:, None]
     pmask = before if mask is None else before & (mask != 0)
     if not bool(pmask.any(1).all()):
-        raise ValueError("a row of the batch has no prompt (its first token already counts): mark the prompt "
-                         "with labels -100, or pass a 'prompts' column")
+        raise ValueError(
+            "a row of the batch has no prompt (its first token already counts): mark the prompt "
+            "with labels -100, or pass a 'prompts' column"
+        )
     return ids.masked_fill(~pmask, pad), pmask.long()

@@ -13,6 +13,7 @@ builds what each one needs:
 Targets: the last position of a document does not predict the first token of the next one
 (``document_targets``).
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional
@@ -55,8 +56,9 @@ def attention_implementation(model: nn.Module) -> Optional[str]:
     return getattr(config, "_attn_implementation", None)
 
 
-def block_causal_mask(position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                      dtype: torch.dtype) -> torch.Tensor:
+def block_causal_mask(
+    position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
     """[B, 1, N, N] additive mask: position i sees j <= i of its own document (and not padding)."""
     docs = document_ids(position_ids)
     n = docs.shape[-1]
@@ -68,8 +70,13 @@ def block_causal_mask(position_ids: torch.Tensor, attention_mask: Optional[torch
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
-def model_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                 position_ids: Optional[torch.Tensor] = None, **varlen) -> Dict[str, torch.Tensor]:
+def model_inputs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
+    **varlen,
+) -> Dict[str, torch.Tensor]:
     """The keyword arguments (besides input_ids) that make ``model`` attend within documents."""
     unknown = sorted(set(varlen) - set(VARLEN_KEYS))
     if unknown:
@@ -77,28 +84,34 @@ def model_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: Opti
     varlen = {k: v for k, v in varlen.items() if v is not None}
     if position_ids is None:
         if varlen:
-            raise ValueError("flash-attention varlen kwargs without position_ids: pass the position_ids the "
-                             "collator made (DataCollatorWithFlattening(return_position_ids=True))")
+            raise ValueError(
+                "flash-attention varlen kwargs without position_ids: pass the position_ids the "
+                "collator made (DataCollatorWithFlattening(return_position_ids=True))"
+            )
         return {"attention_mask": attention_mask}
     if position_ids.dim() == 1:
         position_ids = position_ids[None]
     position_ids = position_ids.expand(input_ids.shape[0], -1)
     if tuple(position_ids.shape) != tuple(input_ids.shape):
-        raise ValueError(f"position_ids {tuple(position_ids.shape)} must have the shape of input_ids "
-                         f"{tuple(input_ids.shape)}")
+        raise ValueError(
+            f"position_ids {tuple(position_ids.shape)} must have the shape of input_ids {tuple(input_ids.shape)}"
+        )
     impl = attention_implementation(model)
     if not is_packed(position_ids):
         return {"attention_mask": attention_mask, "position_ids": position_ids, **varlen}
     if impl in MASKED_IMPLEMENTATIONS:
         dtype = next(unwrap(model).parameters()).dtype
         dtype = dtype if dtype.is_floating_point else torch.float32
-        return {"attention_mask": block_causal_mask(position_ids, attention_mask, dtype),
-                "position_ids": position_ids}
+        return {"attention_mask": block_causal_mask(position_ids, attention_mask, dtype), "position_ids": position_ids}
     if impl is not None and "flash" in impl:
         if attention_mask is not None and not bool((attention_mask != 0).all()):
-            raise ValueError("a packed batch with padding under flash attention: drop the padding (the "
-                             "flattening collator makes none) or use attn_implementation='sdpa'")
+            raise ValueError(
+                "a packed batch with padding under flash attention: drop the padding (the "
+                "flattening collator makes none) or use attn_implementation='sdpa'"
+            )
         return {"position_ids": position_ids, **varlen}
-    raise ValueError(f"a packed batch (position_ids restarting inside a row) with attn_implementation={impl!r}: "
-                     "nitrobrew.hf can keep documents apart under 'sdpa', 'eager' or flash attention; load "
-                     "the model with one of those, or do not pack")
+    raise ValueError(
+        f"a packed batch (position_ids restarting inside a row) with attn_implementation={impl!r}: "
+        "nitrobrew.hf can keep documents apart under 'sdpa', 'eager' or flash attention; load "
+        "the model with one of those, or do not pack"
+    )

@@ -1,4 +1,5 @@
 """Schedules of the distillation temperature and the KD / CE weights over training."""
+
 from __future__ import annotations
 
 import math

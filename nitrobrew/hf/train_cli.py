@@ -10,6 +10,7 @@ The YAML holds ``ModelArguments``, ``DataArguments`` and every field of ``Distil
 (itself every field of ``transformers.TrainingArguments``), each under its own name; ``--key
 value`` after the file overrides it. Parsing is ``transformers.HfArgumentParser``'s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,28 +28,39 @@ from .model import IGNORE_INDEX
 @dataclass
 class ModelArguments:
     student: str = field(metadata={"help": "the student: a path or hub name (AutoModelForCausalLM)"})
-    teacher: Optional[str] = field(default=None, metadata={"help": "the teacher: a path or hub name (not needed "
-                                                                    "for divergence: topk)"})
-    tokenizer: Optional[str] = field(default=None, metadata={"help": "tokenizer for text data (default: the "
-                                                                      "student's)"})
-    attn_implementation: Optional[str] = field(default=None, metadata={"help": "sdpa, eager, flash_attention_2 "
-                                                                               "(both models; default: theirs)"})
+    teacher: Optional[str] = field(
+        default=None, metadata={"help": "the teacher: a path or hub name (not needed for divergence: topk)"}
+    )
+    tokenizer: Optional[str] = field(
+        default=None, metadata={"help": "tokenizer for text data (default: the student's)"}
+    )
+    attn_implementation: Optional[str] = field(
+        default=None, metadata={"help": "sdpa, eager, flash_attention_2 (both models; default: theirs)"}
+    )
     student_dtype: str = field(default="auto", metadata={"help": "auto, float32 or bfloat16"})
 
 
 @dataclass
 class DataArguments:
-    data: str = field(metadata={"help": "a local .jsonl / .json / .parquet file, a datasets name or path, or (for "
-                                        "divergence: topk) a nitrobrew top-k store directory"})
+    data: str = field(
+        metadata={
+            "help": "a local .jsonl / .json / .parquet file, a datasets name or path, or (for "
+            "divergence: topk) a nitrobrew top-k store directory"
+        }
+    )
     data_config: Optional[str] = field(default=None, metadata={"help": "datasets configuration name"})
     data_split: str = field(default="train", metadata={"help": "datasets split"})
-    text_field: Optional[str] = field(default=None, metadata={"help": "tokenize this text column (default: the "
-                                                                       "data has input_ids, and maybe labels)"})
-    prompt_field: Optional[str] = field(default=None, metadata={"help": "a prompt text column put before "
-                                                                         "text_field; its tokens do not count"})
+    text_field: Optional[str] = field(
+        default=None, metadata={"help": "tokenize this text column (default: the data has input_ids, and maybe labels)"}
+    )
+    prompt_field: Optional[str] = field(
+        default=None, metadata={"help": "a prompt text column put before text_field; its tokens do not count"}
+    )
     max_length: Optional[int] = field(default=None, metadata={"help": "truncate sequences to this many tokens"})
-    packing: bool = field(default=False, metadata={"help": "pack sequences into rows without padding "
-                                                           "(DataCollatorWithFlattening; position_ids)"})
+    packing: bool = field(
+        default=False,
+        metadata={"help": "pack sequences into rows without padding (DataCollatorWithFlattening; position_ids)"},
+    )
 
 
 def yaml_argv(config: Dict) -> List[str]:
@@ -134,8 +146,10 @@ def load_data(data: DataArguments, tokenizer_path: str):
         ds = datasets.load_dataset(path, data.data_config, split=data.data_split)
     if data.text_field is None:
         if "input_ids" not in ds.column_names:
-            raise ValueError(f"data {path!r} has no input_ids column (columns: {ds.column_names}): set text_field "
-                             "to tokenize a text column")
+            raise ValueError(
+                f"data {path!r} has no input_ids column (columns: {ds.column_names}): set text_field "
+                "to tokenize a text column"
+            )
         keep = [c for c in ("input_ids", "labels") if c in ds.column_names]
     else:
         from transformers import AutoTokenizer
@@ -146,8 +160,10 @@ def load_data(data: DataArguments, tokenizer_path: str):
         try:
             tok = AutoTokenizer.from_pretrained(tokenizer_path)
         except (OSError, ValueError) as err:  # transformers' message spans lines and names no key
-            raise ValueError(f"text_field needs a tokenizer: none loads from {tokenizer_path!r} (set tokenizer: "
-                             f"PATH): {' '.join(str(err).split())}") from None
+            raise ValueError(
+                f"text_field needs a tokenizer: none loads from {tokenizer_path!r} (set tokenizer: "
+                f"PATH): {' '.join(str(err).split())}"
+            ) from None
 
         def encode(row):
             ids = tok(row[data.text_field], add_special_tokens=data.prompt_field is None)["input_ids"]
@@ -163,7 +179,7 @@ def load_data(data: DataArguments, tokenizer_path: str):
         keep = ["input_ids", "labels"]
     ds = ds.select_columns(keep)
     if data.max_length:
-        ds = ds.map(lambda row: {k: row[k][:data.max_length] for k in keep})
+        ds = ds.map(lambda row: {k: row[k][: data.max_length] for k in keep})
     return ds
 
 
@@ -212,11 +228,13 @@ def build(model_args: ModelArguments, data_args: DataArguments, args):
         else:
             pad = getattr(student.config, "pad_token_id", None)
             collator = PadCollator(0 if pad is None else int(pad))
-    return DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=dataset,
-                               data_collator=collator)
+    return DistillationTrainer(
+        model=student, teacher_model=teacher, args=args, train_dataset=dataset, data_collator=collator
+    )
 
 
 # --------------------------------------------------------------------------- the console command
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__.splitlines()[0]

@@ -6,6 +6,7 @@ loss comes from ``nitrobrew.hidden_loss`` (or ``topk_kl`` from a stored top-k da
 counted positions in the whole gradient-accumulation window (``num_items_in_batch``), so that
 accumulated gradients equal those of one large batch.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -36,29 +37,48 @@ class DistillationArguments(TrainingArguments):
     over counted positions and divided by their number in the accumulation window.
     """
 
-    divergence: str = field(default="forward_kl", metadata={"help": "forward_kl, reverse_kl, jsd, tvd, skew_kl, "
-                                                                    "skew_reverse_kl, or topk (stored dataset)"})
+    divergence: str = field(
+        default="forward_kl",
+        metadata={"help": "forward_kl, reverse_kl, jsd, tvd, skew_kl, skew_reverse_kl, or topk (stored dataset)"},
+    )
     temperature: float = field(default=1.0, metadata={"help": "logits / T in the divergence"})
     scale_t2: bool = field(default=False, metadata={"help": "multiply the divergence by T^2 (Hinton)"})
     kd_weight: float = field(default=1.0, metadata={"help": "weight of the divergence"})
     ce_weight: float = field(default=0.0, metadata={"help": "weight of the hard-label CE (default 0: none)"})
     beta: float = field(default=0.5, metadata={"help": "jsd mixture weight (0 = forward_kl, 1 = reverse_kl)"})
     alpha: float = field(default=0.1, metadata={"help": "skew_kl / skew_reverse_kl mixture weight"})
-    vocab_size: Optional[int] = field(default=None, metadata={"help": "compare the first N vocab entries "
-                                                                      "(padded heads)"})
+    vocab_size: Optional[int] = field(
+        default=None, metadata={"help": "compare the first N vocab entries (padded heads)"}
+    )
     teacher_bf16: bool = field(default=False, metadata={"help": "load / cast the teacher to bfloat16"})
     topk_normalize: str = field(default="full", metadata={"help": "topk: 'full' or 'topk' normalization"})
-    topk_tail: Optional[bool] = field(default=None, metadata={
-        "help": "topk: add the tail bucket (default: with topk_normalize='full'); off, the student learns to put "
-                "no mass outside the stored ids"})
+    topk_tail: Optional[bool] = field(
+        default=None,
+        metadata={
+            "help": "topk: add the tail bucket (default: with topk_normalize='full'); off, the student learns to put "
+            "no mass outside the stored ids"
+        },
+    )
     chunk_v: Optional[int] = field(default=None, metadata={"help": "vocab chunk of the loss (None = auto)"})
-    check_heads: bool = field(default=True, metadata={"help": "on the first batch, verify hidden @ head == "
-                                                              "model(...).logits for student and teacher"})
+    check_heads: bool = field(
+        default=True,
+        metadata={"help": "on the first batch, verify hidden @ head == model(...).logits for student and teacher"},
+    )
     # On-policy / sequence-level distillation (GKD; TRL's names).
-    lmbda: float = field(default=0.0, metadata={"help": "probability that a batch is replaced by the student's own "
-                                                        "completions of its prompts (0: never, 1: on-policy)"})
-    seq_kd: bool = field(default=False, metadata={"help": "train on the teacher's completions of the prompts "
-                                                          "(sequence-level KD) when the batch is not on-policy"})
+    lmbda: float = field(
+        default=0.0,
+        metadata={
+            "help": "probability that a batch is replaced by the student's own "
+            "completions of its prompts (0: never, 1: on-policy)"
+        },
+    )
+    seq_kd: bool = field(
+        default=False,
+        metadata={
+            "help": "train on the teacher's completions of the prompts "
+            "(sequence-level KD) when the batch is not on-policy"
+        },
+    )
     max_new_tokens: int = field(default=128, metadata={"help": "tokens generated per prompt"})
     generation_temperature: float = field(default=0.9, metadata={"help": "sampling temperature (0: greedy)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (1: off)"})
@@ -71,8 +91,9 @@ class DistillationArguments(TrainingArguments):
     ce_weight_schedule: str = field(default="constant", metadata={"help": "constant, linear or cosine"})
     ce_weight_end: Optional[float] = field(default=None, metadata={"help": "ce_weight at the last step"})
     # Top-k columns (and any other extra column) must reach compute_loss.
-    remove_unused_columns: bool = field(default=False, metadata={"help": "drop dataset columns the model's "
-                                                                         "forward does not take"})
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "drop dataset columns the model's forward does not take"}
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -91,10 +112,12 @@ class DistillationArguments(TrainingArguments):
                 raise ValueError(f"{name}_schedule must be one of {SCHEDULES}, got {kind!r}")
             if kind != "constant" and end is None:
                 raise ValueError(f"{name}_schedule={kind!r} needs {name}_end (the value at the last step)")
-            if end is not None and not (isinstance(end, (int, float)) and math.isfinite(end) and end >= 0
-                                        and (name != "temperature" or end > 0)):
-                raise ValueError(f"{name}_end must be a finite number {'> 0' if name == 'temperature' else '>= 0'}, "
-                                 f"got {end!r}")
+            if end is not None and not (
+                isinstance(end, (int, float)) and math.isfinite(end) and end >= 0 and (name != "temperature" or end > 0)
+            ):
+                raise ValueError(
+                    f"{name}_end must be a finite number {'> 0' if name == 'temperature' else '>= 0'}, got {end!r}"
+                )
         if self.kd_weight == 0 and self.ce_weight == 0 and not (self.kd_weight_end or self.ce_weight_end):
             raise ValueError("kd_weight and ce_weight are both 0: nothing to train")
         ck.check_unit_interval("lmbda", self.lmbda)
@@ -107,11 +130,14 @@ class DistillationArguments(TrainingArguments):
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
         if self.divergence == "topk" and (self.lmbda > 0 or self.seq_kd):
-            raise ValueError("divergence='topk' scores the stored dataset's tokens only: on-policy (lmbda > 0) "
-                             "and seq_kd need a live teacher")
+            raise ValueError(
+                "divergence='topk' scores the stored dataset's tokens only: on-policy (lmbda > 0) "
+                "and seq_kd need a live teacher"
+            )
         if self.divergence == "topk" and self.temperature_schedule != "constant":
-            raise ValueError("divergence='topk': the store was extracted at one temperature; it cannot follow "
-                             "a temperature schedule")
+            raise ValueError(
+                "divergence='topk': the store was extracted at one temperature; it cannot follow a temperature schedule"
+            )
         if self.vocab_size is not None and not (isinstance(self.vocab_size, int) and self.vocab_size > 0):
             raise ValueError(f"vocab_size must be a positive int or None, got {self.vocab_size!r}")
         if self.topk_normalize not in ("full", "topk"):
@@ -137,11 +163,15 @@ def _load_teacher(teacher: Union[str, nn.Module], bf16: bool) -> nn.Module:
 def check_sharding(deepspeed_plugin=None, fsdp_plugin=None) -> None:
     """Refuse the setups that partition the LM head into flat shards nitrobrew.hf cannot read."""
     if deepspeed_plugin is not None and getattr(deepspeed_plugin, "zero_stage", 0) == 3:
-        raise ValueError("DeepSpeed ZeRO-3 partitions the LM head, which nitrobrew.hf reads directly: use "
-                         "ZeRO-2 (or 1), or FSDP2 (accelerate's FSDP plugin with fsdp_version 2)")
+        raise ValueError(
+            "DeepSpeed ZeRO-3 partitions the LM head, which nitrobrew.hf reads directly: use "
+            "ZeRO-2 (or 1), or FSDP2 (accelerate's FSDP plugin with fsdp_version 2)"
+        )
     if fsdp_plugin is not None and getattr(fsdp_plugin, "fsdp_version", 1) != 2:
-        raise ValueError("FSDP (version 1) flattens the LM head into shards nitrobrew.hf cannot read: use "
-                         "FSDP2 (fsdp_version 2 in the accelerate config / fsdp_config)")
+        raise ValueError(
+            "FSDP (version 1) flattens the LM head into shards nitrobrew.hf cannot read: use "
+            "FSDP2 (fsdp_version 2 in the accelerate config / fsdp_config)"
+        )
 
 
 class DistillationTrainer(Trainer):
@@ -168,8 +198,9 @@ class DistillationTrainer(Trainer):
     tokens per completion) and ``gen_seconds`` (generation time per optimizer step).
     """
 
-    def __init__(self, model=None, teacher_model=None, args: Optional[DistillationArguments] = None,
-                 generate_fn=None, **kwargs):
+    def __init__(
+        self, model=None, teacher_model=None, args: Optional[DistillationArguments] = None, generate_fn=None, **kwargs
+    ):
         if not isinstance(args, DistillationArguments):
             raise TypeError("DistillationTrainer needs args=DistillationArguments(...)")
         if teacher_model is None and args.divergence != "topk":
@@ -192,24 +223,33 @@ class DistillationTrainer(Trainer):
         # A top-k dataset (nitrobrew.topk.data.TopKDataset) records its extraction temperature.
         self._store_temperature = getattr(self.train_dataset, "temperature", None)
         if args.divergence == "topk" and self._store_temperature not in (None, args.temperature):
-            raise ValueError(f"the top-k store was extracted at temperature {self._store_temperature}, but "
-                             f"temperature={args.temperature}: extract it again at the distillation temperature")
+            raise ValueError(
+                f"the top-k store was extracted at temperature {self._store_temperature}, but "
+                f"temperature={args.temperature}: extract it again at the distillation temperature"
+            )
         if args.divergence == "topk" and not args.topk_tail and args.ce_weight == 0:
-            warnings.warn("divergence='topk' with topk_tail=False and ce_weight=0: the student learns to put no "
-                          "mass outside the stored ids (set topk_tail=True or a CE weight)", stacklevel=2)
+            warnings.warn(
+                "divergence='topk' with topk_tail=False and ce_weight=0: the student learns to put no "
+                "mass outside the stored ids (set topk_tail=True or a CE weight)",
+                stacklevel=2,
+            )
         self._heads_checked = not args.check_heads
         self._sums, self._schedule = {}, {}
         self._logged_step = 0
         if not _PASSES_NUM_ITEMS:
-            warnings.warn("this transformers version does not pass num_items_in_batch to compute_loss: the loss "
-                          "is a mean per micro-batch (exact under gradient accumulation only with equal token "
-                          "counts); upgrade transformers", stacklevel=2)
+            warnings.warn(
+                "this transformers version does not pass num_items_in_batch to compute_loss: the loss "
+                "is a mean per micro-batch (exact under gradient accumulation only with equal token "
+                "counts); upgrade transformers",
+                stacklevel=2,
+            )
 
     def _check_sharding(self) -> None:
         state = self.accelerator.state
-        check_sharding(getattr(state, "deepspeed_plugin", None) if getattr(self, "is_deepspeed_enabled", False)
-                       else None,
-                       getattr(state, "fsdp_plugin", None) if getattr(self, "is_fsdp_enabled", False) else None)
+        check_sharding(
+            getattr(state, "deepspeed_plugin", None) if getattr(self, "is_deepspeed_enabled", False) else None,
+            getattr(state, "fsdp_plugin", None) if getattr(self, "is_fsdp_enabled", False) else None,
+        )
 
     # -- on-policy / sequence-level batches -------------------------------------------------------
     def _generate(self, batch, index: int):
@@ -224,12 +264,22 @@ class DistillationTrainer(Trainer):
         if who is None:
             return batch
         if is_packed(batch.get("position_ids")):
-            raise ValueError("on-policy / seq_kd with packed batches: generation needs one prompt per row "
-                             "(do not pack, or set lmbda=0 and seq_kd=False)")
+            raise ValueError(
+                "on-policy / seq_kd with packed batches: generation needs one prompt per row "
+                "(do not pack, or set lmbda=0 and seq_kd=False)"
+            )
         prompts, mask = prompts_of(batch)
-        gen = on_policy_batch(who, prompts, mask, max_new_tokens=a.max_new_tokens,
-                              temperature=a.generation_temperature, top_p=a.top_p, top_k=a.top_k,
-                              seed=a.seed * 1_000_003 + index, generate_fn=self.generate_fn)
+        gen = on_policy_batch(
+            who,
+            prompts,
+            mask,
+            max_new_tokens=a.max_new_tokens,
+            temperature=a.generation_temperature,
+            top_p=a.top_p,
+            top_k=a.top_k,
+            seed=a.seed * 1_000_003 + index,
+            generate_fn=self.generate_fn,
+        )
         self._add("gen_len", gen.n_generated.float().mean())
         self._add("gen_seconds", torch.tensor(gen.seconds))
         self._add("gen_batches", torch.tensor(1.0))
@@ -271,8 +321,13 @@ class DistillationTrainer(Trainer):
     def current(self, name: str) -> float:
         """The scheduled value of temperature, kd_weight or ce_weight at this optimizer step."""
         a = self.args
-        return scheduled(getattr(a, name), getattr(a, name + "_end"), getattr(a, name + "_schedule"),
-                         self.state.global_step, self.state.max_steps)
+        return scheduled(
+            getattr(a, name),
+            getattr(a, name + "_end"),
+            getattr(a, name + "_schedule"),
+            self.state.global_step,
+            self.state.max_steps,
+        )
 
     # -- the loss ---------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs):
@@ -284,13 +339,28 @@ class DistillationTrainer(Trainer):
         if model.training:
             self._schedule = {"temperature": temperature, "kd_weight": kd_weight, "ce_weight": ce_weight}
         out = distill_loss(
-            model, self.teacher, inputs["input_ids"], inputs.get("attention_mask"), **self._labels(inputs),
-            divergence=a.divergence, temperature=temperature, scale_t2=a.scale_t2, kd_weight=kd_weight,
-            ce_weight=ce_weight, beta=a.beta, alpha=a.alpha, vocab_size=a.vocab_size,
-            num_items_in_batch=num_items_in_batch, topk_ids=inputs.get("topk_ids"),
-            topk_logprobs=inputs.get("topk_logprobs"), topk_normalize=a.topk_normalize, topk_tail=a.topk_tail,
+            model,
+            self.teacher,
+            inputs["input_ids"],
+            inputs.get("attention_mask"),
+            **self._labels(inputs),
+            divergence=a.divergence,
+            temperature=temperature,
+            scale_t2=a.scale_t2,
+            kd_weight=kd_weight,
+            ce_weight=ce_weight,
+            beta=a.beta,
+            alpha=a.alpha,
+            vocab_size=a.vocab_size,
+            num_items_in_batch=num_items_in_batch,
+            topk_ids=inputs.get("topk_ids"),
+            topk_logprobs=inputs.get("topk_logprobs"),
+            topk_normalize=a.topk_normalize,
+            topk_tail=a.topk_tail,
             teacher_temperature=self._store_temperature,
-            chunk_V=a.chunk_v, through_forward=is_wrapped(model), **packing,
+            chunk_V=a.chunk_v,
+            through_forward=is_wrapped(model),
+            **packing,
         )
         loss = out.loss
         if num_items_in_batch is not None and getattr(a, "average_tokens_across_devices", False):

@@ -1,5 +1,6 @@
 """What a model is under its wrappers (DDP, FSDP2, torch.compile, PEFT) and where its decoder is: the
 basics every module of nitrobrew.hf uses (kept apart so that none of them imports another in a cycle)."""
+
 from __future__ import annotations
 
 from torch import nn
@@ -7,8 +8,13 @@ from torch import nn
 IGNORE_INDEX = -100
 
 
-_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "DeepSpeedEngine",
-             "OptimizedModule")
+_WRAPPERS = (
+    "DistributedDataParallel",
+    "DataParallel",
+    "FullyShardedDataParallel",
+    "DeepSpeedEngine",
+    "OptimizedModule",
+)
 
 
 def is_fsdp2(model: nn.Module) -> bool:

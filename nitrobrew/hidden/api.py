@@ -1,4 +1,5 @@
 """Public hidden-state distillation losses: validation, backend dispatch, reduction."""
+
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -16,8 +17,27 @@ from .validation import check_hidden_tensors, check_loss_options, prepare_rows
 Tensor = torch.Tensor
 
 
-def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction, chunk_V,
-              kd_weight, ce_weight, ignore_index, backend, mode, memory_budget, softcap_s, softcap_t) -> int:
+def _validate(
+    xs,
+    xt,
+    ws,
+    wt,
+    bs,
+    bt,
+    labels,
+    vocab_size,
+    temperature,
+    reduction,
+    chunk_V,
+    kd_weight,
+    ce_weight,
+    ignore_index,
+    backend,
+    mode,
+    memory_budget,
+    softcap_s,
+    softcap_t,
+) -> int:
     """Check everything before any kernel runs; return the vocabulary size to use."""
     check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels)
     if vocab_size is None:
@@ -28,9 +48,7 @@ def _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction
             )
         vocab_size = ws.shape[0]
     elif not (ck.is_int(vocab_size) and 0 < vocab_size <= min(ws.shape[0], wt.shape[0])):
-        raise ValueError(
-            f"vocab_size must be an int in [1, {min(ws.shape[0], wt.shape[0])}], got {vocab_size!r}"
-        )
+        raise ValueError(f"vocab_size must be an int in [1, {min(ws.shape[0], wt.shape[0])}], got {vocab_size!r}")
     check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels, softcap_s, softcap_t)
     ck.check_mode(mode, memory_budget)
     if ce_weight != 0:
@@ -79,31 +97,93 @@ def hidden_loss(
         from ..parallel.hidden import parallel_hidden_loss
 
         return parallel_hidden_loss(
-            xs, xt, ws, wt, process_group=process_group, divergence=divergence, beta=beta, alpha=alpha,
-            labels=labels, ignore_index=ignore_index, temperature=temperature, reduction=reduction,
-            chunk_V=chunk_V, vocab_size=vocab_size, bs=bs, bt=bt, kd_weight=kd_weight, ce_weight=ce_weight,
-            scale_t2=scale_t2, backend=backend, mode=mode, memory_budget=memory_budget, grad_filter=grad_filter,
-            softcap_s=softcap_s, softcap_t=softcap_t, return_parts=return_parts,
+            xs,
+            xt,
+            ws,
+            wt,
+            process_group=process_group,
+            divergence=divergence,
+            beta=beta,
+            alpha=alpha,
+            labels=labels,
+            ignore_index=ignore_index,
+            temperature=temperature,
+            reduction=reduction,
+            chunk_V=chunk_V,
+            vocab_size=vocab_size,
+            bs=bs,
+            bt=bt,
+            kd_weight=kd_weight,
+            ce_weight=ce_weight,
+            scale_t2=scale_t2,
+            backend=backend,
+            mode=mode,
+            memory_budget=memory_budget,
+            grad_filter=grad_filter,
+            softcap_s=softcap_s,
+            softcap_t=softcap_t,
+            return_parts=return_parts,
         )
     name, param = ck.divergence_param(divergence, beta, alpha)
-    V = _validate(xs, xt, ws, wt, bs, bt, labels, vocab_size, temperature, reduction, chunk_V,
-                  kd_weight, ce_weight, ignore_index, backend, mode, memory_budget, softcap_s, softcap_t)
+    V = _validate(
+        xs,
+        xt,
+        ws,
+        wt,
+        bs,
+        bt,
+        labels,
+        vocab_size,
+        temperature,
+        reduction,
+        chunk_V,
+        kd_weight,
+        ce_weight,
+        ignore_index,
+        backend,
+        mode,
+        memory_budget,
+        softcap_s,
+        softcap_t,
+    )
     gf.check_grad_filter(grad_filter)
     impl = ck.resolve_backend(backend, xs.device)
 
     lead = xs.shape[:-1]
-    x_s, x_t, ws, wt, bs, bt, ce_labels, mask = prepare_rows(xs, xt, ws, wt, bs, bt, labels, ignore_index,
-                                                            ce_weight, V)
-    cfg = LossConfig.build(name, param, temperature, kd_weight, ce_weight, scale_t2, chunk_V,
-                           gf.resolve_eps(grad_filter, xs.dtype), softcap_s, softcap_t)
+    x_s, x_t, ws, wt, bs, bt, ce_labels, mask = prepare_rows(xs, xt, ws, wt, bs, bt, labels, ignore_index, ce_weight, V)
+    cfg = LossConfig.build(
+        name,
+        param,
+        temperature,
+        kd_weight,
+        ce_weight,
+        scale_t2,
+        chunk_V,
+        gf.resolve_eps(grad_filter, xs.dtype),
+        softcap_s,
+        softcap_t,
+    )
     # float64 always takes the PyTorch path; so does an empty batch (nothing to launch: loss 0, zero grads)
     use_triton = impl == "triton" and xs.dtype != torch.float64 and x_s.shape[0] > 0
     if cfg.filter_eps is not None and not use_triton:
         gf.check_not_capturing(xs.device)  # the Triton filter needs no host sync; the PyTorch one does
     if torch.compiler.is_compiling():
         # one registered op with a registered backward: the traced step keeps a single graph
-        out = compiled_distill(x_s, x_t, ws, wt, bs, bt, ce_labels, mask, cfg, "triton" if use_triton else "torch",
-                               reduction, mode, memory_budget)
+        out = compiled_distill(
+            x_s,
+            x_t,
+            ws,
+            wt,
+            bs,
+            bt,
+            ce_labels,
+            mask,
+            cfg,
+            "triton" if use_triton else "torch",
+            reduction,
+            mode,
+            memory_budget,
+        )
     elif use_triton:
         # the Triton path reduces inside its autograd Function (it forms gradients in the forward)
         from .triton_function import triton_distill
@@ -163,7 +243,6 @@ _COMMON_DOC = """
 """
 
 
-
 def _doc(name: str) -> str:
     d = dv.REGISTRY[name]
     param = "" if d.param is None else f"\n    {d.param}: in [0, 1], default {d.default}.\n"
@@ -172,101 +251,341 @@ def _doc(name: str) -> str:
 
 # The six losses, written out (one docstring body, from the registry). Options are keyword-only.
 
-def forward_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, labels: Optional[Tensor] = None,
-               ignore_index: int = -100, temperature: float = 1.0, reduction: str = "mean",
-               chunk_V: Optional[int] = None, vocab_size: Optional[int] = None, bs: Optional[Tensor] = None,
-               bt: Optional[Tensor] = None, kd_weight: float = 1.0, ce_weight: float = 0.0, scale_t2: bool = False,
-               backend: str = "auto", mode: Optional[str] = None, memory_budget: Optional[int] = None,
-               grad_filter: Union[bool, float] = False, softcap_s: Optional[float] = None,
-               softcap_t: Optional[float] = None, return_parts: bool = False, process_group=None):
+
+def forward_kl(
+    xs: Tensor,
+    xt: Tensor,
+    ws: Tensor,
+    wt: Tensor,
+    *,
+    labels: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    chunk_V: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    bs: Optional[Tensor] = None,
+    bt: Optional[Tensor] = None,
+    kd_weight: float = 1.0,
+    ce_weight: float = 0.0,
+    scale_t2: bool = False,
+    backend: str = "auto",
+    mode: Optional[str] = None,
+    memory_budget: Optional[int] = None,
+    grad_filter: Union[bool, float] = False,
+    softcap_s: Optional[float] = None,
+    softcap_t: Optional[float] = None,
+    return_parts: bool = False,
+    process_group=None,
+):
     # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, labels=labels, ignore_index=ignore_index,
-                       temperature=temperature, reduction=reduction, chunk_V=chunk_V, vocab_size=vocab_size,
-                       bs=bs, bt=bt, kd_weight=kd_weight, ce_weight=ce_weight, scale_t2=scale_t2,
-                       backend=backend, mode=mode, memory_budget=memory_budget, grad_filter=grad_filter,
-                       softcap_s=softcap_s, softcap_t=softcap_t, return_parts=return_parts,
-                       process_group=process_group, divergence="forward_kl")
+    return hidden_loss(
+        xs=xs,
+        xt=xt,
+        ws=ws,
+        wt=wt,
+        labels=labels,
+        ignore_index=ignore_index,
+        temperature=temperature,
+        reduction=reduction,
+        chunk_V=chunk_V,
+        vocab_size=vocab_size,
+        bs=bs,
+        bt=bt,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        scale_t2=scale_t2,
+        backend=backend,
+        mode=mode,
+        memory_budget=memory_budget,
+        grad_filter=grad_filter,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
+        return_parts=return_parts,
+        process_group=process_group,
+        divergence="forward_kl",
+    )
 
 
-def reverse_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, labels: Optional[Tensor] = None,
-               ignore_index: int = -100, temperature: float = 1.0, reduction: str = "mean",
-               chunk_V: Optional[int] = None, vocab_size: Optional[int] = None, bs: Optional[Tensor] = None,
-               bt: Optional[Tensor] = None, kd_weight: float = 1.0, ce_weight: float = 0.0, scale_t2: bool = False,
-               backend: str = "auto", mode: Optional[str] = None, memory_budget: Optional[int] = None,
-               grad_filter: Union[bool, float] = False, softcap_s: Optional[float] = None,
-               softcap_t: Optional[float] = None, return_parts: bool = False, process_group=None):
+def reverse_kl(
+    xs: Tensor,
+    xt: Tensor,
+    ws: Tensor,
+    wt: Tensor,
+    *,
+    labels: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    chunk_V: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    bs: Optional[Tensor] = None,
+    bt: Optional[Tensor] = None,
+    kd_weight: float = 1.0,
+    ce_weight: float = 0.0,
+    scale_t2: bool = False,
+    backend: str = "auto",
+    mode: Optional[str] = None,
+    memory_budget: Optional[int] = None,
+    grad_filter: Union[bool, float] = False,
+    softcap_s: Optional[float] = None,
+    softcap_t: Optional[float] = None,
+    return_parts: bool = False,
+    process_group=None,
+):
     # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, labels=labels, ignore_index=ignore_index,
-                       temperature=temperature, reduction=reduction, chunk_V=chunk_V, vocab_size=vocab_size,
-                       bs=bs, bt=bt, kd_weight=kd_weight, ce_weight=ce_weight, scale_t2=scale_t2,
-                       backend=backend, mode=mode, memory_budget=memory_budget, grad_filter=grad_filter,
-                       softcap_s=softcap_s, softcap_t=softcap_t, return_parts=return_parts,
-                       process_group=process_group, divergence="reverse_kl")
+    return hidden_loss(
+        xs=xs,
+        xt=xt,
+        ws=ws,
+        wt=wt,
+        labels=labels,
+        ignore_index=ignore_index,
+        temperature=temperature,
+        reduction=reduction,
+        chunk_V=chunk_V,
+        vocab_size=vocab_size,
+        bs=bs,
+        bt=bt,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        scale_t2=scale_t2,
+        backend=backend,
+        mode=mode,
+        memory_budget=memory_budget,
+        grad_filter=grad_filter,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
+        return_parts=return_parts,
+        process_group=process_group,
+        divergence="reverse_kl",
+    )
 
 
-def jsd(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, beta: float = 0.5, labels: Optional[Tensor] = None,
-        ignore_index: int = -100, temperature: float = 1.0, reduction: str = "mean",
-        chunk_V: Optional[int] = None, vocab_size: Optional[int] = None, bs: Optional[Tensor] = None,
-        bt: Optional[Tensor] = None, kd_weight: float = 1.0, ce_weight: float = 0.0, scale_t2: bool = False,
-        backend: str = "auto", mode: Optional[str] = None, memory_budget: Optional[int] = None,
-        grad_filter: Union[bool, float] = False, softcap_s: Optional[float] = None,
-        softcap_t: Optional[float] = None, return_parts: bool = False, process_group=None):
+def jsd(
+    xs: Tensor,
+    xt: Tensor,
+    ws: Tensor,
+    wt: Tensor,
+    *,
+    beta: float = 0.5,
+    labels: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    chunk_V: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    bs: Optional[Tensor] = None,
+    bt: Optional[Tensor] = None,
+    kd_weight: float = 1.0,
+    ce_weight: float = 0.0,
+    scale_t2: bool = False,
+    backend: str = "auto",
+    mode: Optional[str] = None,
+    memory_budget: Optional[int] = None,
+    grad_filter: Union[bool, float] = False,
+    softcap_s: Optional[float] = None,
+    softcap_t: Optional[float] = None,
+    return_parts: bool = False,
+    process_group=None,
+):
     # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, beta=beta, labels=labels, ignore_index=ignore_index,
-                       temperature=temperature, reduction=reduction, chunk_V=chunk_V, vocab_size=vocab_size,
-                       bs=bs, bt=bt, kd_weight=kd_weight, ce_weight=ce_weight, scale_t2=scale_t2,
-                       backend=backend, mode=mode, memory_budget=memory_budget, grad_filter=grad_filter,
-                       softcap_s=softcap_s, softcap_t=softcap_t, return_parts=return_parts,
-                       process_group=process_group, divergence="jsd")
+    return hidden_loss(
+        xs=xs,
+        xt=xt,
+        ws=ws,
+        wt=wt,
+        beta=beta,
+        labels=labels,
+        ignore_index=ignore_index,
+        temperature=temperature,
+        reduction=reduction,
+        chunk_V=chunk_V,
+        vocab_size=vocab_size,
+        bs=bs,
+        bt=bt,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        scale_t2=scale_t2,
+        backend=backend,
+        mode=mode,
+        memory_budget=memory_budget,
+        grad_filter=grad_filter,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
+        return_parts=return_parts,
+        process_group=process_group,
+        divergence="jsd",
+    )
 
 
-def tvd(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, labels: Optional[Tensor] = None,
-        ignore_index: int = -100, temperature: float = 1.0, reduction: str = "mean",
-        chunk_V: Optional[int] = None, vocab_size: Optional[int] = None, bs: Optional[Tensor] = None,
-        bt: Optional[Tensor] = None, kd_weight: float = 1.0, ce_weight: float = 0.0, scale_t2: bool = False,
-        backend: str = "auto", mode: Optional[str] = None, memory_budget: Optional[int] = None,
-        grad_filter: Union[bool, float] = False, softcap_s: Optional[float] = None,
-        softcap_t: Optional[float] = None, return_parts: bool = False, process_group=None):
+def tvd(
+    xs: Tensor,
+    xt: Tensor,
+    ws: Tensor,
+    wt: Tensor,
+    *,
+    labels: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    chunk_V: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    bs: Optional[Tensor] = None,
+    bt: Optional[Tensor] = None,
+    kd_weight: float = 1.0,
+    ce_weight: float = 0.0,
+    scale_t2: bool = False,
+    backend: str = "auto",
+    mode: Optional[str] = None,
+    memory_budget: Optional[int] = None,
+    grad_filter: Union[bool, float] = False,
+    softcap_s: Optional[float] = None,
+    softcap_t: Optional[float] = None,
+    return_parts: bool = False,
+    process_group=None,
+):
     # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, labels=labels, ignore_index=ignore_index,
-                       temperature=temperature, reduction=reduction, chunk_V=chunk_V, vocab_size=vocab_size,
-                       bs=bs, bt=bt, kd_weight=kd_weight, ce_weight=ce_weight, scale_t2=scale_t2,
-                       backend=backend, mode=mode, memory_budget=memory_budget, grad_filter=grad_filter,
-                       softcap_s=softcap_s, softcap_t=softcap_t, return_parts=return_parts,
-                       process_group=process_group, divergence="tvd")
+    return hidden_loss(
+        xs=xs,
+        xt=xt,
+        ws=ws,
+        wt=wt,
+        labels=labels,
+        ignore_index=ignore_index,
+        temperature=temperature,
+        reduction=reduction,
+        chunk_V=chunk_V,
+        vocab_size=vocab_size,
+        bs=bs,
+        bt=bt,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        scale_t2=scale_t2,
+        backend=backend,
+        mode=mode,
+        memory_budget=memory_budget,
+        grad_filter=grad_filter,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
+        return_parts=return_parts,
+        process_group=process_group,
+        divergence="tvd",
+    )
 
 
-def skew_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, alpha: float = 0.1, labels: Optional[Tensor] = None,
-            ignore_index: int = -100, temperature: float = 1.0, reduction: str = "mean",
-            chunk_V: Optional[int] = None, vocab_size: Optional[int] = None, bs: Optional[Tensor] = None,
-            bt: Optional[Tensor] = None, kd_weight: float = 1.0, ce_weight: float = 0.0, scale_t2: bool = False,
-            backend: str = "auto", mode: Optional[str] = None, memory_budget: Optional[int] = None,
-            grad_filter: Union[bool, float] = False, softcap_s: Optional[float] = None,
-            softcap_t: Optional[float] = None, return_parts: bool = False, process_group=None):
+def skew_kl(
+    xs: Tensor,
+    xt: Tensor,
+    ws: Tensor,
+    wt: Tensor,
+    *,
+    alpha: float = 0.1,
+    labels: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    chunk_V: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    bs: Optional[Tensor] = None,
+    bt: Optional[Tensor] = None,
+    kd_weight: float = 1.0,
+    ce_weight: float = 0.0,
+    scale_t2: bool = False,
+    backend: str = "auto",
+    mode: Optional[str] = None,
+    memory_budget: Optional[int] = None,
+    grad_filter: Union[bool, float] = False,
+    softcap_s: Optional[float] = None,
+    softcap_t: Optional[float] = None,
+    return_parts: bool = False,
+    process_group=None,
+):
     # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, alpha=alpha, labels=labels, ignore_index=ignore_index,
-                       temperature=temperature, reduction=reduction, chunk_V=chunk_V, vocab_size=vocab_size,
-                       bs=bs, bt=bt, kd_weight=kd_weight, ce_weight=ce_weight, scale_t2=scale_t2,
-                       backend=backend, mode=mode, memory_budget=memory_budget, grad_filter=grad_filter,
-                       softcap_s=softcap_s, softcap_t=softcap_t, return_parts=return_parts,
-                       process_group=process_group, divergence="skew_kl")
+    return hidden_loss(
+        xs=xs,
+        xt=xt,
+        ws=ws,
+        wt=wt,
+        alpha=alpha,
+        labels=labels,
+        ignore_index=ignore_index,
+        temperature=temperature,
+        reduction=reduction,
+        chunk_V=chunk_V,
+        vocab_size=vocab_size,
+        bs=bs,
+        bt=bt,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        scale_t2=scale_t2,
+        backend=backend,
+        mode=mode,
+        memory_budget=memory_budget,
+        grad_filter=grad_filter,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
+        return_parts=return_parts,
+        process_group=process_group,
+        divergence="skew_kl",
+    )
 
 
-def skew_reverse_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, *, alpha: float = 0.1,
-                    labels: Optional[Tensor] = None, ignore_index: int = -100, temperature: float = 1.0,
-                    reduction: str = "mean", chunk_V: Optional[int] = None, vocab_size: Optional[int] = None,
-                    bs: Optional[Tensor] = None, bt: Optional[Tensor] = None, kd_weight: float = 1.0,
-                    ce_weight: float = 0.0, scale_t2: bool = False, backend: str = "auto", mode: Optional[str] = None,
-                    memory_budget: Optional[int] = None, grad_filter: Union[bool, float] = False,
-                    softcap_s: Optional[float] = None, softcap_t: Optional[float] = None, return_parts: bool = False,
-                    process_group=None):
+def skew_reverse_kl(
+    xs: Tensor,
+    xt: Tensor,
+    ws: Tensor,
+    wt: Tensor,
+    *,
+    alpha: float = 0.1,
+    labels: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    chunk_V: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    bs: Optional[Tensor] = None,
+    bt: Optional[Tensor] = None,
+    kd_weight: float = 1.0,
+    ce_weight: float = 0.0,
+    scale_t2: bool = False,
+    backend: str = "auto",
+    mode: Optional[str] = None,
+    memory_budget: Optional[int] = None,
+    grad_filter: Union[bool, float] = False,
+    softcap_s: Optional[float] = None,
+    softcap_t: Optional[float] = None,
+    return_parts: bool = False,
+    process_group=None,
+):
     # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, alpha=alpha, labels=labels, ignore_index=ignore_index,
-                       temperature=temperature, reduction=reduction, chunk_V=chunk_V, vocab_size=vocab_size,
-                       bs=bs, bt=bt, kd_weight=kd_weight, ce_weight=ce_weight, scale_t2=scale_t2,
-                       backend=backend, mode=mode, memory_budget=memory_budget, grad_filter=grad_filter,
-                       softcap_s=softcap_s, softcap_t=softcap_t, return_parts=return_parts,
-                       process_group=process_group, divergence="skew_reverse_kl")
+    return hidden_loss(
+        xs=xs,
+        xt=xt,
+        ws=ws,
+        wt=wt,
+        alpha=alpha,
+        labels=labels,
+        ignore_index=ignore_index,
+        temperature=temperature,
+        reduction=reduction,
+        chunk_V=chunk_V,
+        vocab_size=vocab_size,
+        bs=bs,
+        bt=bt,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        scale_t2=scale_t2,
+        backend=backend,
+        mode=mode,
+        memory_budget=memory_budget,
+        grad_filter=grad_filter,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
+        return_parts=return_parts,
+        process_group=process_group,
+        divergence="skew_reverse_kl",
+    )
 
 
 LOSSES = {f.__name__: f for f in (forward_kl, reverse_kl, jsd, tvd, skew_kl, skew_reverse_kl)}

@@ -9,6 +9,7 @@ The pieces (``first_pass``, ``second_pass``, ``finish_stats``, ``TorchLocal``) a
 the vocab-parallel wrapper can combine per-rank partial states (the online state itself is
 ``nitrobrew.core.online.Online``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from . import grad_filter as gf
 from .config import LossConfig, Operands
 
 Tensor = torch.Tensor
+
+
 @dataclass
 class RowStats:
     """What the backward needs per row (all [N], compute dtype)."""
@@ -32,25 +35,29 @@ class RowStats:
     lse_s: Tensor
     lse_t: Tensor
     lse_z: Optional[Tensor]  # student log-sum-exp at temperature 1 (hard-label CE)
-    sum_u: Tensor            # sum_j dD/dlog q_j
-    kd: Tensor               # divergence per row
-    ce: Optional[Tensor]     # cross-entropy per row
+    sum_u: Tensor  # sum_j dD/dlog q_j
+    kd: Tensor  # divergence per row
+    ce: Optional[Tensor]  # cross-entropy per row
     # [N, vocab chunks, 2] largest tempered student/teacher logits per chunk (Triton constant-memory
     # mode with grad_filter: grad_filter.negligible_tiles); not carried by rows()
     chunk_max: Optional[Tensor] = None
 
     def rows(self, r0: int, r1: int) -> "RowStats":
         """The statistics of rows [r0, r1)."""
-        return RowStats(*(None if v is None else v[r0:r1]
-                          for v in (self.lse_s, self.lse_t, self.lse_z, self.sum_u, self.kd, self.ce)))
+        return RowStats(
+            *(
+                None if v is None else v[r0:r1]
+                for v in (self.lse_s, self.lse_t, self.lse_z, self.sum_u, self.kd, self.ce)
+            )
+        )
 
 
 @dataclass
 class FirstPass:
     s: Online
     t: Online
-    z: Optional[Online]      # raw student logits, only when CE is on and T != 1
-    z_label: Tensor          # raw student logit at the label (0 where no label)
+    z: Optional[Online]  # raw student logits, only when CE is on and T != 1
+    z_label: Tensor  # raw student logit at the label (0 where no label)
 
 
 def first_pass(ops: Operands, labels, cfg: LossConfig, lo: int, hi: int, chunk: int) -> FirstPass:
@@ -245,7 +252,13 @@ class ChunkedDistill(torch.autograd.Function):
         cfg = ctx.cfg
         kd_scale, ce_scale = row_scales(grad_total.to(ctx.stats.lse_s.dtype), mask.to(ctx.stats.lse_s.dtype), cfg)
         dx, dw, db = backward_chunks(
-            Operands(xs, xt, ws, wt, bs, bt), labels, ctx.stats, cfg, kd_scale, ce_scale, ctx.chunk,
+            Operands(xs, xt, ws, wt, bs, bt),
+            labels,
+            ctx.stats,
+            cfg,
+            kd_scale,
+            ce_scale,
+            ctx.chunk,
             need_w=ctx.needs_input_grad[2] or ctx.needs_input_grad[4],
         )
         dx = dx.to(xs.dtype) if ctx.needs_input_grad[0] else None

@@ -9,6 +9,7 @@ forward, else the per-row statistics [4, N] (lse_s, lse_t, lse_z, sum_u) from wh
 ``nitrobrew::hidden_distill_backward`` recomputes the slabs. Both ops run the same functions as
 the eager autograd Functions, so the two paths agree bit for bit.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -27,22 +28,42 @@ _NONE = -1  # stands for None in the integer options (custom ops take no Optiona
 
 def _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t) -> LossConfig:
     # negative floats stand for None (filter off, no softcap)
-    return LossConfig(divergence, param, temperature, kd_weight, ce_weight, None if chunk_V == _NONE else chunk_V,
-                      None if filter_eps < 0 else filter_eps, None if softcap_s < 0 else softcap_s,
-                      None if softcap_t < 0 else softcap_t)
+    return LossConfig(
+        divergence,
+        param,
+        temperature,
+        kd_weight,
+        ce_weight,
+        None if chunk_V == _NONE else chunk_V,
+        None if filter_eps < 0 else filter_eps,
+        None if softcap_s < 0 else softcap_s,
+        None if softcap_t < 0 else softcap_t,
+    )
 
 
 def _plan(xs, ws, cfg: LossConfig, reduction: str, mode: str, memory_budget: int):
     from .triton_function import make_plan
 
-    return make_plan(xs.shape[0], ws.shape[0], ws.shape[1], xs.dtype, mode or None, cfg.chunk_V,
-                     None if memory_budget == _NONE else memory_budget, reduction)
+    return make_plan(
+        xs.shape[0],
+        ws.shape[0],
+        ws.shape[1],
+        xs.dtype,
+        mode or None,
+        cfg.chunk_V,
+        None if memory_budget == _NONE else memory_budget,
+        reduction,
+    )
 
 
 def _precomputes(impl: str, xs, ws, cfg, reduction, mode, memory_budget, need_grad) -> bool:
     """Whether the forward forms the gradients itself (Triton fast mode, scalar reduction)."""
-    return (impl == "triton" and need_grad and reduction != "none"
-            and _plan(xs, ws, cfg, reduction, mode, memory_budget).mode == "fast")
+    return (
+        impl == "triton"
+        and need_grad
+        and reduction != "none"
+        and _plan(xs, ws, cfg, reduction, mode, memory_budget).mode == "fast"
+    )
 
 
 def _pack_stats(rs: RowStats) -> Tensor:
@@ -59,10 +80,28 @@ def _empty(like: Tensor) -> Tensor:
 
 @torch.library.custom_op("nitrobrew::hidden_distill", mutates_args=())
 def hidden_distill(
-    xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, bs: Optional[Tensor], bt: Optional[Tensor],
-    labels: Optional[Tensor], mask: Tensor, divergence: str, param: float, temperature: float,
-    kd_weight: float, ce_weight: float, chunk_V: int, filter_eps: float, softcap_s: float, softcap_t: float,
-    impl: str, reduction: str, mode: str, memory_budget: int, need_grad: bool,
+    xs: Tensor,
+    xt: Tensor,
+    ws: Tensor,
+    wt: Tensor,
+    bs: Optional[Tensor],
+    bt: Optional[Tensor],
+    labels: Optional[Tensor],
+    mask: Tensor,
+    divergence: str,
+    param: float,
+    temperature: float,
+    kd_weight: float,
+    ce_weight: float,
+    chunk_V: int,
+    filter_eps: float,
+    softcap_s: float,
+    softcap_t: float,
+    impl: str,
+    reduction: str,
+    mode: str,
+    memory_budget: int,
+    need_grad: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(total, kd, ce, stats, dx, dw, db): unused entries are empty tensors."""
     cfg = _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t)
@@ -85,8 +124,30 @@ def hidden_distill(
 
 
 @hidden_distill.register_fake
-def _(xs, xt, ws, wt, bs, bt, labels, mask, divergence, param, temperature, kd_weight, ce_weight, chunk_V,
-      filter_eps, softcap_s, softcap_t, impl, reduction, mode, memory_budget, need_grad):
+def _(
+    xs,
+    xt,
+    ws,
+    wt,
+    bs,
+    bt,
+    labels,
+    mask,
+    divergence,
+    param,
+    temperature,
+    kd_weight,
+    ce_weight,
+    chunk_V,
+    filter_eps,
+    softcap_s,
+    softcap_t,
+    impl,
+    reduction,
+    mode,
+    memory_budget,
+    need_grad,
+):
     acc = compute_dtype(xs.dtype)
     n = xs.shape[0]
     shape = (n,) if reduction == "none" else ()
@@ -100,10 +161,29 @@ def _(xs, xt, ws, wt, bs, bt, labels, mask, divergence, param, temperature, kd_w
 
 @torch.library.custom_op("nitrobrew::hidden_distill_backward", mutates_args=())
 def hidden_distill_backward(
-    grad_total: Tensor, stats: Tensor, xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, bs: Optional[Tensor],
-    bt: Optional[Tensor], labels: Optional[Tensor], mask: Tensor, divergence: str, param: float,
-    temperature: float, kd_weight: float, ce_weight: float, chunk_V: int, filter_eps: float, softcap_s: float,
-    softcap_t: float, impl: str, reduction: str, mode: str, memory_budget: int,
+    grad_total: Tensor,
+    stats: Tensor,
+    xs: Tensor,
+    xt: Tensor,
+    ws: Tensor,
+    wt: Tensor,
+    bs: Optional[Tensor],
+    bt: Optional[Tensor],
+    labels: Optional[Tensor],
+    mask: Tensor,
+    divergence: str,
+    param: float,
+    temperature: float,
+    kd_weight: float,
+    ce_weight: float,
+    chunk_V: int,
+    filter_eps: float,
+    softcap_s: float,
+    softcap_t: float,
+    impl: str,
+    reduction: str,
+    mode: str,
+    memory_budget: int,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dx, dw, db) recomputed from the row statistics; db is empty without a bias."""
     cfg = _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t)
@@ -114,8 +194,9 @@ def hidden_distill_backward(
         plan = _plan(xs, ws, cfg, reduction, mode, memory_budget)
         dx, dw, db = distill_backward(Operands(xs, xt, ws, wt, bs, bt), labels, mask, rs, cfg, plan, grad_total)
     else:
-        kd_scale, ce_scale = row_scales(row_upstream(grad_total, mask, reduction, xs.shape[0]).to(stats.dtype),
-                                        mask.to(stats.dtype), cfg)
+        kd_scale, ce_scale = row_scales(
+            row_upstream(grad_total, mask, reduction, xs.shape[0]).to(stats.dtype), mask.to(stats.dtype), cfg
+        )
         chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0])
         dx, dw, db = backward_chunks(Operands(xs, xt, ws, wt, bs, bt), labels, rs, cfg, kd_scale, ce_scale, chunk)
         dx = dx.to(xs.dtype)
@@ -127,8 +208,21 @@ def _(grad_total, stats, xs, xt, ws, wt, bs, bt, labels, mask, *_options):
     return torch.empty_like(xs), torch.empty_like(ws), _empty(xs) if bs is None else torch.empty_like(bs)
 
 
-_OPTION_NAMES = ("divergence", "param", "temperature", "kd_weight", "ce_weight", "chunk_V", "filter_eps",
-                 "softcap_s", "softcap_t", "impl", "reduction", "mode", "memory_budget")
+_OPTION_NAMES = (
+    "divergence",
+    "param",
+    "temperature",
+    "kd_weight",
+    "ce_weight",
+    "chunk_V",
+    "filter_eps",
+    "softcap_s",
+    "softcap_t",
+    "impl",
+    "reduction",
+    "mode",
+    "memory_budget",
+)
 
 
 def _setup_context(ctx, inputs, output):
@@ -151,24 +245,59 @@ def _backward(ctx, grad_total, _gkd, _gce, *_grad_saved):
         grads = (grads[0], grads[1], grads[2] if bs is not None else None)
     dx, dw, db = grads
     need = ctx.needs_input_grad
-    return (dx if need[0] else None, None, dw if need[2] else None, None, db if need[4] else None,
-            *([None] * (3 + len(_OPTION_NAMES) + 1)))
+    return (
+        dx if need[0] else None,
+        None,
+        dw if need[2] else None,
+        None,
+        db if need[4] else None,
+        *([None] * (3 + len(_OPTION_NAMES) + 1)),
+    )
 
 
 torch.library.register_autograd("nitrobrew::hidden_distill", _backward, setup_context=_setup_context)
 
 
-def compiled_distill(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, impl: str, reduction: str,
-                     mode: Optional[str], memory_budget: Optional[int]):
+def compiled_distill(
+    xs,
+    xt,
+    ws,
+    wt,
+    bs,
+    bt,
+    labels,
+    mask,
+    cfg: LossConfig,
+    impl: str,
+    reduction: str,
+    mode: Optional[str],
+    memory_budget: Optional[int],
+):
     """Reduced (total, kd, ce) through the custom op (kd and ce detached, like the eager path)."""
     need_grad = grad_needed(xs, ws, bs)
     xs, xt, ws, wt, bt, labels = kernel_operands(xs, xt, ws, wt, bt, labels)
     out = hidden_distill(
-        xs, xt, ws, wt, bs, bt, labels, mask, cfg.divergence,
-        float(cfg.param), cfg.temperature, cfg.kd_weight, cfg.ce_weight,
-        _NONE if cfg.chunk_V is None else cfg.chunk_V, -1.0 if cfg.filter_eps is None else cfg.filter_eps,
-        -1.0 if cfg.softcap_s is None else cfg.softcap_s, -1.0 if cfg.softcap_t is None else cfg.softcap_t, impl,
-        reduction, mode or "",
-        _NONE if memory_budget is None else memory_budget, need_grad,
+        xs,
+        xt,
+        ws,
+        wt,
+        bs,
+        bt,
+        labels,
+        mask,
+        cfg.divergence,
+        float(cfg.param),
+        cfg.temperature,
+        cfg.kd_weight,
+        cfg.ce_weight,
+        _NONE if cfg.chunk_V is None else cfg.chunk_V,
+        -1.0 if cfg.filter_eps is None else cfg.filter_eps,
+        -1.0 if cfg.softcap_s is None else cfg.softcap_s,
+        -1.0 if cfg.softcap_t is None else cfg.softcap_t,
+        impl,
+        reduction,
+        mode or "",
+        _NONE if memory_budget is None else memory_budget,
+        need_grad,
     )
     return out[0], out[1].detach(), out[2].detach()

@@ -41,6 +41,7 @@ graph capture, and under torch.compile (whose op does not carry the chunk maxima
 nothing. Extra memory: 8 bytes per row per vocab chunk. Other losses in this mode keep the per-slab
 column filter.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Union
@@ -71,8 +72,10 @@ def check_grad_filter(grad_filter) -> None:
 
 def check_not_capturing(device: torch.device) -> None:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("grad_filter on the PyTorch backend syncs with the host once per slab: it cannot "
-                           "run inside a CUDA graph capture (use the Triton backend, or leave grad_filter off)")
+        raise RuntimeError(
+            "grad_filter on the PyTorch backend syncs with the host once per slab: it cannot "
+            "run inside a CUDA graph capture (use the Triton backend, or leave grad_filter off)"
+        )
 
 
 def active_columns(g: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,9 +92,9 @@ def compacted(active: torch.Tensor) -> Optional[torch.Tensor]:
     return idx if 2 * idx.numel() <= active.numel() else None
 
 
-HEADROOM = 1.25   # capacity over the largest active fraction seen: slabs of one call vary
-CAP_STEP = 256    # capacities are multiples of this (fewer distinct product shapes)
-RECENT = 8        # read-backs the capacity covers
+HEADROOM = 1.25  # capacity over the largest active fraction seen: slabs of one call vary
+CAP_STEP = 256  # capacities are multiples of this (fewer distinct product shapes)
+RECENT = 8  # read-backs the capacity covers
 
 
 class ActiveFractions:
@@ -101,8 +104,8 @@ class ActiveFractions:
 
     def __init__(self):
         self.fraction: Optional[float] = None
-        self._pending = None   # (pinned count, event, n_cols) of a copy in flight
-        self._host: Optional[torch.Tensor] = None   # the pinned buffer, reused
+        self._pending = None  # (pinned count, event, n_cols) of a copy in flight
+        self._host: Optional[torch.Tensor] = None  # the pinned buffer, reused
         self._recent: list = []
 
     def capacity(self, n_cols: int) -> int:
@@ -163,12 +166,23 @@ def kept_columns(count: torch.Tensor, n_cols: int) -> torch.Tensor:
 
 def tiles_eligible(cfg, has_bias: bool) -> bool:
     """Whether the constant-memory backward may skip tiles (the bounds of ``negligible_tiles`` hold)."""
-    return (cfg.filter_eps is not None and cfg.divergence == "forward_kl" and not cfg.with_ce
-            and not has_bias and cfg.softcap_s is None)
+    return (
+        cfg.filter_eps is not None
+        and cfg.divergence == "forward_kl"
+        and not cfg.with_ce
+        and not has_bias
+        and cfg.softcap_s is None
+    )
 
 
-def negligible_tiles(chunk_max: torch.Tensor, lse_s: torch.Tensor, lse_t: torch.Tensor,
-                     kd_scale: torch.Tensor, eps: float, rows_per_block: int) -> Optional[List[List[bool]]]:
+def negligible_tiles(
+    chunk_max: torch.Tensor,
+    lse_s: torch.Tensor,
+    lse_t: torch.Tensor,
+    kd_scale: torch.Tensor,
+    eps: float,
+    rows_per_block: int,
+) -> Optional[List[List[bool]]]:
     """skip[block][chunk]: tiles whose every entry is below eps x its row's largest |g| (module doc).
     chunk_max [N, chunks, 2]: per row and vocab chunk, the largest tempered student and teacher
     logits; lse_s, lse_t [N] tempered log-sum-exps. None inside a graph capture (no host read)."""
@@ -176,7 +190,7 @@ def negligible_tiles(chunk_max: torch.Tensor, lse_s: torch.Tensor, lse_t: torch.
         return None
     cm = chunk_max.float()
     ls, lt = lse_s.float()[:, None], lse_t.float()[:, None]
-    upper = torch.maximum(cm[..., 0] - ls, cm[..., 1] - lt).exp()                       # [N, chunks]
+    upper = torch.maximum(cm[..., 0] - ls, cm[..., 1] - lt).exp()  # [N, chunks]
     lower = ((cm[..., 0].amax(1) - lse_s.float()).exp() - (cm[..., 1].amax(1) - lse_t.float()).exp()).abs()
     ok = (upper <= eps * lower[:, None]) | (kd_scale == 0)[:, None]  # NaN bounds never qualify
     return torch.stack([blk.all(0) for blk in ok.split(rows_per_block)]).tolist()  # the one host read
@@ -187,9 +201,17 @@ def active_first(active: torch.Tensor) -> torch.Tensor:
     return torch.sort(active, descending=True, stable=True).indices
 
 
-def add_column_grads(g: torch.Tensor, idx: torch.Tensor, xs: torch.Tensor, w: torch.Tensor,
-                     dx_acc: Optional[torch.Tensor], dw: Optional[torch.Tensor], first: bool,
-                     kept: Optional[torch.Tensor] = None, scatter_add=None) -> None:
+def add_column_grads(
+    g: torch.Tensor,
+    idx: torch.Tensor,
+    xs: torch.Tensor,
+    w: torch.Tensor,
+    dx_acc: Optional[torch.Tensor],
+    dw: Optional[torch.Tensor],
+    first: bool,
+    kept: Optional[torch.Tensor] = None,
+    scatter_add=None,
+) -> None:
     """dx_acc += g[:, idx] w[idx]; dw[idx] += g[:, idx]^T xs (dw zeroed first when `first`). With
     `kept` (a device count), only the first `kept` entries of idx count; the others add zeros.
     scatter_add(dw, rows, idx, kept, first_row) replaces index_add_ where given (distinct idx)."""
@@ -197,10 +219,10 @@ def add_column_grads(g: torch.Tensor, idx: torch.Tensor, xs: torch.Tensor, w: to
         dw.zero_()
     keep = None if kept is None else (torch.arange(idx.numel(), device=g.device) < kept).to(g.dtype)
     for p0 in range(0, idx.numel(), PIECE):
-        cols = idx[p0:p0 + PIECE]
+        cols = idx[p0 : p0 + PIECE]
         g_act = g.index_select(1, cols)
         if keep is not None:
-            g_act.mul_(keep[p0:p0 + PIECE])
+            g_act.mul_(keep[p0 : p0 + PIECE])
         if dx_acc is not None:
             mm_acc_add(dx_acc, g_act, w.index_select(0, cols).to(g_act.dtype))
         if dw is not None:

@@ -7,6 +7,7 @@ by one program only, and slabs can be processed chunk after chunk with the state
 small [R, NSTATE] fp32 tensor. The divergence math is the one of nitrobrew.divergences, in Triton,
 selected by the constexpr DIVERGENCE (ids from divergences.DIVERGENCE_IDS).
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,7 +38,7 @@ from .config import LossConfig
 M_S, L_S, M_T, L_T, ACC, M_Z, L_Z, Z_LABEL, PHI_SUM, U_SUM = range(10)
 NSTATE = 10
 REL = PHI_SUM  # one-pass divergences (no second pass): Online.r, on ACC's scale
-LOST = U_SUM   # one-pass divergences: Online.b, on the other side's scale
+LOST = U_SUM  # one-pass divergences: Online.b, on the other side's scale
 C_M_S, C_L_S, C_M_T, C_L_T, C_ACC, C_M_Z, C_L_Z, C_Z_LABEL, C_PHI_SUM, C_U_SUM = (tl.constexpr(i) for i in range(10))
 C_NSTATE, C_REL, C_LOST = tl.constexpr(NSTATE), tl.constexpr(REL), tl.constexpr(LOST)
 # Columns of the per-row finished values the gradient kernel reads.
@@ -73,16 +74,39 @@ def _kl_lanes_to_row(m_o, l_o, acc, rel, m_x, l_x, lost, mo0, lo0, a0, r0, mx0, 
     sx_old = tl.exp(mx0 - sx_safe)
     sx_row = tl.exp(mx - sx_safe)
     b_new = tl.where(so_old > 0, b0, lx0) * sx_old + tl.where(so_row > 0, b_r, l_xr) * sx_row
-    return (mo_new, lo0 * so_old + l_or * so_row, a0 * so_old + a_r * so_row, r0 * so_old + r_r * so_row,
-            mx_new, lx0 * sx_old + l_xr * sx_row, b_new)
+    return (
+        mo_new,
+        lo0 * so_old + l_or * so_row,
+        a0 * so_old + a_r * so_row,
+        r0 * so_old + r_r * so_row,
+        mx_new,
+        lx0 * sx_old + l_xr * sx_row,
+        b_new,
+    )
 
 
 @triton.jit
 def stats_kernel(
-    z_ptr, t_ptr, stride_z, stride_t, state_ptr, labels_ptr, chunk_max_ptr, stride_cm,
-    n_cols, col_offset, inv_temp, param, log_a, log_1ma,
-    DIVERGENCE: tl.constexpr, PASS: tl.constexpr, RAW_LSE: tl.constexpr, HAS_LABELS: tl.constexpr,
-    CHUNK_MAX: tl.constexpr, BLOCK_V: tl.constexpr,
+    z_ptr,
+    t_ptr,
+    stride_z,
+    stride_t,
+    state_ptr,
+    labels_ptr,
+    chunk_max_ptr,
+    stride_cm,
+    n_cols,
+    col_offset,
+    inv_temp,
+    param,
+    log_a,
+    log_1ma,
+    DIVERGENCE: tl.constexpr,
+    PASS: tl.constexpr,
+    RAW_LSE: tl.constexpr,
+    HAS_LABELS: tl.constexpr,
+    CHUNK_MAX: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """PASS 1: online log-sum-exps (+ the one-pass KL accumulator, CE pieces); with CHUNK_MAX also
     this slab's largest tempered student and teacher logits of the row (chunk_max[row, 0:2]: the
@@ -119,7 +143,9 @@ def stats_kernel(
             s = z * inv_temp
             m_s, l_s, w_s, sc_s = lane_update(m_s, l_s, s)
             m_t, l_t, w_t, sc_t = lane_update(m_t, l_t, t)
-            if (DIVERGENCE == FORWARD_KL or DIVERGENCE == REVERSE_KL):  # the side p that accumulates: the teacher (forward KL) or the student
+            if (
+                DIVERGENCE == FORWARD_KL or DIVERGENCE == REVERSE_KL
+            ):  # the side p that accumulates: the teacher (forward KL) or the student
                 w = w_t if DIVERGENCE == FORWARD_KL else w_s
                 sc = sc_t if DIVERGENCE == FORWARD_KL else sc_s
                 d = s - t if DIVERGENCE == FORWARD_KL else t - s  # other - own
@@ -132,7 +158,9 @@ def stats_kernel(
                 # (when a lane's own max jumps by > 104 nats, its earlier near entries' other-side mass is
                 # below e^-40 of the new scale: negligible, so no per-element select for it; lanes, tiles
                 # and ranks whose sums underflow as a whole are handled where they merge)
-                lost = lost * (sc_s if DIVERGENCE == FORWARD_KL else sc_t) + tl.where(near, 0.0, w_s if DIVERGENCE == FORWARD_KL else w_t)
+                lost = lost * (sc_s if DIVERGENCE == FORWARD_KL else sc_t) + tl.where(
+                    near, 0.0, w_s if DIVERGENCE == FORWARD_KL else w_t
+                )
             if RAW_LSE:
                 m_z, l_z, _w, _sc = lane_update(m_z, l_z, z)
             if HAS_LABELS:
@@ -142,25 +170,57 @@ def stats_kernel(
             tl.store(chunk_max_ptr + row * stride_cm + 1, tl.max(m_t, axis=0))
         if DIVERGENCE == FORWARD_KL:
             mt_row, lt_row, a_row, r_row, ms_row, ls_row, b_row = _kl_lanes_to_row(
-                m_t, l_t, acc, rel, m_s, l_s, lost, tl.load(st + C_M_T), tl.load(st + C_L_T), tl.load(st + C_ACC),
-                tl.load(st + C_REL), tl.load(st + C_M_S), tl.load(st + C_L_S), tl.load(st + C_LOST))
+                m_t,
+                l_t,
+                acc,
+                rel,
+                m_s,
+                l_s,
+                lost,
+                tl.load(st + C_M_T),
+                tl.load(st + C_L_T),
+                tl.load(st + C_ACC),
+                tl.load(st + C_REL),
+                tl.load(st + C_M_S),
+                tl.load(st + C_L_S),
+                tl.load(st + C_LOST),
+            )
         elif DIVERGENCE == REVERSE_KL:
             ms_row, ls_row, a_row, r_row, mt_row, lt_row, b_row = _kl_lanes_to_row(
-                m_s, l_s, acc, rel, m_t, l_t, lost, tl.load(st + C_M_S), tl.load(st + C_L_S), tl.load(st + C_ACC),
-                tl.load(st + C_REL), tl.load(st + C_M_T), tl.load(st + C_L_T), tl.load(st + C_LOST))
+                m_s,
+                l_s,
+                acc,
+                rel,
+                m_t,
+                l_t,
+                lost,
+                tl.load(st + C_M_S),
+                tl.load(st + C_L_S),
+                tl.load(st + C_ACC),
+                tl.load(st + C_REL),
+                tl.load(st + C_M_T),
+                tl.load(st + C_L_T),
+                tl.load(st + C_LOST),
+            )
         else:
-            ms_row, ls_row, _a, _r = lanes_to_row(m_s, l_s, zero, zero, tl.load(st + C_M_S), tl.load(st + C_L_S), 0.0, 0.0)
-            mt_row, lt_row, _a, _r = lanes_to_row(m_t, l_t, zero, zero, tl.load(st + C_M_T), tl.load(st + C_L_T), 0.0, 0.0)
+            ms_row, ls_row, _a, _r = lanes_to_row(
+                m_s, l_s, zero, zero, tl.load(st + C_M_S), tl.load(st + C_L_S), 0.0, 0.0
+            )
+            mt_row, lt_row, _a, _r = lanes_to_row(
+                m_t, l_t, zero, zero, tl.load(st + C_M_T), tl.load(st + C_L_T), 0.0, 0.0
+            )
         tl.store(st + C_M_S, ms_row)
         tl.store(st + C_L_S, ls_row)
         tl.store(st + C_M_T, mt_row)
         tl.store(st + C_L_T, lt_row)
-        if (DIVERGENCE == FORWARD_KL or DIVERGENCE == REVERSE_KL):
+        if DIVERGENCE == FORWARD_KL or DIVERGENCE == REVERSE_KL:
             tl.store(st + C_ACC, a_row)
             tl.store(st + C_REL, r_row)
             tl.store(st + C_LOST, b_row)
         if RAW_LSE:
-            mz_row, lz_row, _a, _r = lanes_to_row(m_z, l_z, zero, zero, tl.load(st + C_M_Z), tl.load(st + C_L_Z), 0.0, 0.0)
+            mz_row, lz_row, _a, _r = lanes_to_row(
+                m_z, l_z, zero, zero, tl.load(st + C_M_Z), tl.load(st + C_L_Z), 0.0, 0.0
+            )
             tl.store(st + C_M_Z, mz_row)
             tl.store(st + C_L_Z, lz_row)
         if HAS_LABELS:
@@ -183,9 +243,27 @@ def stats_kernel(
 
 
 @triton.jit
-def _grad_tile(z_row, t_row, idx, valid, lse_s, lse_t, lse_z, sum_u, kd_scale, ce_scale, label,
-               inv_temp, param, log_a, log_1ma, inv_cap, DIVERGENCE: tl.constexpr, WITH_CE: tl.constexpr,
-               SOFTCAP: tl.constexpr):
+def _grad_tile(
+    z_row,
+    t_row,
+    idx,
+    valid,
+    lse_s,
+    lse_t,
+    lse_z,
+    sum_u,
+    kd_scale,
+    ce_scale,
+    label,
+    inv_temp,
+    param,
+    log_a,
+    log_1ma,
+    inv_cap,
+    DIVERGENCE: tl.constexpr,
+    WITH_CE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     z = tl.load(z_row + idx, mask=valid, other=0.0)
     t = tl.load(t_row + idx, mask=valid, other=0.0)
     lq = z * inv_temp - lse_s
@@ -204,9 +282,28 @@ def _grad_tile(z_row, t_row, idx, valid, lse_s, lse_t, lse_z, sum_u, kd_scale, c
 
 @triton.jit
 def grad_kernel(
-    z_ptr, t_ptr, g_ptr, stride_z, stride_t, stride_g, rowvals_ptr, kd_scale_ptr, ce_scale_ptr,
-    labels_ptr, rowmax_ptr, n_cols, col_offset, inv_temp, param, log_a, log_1ma, inv_cap,
-    DIVERGENCE: tl.constexpr, WITH_CE: tl.constexpr, FILTER: tl.constexpr, SOFTCAP: tl.constexpr,
+    z_ptr,
+    t_ptr,
+    g_ptr,
+    stride_z,
+    stride_t,
+    stride_g,
+    rowvals_ptr,
+    kd_scale_ptr,
+    ce_scale_ptr,
+    labels_ptr,
+    rowmax_ptr,
+    n_cols,
+    col_offset,
+    inv_temp,
+    param,
+    log_a,
+    log_1ma,
+    inv_cap,
+    DIVERGENCE: tl.constexpr,
+    WITH_CE: tl.constexpr,
+    FILTER: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """g = kd_scale/T * (u - q * sum_u) + ce_scale * (softmax(z) - onehot(label)), per entry.
@@ -237,8 +334,27 @@ def grad_kernel(
     for start in range(0, n_cols, BLOCK_V):
         idx = start + cols
         valid = idx < n_cols
-        g = _grad_tile(z_row, t_row, idx, valid, lse_s, lse_t, lse_z, sum_u, kd_scale, ce_scale, label,
-                       inv_temp, param, log_a, log_1ma, inv_cap, DIVERGENCE, WITH_CE, SOFTCAP)
+        g = _grad_tile(
+            z_row,
+            t_row,
+            idx,
+            valid,
+            lse_s,
+            lse_t,
+            lse_z,
+            sum_u,
+            kd_scale,
+            ce_scale,
+            label,
+            inv_temp,
+            param,
+            log_a,
+            log_1ma,
+            inv_cap,
+            DIVERGENCE,
+            WITH_CE,
+            SOFTCAP,
+        )
         tl.debug_barrier()  # g may alias t: every warp has used its loads of this tile before any store
         tl.store(g_row + idx, g.to(g_ptr.dtype.element_ty), mask=valid)
         if FILTER:
@@ -263,19 +379,34 @@ def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no:
     inv_temp, a, log_a, log_1ma = math_args(cfg)
     has_labels = cfg.with_ce and labels is not None and pass_no == 1
     kl = pass_no == 1 and cfg.divergence in dv.ONE_PASS
-    launch(stats_kernel, (rows,),
-        z, t, z.stride(0), t.stride(0), state, labels if has_labels else state,
-        state if chunk_max is None else chunk_max, 0 if chunk_max is None else chunk_max.stride(0),
-        n_cols, col_offset, inv_temp, a, log_a, log_1ma,
-        DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence], PASS=pass_no,
-        RAW_LSE=cfg.with_ce and cfg.temperature != 1.0, HAS_LABELS=has_labels,
+    launch(
+        stats_kernel,
+        (rows,),
+        z,
+        t,
+        z.stride(0),
+        t.stride(0),
+        state,
+        labels if has_labels else state,
+        state if chunk_max is None else chunk_max,
+        0 if chunk_max is None else chunk_max.stride(0),
+        n_cols,
+        col_offset,
+        inv_temp,
+        a,
+        log_a,
+        log_1ma,
+        DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence],
+        PASS=pass_no,
+        RAW_LSE=cfg.with_ce and cfg.temperature != 1.0,
+        HAS_LABELS=has_labels,
         CHUNK_MAX=chunk_max is not None and pass_no == 1,
-        BLOCK_V=row_block(n_cols, KL_STATS_BLOCK_V if kl else 0), num_warps=KL_STATS_WARPS if kl else STATS_WARPS,
+        BLOCK_V=row_block(n_cols, KL_STATS_BLOCK_V if kl else 0),
+        num_warps=KL_STATS_WARPS if kl else STATS_WARPS,
     )
 
 
-def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, cfg: LossConfig,
-                rowmax=None) -> None:
+def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, cfg: LossConfig, rowmax=None) -> None:
     """Write the gradient slab g; with `rowmax` (fp32 [R]) also each row's largest |g| (the
     gradient filter's reference)."""
     rows, n_cols = z.shape
@@ -283,13 +414,31 @@ def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, c
         return
     inv_temp, a, log_a, log_1ma = math_args(cfg)
     with_ce = cfg.with_ce and labels is not None
-    launch(grad_kernel, (rows,),
-        z, t, g, z.stride(0), t.stride(0), g.stride(0), rowvals, kd_scale,
-        ce_scale if with_ce else kd_scale, labels if with_ce else kd_scale,
+    launch(
+        grad_kernel,
+        (rows,),
+        z,
+        t,
+        g,
+        z.stride(0),
+        t.stride(0),
+        g.stride(0),
+        rowvals,
+        kd_scale,
+        ce_scale if with_ce else kd_scale,
+        labels if with_ce else kd_scale,
         rowmax if rowmax is not None else kd_scale,
-        n_cols, col_offset, inv_temp, a, log_a, log_1ma,
+        n_cols,
+        col_offset,
+        inv_temp,
+        a,
+        log_a,
+        log_1ma,
         0.0 if cfg.softcap_s is None else 1.0 / cfg.softcap_s,
-        DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence], WITH_CE=with_ce, FILTER=rowmax is not None,
+        DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence],
+        WITH_CE=with_ce,
+        FILTER=rowmax is not None,
         SOFTCAP=cfg.softcap_s is not None,
-        BLOCK_V=row_block(n_cols), num_warps=NUM_WARPS,
+        BLOCK_V=row_block(n_cols),
+        num_warps=NUM_WARPS,
     )

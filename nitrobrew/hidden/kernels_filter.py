@@ -17,6 +17,7 @@ slab keeps, read on the device: its active ones, all of them in an unfiltered sl
 when kept <= cap):
 dX[m] += sum_k g[m, perm[k]] W[perm[k]] and dW[perm[k]] += sum_m g[m, perm[k]] X[m].
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,16 +26,27 @@ import triton.language as tl
 
 from .._launch import cdiv, launch
 
-FILTER_BLOCK_V = 128   # columns per program of the flag kernels
-FILTER_BLOCK_R = 64    # rows per tile of the flag kernels (best of an H100 sweep: 0.125 ms per 704 x 152064 slab)
-FILTER_ROWS = 128      # rows per program (a second grid axis: narrow slabs still fill the GPU)
-OVERFLOW_TILES = (64, 64, 32)   # (BLOCK_M, BLOCK_N, BLOCK_K) of the overflow products
-OVERFLOW_DW_PROGRAMS = 64      # column-block programs of the dW overflow (each walks a stride)
+FILTER_BLOCK_V = 128  # columns per program of the flag kernels
+FILTER_BLOCK_R = 64  # rows per tile of the flag kernels (best of an H100 sweep: 0.125 ms per 704 x 152064 slab)
+FILTER_ROWS = 128  # rows per program (a second grid axis: narrow slabs still fill the GPU)
+OVERFLOW_TILES = (64, 64, 32)  # (BLOCK_M, BLOCK_N, BLOCK_K) of the overflow products
+OVERFLOW_DW_PROGRAMS = 64  # column-block programs of the dW overflow (each walks a stride)
 
 
 @triton.jit
-def filter_columns_kernel(g_ptr, stride_g, rowmax_ptr, active_ptr, count_ptr, n_rows, n_cols, eps,
-                          ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+def filter_columns_kernel(
+    g_ptr,
+    stride_g,
+    rowmax_ptr,
+    active_ptr,
+    count_ptr,
+    n_rows,
+    n_cols,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     # grid (column blocks, groups of ROWS rows): a column's flag is the max over its row groups; the
     # group that turns a flag on (atomic max returns the old 0) counts the column
     cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -53,8 +65,17 @@ def filter_columns_kernel(g_ptr, stride_g, rowmax_ptr, active_ptr, count_ptr, n_
 
 
 @triton.jit
-def drop_columns_kernel(g_ptr, stride_g, active_ptr, count_ptr, n_rows, n_cols,
-                        ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+def drop_columns_kernel(
+    g_ptr,
+    stride_g,
+    active_ptr,
+    count_ptr,
+    n_rows,
+    n_cols,
+    ROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """Zero the inactive columns of g when at most half the columns are active (else the slab is not
     filtered): stores only, and none at all in an unfiltered slab."""
     count = tl.load(count_ptr)
@@ -70,8 +91,9 @@ def drop_columns_kernel(g_ptr, stride_g, active_ptr, count_ptr, n_rows, n_cols,
 
 
 @triton.jit
-def scatter_add_rows_kernel(dst_ptr, stride_dst, src_ptr, stride_src, idx_ptr, kept_ptr, first_row, n_dims,
-                            BLOCK_D: tl.constexpr):
+def scatter_add_rows_kernel(
+    dst_ptr, stride_dst, src_ptr, stride_src, idx_ptr, kept_ptr, first_row, n_dims, BLOCK_D: tl.constexpr
+):
     """dst[idx[r]] += src[r] for first_row + r < kept (idx: distinct rows, so no atomics)."""
     r = tl.program_id(0)
     if first_row + r < tl.load(kept_ptr):
@@ -85,9 +107,23 @@ def scatter_add_rows_kernel(dst_ptr, stride_dst, src_ptr, stride_src, idx_ptr, k
 
 
 @triton.jit
-def overflow_dx_kernel(g_ptr, stride_g, w_ptr, stride_w, perm_ptr, kept_ptr, dx_ptr, stride_dx,
-                       n_rows, n_dims, cap, IEEE: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def overflow_dx_kernel(
+    g_ptr,
+    stride_g,
+    w_ptr,
+    stride_w,
+    perm_ptr,
+    kept_ptr,
+    dx_ptr,
+    stride_dx,
+    n_rows,
+    n_dims,
+    cap,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     kept = tl.load(kept_ptr).to(tl.int32)
     if kept > cap:
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -98,10 +134,16 @@ def overflow_dx_kernel(g_ptr, stride_g, w_ptr, stride_w, perm_ptr, kept_ptr, dx_
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < kept
             cols = tl.load(perm_ptr + ks, mask=k_ok, other=0)
-            a = tl.load(g_ptr + rm.to(tl.int64)[:, None] * stride_g + cols[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + rn[None, :],
-                        mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(a.dtype)
+            a = tl.load(
+                g_ptr + rm.to(tl.int64)[:, None] * stride_g + cols[None, :],
+                mask=m_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                w_ptr + cols.to(tl.int64)[:, None] * stride_w + rn[None, :],
+                mask=k_ok[:, None] & n_ok[None, :],
+                other=0.0,
+            ).to(a.dtype)
             acc += tl.dot(a, b, input_precision="ieee" if IEEE else "tf32")
         out = dx_ptr + rm.to(tl.int64)[:, None] * stride_dx + rn[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
@@ -109,9 +151,23 @@ def overflow_dx_kernel(g_ptr, stride_g, w_ptr, stride_w, perm_ptr, kept_ptr, dx_
 
 
 @triton.jit
-def overflow_dw_kernel(g_ptr, stride_g, x_ptr, stride_x, perm_ptr, kept_ptr, dw_ptr, stride_dw,
-                       n_rows, n_dims, cap, IEEE: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def overflow_dw_kernel(
+    g_ptr,
+    stride_g,
+    x_ptr,
+    stride_x,
+    perm_ptr,
+    kept_ptr,
+    dw_ptr,
+    stride_dw,
+    n_rows,
+    n_dims,
+    cap,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # a bounded grid: each program walks every num_programs-th block of BLOCK_K columns past cap
     kept = tl.load(kept_ptr).to(tl.int32)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,10 +180,14 @@ def overflow_dw_kernel(g_ptr, stride_g, x_ptr, stride_x, perm_ptr, kept_ptr, dw_
         for m0 in range(0, n_rows, BLOCK_M):
             rm = m0 + tl.arange(0, BLOCK_M)
             m_ok = rm < n_rows
-            a = tl.load(g_ptr + rm.to(tl.int64)[:, None] * stride_g + cols[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_x + rn[None, :],
-                        mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(a.dtype)
+            a = tl.load(
+                g_ptr + rm.to(tl.int64)[:, None] * stride_g + cols[None, :],
+                mask=m_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            x = tl.load(
+                x_ptr + rm.to(tl.int64)[:, None] * stride_x + rn[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0
+            ).to(a.dtype)
             acc += tl.dot(tl.trans(a), x, input_precision="ieee" if IEEE else "tf32")
         out = dw_ptr + cols.to(tl.int64)[:, None] * stride_dw + rn[None, :]
         mask = k_ok[:, None] & n_ok[None, :]
@@ -140,27 +200,64 @@ def launch_filter_columns(g: torch.Tensor, rowmax: torch.Tensor, eps: float):
     rows, n_cols = g.shape
     flags = torch.zeros(n_cols + 1, dtype=torch.int32, device=g.device)  # one fill for both
     active, count = flags[:n_cols], flags[n_cols:]
-    launch(filter_columns_kernel, (cdiv(n_cols, FILTER_BLOCK_V), cdiv(rows, FILTER_ROWS)),
-           g, g.stride(0), rowmax, active, count, rows, n_cols, eps,
-           ROWS=FILTER_ROWS, BLOCK_R=FILTER_BLOCK_R, BLOCK_V=FILTER_BLOCK_V, num_warps=4)
+    launch(
+        filter_columns_kernel,
+        (cdiv(n_cols, FILTER_BLOCK_V), cdiv(rows, FILTER_ROWS)),
+        g,
+        g.stride(0),
+        rowmax,
+        active,
+        count,
+        rows,
+        n_cols,
+        eps,
+        ROWS=FILTER_ROWS,
+        BLOCK_R=FILTER_BLOCK_R,
+        BLOCK_V=FILTER_BLOCK_V,
+        num_warps=4,
+    )
     return active, count
 
 
 def launch_drop_columns(g: torch.Tensor, active: torch.Tensor, count: torch.Tensor) -> None:
     """g's inactive columns zeroed if the slab is filtered (count <= half its columns)."""
     rows, n_cols = g.shape
-    launch(drop_columns_kernel, (cdiv(n_cols, FILTER_BLOCK_V), cdiv(rows, FILTER_ROWS)),
-           g, g.stride(0), active, count, rows, n_cols,
-           ROWS=FILTER_ROWS, BLOCK_R=FILTER_BLOCK_R, BLOCK_V=FILTER_BLOCK_V, num_warps=4)
+    launch(
+        drop_columns_kernel,
+        (cdiv(n_cols, FILTER_BLOCK_V), cdiv(rows, FILTER_ROWS)),
+        g,
+        g.stride(0),
+        active,
+        count,
+        rows,
+        n_cols,
+        ROWS=FILTER_ROWS,
+        BLOCK_R=FILTER_BLOCK_R,
+        BLOCK_V=FILTER_BLOCK_V,
+        num_warps=4,
+    )
 
 
-def launch_scatter_add_rows(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, kept: torch.Tensor,
-                            first_row: int = 0) -> None:
+def launch_scatter_add_rows(
+    dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, kept: torch.Tensor, first_row: int = 0
+) -> None:
     """dst[idx[r]] += src[r] for the rows r with first_row + r < kept (a device count)."""
     if src.shape[0] == 0:
         return
-    launch(scatter_add_rows_kernel, (src.shape[0],), dst, dst.stride(0), src, src.stride(0), idx, kept,
-           first_row, src.shape[1], BLOCK_D=1024, num_warps=4)
+    launch(
+        scatter_add_rows_kernel,
+        (src.shape[0],),
+        dst,
+        dst.stride(0),
+        src,
+        src.stride(0),
+        idx,
+        kept,
+        first_row,
+        src.shape[1],
+        BLOCK_D=1024,
+        num_warps=4,
+    )
 
 
 def launch_overflow(g, perm, kept, cap: int, xs, w, dx_acc, dw) -> None:
@@ -172,10 +269,44 @@ def launch_overflow(g, perm, kept, cap: int, xs, w, dx_acc, dw) -> None:
     bm, bn, bk = OVERFLOW_TILES
     ieee = g.dtype == torch.float32
     if dx_acc is not None:
-        launch(overflow_dx_kernel, (cdiv(rows, bm), cdiv(w.shape[1], bn)),
-               g, g.stride(0), w, w.stride(0), perm, kept, dx_acc, dx_acc.stride(0), rows, w.shape[1], cap,
-               IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+        launch(
+            overflow_dx_kernel,
+            (cdiv(rows, bm), cdiv(w.shape[1], bn)),
+            g,
+            g.stride(0),
+            w,
+            w.stride(0),
+            perm,
+            kept,
+            dx_acc,
+            dx_acc.stride(0),
+            rows,
+            w.shape[1],
+            cap,
+            IEEE=ieee,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            num_warps=4,
+        )
     if dw is not None:
-        launch(overflow_dw_kernel, (min(cdiv(n_cols - cap, bk), OVERFLOW_DW_PROGRAMS), cdiv(xs.shape[1], bn)),
-               g, g.stride(0), xs, xs.stride(0), perm, kept, dw, dw.stride(0), rows, xs.shape[1], cap,
-               IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+        launch(
+            overflow_dw_kernel,
+            (min(cdiv(n_cols - cap, bk), OVERFLOW_DW_PROGRAMS), cdiv(xs.shape[1], bn)),
+            g,
+            g.stride(0),
+            xs,
+            xs.stride(0),
+            perm,
+            kept,
+            dw,
+            dw.stride(0),
+            rows,
+            xs.shape[1],
+            cap,
+            IEEE=ieee,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            num_warps=4,
+        )

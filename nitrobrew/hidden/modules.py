@@ -1,4 +1,5 @@
 """nn.Module forms of the hidden-state losses, for people who configure losses as modules."""
+
 from __future__ import annotations
 
 import inspect

@@ -3,6 +3,7 @@
 Builds both [rows, V] logit tensors in float64 (by default) and lets autograd differentiate.
 Memory O(rows * V): for tests, benchmarks and small problems only.
 """
+
 from __future__ import annotations
 
 from typing import Optional

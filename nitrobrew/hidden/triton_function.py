@@ -9,6 +9,7 @@ constant_memory (chunk_V given): rows in blocks of R, vocab in chunks of chunk_V
   [R, chunk_V], the forward keeps per-row statistics only, the backward recomputes each slab.
   Memory O(R * chunk_V + R * D), independent of V; two extra GEMMs (the recompute).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +29,8 @@ from .chunked import FirstPass, RowStats, finish_stats
 from .config import LossConfig, Operands
 
 F32 = torch.float32
-DEFAULT_FAST_BUDGET = 896 << 20     # bytes of fp32 logit slabs in the fast mode (peak stays under 1 GiB)
-DEFAULT_CONST_BUDGET = 48 << 20     # bytes of slabs + dX block in the constant-memory mode
+DEFAULT_FAST_BUDGET = 896 << 20  # bytes of fp32 logit slabs in the fast mode (peak stays under 1 GiB)
+DEFAULT_CONST_BUDGET = 48 << 20  # bytes of slabs + dX block in the constant-memory mode
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,22 @@ def _rowvals(rs: RowStats) -> torch.Tensor:
     return torch.stack([rs.lse_s, rs.lse_t, lse_z, rs.sum_u], dim=1).to(F32).contiguous()
 
 
-def block_grads(ops: Operands, labels, rs, kd_scale, ce_scale, cfg, vchunk, dx_out, dw, db,
-                first_rows: bool, slabs=None, skip=None, column_filter: bool = True):
+def block_grads(
+    ops: Operands,
+    labels,
+    rs,
+    kd_scale,
+    ce_scale,
+    cfg,
+    vchunk,
+    dx_out,
+    dw,
+    db,
+    first_rows: bool,
+    slabs=None,
+    skip=None,
+    column_filter: bool = True,
+):
     """Gradient of a block of rows: writes dx_out (its rows), accumulates dw (written by the
     first block of rows) and db. skip[c]: vocab chunk c's gradient is negligible (not recomputed)."""
     xs, ws = ops.xs, ops.ws
@@ -141,8 +156,19 @@ def block_grads(ops: Operands, labels, rs, kd_scale, ce_scale, cfg, vchunk, dx_o
             db[v0:v1] += g.sum(0, dtype=F32)
         w_chunk, dw_chunk = ws[v0:v1], None if dw is None else dw[v0:v1]
         if filtering:
-            _filtered_column_grads(g, rowmax, cfg.filter_eps, xs, w_chunk, dx_out, dx_acc, dw_chunk, first_rows,
-                                   fractions if v0 == 0 else None, cap if v1 - v0 == min(vchunk, V) else v1 - v0)
+            _filtered_column_grads(
+                g,
+                rowmax,
+                cfg.filter_eps,
+                xs,
+                w_chunk,
+                dx_out,
+                dx_acc,
+                dw_chunk,
+                first_rows,
+                fractions if v0 == 0 else None,
+                cap if v1 - v0 == min(vchunk, V) else v1 - v0,
+            )
         else:
             _all_column_grads(g, xs, w_chunk, dx_out, dx_acc, dw_chunk, first_rows)
         del z, t, g
@@ -192,8 +218,9 @@ def _drops_tiles(cfg: LossConfig, plan: Plan, ws, bs) -> bool:
     return plan.vocab_chunk < ws.shape[0] and gf.tiles_eligible(cfg, bs is not None)
 
 
-def distill_forward(ops: Operands, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool,
-                    tile_bounds: bool = False):
+def distill_forward(
+    ops: Operands, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool, tile_bounds: bool = False
+):
     """Reduced (total, kd, ce), the gradients (dx, dw, db) when they are formed here (fast mode,
     scalar reduction, need_grad) else None, and the row statistics the backward needs otherwise
     (with the per-chunk maxima the constant-memory filter skips tiles by, when tile_bounds)."""
@@ -208,13 +235,26 @@ def distill_forward(ops: Operands, labels, mask, cfg: LossConfig, plan: Plan, ne
     stats = []
     for r0, r1 in spans(n, plan.row_chunk):
         lab = None if labels is None else labels[r0:r1]
-        rs, slabs = block_stats(ops.rows(r0, r1), lab, cfg, plan.vocab_chunk,
-                                None if chunk_max is None else chunk_max[r0:r1])
+        rs, slabs = block_stats(
+            ops.rows(r0, r1), lab, cfg, plan.vocab_chunk, None if chunk_max is None else chunk_max[r0:r1]
+        )
         stats.append(rs)
         if precompute:
             kd_scale, ce_scale = row_scales(red.expand(r1 - r0), mask[r0:r1], cfg)
-            block_grads(ops.rows(r0, r1), lab, rs, kd_scale, ce_scale, cfg,
-                        plan.vocab_chunk, grads[0][r0:r1], grads[1], grads[2], r0 == 0, slabs)
+            block_grads(
+                ops.rows(r0, r1),
+                lab,
+                rs,
+                kd_scale,
+                ce_scale,
+                cfg,
+                plan.vocab_chunk,
+                grads[0][r0:r1],
+                grads[1],
+                grads[2],
+                r0 == 0,
+                slabs,
+            )
         del slabs
     rs = _concat_stats(stats, xs)
     rs.chunk_max = chunk_max
@@ -235,9 +275,21 @@ def distill_backward(ops: Operands, labels, mask, rs: RowStats, cfg: LossConfig,
         skip = gf.negligible_tiles(rs.chunk_max, rs.lse_s, rs.lse_t, kd_scale, cfg.filter_eps, plan.row_chunk)
     for bi, (r0, r1) in enumerate(spans(n, plan.row_chunk)):
         sub = rs.rows(r0, r1)
-        block_grads(ops.rows(r0, r1), None if labels is None else labels[r0:r1], sub,
-                    kd_scale[r0:r1].contiguous(), ce_scale[r0:r1].contiguous(), cfg, plan.vocab_chunk,
-                    dx[r0:r1], dw, db, r0 == 0, skip=None if skip is None else skip[bi], column_filter=not tile_rule)
+        block_grads(
+            ops.rows(r0, r1),
+            None if labels is None else labels[r0:r1],
+            sub,
+            kd_scale[r0:r1].contiguous(),
+            ce_scale[r0:r1].contiguous(),
+            cfg,
+            plan.vocab_chunk,
+            dx[r0:r1],
+            dw,
+            db,
+            r0 == 0,
+            skip=None if skip is None else skip[bi],
+            column_filter=not tile_rule,
+        )
     return finish_grads(dx, dw, db, ws, bs)
 
 
@@ -246,8 +298,9 @@ class TritonDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool):
-        out, grads, rs = distill_forward(Operands(xs, xt, ws, wt, bs, bt), labels, mask, cfg, plan, need_grad,
-                                         tile_bounds=True)
+        out, grads, rs = distill_forward(
+            Operands(xs, xt, ws, wt, bs, bt), labels, mask, cfg, plan, need_grad, tile_bounds=True
+        )
         keep_for_backward(ctx, cfg, plan, grads, rs, (xs, xt, ws, wt, bs, bt, labels, mask))
         ctx.mark_non_differentiable(out[1], out[2])
         return out
@@ -260,10 +313,22 @@ class TritonDistill(torch.autograd.Function):
             dx, dw, db = take_precomputed_grads(ctx, grad_total)
         else:
             xs, xt, ws, wt, bs, bt, labels, mask = ctx.saved_tensors
-            dx, dw, db = distill_backward(Operands(xs, xt, ws, wt, bs, bt), labels, mask, ctx.state, ctx.cfg, ctx.plan,
-                                          grad_total)
-        return (dx if need[0] else None, None, dw if need[2] else None, None,
-                db if need[4] else None, None, None, None, None, None, None)
+            dx, dw, db = distill_backward(
+                Operands(xs, xt, ws, wt, bs, bt), labels, mask, ctx.state, ctx.cfg, ctx.plan, grad_total
+            )
+        return (
+            dx if need[0] else None,
+            None,
+            dw if need[2] else None,
+            None,
+            db if need[4] else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _concat_stats(stats, xs) -> RowStats:
@@ -273,8 +338,20 @@ def _concat_stats(stats, xs) -> RowStats:
     return RowStats(*(cat(k) for k in ("lse_s", "lse_t", "lse_z", "sum_u", "kd", "ce")))
 
 
-def triton_distill(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, reduction: str,
-                   mode: Optional[str] = None, memory_budget: Optional[int] = None):
+def triton_distill(
+    xs,
+    xt,
+    ws,
+    wt,
+    bs,
+    bt,
+    labels,
+    mask,
+    cfg: LossConfig,
+    reduction: str,
+    mode: Optional[str] = None,
+    memory_budget: Optional[int] = None,
+):
     """Reduced (total, kd, ce) over flattened rows with the Triton row kernels."""
     if xs.dtype == torch.float64:
         raise TypeError("the Triton backend computes in float32; use backend='torch' for float64 inputs")
@@ -289,8 +366,7 @@ class TritonLocal:
     the interface of ``chunked.TorchLocal``, so that the vocab-parallel wrapper merges their states."""
 
     def __init__(self, xs, ws, cfg: LossConfig, memory_budget: Optional[int] = None):
-        self.plan = make_plan(xs.shape[0], ws.shape[0], ws.shape[1], xs.dtype, None, cfg.chunk_V,
-                              memory_budget, "none")
+        self.plan = make_plan(xs.shape[0], ws.shape[0], ws.shape[1], xs.dtype, None, cfg.chunk_V, memory_budget, "none")
 
     def _row_blocks(self, n: int):
         return spans(n, self.plan.row_chunk)
@@ -322,7 +398,17 @@ class TritonLocal:
         db = torch.zeros(bs.shape, dtype=F32, device=bs.device) if (need_w and bs is not None) else None
         for r0, r1 in self._row_blocks(xs.shape[0]):
             sub = rs.rows(r0, r1)
-            block_grads(ops.rows(r0, r1), None if labels is None else labels[r0:r1], sub,
-                        kd_scale[r0:r1].float().contiguous(), ce_scale[r0:r1].float().contiguous(), cfg,
-                        self.plan.vocab_chunk, dx[r0:r1], dw, db, r0 == 0)
+            block_grads(
+                ops.rows(r0, r1),
+                None if labels is None else labels[r0:r1],
+                sub,
+                kd_scale[r0:r1].float().contiguous(),
+                ce_scale[r0:r1].float().contiguous(),
+                cfg,
+                self.plan.vocab_chunk,
+                dx[r0:r1],
+                dw,
+                db,
+                r0 == 0,
+            )
         return dx, dw, None if db is None else db.to(bs.dtype)

@@ -1,5 +1,6 @@
 """Checks of the hidden-state losses' inputs and the row preparation, shared by the single-process
 API and the vocab-parallel path (so that neither imports the other's entry point)."""
+
 from __future__ import annotations
 
 import math
@@ -41,8 +42,9 @@ def check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels, heads: str = "[V, D] he
     ck.check_labels(labels, xs.shape[:-1])
 
 
-def check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels,
-                       softcap_s=None, softcap_t=None) -> None:
+def check_loss_options(
+    temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels, softcap_s=None, softcap_t=None
+) -> None:
     """The scalar options every hidden-state loss shares."""
     ck.check_temperature(temperature)
     ck.check_softcap("softcap_s", softcap_s)

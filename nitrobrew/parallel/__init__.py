@@ -9,6 +9,7 @@
 
 docs/parallel.md is the user guide.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,9 +21,19 @@ from .hidden import VocabParallelDistill, parallel_hidden_loss
 from .topk import VocabParallelTopK, parallel_topk_kl, topk_comm_bytes
 
 
-def comm_bytes(n_rows: int, d_student: int, *, divergence: str = "forward_kl", param: float = 0.5,
-               with_ce: bool = False, temperature: float = 1.0, dtype: torch.dtype = torch.float32,
-               world: int = 2, backward: bool = True, x_requires_grad: bool = True) -> dict:
+def comm_bytes(
+    n_rows: int,
+    d_student: int,
+    *,
+    divergence: str = "forward_kl",
+    param: float = 0.5,
+    with_ce: bool = False,
+    temperature: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+    world: int = 2,
+    backward: bool = True,
+    x_requires_grad: bool = True,
+) -> dict:
     """Payload bytes one rank sends in one vocab-parallel hidden-loss call (forward + backward).
 
     e = 8 for float64 inputs, else 4 (statistics are fp32). N rows, Ds the student hidden size.
@@ -51,7 +62,15 @@ def comm_bytes(n_rows: int, d_student: int, *, divergence: str = "forward_kl", p
 
 
 __all__ = [
-    "parallel_hidden_loss", "VocabParallelDistill", "count_comm", "CommStats", "comm_bytes",
-    "global_token_count", "data_parallel_loss", "global_mean", "parallel_topk_kl", "VocabParallelTopK",
+    "parallel_hidden_loss",
+    "VocabParallelDistill",
+    "count_comm",
+    "CommStats",
+    "comm_bytes",
+    "global_token_count",
+    "data_parallel_loss",
+    "global_mean",
+    "parallel_topk_kl",
+    "VocabParallelTopK",
     "topk_comm_bytes",
 ]

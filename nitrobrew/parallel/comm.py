@@ -5,6 +5,7 @@ report exactly what one call communicated. Bytes are *payload* bytes: the size o
 rank hands to the collective (the "size" column of nccl-tests). A ring all-reduce moves about
 ``2 (P - 1) / P`` times that over each rank's links.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -195,8 +196,8 @@ def merge_online(states, group, extra=(), kl_pairs=()) -> List[Tensor]:
     flat = all_reduce(torch.cat([p.reshape(-1) for p in parts]), "sum", group, "fwd_sum")
     out, at = [], 0
     for p in parts:
-        out.append(flat[at: at + p.numel()].view(p.shape))
+        out.append(flat[at : at + p.numel()].view(p.shape))
         at += p.numel()
     for (o, name), v in zip(fields, out):
         setattr(o, name, v)
-    return out[len(fields):]
+    return out[len(fields) :]

@@ -12,6 +12,7 @@ sum over counted rows divided by the *global* count (HF's ``num_items_in_batch``
 With gradient accumulation pass every micro-batch's labels of the optimizer step at once
 (``global_token_count([labels_1, labels_2, ...])``) and scale each micro-batch by the same count.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union
@@ -24,8 +25,14 @@ from .comm import all_reduce
 Tensor = torch.Tensor
 
 
-def global_token_count(labels: Union[Tensor, Sequence[Tensor], None] = None, *, ignore_index: int = -100,
-                       group=None, n_rows: Optional[int] = None, device=None) -> Tensor:
+def global_token_count(
+    labels: Union[Tensor, Sequence[Tensor], None] = None,
+    *,
+    ignore_index: int = -100,
+    group=None,
+    n_rows: Optional[int] = None,
+    device=None,
+) -> Tensor:
     """Number of counted rows (label != ignore_index) summed over every rank of ``group``.
 
     ``labels`` may be one tensor or a list (micro-batches of one optimizer step). Without labels

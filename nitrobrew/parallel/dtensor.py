@@ -1,4 +1,5 @@
 """DTensor inputs: heads sharded on the vocabulary dimension become (local shard, process group)."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple

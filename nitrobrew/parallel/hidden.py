@@ -13,6 +13,7 @@ and the backward runs ``chunked.backward_chunks`` on the local block and all-red
 Communication is O(rows) in the forward and O(rows * Ds) in the backward, never O(rows * V);
 ``nitrobrew.parallel.comm_bytes`` gives the exact count.
 """
+
 from __future__ import annotations
 
 import math
@@ -114,7 +115,12 @@ class VocabParallelDistill(torch.autograd.Function):
         cfg, acc = ctx.cfg, ctx.stats.lse_s.dtype
         kd_scale, ce_scale = row_scales(grad_total.to(acc), mask.to(acc), cfg)
         dx, dw, db = ctx.local.backward(
-            Operands(xs, xt, ws, wt, bs, bt), labels, ctx.stats, cfg, kd_scale, ce_scale,
+            Operands(xs, xt, ws, wt, bs, bt),
+            labels,
+            ctx.stats,
+            cfg,
+            kd_scale,
+            ce_scale,
             need_w=ctx.needs_input_grad[2] or ctx.needs_input_grad[4],
         )
         if ctx.needs_input_grad[0]:
@@ -130,8 +136,27 @@ class VocabParallelDistill(torch.autograd.Function):
 # validation: every rank reaches the same verdict (no rank left waiting in a collective)
 
 
-def _local_checks(xs, xt, ws, wt, bs, bt, labels, divergence, beta, alpha, temperature, reduction, chunk_V,
-                  vocab_size, kd_weight, ce_weight, backend, softcap_s=None, softcap_t=None) -> Tuple[str, float]:
+def _local_checks(
+    xs,
+    xt,
+    ws,
+    wt,
+    bs,
+    bt,
+    labels,
+    divergence,
+    beta,
+    alpha,
+    temperature,
+    reduction,
+    chunk_V,
+    vocab_size,
+    kd_weight,
+    ce_weight,
+    backend,
+    softcap_s=None,
+    softcap_t=None,
+) -> Tuple[str, float]:
     """Checks that need nothing from other ranks; returns the canonical (divergence, param)."""
     check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels, heads="[V_local, D] head shards")
     name, param = ck.divergence_param(divergence, beta, alpha)
@@ -147,13 +172,17 @@ def _check_layout(table: dict, vocab_size: Optional[int], world: int) -> Tuple[L
     Vs, Vt = sum(s_sizes), sum(t_sizes)
     if vocab_size is None:
         if Vs != Vt:
-            _fail(f"student vocab {Vs} != teacher vocab {Vt} (summed over the shards): pass vocab_size=N to "
-                  "compare global ids [0, N) of both heads (never zero-pad a head)")
+            _fail(
+                f"student vocab {Vs} != teacher vocab {Vt} (summed over the shards): pass vocab_size=N to "
+                "compare global ids [0, N) of both heads (never zero-pad a head)"
+            )
         V = Vs
     else:
         if vocab_size > min(Vs, Vt):
-            _fail(f"vocab_size must be an int in [1, {min(Vs, Vt)}] (global ids; student {Vs}, teacher {Vt}), "
-                  f"got {vocab_size}")
+            _fail(
+                f"vocab_size must be an int in [1, {min(Vs, Vt)}] (global ids; student {Vs}, teacher {Vt}), "
+                f"got {vocab_size}"
+            )
         V = vocab_size
     s_off, t_off = offsets_from_sizes(s_sizes), offsets_from_sizes(t_sizes)
     for r in range(world):
@@ -175,25 +204,39 @@ def _fail(msg: str):
 
 def check_rows_agree(table: dict) -> None:
     """Every rank of the group must hold the same rows and call with the same options."""
-    for field, what in (("rows", "number of rows (tokens)"), ("ds", "student hidden size"),
-                        ("dt", "teacher hidden size"), ("k", "number of stored ids per row")):
+    for field, what in (
+        ("rows", "number of rows (tokens)"),
+        ("ds", "student hidden size"),
+        ("dt", "teacher hidden size"),
+        ("k", "number of stored ids per row"),
+    ):
         if field in table:
             same_everywhere(table, field, f"every rank of the group must hold the same rows; {what} differs")
-    same_everywhere(table, "options", "ranks called the loss with different options (divergence, beta/alpha, "
-                    "temperature, weights, reduction, vocab_size, ignore_index, dtype, requires_grad of xs or "
-                    "presence of biases/labels)")
+    same_everywhere(
+        table,
+        "options",
+        "ranks called the loss with different options (divergence, beta/alpha, "
+        "temperature, weights, reduction, vocab_size, ignore_index, dtype, requires_grad of xs or "
+        "presence of biases/labels)",
+    )
     for field in ("label_hash", "ids_hash"):
         if field in table:
-            same_everywhere(table, field, f"ranks hold different {'labels' if field == 'label_hash' else 'top-k ids'}: "
-                            "every rank of the vocab-parallel group needs the same rows (split the batch over a "
-                            "separate data-parallel group)")
+            same_everywhere(
+                table,
+                field,
+                f"ranks hold different {'labels' if field == 'label_hash' else 'top-k ids'}: "
+                "every rank of the vocab-parallel group needs the same rows (split the batch over a "
+                "separate data-parallel group)",
+            )
 
 
 def check_label_range(table: dict, V: int, what: str = "labels", lo_f="label_min", hi_f="label_max") -> None:
     lo, hi = min(table[lo_f]), max(table[hi_f])
     if hi >= 0 and (lo < 0 or hi >= V):
-        _fail(f"{what} must lie in [0, {V}) (global ids{', or equal ignore_index' if what == 'labels' else ''}), "
-              f"found values in [{lo}, {hi}]")
+        _fail(
+            f"{what} must lie in [0, {V}) (global ids{', or equal ignore_index' if what == 'labels' else ''}), "
+            f"found values in [{lo}, {hi}]"
+        )
 
 
 def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabLayout, str, float]:
@@ -202,15 +245,46 @@ def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabL
     rank, world = group_rank_world(group)
 
     def local():
-        name, param = _local_checks(xs, xt, ws, wt, bs, bt, labels, opts["divergence"], opts["beta"], opts["alpha"],
-                                    opts["temperature"], opts["reduction"], opts["chunk_V"], opts["vocab_size"],
-                                    opts["kd_weight"], opts["ce_weight"], opts["backend"], opts["softcap_s"],
-                                    opts["softcap_t"])
+        name, param = _local_checks(
+            xs,
+            xt,
+            ws,
+            wt,
+            bs,
+            bt,
+            labels,
+            opts["divergence"],
+            opts["beta"],
+            opts["alpha"],
+            opts["temperature"],
+            opts["reduction"],
+            opts["chunk_V"],
+            opts["vocab_size"],
+            opts["kd_weight"],
+            opts["ce_weight"],
+            opts["backend"],
+            opts["softcap_s"],
+            opts["softcap_t"],
+        )
         acc = compute_dtype(xs.dtype)
-        options = fingerprint(name, param, float(opts["temperature"]), float(opts["kd_weight"]),
-                              float(opts["ce_weight"]), bool(opts["scale_t2"]), opts["reduction"], opts["vocab_size"],
-                              opts["ignore_index"], str(acc), bool(xs.requires_grad), bs is None, bt is None,
-                              labels is None, opts["softcap_s"], opts["softcap_t"])
+        options = fingerprint(
+            name,
+            param,
+            float(opts["temperature"]),
+            float(opts["kd_weight"]),
+            float(opts["ce_weight"]),
+            bool(opts["scale_t2"]),
+            opts["reduction"],
+            opts["vocab_size"],
+            opts["ignore_index"],
+            str(acc),
+            bool(xs.requires_grad),
+            bs is None,
+            bt is None,
+            labels is None,
+            opts["softcap_s"],
+            opts["softcap_t"],
+        )
         valid = None if labels is None else labels != opts["ignore_index"]
         head = torch.tensor([ws.shape[0], wt.shape[0], math.prod(xs.shape[:-1]), xs.shape[-1], xt.shape[-1], options])
         lab = ids_summary(labels, valid, opts["ce_weight"] != 0)
@@ -228,11 +302,35 @@ def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabL
 # entry point used by nitrobrew.hidden.api.hidden_loss(process_group=...)
 
 
-def parallel_hidden_loss(xs, xt, ws, wt, *, process_group=None, divergence="forward_kl", beta=0.5, alpha=0.1,
-                         labels=None, ignore_index=-100, temperature=1.0, reduction="mean", chunk_V=None,
-                         vocab_size=None, bs=None, bt=None, kd_weight=1.0, ce_weight=0.0, scale_t2=False,
-                         backend="auto", mode=None, memory_budget=None, grad_filter=False, softcap_s=None,
-                         softcap_t=None, return_parts=False):
+def parallel_hidden_loss(
+    xs,
+    xt,
+    ws,
+    wt,
+    *,
+    process_group=None,
+    divergence="forward_kl",
+    beta=0.5,
+    alpha=0.1,
+    labels=None,
+    ignore_index=-100,
+    temperature=1.0,
+    reduction="mean",
+    chunk_V=None,
+    vocab_size=None,
+    bs=None,
+    bt=None,
+    kd_weight=1.0,
+    ce_weight=0.0,
+    scale_t2=False,
+    backend="auto",
+    mode=None,
+    memory_budget=None,
+    grad_filter=False,
+    softcap_s=None,
+    softcap_t=None,
+    return_parts=False,
+):
     """``hidden_loss`` over a vocabulary split across the ranks of ``process_group``.
 
     ws, wt (and bs, bt) hold this rank's contiguous block of the vocabulary (rank r of the group the
@@ -246,20 +344,46 @@ def parallel_hidden_loss(xs, xt, ws, wt, *, process_group=None, divergence="forw
     """
     xs, xt, ws, wt, bs, bt, labels, group = unwrap(xs, xt, ws, wt, bs, bt, labels, process_group)
     if group is None:
-        raise ValueError("parallel_hidden_loss needs a process_group or heads sharded Shard(0) over a device mesh; "
-                         "for one process (or replicated DTensors) call nitrobrew.hidden_loss")
-    opts = dict(divergence=divergence, beta=beta, alpha=alpha, ignore_index=ignore_index, temperature=temperature,
-                reduction=reduction, chunk_V=chunk_V, vocab_size=vocab_size, kd_weight=kd_weight,
-                ce_weight=ce_weight, scale_t2=scale_t2, backend=backend, softcap_s=softcap_s, softcap_t=softcap_t)
+        raise ValueError(
+            "parallel_hidden_loss needs a process_group or heads sharded Shard(0) over a device mesh; "
+            "for one process (or replicated DTensors) call nitrobrew.hidden_loss"
+        )
+    opts = dict(
+        divergence=divergence,
+        beta=beta,
+        alpha=alpha,
+        ignore_index=ignore_index,
+        temperature=temperature,
+        reduction=reduction,
+        chunk_V=chunk_V,
+        vocab_size=vocab_size,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        scale_t2=scale_t2,
+        backend=backend,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
+    )
     layout, name, param = negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts)
 
     lead = xs.shape[:-1]
     # labels become ids into this rank's block: rows whose label lives on another rank fall outside
-    x_s, x_t, ws, wt, bs, bt, local_labels, mask = prepare_rows(xs, xt, ws, wt, bs, bt, labels, ignore_index,
-                                                               ce_weight, layout.used, layout.offset)
+    x_s, x_t, ws, wt, bs, bt, local_labels, mask = prepare_rows(
+        xs, xt, ws, wt, bs, bt, labels, ignore_index, ce_weight, layout.used, layout.offset
+    )
     gf.check_grad_filter(grad_filter)
-    cfg = LossConfig.build(name, param, temperature, kd_weight, ce_weight, scale_t2, chunk_V,
-                           gf.resolve_eps(grad_filter, xs.dtype), softcap_s, softcap_t)
+    cfg = LossConfig.build(
+        name,
+        param,
+        temperature,
+        kd_weight,
+        ce_weight,
+        scale_t2,
+        chunk_V,
+        gf.resolve_eps(grad_filter, xs.dtype),
+        softcap_s,
+        softcap_t,
+    )
     local = local_impl(x_s, ws, cfg, backend, memory_budget)
     rows = VocabParallelDistill.apply(x_s, x_t, ws, wt, bs, bt, local_labels, mask, cfg, group, local)
     total, kd, ce = (ck.reduce_rows(r, mask, reduction, lead) for r in rows)

@@ -8,6 +8,7 @@ maxima and one all-reduce SUM of the rescaled sums, the label logits and the [ro
 coefficients on every rank. The backward runs ``backward_range`` on the block and all-reduces dX.
 Communication: O(rows * K) forward, O(rows * D) backward, independent of V.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,19 @@ from .hidden import _fail, check_label_range, check_rows_agree
 
 Tensor = torch.Tensor
 
-TOPK_FIELDS = ("ws_rows", "rows", "ds", "k", "options", "label_min", "label_max", "label_hash", "ids_min", "ids_max",
-               "ids_hash")
+TOPK_FIELDS = (
+    "ws_rows",
+    "rows",
+    "ds",
+    "k",
+    "options",
+    "label_min",
+    "label_max",
+    "label_hash",
+    "ids_min",
+    "ids_max",
+    "ids_hash",
+)
 
 
 class VocabParallelTopK(torch.autograd.Function):
@@ -70,17 +82,39 @@ class VocabParallelTopK(torch.autograd.Function):
 
         xs, ws, bs, labels, mask = ctx.saved_tensors
         coef, dense, ce_scale = row_coefficients(grad_total, mask, ctx.res, ctx.cfg)
-        dx, dw, db = backward_range(xs, ws, bs, labels, ctx.entries, coef, ctx.lse_s, dense, ctx.lse_z, ce_scale,
-                                    ctx.cfg, lo=ctx.lo, chunk=ctx.chunk,
-                                    need_w=ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+        dx, dw, db = backward_range(
+            xs,
+            ws,
+            bs,
+            labels,
+            ctx.entries,
+            coef,
+            ctx.lse_s,
+            dense,
+            ctx.lse_z,
+            ce_scale,
+            ctx.cfg,
+            lo=ctx.lo,
+            chunk=ctx.chunk,
+            need_w=ctx.needs_input_grad[1] or ctx.needs_input_grad[2],
+        )
         dx = all_reduce(dx, "sum", ctx.group, "bwd_dx").to(xs.dtype) if ctx.needs_input_grad[0] else None
         dw = dw if ctx.needs_input_grad[1] else None
         db = db if ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None, None, None, None, None
 
 
-def topk_comm_bytes(n_rows: int, k: int, d: int, *, with_ce: bool = False, temperature: float = 1.0,
-                    dtype: torch.dtype = torch.float32, world: int = 2, backward: bool = True) -> dict:
+def topk_comm_bytes(
+    n_rows: int,
+    k: int,
+    d: int,
+    *,
+    with_ce: bool = False,
+    temperature: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+    world: int = 2,
+    backward: bool = True,
+) -> dict:
     """Payload bytes of one vocab-parallel ``topk_kl(normalize="full")`` call on one rank.
 
     layout 8 * 12 * world; fwd_max e N (1 + c); fwd_sum e N (1 + c + ce + K); bwd_dx e N D, with e = 4
@@ -88,18 +122,43 @@ def topk_comm_bytes(n_rows: int, k: int, d: int, *, with_ce: bool = False, tempe
     """
     e = 8 if dtype == torch.float64 else 4
     c = 1 if (with_ce and temperature != 1.0) else 0
-    out = {"layout": 8 * (len(TOPK_FIELDS) + 1) * world, "fwd_max": e * n_rows * (1 + c),
-           "fwd_sum": e * n_rows * (1 + c + (1 if with_ce else 0) + k)}
+    out = {
+        "layout": 8 * (len(TOPK_FIELDS) + 1) * world,
+        "fwd_max": e * n_rows * (1 + c),
+        "fwd_sum": e * n_rows * (1 + c + (1 if with_ce else 0) + k),
+    }
     if backward:
         out["bwd_dx"] = e * n_rows * d
     out["total"] = sum(out.values())
     return out
 
 
-def parallel_topk_kl(xs, ws, topk_ids, topk_logprobs, *, process_group=None, normalize="full",
-                     divergence="forward_kl", beta=0.5, alpha=0.1, tail=False, labels=None, ignore_index=-100,
-                     temperature=1.0, teacher_temperature=None, reduction="mean", bs=None, kd_weight=1.0,
-                     ce_weight=0.0, scale_t2=False, chunk_V=None, backend="auto", softcap_s=None, return_parts=False):
+def parallel_topk_kl(
+    xs,
+    ws,
+    topk_ids,
+    topk_logprobs,
+    *,
+    process_group=None,
+    normalize="full",
+    divergence="forward_kl",
+    beta=0.5,
+    alpha=0.1,
+    tail=False,
+    labels=None,
+    ignore_index=-100,
+    temperature=1.0,
+    teacher_temperature=None,
+    reduction="mean",
+    bs=None,
+    kd_weight=1.0,
+    ce_weight=0.0,
+    scale_t2=False,
+    chunk_V=None,
+    backend="auto",
+    softcap_s=None,
+    return_parts=False,
+):
     """``topk_kl`` with ws (bs) holding this rank's contiguous vocabulary block (rank order).
 
     Everything else (xs, topk_ids as global ids, topk_logprobs, labels) is the same on every rank.
@@ -111,27 +170,64 @@ def parallel_topk_kl(xs, ws, topk_ids, topk_logprobs, *, process_group=None, nor
     topk_ids = topk_ids.to_local() if is_dtensor(topk_ids) else topk_ids
     topk_logprobs = topk_logprobs.to_local() if is_dtensor(topk_logprobs) else topk_logprobs
     if group is None:
-        raise ValueError("parallel_topk_kl needs a process_group or a head sharded Shard(0) over a device mesh; "
-                         "for one process (or a replicated DTensor) call nitrobrew.topk_kl")
+        raise ValueError(
+            "parallel_topk_kl needs a process_group or a head sharded Shard(0) over a device mesh; "
+            "for one process (or a replicated DTensor) call nitrobrew.topk_kl"
+        )
     require_initialized()
     rank, world = group_rank_world(group)
 
     def local():
         if normalize != "full":
-            raise ValueError('process_group= supports topk_kl(normalize="full") (the student normalized over the '
-                             'whole, sharded vocabulary); normalize="topk" reads only the K stored rows of ws: gather '
-                             "those rows or run it without vocab parallelism")
+            raise ValueError(
+                'process_group= supports topk_kl(normalize="full") (the student normalized over the '
+                'whole, sharded vocabulary); normalize="topk" reads only the K stored rows of ws: gather '
+                "those rows or run it without vocab parallelism"
+            )
         if backend == "triton":
-            raise ValueError("process_group= (vocab-parallel) runs nitrobrew's PyTorch chunked path; pass "
-                             "backend='auto' or backend='torch'")
+            raise ValueError(
+                "process_group= (vocab-parallel) runs nitrobrew's PyTorch chunked path; pass "
+                "backend='auto' or backend='torch'"
+            )
         name, param = ck.divergence_param(divergence, beta, alpha)
-        validate(xs, ws, topk_ids, topk_logprobs, bs, labels, normalize, divergence, tail, temperature,
-                  teacher_temperature, reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend,
-                  id_ranges=False, softcap_s=softcap_s)()
+        validate(
+            xs,
+            ws,
+            topk_ids,
+            topk_logprobs,
+            bs,
+            labels,
+            normalize,
+            divergence,
+            tail,
+            temperature,
+            teacher_temperature,
+            reduction,
+            chunk_V,
+            kd_weight,
+            ce_weight,
+            ignore_index,
+            backend,
+            id_ranges=False,
+            softcap_s=softcap_s,
+        )()
         K = topk_ids.shape[-1]
-        options = fingerprint("topk", name, param, bool(tail), float(temperature), float(kd_weight),
-                              float(ce_weight), bool(scale_t2), reduction, ignore_index,
-                              str(compute_dtype(xs.dtype)), bool(xs.requires_grad), bs is None, labels is None)
+        options = fingerprint(
+            "topk",
+            name,
+            param,
+            bool(tail),
+            float(temperature),
+            float(kd_weight),
+            float(ce_weight),
+            bool(scale_t2),
+            reduction,
+            ignore_index,
+            str(compute_dtype(xs.dtype)),
+            bool(xs.requires_grad),
+            bs is None,
+            labels is None,
+        )
         head = torch.tensor([ws.shape[0], math.prod(xs.shape[:-1]), xs.shape[-1], K, options])
         valid_lab = None if labels is None else labels != ignore_index
         lab = ids_summary(labels, valid_lab, ce_weight != 0)
@@ -153,17 +249,25 @@ def parallel_topk_kl(xs, ws, topk_ids, topk_logprobs, *, process_group=None, nor
     K = topk_ids.shape[-1]
     x = xs.reshape(-1, xs.shape[-1])
     lp = topk_logprobs.reshape(-1, K)
-    ids = torch.where(torch.isfinite(lp), topk_ids.reshape(-1, K).long(),
-                      torch.zeros((), dtype=torch.long, device=lp.device))
+    ids = torch.where(
+        torch.isfinite(lp), topk_ids.reshape(-1, K).long(), torch.zeros((), dtype=torch.long, device=lp.device)
+    )
     flat_labels = None if labels is None else labels.reshape(-1)
     mask = ck.row_weights(flat_labels, ignore_index, x.shape[0], xs.device)
     ce_labels = None
     if ce_weight != 0:
         ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1)).long()
-    cfg = TopKConfig(divergence=name, param=param, normalize=normalize, tail=bool(tail),
-                     temperature=float(temperature), kd_weight=float(kd_weight) * (temperature**2 if scale_t2 else 1.0),
-                     ce_weight=float(ce_weight), chunk_V=chunk_V,
-                     softcap_s=None if softcap_s is None else float(softcap_s))
+    cfg = TopKConfig(
+        divergence=name,
+        param=param,
+        normalize=normalize,
+        tail=bool(tail),
+        temperature=float(temperature),
+        kd_weight=float(kd_weight) * (temperature**2 if scale_t2 else 1.0),
+        ce_weight=float(ce_weight),
+        chunk_V=chunk_V,
+        softcap_s=None if softcap_s is None else float(softcap_s),
+    )
     rows = VocabParallelTopK.apply(x, ws, bs, ids, lp, ce_labels, mask, cfg, group, lo)
     total, kd, ce = (ck.reduce_rows(r, mask, reduction, lead) for r in rows)
     if return_parts:

@@ -5,6 +5,7 @@
 - ``nitrobrew.topk.store``: sharded safetensors store with a JSON manifest.
 - ``nitrobrew.topk.data``: dataset and collator producing batches ready for ``topk_kl``.
 """
+
 from .api import topk_kl
 from .reference import reference_topk_loss
 

@@ -1,4 +1,5 @@
 """Public top-k KD loss: validation, backend dispatch, reduction."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -101,16 +102,53 @@ def topk_kl(
         from ..parallel.topk import parallel_topk_kl
 
         return parallel_topk_kl(
-            xs, ws, topk_ids, topk_logprobs, process_group=process_group, normalize=normalize, divergence=divergence,
-            beta=beta, alpha=alpha, tail=tail, labels=labels, ignore_index=ignore_index, temperature=temperature,
-            teacher_temperature=teacher_temperature, reduction=reduction, bs=bs, kd_weight=kd_weight,
-            ce_weight=ce_weight, scale_t2=scale_t2, chunk_V=chunk_V, backend=backend, softcap_s=softcap_s,
+            xs,
+            ws,
+            topk_ids,
+            topk_logprobs,
+            process_group=process_group,
+            normalize=normalize,
+            divergence=divergence,
+            beta=beta,
+            alpha=alpha,
+            tail=tail,
+            labels=labels,
+            ignore_index=ignore_index,
+            temperature=temperature,
+            teacher_temperature=teacher_temperature,
+            reduction=reduction,
+            bs=bs,
+            kd_weight=kd_weight,
+            ce_weight=ce_weight,
+            scale_t2=scale_t2,
+            chunk_V=chunk_V,
+            backend=backend,
+            softcap_s=softcap_s,
             return_parts=return_parts,
         )
     name, param = ck.divergence_param(divergence, beta, alpha)
-    check_stored = validate(xs, ws, topk_ids, topk_logprobs, bs, labels, normalize, divergence, tail,
-                             temperature, teacher_temperature, reduction, chunk_V, kd_weight, ce_weight,
-                             ignore_index, backend, mode=mode, memory_budget=memory_budget, softcap_s=softcap_s)
+    check_stored = validate(
+        xs,
+        ws,
+        topk_ids,
+        topk_logprobs,
+        bs,
+        labels,
+        normalize,
+        divergence,
+        tail,
+        temperature,
+        teacher_temperature,
+        reduction,
+        chunk_V,
+        kd_weight,
+        ce_weight,
+        ignore_index,
+        backend,
+        mode=mode,
+        memory_budget=memory_budget,
+        softcap_s=softcap_s,
+    )
     impl = ck.resolve_backend(backend, xs.device)
 
     lead = xs.shape[:-1]

@@ -20,6 +20,7 @@ state, the logits at the ids that fall in the range, the label logit), merged ac
 ``backward_range`` accumulates a range's gradient. A wrapper that holds rows [lo, hi) of the head
 on each rank calls them with ``lo`` and reduces (m, l), the id logits and dX over ranks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,10 +43,10 @@ GATHER_BUDGET = 1 << 22  # elements of gathered [rows, K, D] (or [entries, D]) h
 class Entries:
     """The valid (row, id) entries of a batch sorted by id, so a vocab range is one slice."""
 
-    ids: Tensor   # [E] int64, sorted
+    ids: Tensor  # [E] int64, sorted
     rows: Tensor  # [E] int64
     flat: Tensor  # [E] int64, row * K + k
-    size: int     # N * K
+    size: int  # N * K
 
     @staticmethod
     def build(ids: Tensor, valid: Tensor) -> "Entries":
@@ -65,20 +66,22 @@ class Entries:
 class VocabStats:
     """Statistics of one vocab range (ranges merge like ``Online`` states; z_ids by summing)."""
 
-    s: Optional[Online]   # tempered student logits (with cfg.tail: only those outside the row's top-k ids)
-    z: Optional[Online]   # raw logits (hard-label CE at T != 1), else None
-    z_ids: Tensor         # [N*K] raw logits at the stored ids inside the range, 0 elsewhere
-    z_label: Tensor       # [N] raw logit at the label inside the range, 0 elsewhere
+    s: Optional[Online]  # tempered student logits (with cfg.tail: only those outside the row's top-k ids)
+    z: Optional[Online]  # raw logits (hard-label CE at T != 1), else None
+    z_ids: Tensor  # [N*K] raw logits at the stored ids inside the range, 0 elsewhere
+    z_label: Tensor  # [N] raw logit at the label inside the range, 0 elsewhere
 
 
 def without_ids(s: Tensor, entries: Entries, a: int, b: int, c0: int) -> Tensor:
     """A copy of the chunk s (global columns from c0) with -inf at the entries [a, b) (a row's top-k ids)."""
-    return s.index_put((entries.rows[a:b], entries.ids[a:b] - c0), torch.tensor(float("-inf"), dtype=s.dtype,
-                                                                                device=s.device))
+    return s.index_put(
+        (entries.rows[a:b], entries.ids[a:b] - c0), torch.tensor(float("-inf"), dtype=s.dtype, device=s.device)
+    )
 
 
-def vocab_pass(xs, ws, bs, labels, entries: Entries, cfg: TopKConfig, lo: int = 0,
-               chunk: Optional[int] = None) -> VocabStats:
+def vocab_pass(
+    xs, ws, bs, labels, entries: Entries, cfg: TopKConfig, lo: int = 0, chunk: Optional[int] = None
+) -> VocabStats:
     """Online statistics over the head rows ``ws`` = global vocab [lo, lo + ws.shape[0]).
 
     labels (global ids, -1 where none) give the CE label logit when cfg.with_ce. With cfg.tail the
@@ -125,8 +128,15 @@ def gather_logits(xs: Tensor, ws: Tensor, bs: Optional[Tensor], ids: Tensor) -> 
     return out
 
 
-def finish(z_ids: Tensor, lp: Tensor, valid: Tensor, s_state: Optional[Online], z_state: Optional[Online],
-           z_label: Tensor, cfg: TopKConfig) -> Tuple[RowResult, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+def finish(
+    z_ids: Tensor,
+    lp: Tensor,
+    valid: Tensor,
+    s_state: Optional[Online],
+    z_state: Optional[Online],
+    z_label: Tensor,
+    cfg: TopKConfig,
+) -> Tuple[RowResult, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Losses and gradient coefficients from (merged) statistics.
 
     Returns (rows, lse_s, lse_z, ce): lse_s is the tempered student's full log-sum-exp (None for
@@ -148,9 +158,22 @@ def finish(z_ids: Tensor, lp: Tensor, valid: Tensor, s_state: Optional[Online], 
     return res, lse_s, lse_z, ce
 
 
-def backward_range(xs, ws, bs, labels, entries: Entries, coef: Tensor, lse_s: Tensor, dense: DenseCoef,
-                   lse_z: Optional[Tensor], ce_scale: Optional[Tensor], cfg: TopKConfig, lo: int = 0,
-                   chunk: Optional[int] = None, need_w: bool = True):
+def backward_range(
+    xs,
+    ws,
+    bs,
+    labels,
+    entries: Entries,
+    coef: Tensor,
+    lse_s: Tensor,
+    dense: DenseCoef,
+    lse_z: Optional[Tensor],
+    ce_scale: Optional[Tensor],
+    cfg: TopKConfig,
+    lo: int = 0,
+    chunk: Optional[int] = None,
+    need_w: bool = True,
+):
     """Gradient of a vocab range w.r.t. the raw logits, fed into (dX [acc], dW, db).
 
     coef: [N*K] d loss / d raw logit at each stored id (0 at invalid entries); dense: the per-row
@@ -261,11 +284,13 @@ class ChunkedTopK(torch.autograd.Function):
         coef, dense, ce_scale = row_coefficients(grad_total, mask, ctx.res, cfg)
         need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         if cfg.full:
-            dx, dw, db = backward_range(xs, ws, bs, labels, ctx.entries, coef, ctx.lse_s, dense, ctx.lse_z,
-                                        ce_scale, cfg, need_w=need_w)
+            dx, dw, db = backward_range(
+                xs, ws, bs, labels, ctx.entries, coef, ctx.lse_s, dense, ctx.lse_z, ce_scale, cfg, need_w=need_w
+            )
         else:
-            dx, dw, db = sparse_grads(xs, ws, bs, ids, ctx.entries, softcap_grad_(coef, ctx.z_ids, cfg.softcap_s),
-                                      need_w=need_w)
+            dx, dw, db = sparse_grads(
+                xs, ws, bs, ids, ctx.entries, softcap_grad_(coef, ctx.z_ids, cfg.softcap_s), need_w=need_w
+            )
         dx = dx.to(xs.dtype) if ctx.needs_input_grad[0] else None
         dw = dw if ctx.needs_input_grad[1] else None
         db = db if ctx.needs_input_grad[2] else None

@@ -16,6 +16,7 @@ So the student's final hidden states ``h`` [B, L, D] go in as they are::
 (these labels are shifted; do not pass them to a Hugging Face model's own ``labels=``, which
 shifts again.)
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional
@@ -33,8 +34,7 @@ class TopKDataset(torch.utils.data.Dataset):
     memory-mapped."""
 
     def __init__(self, path: str, verify: bool = True, allow_incomplete: bool = False, max_open_shards: int = 8):
-        self.store = TopKStore(path, verify=verify, allow_incomplete=allow_incomplete,
-                               max_open_shards=max_open_shards)
+        self.store = TopKStore(path, verify=verify, allow_incomplete=allow_incomplete, max_open_shards=max_open_shards)
 
     def __len__(self) -> int:
         return len(self.store)
@@ -71,8 +71,10 @@ class TopKCollator:
         for it in items:
             n = it["input_ids"].numel()
             if tuple(it["topk_ids"].shape) != (max(n - 1, 0), K) or it["topk_logprobs"].shape != it["topk_ids"].shape:
-                raise ValueError(f"item with {n} tokens must carry ({max(n - 1, 0)}, {K}) top-k rows, got "
-                                 f"{tuple(it['topk_ids'].shape)} / {tuple(it['topk_logprobs'].shape)}")
+                raise ValueError(
+                    f"item with {n} tokens must carry ({max(n - 1, 0)}, {K}) top-k rows, got "
+                    f"{tuple(it['topk_ids'].shape)} / {tuple(it['topk_logprobs'].shape)}"
+                )
         L = max(it["input_ids"].numel() for it in items)
         if self.pad_to_multiple_of:
             m = self.pad_to_multiple_of
@@ -92,5 +94,10 @@ class TopKCollator:
                 labels[b, : n - 1] = ids[1:]
                 topk_ids[b, : n - 1] = it["topk_ids"]
                 topk_lp[b, : n - 1] = it["topk_logprobs"].float()
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
-                "topk_ids": topk_ids, "topk_logprobs": topk_lp}
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": labels,
+            "topk_ids": topk_ids,
+            "topk_logprobs": topk_lp,
+        }

@@ -11,6 +11,7 @@ for a 151665-token tokenizer) are excluded from both the top-k and the normalize
 Alignment: a sequence of L tokens gives L - 1 rows; row i is the distribution over token i + 1
 (see ``nitrobrew.topk.store``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,7 +62,7 @@ def _chunk_candidates(z: Tensor, gmax: Tensor, thresh: Tensor, k: int, group: in
     if need == 0:
         return None
     kk = min(k, need, gmax.shape[1])
-    gi = gmax.topk(kk, dim=1).indices                                   # [R, kk]
+    gi = gmax.topk(kk, dim=1).indices  # [R, kk]
     cols = (gi[:, :, None] * group + torch.arange(group, device=z.device)).reshape(R, kk * group)
     vals = z.gather(1, cols.clamp(max=C - 1))
     if scale != 1.0:
@@ -74,9 +75,17 @@ def _use_triton(hidden: Tensor, backend: str) -> bool:
     return hidden.dtype != torch.float64 and ck.resolve_backend(backend, hidden.device) == "triton"
 
 
-def streaming_topk(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], k: int, temperature: float = 1.0,
-                   vocab_size: Optional[int] = None, chunk: Optional[int] = None, backend: str = "auto",
-                   group: Optional[int] = None):
+def streaming_topk(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    k: int,
+    temperature: float = 1.0,
+    vocab_size: Optional[int] = None,
+    chunk: Optional[int] = None,
+    backend: str = "auto",
+    group: Optional[int] = None,
+):
     """Top-k ids (int64) and log-probs (fp32) of softmax((hidden @ weight[:V].T + b) / T), [R, k] each.
 
     One pass over vocab chunks: online log-sum-exp plus a running top-k, merged with each chunk's
@@ -125,6 +134,7 @@ def streaming_topk(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], k: in
 
 # ----------------------------------------------------------------------------------- the teacher
 
+
 @dataclass
 class Teacher:
     """Anything that maps (input_ids [B, L], attention_mask [B, L]) to final hidden states [B, L, D],
@@ -148,8 +158,10 @@ def teacher_from_hf(model, name: str = "hf-model", vocab_size: Optional[int] = N
     cfg = model.config
     for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
         if getattr(cfg, attr, None) not in (None, 1, 1.0):
-            raise NotImplementedError(f"{type(model).__name__} transforms its logits ({attr}="
-                                      f"{getattr(cfg, attr)}): not supported by the top-k extraction yet")
+            raise NotImplementedError(
+                f"{type(model).__name__} transforms its logits ({attr}="
+                f"{getattr(cfg, attr)}): not supported by the top-k extraction yet"
+            )
     head = model.get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
         raise ValueError(f"{type(model).__name__} has no LM head (get_output_embeddings() is {head!r})")
@@ -173,8 +185,12 @@ def teacher_from_hf(model, name: str = "hf-model", vocab_size: Optional[int] = N
 PAD_SLACK = 1024
 
 
-def choose_vocab(head_rows: int, tokenizer_len: Optional[int] = None, override: Optional[int] = None,
-                 config_vocab: Optional[int] = None) -> Tuple[int, str]:
+def choose_vocab(
+    head_rows: int,
+    tokenizer_len: Optional[int] = None,
+    override: Optional[int] = None,
+    config_vocab: Optional[int] = None,
+) -> Tuple[int, str]:
     """(real vocabulary, where it came from). --vocab-size if given; else the tokenizer's length
     when it agrees with the head (at most min(PAD_SLACK, rows / 8) padded rows); else config.vocab_size
     (<= head rows)."""
@@ -202,8 +218,10 @@ def resolve_model(name: str) -> str:
 
         return snapshot_download(name, local_files_only=True)
     except Exception:
-        raise FileNotFoundError(f"model {name!r} is neither a directory nor in the local Hugging Face cache "
-                                "(nothing is downloaded: fetch it first, e.g. `hf download`)") from None
+        raise FileNotFoundError(
+            f"model {name!r} is neither a directory nor in the local Hugging Face cache "
+            "(nothing is downloaded: fetch it first, e.g. `hf download`)"
+        ) from None
 
 
 def load_config(model_dir: str):
@@ -236,8 +254,9 @@ def teacher_dtype(device, dtype: str = "auto") -> str:
     return dtype
 
 
-def load_hf_teacher(model_dir: str, device: str = "cpu", dtype: str = "auto",
-                    vocab_size: Optional[int] = None, tokenizer=None) -> Teacher:
+def load_hf_teacher(
+    model_dir: str, device: str = "cpu", dtype: str = "auto", vocab_size: Optional[int] = None, tokenizer=None
+) -> Teacher:
     """Load a local Hugging Face model directory, or a Hub id from the local cache (no downloads).
 
     dtype "auto": bfloat16 on CUDA, as saved elsewhere ("saved": as saved everywhere). Without
@@ -258,14 +277,16 @@ def load_hf_teacher(model_dir: str, device: str = "cpu", dtype: str = "auto",
     model = model.to(device).eval()
     tok = tokenizer if tokenizer is not None else (None if vocab_size is not None else load_tokenizer(model_dir))
     head_rows = model.get_output_embeddings().weight.shape[0]
-    V, note = choose_vocab(head_rows, None if tok is None else len(tok), vocab_size,
-                           getattr(model.config, "vocab_size", None))
+    V, note = choose_vocab(
+        head_rows, None if tok is None else len(tok), vocab_size, getattr(model.config, "vocab_size", None)
+    )
     teacher = teacher_from_hf(model, name=os.path.abspath(model_dir), vocab_size=V)
     teacher.vocab_note = note
     return teacher
 
 
 # ------------------------------------------------------------------------------------ the corpus
+
 
 def load_sequences(path: str) -> List[List[int]]:
     """Token sequences from a .jsonl file of {"input_ids": [...]} lines, or a .parquet / .arrow
@@ -279,6 +300,7 @@ def load_sequences(path: str) -> List[List[int]]:
 
 
 # -------------------------------------------------------------------------------- the extraction
+
 
 def _batches(lengths: Sequence[int], batch_tokens: int):
     """Consecutive index ranges whose padded size (count * max length) stays within batch_tokens."""
@@ -294,9 +316,16 @@ def _batches(lengths: Sequence[int], batch_tokens: int):
 
 
 @torch.no_grad()
-def teacher_topk(teacher: Teacher, seqs: Sequence[Sequence[int]], k: int, temperature: float = 1.0,
-                 batch_tokens: int = 16384, chunk: Optional[int] = None, backend: str = "auto",
-                 on_tokens: Optional[Callable[[int], None]] = None):
+def teacher_topk(
+    teacher: Teacher,
+    seqs: Sequence[Sequence[int]],
+    k: int,
+    temperature: float = 1.0,
+    batch_tokens: int = 16384,
+    chunk: Optional[int] = None,
+    backend: str = "auto",
+    on_tokens: Optional[Callable[[int], None]] = None,
+):
     """Per sequence: (ids [L - 1, k] int64, log-probs [L - 1, k] fp32), on the CPU."""
     out_ids: List[Tensor] = []
     out_lp: List[Tensor] = []
@@ -321,13 +350,14 @@ def teacher_topk(teacher: Teacher, seqs: Sequence[Sequence[int]], k: int, temper
         # rows 0..len-2 of each sequence, packed
         sel = [(i, max(len(s) - 1, 0)) for i, s in enumerate(group)]
         rows = torch.cat([hidden[i, :n] for i, n in sel]) if any(n for _, n in sel) else hidden[:0, 0]
-        top_i, top_lp = streaming_topk(rows, teacher.weight, teacher.bias, k, temperature,
-                                       teacher.vocab_size, chunk, backend)
+        top_i, top_lp = streaming_topk(
+            rows, teacher.weight, teacher.bias, k, temperature, teacher.vocab_size, chunk, backend
+        )
         top_i, top_lp = top_i.cpu(), top_lp.cpu()
         r = 0
         for _, n in sel:
-            out_ids.append(top_i[r:r + n])
-            out_lp.append(top_lp[r:r + n])
+            out_ids.append(top_i[r : r + n])
+            out_lp.append(top_lp[r : r + n])
             r += n
         if on_tokens:
             on_tokens(sum(len(s) for s in group))
@@ -347,8 +377,7 @@ class _Progress:
             except ImportError:
                 tqdm = None
             if tqdm is not None:
-                self.bar = tqdm(total=total, unit="tok", unit_scale=True, desc="top-k", file=sys.stderr,
-                                smoothing=0.1)
+                self.bar = tqdm(total=total, unit="tok", unit_scale=True, desc="top-k", file=sys.stderr, smoothing=0.1)
 
     def update(self, tokens: int) -> None:
         self.done += tokens
@@ -386,12 +415,27 @@ def check_sizes(batch_tokens, chunk) -> None:
         raise ValueError(f"chunk must be a positive int or None, got {chunk!r}")
 
 
-def extract_topk(teacher: Teacher, sequences: Union[Sequence[Sequence[int]], Corpus], out_dir: str, *, k: int = 64,
-                 temperature: float = 1.0, logprob_dtype: str = "float32", sequences_per_shard: int = 1024,
-                 batch_tokens: int = 16384, chunk: Optional[int] = None, source: Optional[Dict] = None,
-                 resume: bool = True, log: Optional[Callable[[str], None]] = None, num_parts: int = 1,
-                 part: int = 0, progress: bool = False, checked: Optional[Tuple[int, List[int]]] = None,
-                 lock=None, id_dtype: str = "int32") -> Dict:
+def extract_topk(
+    teacher: Teacher,
+    sequences: Union[Sequence[Sequence[int]], Corpus],
+    out_dir: str,
+    *,
+    k: int = 64,
+    temperature: float = 1.0,
+    logprob_dtype: str = "float32",
+    sequences_per_shard: int = 1024,
+    batch_tokens: int = 16384,
+    chunk: Optional[int] = None,
+    source: Optional[Dict] = None,
+    resume: bool = True,
+    log: Optional[Callable[[str], None]] = None,
+    num_parts: int = 1,
+    part: int = 0,
+    progress: bool = False,
+    checked: Optional[Tuple[int, List[int]]] = None,
+    lock=None,
+    id_dtype: str = "int32",
+) -> Dict:
     """Write the teacher's top-k over `sequences` (id lists, or an ``inputs.Corpus``) into the store
     at out_dir; resumes by default.
 
@@ -410,10 +454,23 @@ def extract_topk(teacher: Teacher, sequences: Union[Sequence[Sequence[int]], Cor
         check_header(k, temperature, V, head_rows, logprob_dtype, sequences_per_shard, 0, id_dtype)
         check_sizes(batch_tokens, chunk)
         n, shard_tokens = checked or corpus.check(head_rows, sequences_per_shard)
-        writer = TopKWriter(out_dir, model=teacher.name, k=k, temperature=temperature, vocab_size=V,
-                            head_rows=head_rows, num_sequences=n, logprob_dtype=logprob_dtype,
-                            sequences_per_shard=sequences_per_shard, source=source, resume=resume,
-                            num_parts=num_parts, part=part, lock=lock, id_dtype=id_dtype)
+        writer = TopKWriter(
+            out_dir,
+            model=teacher.name,
+            k=k,
+            temperature=temperature,
+            vocab_size=V,
+            head_rows=head_rows,
+            num_sequences=n,
+            logprob_dtype=logprob_dtype,
+            sequences_per_shard=sequences_per_shard,
+            source=source,
+            resume=resume,
+            num_parts=num_parts,
+            part=part,
+            lock=lock,
+            id_dtype=id_dtype,
+        )
     except BaseException:
         if lock is not None:
             lock.release()
@@ -423,7 +480,7 @@ def extract_topk(teacher: Teacher, sequences: Union[Sequence[Sequence[int]], Cor
         todo = {j for j in range(writer.num_shards) if writer.owns(j) and not writer.done(j)}
         bar = _Progress(sum(shard_tokens[j] for j in todo), progress, log)
         seen = 0
-        for j, seqs in (_shard_groups(corpus.records(), sequences_per_shard) if todo else ()):
+        for j, seqs in _shard_groups(corpus.records(), sequences_per_shard) if todo else ():
             seen += len(seqs)
             if j not in todo:
                 if log and writer.owns(j):
@@ -431,8 +488,9 @@ def extract_topk(teacher: Teacher, sequences: Union[Sequence[Sequence[int]], Cor
                 continue
             a, b = writer.shard_range(j)
             if len(seqs) != b - a:
-                raise StoreError(f"the corpus changed while it was read: shard {j} has {len(seqs)} sequences, "
-                                 f"expected {b - a}")
+                raise StoreError(
+                    f"the corpus changed while it was read: shard {j} has {len(seqs)} sequences, expected {b - a}"
+                )
             ids, lp = teacher_topk(teacher, seqs, k, temperature, batch_tokens, chunk, on_tokens=bar.update)
             writer.write_shard(j, [torch.tensor(s, dtype=torch.int32) for s in seqs], ids, lp)
             if log:
@@ -450,6 +508,7 @@ def extract_topk(teacher: Teacher, sequences: Union[Sequence[Sequence[int]], Cor
 
 
 # ------------------------------------------------------------------------------------------- CLI
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -482,41 +541,79 @@ def _temperature(text: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
-                   help="local Hugging Face model directory (AutoModelForCausalLM), or a Hub id already in the "
-                        "local cache")
-    p.add_argument("--data", required=True,
-                   help="corpus: .jsonl lines, .parquet or .arrow with input_ids (or text / messages with a "
-                        "tokenizer), or a datasets folder or name (streamed)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="local Hugging Face model directory (AutoModelForCausalLM), or a Hub id already in the local cache",
+    )
+    p.add_argument(
+        "--data",
+        required=True,
+        help="corpus: .jsonl lines, .parquet or .arrow with input_ids (or text / messages with a "
+        "tokenizer), or a datasets folder or name (streamed)",
+    )
     p.add_argument("--out", required=True, help="output store directory (resumed if it exists)")
     p.add_argument("--k", type=_positive_int, default=64, help="entries kept per position (default 64)")
-    p.add_argument("--temperature", type=_temperature, default=1.0,
-                   help="log-probs are log-softmax(logits / T); recorded in the manifest (default 1)")
-    p.add_argument("--vocab-size", type=_positive_int, default=None,
-                   help="real vocabulary: head rows beyond it (padding) are excluded (default: the tokenizer's "
-                        "length when it fits the head, else config.vocab_size)")
+    p.add_argument(
+        "--temperature",
+        type=_temperature,
+        default=1.0,
+        help="log-probs are log-softmax(logits / T); recorded in the manifest (default 1)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=_positive_int,
+        default=None,
+        help="real vocabulary: head rows beyond it (padding) are excluded (default: the tokenizer's "
+        "length when it fits the head, else config.vocab_size)",
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer for text / chat records (default: the model's)")
     p.add_argument("--chat-template", action="store_true", help="tokenize `messages` records with the chat template")
-    p.add_argument("--field", default=None, help="the record field holding the ids, text or chat (default: "
-                                                  "input_ids, else messages, else text)")
+    p.add_argument(
+        "--field",
+        default=None,
+        help="the record field holding the ids, text or chat (default: input_ids, else messages, else text)",
+    )
     p.add_argument("--split", default="train", help="split of a datasets corpus (default train)")
-    p.add_argument("--logprob-dtype", choices=sorted(LOGPROB_DTYPES), default="float32",
-                   help="float32 (default), float16, bfloat16, or uint8 codes with a per-row scale")
-    p.add_argument("--id-dtype", choices=sorted(ID_DTYPES), default="int32",
-                   help="int32 (default), or ids packed into 2 bytes (uint16: vocabularies up to 65536) or 3 (uint24)")
+    p.add_argument(
+        "--logprob-dtype",
+        choices=sorted(LOGPROB_DTYPES),
+        default="float32",
+        help="float32 (default), float16, bfloat16, or uint8 codes with a per-row scale",
+    )
+    p.add_argument(
+        "--id-dtype",
+        choices=sorted(ID_DTYPES),
+        default="int32",
+        help="int32 (default), or ids packed into 2 bytes (uint16: vocabularies up to 65536) or 3 (uint24)",
+    )
     p.add_argument("--sequences-per-shard", type=_positive_int, default=1024)
     p.add_argument("--batch-tokens", type=_positive_int, default=16384, help="padded tokens per teacher forward")
-    p.add_argument("--chunk-v", type=_positive_int, default=None,
-                   help="vocab chunk of the streaming top-k (default: automatic)")
-    p.add_argument("--num-shards", type=_positive_int, default=None,
-                   help="split the job over N processes (default: WORLD_SIZE under torchrun, else 1); each "
-                        "extracts every N-th store shard into the same --out")
-    p.add_argument("--shard-index", type=_nonneg_int, default=None,
-                   help="this process's index in [0, N) (default: RANK under torchrun, else 0)")
-    p.add_argument("--device", default=None,
-                   help="default: cuda (cuda:LOCAL_RANK under torchrun) if available, else cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "saved", "float32", "bfloat16", "float16"],
-                   help="teacher weights' dtype (default auto: bfloat16 on CUDA, as saved on the CPU)")
+    p.add_argument(
+        "--chunk-v", type=_positive_int, default=None, help="vocab chunk of the streaming top-k (default: automatic)"
+    )
+    p.add_argument(
+        "--num-shards",
+        type=_positive_int,
+        default=None,
+        help="split the job over N processes (default: WORLD_SIZE under torchrun, else 1); each "
+        "extracts every N-th store shard into the same --out",
+    )
+    p.add_argument(
+        "--shard-index",
+        type=_nonneg_int,
+        default=None,
+        help="this process's index in [0, N) (default: RANK under torchrun, else 0)",
+    )
+    p.add_argument(
+        "--device", default=None, help="default: cuda (cuda:LOCAL_RANK under torchrun) if available, else cpu"
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "saved", "float32", "bfloat16", "float16"],
+        help="teacher weights' dtype (default auto: bfloat16 on CUDA, as saved on the CPU)",
+    )
     p.add_argument("--no-resume", action="store_true", help="start over instead of resuming an existing store")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (a line per shard instead)")
 
@@ -561,8 +658,7 @@ def _run(args: argparse.Namespace) -> int:
         return _fail(f"--k {args.k} is larger than the vocabulary ({V}: {note})")
     check_header(args.k, args.temperature, V, rows, args.logprob_dtype, args.sequences_per_shard, 0, args.id_dtype)
     check_sizes(args.batch_tokens, args.chunk_v)
-    corpus = open_corpus(args.data, tokenizer=tok, chat_template=args.chat_template, field=args.field,
-                         split=args.split)
+    corpus = open_corpus(args.data, tokenizer=tok, chat_template=args.chat_template, field=args.field, split=args.split)
     checked = corpus.check(rows, args.sequences_per_shard)
     if corpus.path:
         source = {"path": os.path.abspath(corpus.path), "sha256": sha256_file(corpus.path)}
@@ -571,8 +667,11 @@ def _run(args: argparse.Namespace) -> int:
     if corpus.tokenized:  # the ids depend on the tokenizer: a resume must use the same one
         source["tokenizer"] = getattr(tok, "name_or_path", "") or ""
         source["chat_template"] = bool(args.chat_template)
-    print(f"corpus: {corpus.description}: {checked[0]} sequences, {sum(checked[1])} tokens; vocabulary: {V} ({note}); "
-          f"K = {args.k}, T = {args.temperature}" + (f"; part {part} of {parts}" if parts > 1 else ""), flush=True)
+    print(
+        f"corpus: {corpus.description}: {checked[0]} sequences, {sum(checked[1])} tokens; vocabulary: {V} ({note}); "
+        f"K = {args.k}, T = {args.temperature}" + (f"; part {part} of {parts}" if parts > 1 else ""),
+        flush=True,
+    )
     # 2. the store's lock (a concurrent run fails now, not after the teacher has loaded), the teacher,
     # then the extraction
     lock = lock_store(args.out, parts, part)
@@ -581,17 +680,34 @@ def _run(args: argparse.Namespace) -> int:
     except BaseException:
         lock.release()
         raise
-    man = extract_topk(teacher, corpus, args.out, k=args.k, temperature=args.temperature,
-                       logprob_dtype=args.logprob_dtype, sequences_per_shard=args.sequences_per_shard,
-                       batch_tokens=args.batch_tokens, chunk=args.chunk_v, source=source,
-                       resume=not args.no_resume, log=print, num_parts=parts, part=part,
-                       progress=not args.no_progress, checked=checked, lock=lock, id_dtype=args.id_dtype)
+    man = extract_topk(
+        teacher,
+        corpus,
+        args.out,
+        k=args.k,
+        temperature=args.temperature,
+        logprob_dtype=args.logprob_dtype,
+        sequences_per_shard=args.sequences_per_shard,
+        batch_tokens=args.batch_tokens,
+        chunk=args.chunk_v,
+        source=source,
+        resume=not args.no_resume,
+        log=print,
+        num_parts=parts,
+        part=part,
+        progress=not args.no_progress,
+        checked=checked,
+        lock=lock,
+        id_dtype=args.id_dtype,
+    )
     secs = man["extract_seconds"]
     rate = man["extracted_tokens"] / secs if secs > 0 else float("nan")
     run_note = f"{man['extracted_tokens']} tokens this run in {secs:.1f} s ({rate:.0f} tokens/s)"
     if "num_parts" in man:
         print(f"part {part} of {parts} done ({run_note}); {args.out} is complete once every part has run")
         return 0
-    print(f"wrote {args.out}: {man['num_sequences']} sequences, {man['num_rows']} rows, K={man['k']}, "
-          f"T={man['temperature']}, vocab {man['vocab_size']} of {man['head_rows']} head rows; {run_note}")
+    print(
+        f"wrote {args.out}: {man['num_sequences']} sequences, {man['num_rows']} rows, K={man['k']}, "
+        f"T={man['temperature']}, vocab {man['vocab_size']} of {man['head_rows']} head rows; {run_note}"
+    )
     return 0

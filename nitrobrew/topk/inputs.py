@@ -15,6 +15,7 @@ tokenizer's chat template: only when ``chat_template=True``). ``field`` picks a 
 The corpus is read twice: once to check every record (and count them) before anything is loaded
 or written, once to extract.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,13 @@ def _is_ids(ids) -> bool:
 class Corpus:
     """Re-iterable token sequences: ``records()`` yields ``(where, ids)`` in corpus order."""
 
-    def __init__(self, records: Callable[[], Iterator[Record]], description: str, path: Optional[str] = None,
-                 tokenize: Optional["_Tokenize"] = None):
+    def __init__(
+        self,
+        records: Callable[[], Iterator[Record]],
+        description: str,
+        path: Optional[str] = None,
+        tokenize: Optional["_Tokenize"] = None,
+    ):
         self._records = records
         self.description = description
         self.path = path  # a local file, hashed into the store's manifest
@@ -55,6 +61,7 @@ class Corpus:
                 if not _is_ids(ids):
                     raise ValueError(f"sequence {i}: token ids must be ints (not bools or floats), got {list(s)[:8]!r}")
                 yield f"sequence {i}", ids
+
         return Corpus(gen, f"{len(seqs)} sequences")
 
     def check(self, bound: int, sequences_per_shard: int) -> Tuple[int, List[int]]:
@@ -161,8 +168,9 @@ def _datasets(name: str, split: str, to_ids: _Tokenize) -> Iterator[Record]:
         import datasets
     except ImportError as err:
         raise ImportError(f"reading the dataset {name!r} needs datasets: pip install datasets") from err
-    if os.path.isdir(name) and (os.path.exists(os.path.join(name, "state.json"))
-                                or os.path.exists(os.path.join(name, "dataset_dict.json"))):
+    if os.path.isdir(name) and (
+        os.path.exists(os.path.join(name, "state.json")) or os.path.exists(os.path.join(name, "dataset_dict.json"))
+    ):
         ds = datasets.load_from_disk(name)  # memory-mapped Arrow files
         if isinstance(ds, datasets.DatasetDict):
             ds = ds[split]
@@ -172,8 +180,9 @@ def _datasets(name: str, split: str, to_ids: _Tokenize) -> Iterator[Record]:
         yield f"{name}[{split}]: row {n}", to_ids(rec, f"{name}[{split}]: row {n}")
 
 
-def open_corpus(spec: str, tokenizer=None, chat_template: bool = False, field: Optional[str] = None,
-                split: str = "train") -> Corpus:
+def open_corpus(
+    spec: str, tokenizer=None, chat_template: bool = False, field: Optional[str] = None, split: str = "train"
+) -> Corpus:
     """The corpus named by `spec`: a .jsonl/.parquet/.arrow file, else a ``datasets`` path or name."""
     to_ids = _Tokenize(tokenizer, chat_template, field)
     lower = spec.lower()

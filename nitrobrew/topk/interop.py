@@ -20,6 +20,7 @@ topk-import DIR STORE`` rebuilds the same store bit for bit (same shards, same m
 from elsewhere (no such metadata) needs ``--temperature`` and ``--vocab-size``; its masked entries
 become padding entries (id 0, log-prob -inf, which the loss ignores).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -157,8 +158,18 @@ def _sequences(files: List[str]) -> Iterator[Tuple]:
         missing = [c for c in ("input_ids", "target_token_ids", "target_logprobs") if c not in names]
         if missing:
             raise ValueError(f"{path}: lacks the columns {missing} (has {names})")
-        cols = [c for c in ("input_ids", "target_token_ids", "target_logprobs", "target_mask",
-                            "nitrobrew_logprob_codes", "nitrobrew_logprob_scale") if c in names]
+        cols = [
+            c
+            for c in (
+                "input_ids",
+                "target_token_ids",
+                "target_logprobs",
+                "target_mask",
+                "nitrobrew_logprob_codes",
+                "nitrobrew_logprob_scale",
+            )
+            if c in names
+        ]
         row = 0
         for batch in pf.iter_batches(columns=cols, batch_size=1024):
             where = f"{path}: rows {row}-{row + batch.num_rows - 1}"
@@ -188,9 +199,17 @@ def _sequences(files: List[str]) -> Iterator[Tuple]:
                 row += 1
 
 
-def import_store(src: str, out_dir: str, *, temperature: Optional[float] = None, vocab_size: Optional[int] = None,
-                 sequences_per_shard: Optional[int] = None, logprob_dtype: Optional[str] = None,
-                 model: Optional[str] = None, log=None) -> Dict:
+def import_store(
+    src: str,
+    out_dir: str,
+    *,
+    temperature: Optional[float] = None,
+    vocab_size: Optional[int] = None,
+    sequences_per_shard: Optional[int] = None,
+    logprob_dtype: Optional[str] = None,
+    model: Optional[str] = None,
+    log=None,
+) -> Dict:
     """Build a store at out_dir from parquet files (a file, or a directory searched recursively)."""
     _, pq = _pyarrow()
     if os.path.exists(out_dir) and os.listdir(out_dir):
@@ -198,8 +217,13 @@ def import_store(src: str, out_dir: str, *, temperature: Optional[float] = None,
     files = _parquet_files(src)
     metas = [(pq.read_schema(f).metadata or {}).get(META_KEY) for f in files]
     num_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
-    given = {"temperature": temperature, "vocab_size": vocab_size, "sequences_per_shard": sequences_per_shard,
-             "logprob_dtype": logprob_dtype, "model": model}
+    given = {
+        "temperature": temperature,
+        "vocab_size": vocab_size,
+        "sequences_per_shard": sequences_per_shard,
+        "logprob_dtype": logprob_dtype,
+        "model": model,
+    }
     if all(metas):
         heads = [json.loads(m) for m in metas]
         header = {k: heads[0][k] for k in HEADER_KEYS}
@@ -210,14 +234,24 @@ def import_store(src: str, out_dir: str, *, temperature: Optional[float] = None,
             raise ValueError(f"{src!r} was exported from a store whose settings differ from {clash}")
     else:
         if temperature is None or vocab_size is None:
-            raise ValueError(f"{src!r} was not exported by nitrobrew: pass --temperature (the log-probs' temperature) "
-                             "and --vocab-size")
+            raise ValueError(
+                f"{src!r} was not exported by nitrobrew: pass --temperature (the log-probs' temperature) "
+                "and --vocab-size"
+            )
         first = next(_sequences(files[:1]), None)
         k = 1 if first is None else max(int(first[2].shape[-1]), 1)
-        header = {"model": model or "imported", "k": k, "temperature": float(temperature),
-                  "logprob_dtype": logprob_dtype or "float32", "vocab_size": int(vocab_size),
-                  "head_rows": int(vocab_size), "sequences_per_shard": sequences_per_shard or 1024,
-                  "source": {"parquet": os.path.abspath(src)}, "num_sequences": num_rows, "id_dtype": "int32"}
+        header = {
+            "model": model or "imported",
+            "k": k,
+            "temperature": float(temperature),
+            "logprob_dtype": logprob_dtype or "float32",
+            "vocab_size": int(vocab_size),
+            "head_rows": int(vocab_size),
+            "sequences_per_shard": sequences_per_shard or 1024,
+            "source": {"parquet": os.path.abspath(src)},
+            "num_sequences": num_rows,
+            "id_dtype": "int32",
+        }
     if header["num_sequences"] != num_rows:
         raise ValueError(f"{src!r} holds {num_rows} sequences, its metadata says {header['num_sequences']}")
     K, S = header["k"], header["sequences_per_shard"]
@@ -256,16 +290,21 @@ def import_store(src: str, out_dir: str, *, temperature: Optional[float] = None,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     importing = p.prog.endswith("topk-import")
-    p.description = (__doc__.splitlines()[0])
+    p.description = __doc__.splitlines()[0]
     if importing:
         p.add_argument("src", help="parquet file, or a directory of them (searched recursively)")
         p.add_argument("out", help="the new store directory")
-        p.add_argument("--temperature", type=float, default=None,
-                       help="data from elsewhere: the log-probs' temperature")
+        p.add_argument(
+            "--temperature", type=float, default=None, help="data from elsewhere: the log-probs' temperature"
+        )
         p.add_argument("--vocab-size", type=int, default=None, help="data from elsewhere: the vocabulary")
         p.add_argument("--sequences-per-shard", type=int, default=None, help="data from elsewhere (default 1024)")
-        p.add_argument("--logprob-dtype", choices=sorted(LOGPROB_DTYPES), default=None,
-                       help="data from elsewhere (default float32)")
+        p.add_argument(
+            "--logprob-dtype",
+            choices=sorted(LOGPROB_DTYPES),
+            default=None,
+            help="data from elsewhere (default float32)",
+        )
         p.add_argument("--model", default=None, help="data from elsewhere: the teacher's name")
     else:
         p.add_argument("store", help="the store directory")
@@ -276,9 +315,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         if args._importing:
-            man = import_store(args.src, args.out, temperature=args.temperature, vocab_size=args.vocab_size,
-                               sequences_per_shard=args.sequences_per_shard, logprob_dtype=args.logprob_dtype,
-                               model=args.model)
+            man = import_store(
+                args.src,
+                args.out,
+                temperature=args.temperature,
+                vocab_size=args.vocab_size,
+                sequences_per_shard=args.sequences_per_shard,
+                logprob_dtype=args.logprob_dtype,
+                model=args.model,
+            )
             print(f"wrote {args.out}: {man['num_sequences']} sequences, {man['num_rows']} rows, K = {man['k']}")
         else:
             paths = export_store(args.store, args.out)

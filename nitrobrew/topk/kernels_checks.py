@@ -2,6 +2,7 @@
 entries, an id repeated within a row, and rows whose log-probs are not a sub-distribution
 (logsumexp over the K entries above a tolerance). One kernel writes the four flags (the PyTorch ops
 it replaces are ~15 launches); reading them is the one device sync of the validation."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -16,8 +17,9 @@ TILE = 4096  # entries per program: rows x next_pow2(K)
 
 
 @triton.jit
-def _stored_flags_kernel(IDS, LP, FLAGS, N, K, V, lse_tol, CHECK_IDS: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+def _stored_flags_kernel(
+    IDS, LP, FLAGS, N, K, V, lse_tol, CHECK_IDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_K)
     inside = (rows < N)[:, None] & (cols < K)[None, :]
@@ -56,7 +58,19 @@ def stored_flags(ids: torch.Tensor, lp: torch.Tensor, V: Optional[int], lse_tol:
     n = lp.numel() // max(K, 1)
     block_k = next_pow2(max(K, 1))
     block_r = max(1, TILE // block_k)
-    launch(_stored_flags_kernel, (cdiv(n, block_r),), ids.reshape(-1).contiguous(), lp.reshape(-1).contiguous(),
-           flags, n, K, 0 if V is None else V, lse_tol, CHECK_IDS=V is not None, BLOCK_R=block_r, BLOCK_K=block_k,
-           num_warps=4)
+    launch(
+        _stored_flags_kernel,
+        (cdiv(n, block_r),),
+        ids.reshape(-1).contiguous(),
+        lp.reshape(-1).contiguous(),
+        flags,
+        n,
+        K,
+        0 if V is None else V,
+        lse_tol,
+        CHECK_IDS=V is not None,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
     return flags

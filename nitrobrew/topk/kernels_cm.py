@@ -24,6 +24,7 @@ clustered in one tile (c = BLOCK_V in the worst case) cost BLOCK_V elementwise p
 The ids of "full" (bandwidth-bound): ``_gather_kernel``: s_nk = x_n . w_{id_nk} (+ b).
 normalize="topk" has its own kernels (``triton_support``).
 """
+
 from __future__ import annotations
 
 import triton
@@ -33,8 +34,24 @@ from ..core.tl_utils import logaddexp
 
 
 @triton.jit
-def _gather_kernel(X, W, B, IDS, OUT, K, D, V_LOCAL, stride_xn, stride_wv, stride_in, stride_on,
-                   HAS_BIAS: tl.constexpr, ACC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+def _gather_kernel(
+    X,
+    W,
+    B,
+    IDS,
+    OUT,
+    K,
+    D,
+    V_LOCAL,
+    stride_xn,
+    stride_wv,
+    stride_in,
+    stride_on,
+    HAS_BIAS: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     n = tl.program_id(0).to(tl.int64)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = offs_k < K
@@ -46,8 +63,9 @@ def _gather_kernel(X, W, B, IDS, OUT, K, D, V_LOCAL, stride_xn, stride_wv, strid
         offs_d = d0 + tl.arange(0, BLOCK_D)
         dmask = offs_d < D
         x = tl.load(X + n * stride_xn + offs_d, mask=dmask, other=0.0).to(ACC)
-        w = tl.load(W + ids[:, None] * stride_wv + offs_d[None, :], mask=inside[:, None] & dmask[None, :],
-                    other=0.0).to(ACC)
+        w = tl.load(
+            W + ids[:, None] * stride_wv + offs_d[None, :], mask=inside[:, None] & dmask[None, :], other=0.0
+        ).to(ACC)
         acc += tl.sum(w * x[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(B + ids, mask=inside, other=0.0).to(ACC)
@@ -71,9 +89,23 @@ def _tile_ids(N, V, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, GROUP_B: tl.co
 
 
 @triton.jit
-def _logit_tile(X, W, B, offs_b, offs_v, D, stride_xn, stride_wv,
-                HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
-                BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DOT_F32: tl.constexpr):
+def _logit_tile(
+    X,
+    W,
+    B,
+    offs_b,
+    offs_v,
+    D,
+    stride_xn,
+    stride_wv,
+    HAS_BIAS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
     offs_d = tl.arange(0, BLOCK_D)
     x_ptrs = X + (offs_b[:, None].to(tl.int64) * stride_xn + offs_d[None, :])
     w_ptrs = W + (offs_v[None, :].to(tl.int64) * stride_wv + offs_d[:, None])
@@ -111,8 +143,22 @@ def _count_below(IDS, base, target, K, n_steps, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
-def _tile_row_ids(IDS, COEF, rows_c, cols_g, col_lo, col_hi, stride_in, K, n_steps, s,
-                  MASK: tl.constexpr, WITH_COEF: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
+def _tile_row_ids(
+    IDS,
+    COEF,
+    rows_c,
+    cols_g,
+    col_lo,
+    col_hi,
+    stride_in,
+    K,
+    n_steps,
+    s,
+    MASK: tl.constexpr,
+    WITH_COEF: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """The rows' sorted top-k ids inside the tile's global columns [col_lo, col_hi): returns s with
     -inf there (MASK) and the tile of their coefficients COEF (WITH_COEF, same layout as IDS).
     Cost: see the module notes."""
@@ -133,22 +179,73 @@ def _tile_row_ids(IDS, COEF, rows_c, cols_g, col_lo, col_hi, stride_in, K, n_ste
 
 
 @triton.jit
-def _lse_kernel(X, W, B, LSE_S, LSE_Z, LOCKS, IDS, N, V, D, K, n_steps, inv_t, stride_xn, stride_wv,
-                stride_in,
-                HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, TAIL: tl.constexpr, DOT_PREC: tl.constexpr,
-                BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_B: tl.constexpr,
-                EVEN_D: tl.constexpr, DOT_F32: tl.constexpr):
+def _lse_kernel(
+    X,
+    W,
+    B,
+    LSE_S,
+    LSE_Z,
+    LOCKS,
+    IDS,
+    N,
+    V,
+    D,
+    K,
+    n_steps,
+    inv_t,
+    stride_xn,
+    stride_wv,
+    stride_in,
+    HAS_BIAS: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    TAIL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP_B: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
     pid_b, pid_v = _tile_ids(N, V, BLOCK_B, BLOCK_V, GROUP_B)
     rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    z = _logit_tile(X, W, B, rows % N, cols % V, D, stride_xn, stride_wv, HAS_BIAS, DOT_PREC,
-                    BLOCK_B, BLOCK_V, BLOCK_D, EVEN_D, DOT_F32)
+    z = _logit_tile(
+        X,
+        W,
+        B,
+        rows % N,
+        cols % V,
+        D,
+        stride_xn,
+        stride_wv,
+        HAS_BIAS,
+        DOT_PREC,
+        BLOCK_B,
+        BLOCK_V,
+        BLOCK_D,
+        EVEN_D,
+        DOT_F32,
+    )
     z = tl.where((cols < V)[None, :], z, float("-inf"))
     s = z * inv_t
     if TAIL:  # the student's tail: leave out each row's top-k ids
-        s, _ = _tile_row_ids(IDS, IDS, rows % N, cols, pid_v * BLOCK_V,
-                             tl.minimum(pid_v * BLOCK_V + BLOCK_V, V), stride_in, K, n_steps, s,
-                             True, False, BLOCK_B, BLOCK_V)
+        s, _ = _tile_row_ids(
+            IDS,
+            IDS,
+            rows % N,
+            cols,
+            pid_v * BLOCK_V,
+            tl.minimum(pid_v * BLOCK_V + BLOCK_V, V),
+            stride_in,
+            K,
+            n_steps,
+            s,
+            True,
+            False,
+            BLOCK_B,
+            BLOCK_V,
+        )
     m = tl.max(s, axis=1)
     m = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp(s - m[:, None]), axis=1)
@@ -182,13 +279,49 @@ def _locked_add(ptrs, val, mask, lock):
 
 
 @triton.jit
-def _full_bwd_kernel(X, W, B, LSE_S, LSE_Z, DENSE, CE, LABELS, IDS, COEF, TAIL_C, LSE_T,
-                     DX, DW, DB, LOCKS_X, LOCKS_W, N, V, D, K, n_steps, inv_t, stride_xn, stride_wv,
-                     stride_dxn, stride_dwv, stride_in, n_dchunks,
-                     HAS_BIAS: tl.constexpr, HAS_CE: tl.constexpr, TAIL: tl.constexpr, NEED_W: tl.constexpr,
-                     DOT_PREC: tl.constexpr,
-                     BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, MM_BLOCK_D: tl.constexpr,
-                     GROUP_B: tl.constexpr, EVEN_D: tl.constexpr, DOT_F32: tl.constexpr):
+def _full_bwd_kernel(
+    X,
+    W,
+    B,
+    LSE_S,
+    LSE_Z,
+    DENSE,
+    CE,
+    LABELS,
+    IDS,
+    COEF,
+    TAIL_C,
+    LSE_T,
+    DX,
+    DW,
+    DB,
+    LOCKS_X,
+    LOCKS_W,
+    N,
+    V,
+    D,
+    K,
+    n_steps,
+    inv_t,
+    stride_xn,
+    stride_wv,
+    stride_dxn,
+    stride_dwv,
+    stride_in,
+    n_dchunks,
+    HAS_BIAS: tl.constexpr,
+    HAS_CE: tl.constexpr,
+    TAIL: tl.constexpr,
+    NEED_W: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MM_BLOCK_D: tl.constexpr,
+    GROUP_B: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
     pid_b, pid_v = _tile_ids(N, V, BLOCK_B, BLOCK_V, GROUP_B)
     ar_b = tl.arange(0, BLOCK_B)
     ar_v = tl.arange(0, BLOCK_V)
@@ -198,14 +331,28 @@ def _full_bwd_kernel(X, W, B, LSE_S, LSE_Z, DENSE, CE, LABELS, IDS, COEF, TAIL_C
     vmask = cols < V
     rows_c = rows % N
     cols_c = cols % V
-    z = _logit_tile(X, W, B, rows_c, cols_c, D, stride_xn, stride_wv, HAS_BIAS, DOT_PREC,
-                    BLOCK_B, BLOCK_V, BLOCK_D, EVEN_D, DOT_F32)
+    z = _logit_tile(
+        X, W, B, rows_c, cols_c, D, stride_xn, stride_wv, HAS_BIAS, DOT_PREC, BLOCK_B, BLOCK_V, BLOCK_D, EVEN_D, DOT_F32
+    )
     s = z * inv_t
     cols_g = cols
     # the stored ids of the tile: their coefficients, and (TAIL) -inf in the outside logits
-    s_out, g = _tile_row_ids(IDS, COEF, rows_c, cols_g, pid_v * BLOCK_V,
-                             tl.minimum(pid_v * BLOCK_V + BLOCK_V, V), stride_in, K, n_steps, s,
-                             TAIL, True, BLOCK_B, BLOCK_V)
+    s_out, g = _tile_row_ids(
+        IDS,
+        COEF,
+        rows_c,
+        cols_g,
+        pid_v * BLOCK_V,
+        tl.minimum(pid_v * BLOCK_V + BLOCK_V, V),
+        stride_in,
+        K,
+        n_steps,
+        s,
+        TAIL,
+        True,
+        BLOCK_B,
+        BLOCK_V,
+    )
     if TAIL:  # the ids take their whole gradient from COEF, the other entries this one term
         tail = tl.load(TAIL_C + rows_c)
         lse_t = tl.load(LSE_T + rows_c)  # finite (0 where the row has no outside entry: tail is 0 there)

@@ -1,5 +1,6 @@
 """Row kernels of topk_kl's fast mode over an fp32 logit slab: the log-sum-exps of a row (the top-k
 ids excluded) and the gradient slab (written over the slab's own bytes)."""
+
 from __future__ import annotations
 
 import triton
@@ -33,8 +34,20 @@ def slab_lse_kernel(Z, OUT, stride_z, n_cols, inv_temp, RAW: tl.constexpr, BLOCK
 
 
 @triton.jit
-def slab_grad_kernel(Z, G, COEF, LABELS, stride_z, stride_g, n_cols, inv_temp, inv_cap,
-                      HAS_B: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+def slab_grad_kernel(
+    Z,
+    G,
+    COEF,
+    LABELS,
+    stride_z,
+    stride_g,
+    n_cols,
+    inv_temp,
+    inv_cap,
+    HAS_B: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """g_j = a exp(z_j * inv_temp - lse_a) + b (exp(z_j - lse_b) - [j == label]) with COEF[row] =
     (a, lse_a, b, lse_b), written in G's dtype. G may alias Z's bytes (a 16-bit row over the first half
     of the fp32 row): the barrier makes every warp load a tile before any warp stores it, and a tile's

@@ -6,6 +6,7 @@ scales them by 1/T, updates the row's online log-sum-exp (max m, rescaled sum l 
 maximum of every group of GROUP consecutive entries (the grouped top-k of ``extract.py`` picks
 its candidate groups from those).
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,19 @@ BLOCK = 4096
 
 
 @triton.jit
-def chunk_scan_kernel(z_ptr, m_ptr, l_ptr, gmax_ptr, n_cols, n_groups, stride_z, stride_g, inv_temp,
-                      GROUP: tl.constexpr, BLOCK: tl.constexpr):
+def chunk_scan_kernel(
+    z_ptr,
+    m_ptr,
+    l_ptr,
+    gmax_ptr,
+    n_cols,
+    n_groups,
+    stride_z,
+    stride_g,
+    inv_temp,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     inv_temp = f32(inv_temp)
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
@@ -49,6 +61,20 @@ def scan_chunk(z: torch.Tensor, state: Online, inv_temp: float, group: int) -> t
     gmax = torch.empty(rows, n_groups, dtype=torch.float32, device=z.device)
     if rows and n_cols:
         block = max(group, min(BLOCK, next_pow2(n_cols)))
-        launch(chunk_scan_kernel, (rows,), z, state.m, state.l, gmax, n_cols, n_groups, z.stride(0), gmax.stride(0),
-               inv_temp, GROUP=group, BLOCK=block, num_warps=4)
+        launch(
+            chunk_scan_kernel,
+            (rows,),
+            z,
+            state.m,
+            state.l,
+            gmax,
+            n_cols,
+            n_groups,
+            z.stride(0),
+            gmax.stride(0),
+            inv_temp,
+            GROUP=group,
+            BLOCK=block,
+            num_warps=4,
+        )
     return gmax

@@ -1,6 +1,7 @@
 """Kernels of topk_kl(normalize="topk"): the student's logits at the K stored ids (gathered rows of the
 head, no vocab-wide work), the per-row divergence and its coefficients, dX, and dW over the entries
 sorted by id."""
+
 from __future__ import annotations
 
 import triton
@@ -41,8 +42,25 @@ def _entries(IDS, LP, at_i, at_l, valid, V):
 
 
 @triton.jit
-def support_logits_kernel(X, W, IDS, LP, MASK, Z, N, K, D, V, stride_xn, stride_wv, stride_in, stride_ln,
-                           BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_D: tl.constexpr):
+def support_logits_kernel(
+    X,
+    W,
+    IDS,
+    LP,
+    MASK,
+    Z,
+    N,
+    K,
+    D,
+    V,
+    stride_xn,
+    stride_wv,
+    stride_in,
+    stride_ln,
+    BLOCK_R: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Z[n, k] += x_n . W[id_nk] over one block of columns (fp32 atomic adds into zeroed Z). The row tiles
     of one column block run before the next block's, so W cut to the block (V * BLOCK_D) stays in L2:
     each row of W comes from HBM about once per pass instead of once per entry."""
@@ -53,20 +71,47 @@ def support_logits_kernel(X, W, IDS, LP, MASK, Z, N, K, D, V, stride_xn, stride_
     x = tl.load(X + rows[:, None] * stride_xn + offs_d[None, :], mask=counted & dm[None, :], other=0.0)
     for k0 in range(0, K, BLOCK_KB):
         offs_k = (k0 + tl.arange(0, BLOCK_KB))[None, :]
-        ids, ok = _entries(IDS, LP, rows[:, None] * stride_in + offs_k, rows[:, None] * stride_ln + offs_k,
-                           counted & (offs_k < K), V)
-        w = tl.load(W + ids[:, :, None] * stride_wv + offs_d[None, None, :], mask=ok[:, :, None] & dm[None, None, :],
-                    other=0.0)
+        ids, ok = _entries(
+            IDS, LP, rows[:, None] * stride_in + offs_k, rows[:, None] * stride_ln + offs_k, counted & (offs_k < K), V
+        )
+        w = tl.load(
+            W + ids[:, :, None] * stride_wv + offs_d[None, None, :], mask=ok[:, :, None] & dm[None, None, :], other=0.0
+        )
         part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[:, None, :], axis=2)
         tl.atomic_add(Z + rows[:, None] * K + offs_k, part, mask=ok, sem="relaxed")
 
 
 @triton.jit
-def support_fwd_kernel(X, W, B, IDS, LP, MASK, KD, COEF, KEY, COUNTS, K, D, V,
-                        stride_xn, stride_wv, stride_in, stride_ln,
-                        inv_temp, param, log_a, log_1ma,
-                        HAS_BIAS: tl.constexpr, RENORM_T: tl.constexpr, DIVERGENCE: tl.constexpr,
-                        HAS_Z: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_D: tl.constexpr):
+def support_fwd_kernel(
+    X,
+    W,
+    B,
+    IDS,
+    LP,
+    MASK,
+    KD,
+    COEF,
+    KEY,
+    COUNTS,
+    K,
+    D,
+    V,
+    stride_xn,
+    stride_wv,
+    stride_in,
+    stride_ln,
+    inv_temp,
+    param,
+    log_a,
+    log_1ma,
+    HAS_BIAS: tl.constexpr,
+    RENORM_T: tl.constexpr,
+    DIVERGENCE: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """One row: its keys, the [K] math, its coefficients and divergence. The raw logits are in the row's
     coefficient slots already (HAS_Z: from ``support_logits_kernel``) or gathered here (x_n . W[id],
     the same fp32 sums, in a fixed order: the deterministic path). HAS_Z also counts the entries of
@@ -108,8 +153,23 @@ def support_fwd_kernel(X, W, B, IDS, LP, MASK, KD, COEF, KEY, COUNTS, K, D, V,
 
 
 @triton.jit
-def support_dx_kernel(W, KEY, COEF, SCALE, DX, N, K, D, V, stride_wv, stride_dn, scale_stride,
-                       BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_D: tl.constexpr):
+def support_dx_kernel(
+    W,
+    KEY,
+    COEF,
+    SCALE,
+    DX,
+    N,
+    K,
+    D,
+    V,
+    stride_wv,
+    stride_dn,
+    scale_stride,
+    BLOCK_R: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """A [BLOCK_R rows, BLOCK_D columns] tile of dX = g sum_k c_k W[key_k]. The row tiles of one column
     block run before the next block's, so the gathered rows of W, cut to the block (V * BLOCK_D), stay in L2."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -123,12 +183,18 @@ def support_dx_kernel(W, KEY, COEF, SCALE, DX, N, K, D, V, stride_wv, stride_dn,
         key = tl.load(KEY + at, mask=rm[:, None] & (offs_k < K)[None, :], other=V)
         ok = key < V
         c = tl.load(COEF + at, mask=ok, other=0.0)
-        w = tl.load(W + tl.where(ok, key, 0).to(tl.int64)[:, :, None] * stride_wv + offs_d[None, None, :],
-                    mask=ok[:, :, None] & dm[None, None, :], other=0.0)
+        w = tl.load(
+            W + tl.where(ok, key, 0).to(tl.int64)[:, :, None] * stride_wv + offs_d[None, None, :],
+            mask=ok[:, :, None] & dm[None, None, :],
+            other=0.0,
+        )
         acc += tl.sum(w.to(tl.float32) * c[:, :, None], axis=1)
     g = tl.load(SCALE + rows * scale_stride, mask=rm, other=0.0)
-    tl.store(DX + rows[:, None] * stride_dn + offs_d[None, :], (acc * g[:, None]).to(DX.dtype.element_ty),
-             mask=rm[:, None] & dm[None, :])
+    tl.store(
+        DX + rows[:, None] * stride_dn + offs_d[None, :],
+        (acc * g[:, None]).to(DX.dtype.element_ty),
+        mask=rm[:, None] & dm[None, :],
+    )
 
 
 @triton.jit
@@ -137,14 +203,30 @@ def _entry_terms(X, ROWS, CS, pos, has, offs_d, dm, stride_xn):
     tile has pos's shape + [BLOCK_D]. Two dependent loads: the entry's row and term, then its x row."""
     row = tl.load(ROWS + pos, mask=has, other=0)
     c = tl.load(CS + pos, mask=has, other=0.0)
-    x = tl.load(X + tl.expand_dims(row.to(tl.int64) * stride_xn, -1) + offs_d, mask=tl.expand_dims(has, -1) & dm,
-                other=0.0)
+    x = tl.load(
+        X + tl.expand_dims(row.to(tl.int64) * stride_xn, -1) + offs_d, mask=tl.expand_dims(has, -1) & dm, other=0.0
+    )
     return c, x.to(tl.float32)
 
 
 @triton.jit
-def sorted_entries_kernel(KEY, COEF, SCALE, CURSOR, OFFS, ORDER, ROWS, CS, SORTED, E, V, K, scale_stride,
-                           COUNTING: tl.constexpr, BLOCK: tl.constexpr):
+def sorted_entries_kernel(
+    KEY,
+    COEF,
+    SCALE,
+    CURSOR,
+    OFFS,
+    ORDER,
+    ROWS,
+    CS,
+    SORTED,
+    E,
+    V,
+    K,
+    scale_stride,
+    COUNTING: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """What dW reads at each sorted position: the entry's row, its term g_row c and its key.
     COUNTING (a counting sort's last step): entry e with key v < V takes the next slot of v's bucket
     [OFFS[v], OFFS[v + 1]) from the zeroed counter CURSOR[v]; the order inside a bucket is whatever the
@@ -169,8 +251,24 @@ def sorted_entries_kernel(KEY, COEF, SCALE, CURSOR, OFFS, ORDER, ROWS, CS, SORTE
 
 
 @triton.jit
-def dw_long_kernel(X, ROWS, CS, KEYS, OFFS, PART, PART_B, PKEYS, E, V, D, stride_xn,
-                    HAS_BIAS: tl.constexpr, CAP: tl.constexpr, SUB: tl.constexpr, BLOCK_D: tl.constexpr):
+def dw_long_kernel(
+    X,
+    ROWS,
+    CS,
+    KEYS,
+    OFFS,
+    PART,
+    PART_B,
+    PKEYS,
+    E,
+    V,
+    D,
+    stride_xn,
+    HAS_BIAS: tl.constexpr,
+    CAP: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """One window of CAP sorted entries: its sums over the entries of long rows (count > CAP), in the
     window's two slots (PART[2w], PART[2w + 1], their keys in PKEYS), no atomics. A long row has more
     than CAP entries, so a window meets at most two of them (one ending, one starting); windows
@@ -217,9 +315,27 @@ def dw_long_kernel(X, ROWS, CS, KEYS, OFFS, PART, PART_B, PKEYS, E, V, D, stride
 
 
 @triton.jit
-def dw_rows_kernel(X, ROWS, CS, OFFS, PART, PART_B, PKEYS, DW, DB, V, D, stride_xn, stride_wv,
-                    HAS_BIAS: tl.constexpr, CAP: tl.constexpr, BLOCK_R: tl.constexpr, J: tl.constexpr,
-                    BLOCK_D: tl.constexpr, D_STEPS: tl.constexpr):
+def dw_rows_kernel(
+    X,
+    ROWS,
+    CS,
+    OFFS,
+    PART,
+    PART_B,
+    PKEYS,
+    DW,
+    DB,
+    V,
+    D,
+    stride_xn,
+    stride_wv,
+    HAS_BIAS: tl.constexpr,
+    CAP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    J: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D_STEPS: tl.constexpr,
+):
     """A [BLOCK_R vocab rows, D_STEPS * BLOCK_D] tile of dW (and db): the rows' entries walked in lock
     step, J entries of every row per step (their loads in flight together); long rows (count > CAP)
     add up the slots ``dw_long_kernel`` wrote for them, window by window (a fixed order); rows without
@@ -243,8 +359,9 @@ def dw_rows_kernel(X, ROWS, CS, OFFS, PART, PART_B, PKEYS, DW, DB, V, D, stride_
         acc_b = tl.zeros([BLOCK_R], dtype=tl.float32)
         for j0 in range(0, tl.max(steps, axis=0), J):
             has = (j0 + jj)[None, :] < steps[:, None]
-            c, x = _entry_terms(X, ROWS, CS, start[:, None] + j0 + jj[None, :], has, offs_d[None, None, :],
-                                dm[None, None, :], stride_xn)
+            c, x = _entry_terms(
+                X, ROWS, CS, start[:, None] + j0 + jj[None, :], has, offs_d[None, None, :], dm[None, None, :], stride_xn
+            )
             acc += tl.sum(c[:, :, None] * x, axis=1)
             acc_b += tl.sum(c, axis=1)
         if any_long:
@@ -252,12 +369,18 @@ def dw_rows_kernel(X, ROWS, CS, OFFS, PART, PART_B, PKEYS, DW, DB, V, D, stride_
                 has_w = j < n_w
                 w = first_w + j
                 slot = 2 * w + tl.where(tl.load(PKEYS + 2 * w, mask=has_w, other=-1) == offs_v, 0, 1)
-                acc += tl.load(PART + slot.to(tl.int64)[:, None] * D + offs_d[None, :],
-                               mask=has_w[:, None] & dm[None, :], other=0.0)
+                acc += tl.load(
+                    PART + slot.to(tl.int64)[:, None] * D + offs_d[None, :],
+                    mask=has_w[:, None] & dm[None, :],
+                    other=0.0,
+                )
                 if HAS_BIAS:
                     acc_b += tl.load(PART_B + slot, mask=has_w, other=0.0)
-        tl.store(DW + offs_v.to(tl.int64)[:, None] * stride_wv + offs_d[None, :], acc.to(DW.dtype.element_ty),
-                 mask=vm[:, None] & dm[None, :])
+        tl.store(
+            DW + offs_v.to(tl.int64)[:, None] * stride_wv + offs_d[None, :],
+            acc.to(DW.dtype.element_ty),
+            mask=vm[:, None] & dm[None, :],
+        )
         if HAS_BIAS:
             if pid_d + i == 0:
                 tl.store(DB + offs_v, acc_b.to(DB.dtype.element_ty), mask=vm)

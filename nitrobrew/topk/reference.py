@@ -3,6 +3,7 @@
 Builds the student's [rows, V] logits in float64 and lets autograd differentiate; written
 independently of ``rowmath`` (only the per-entry divergence formulas are shared).
 """
+
 from __future__ import annotations
 
 from typing import Optional

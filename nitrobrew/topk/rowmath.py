@@ -42,6 +42,7 @@ the student side and is dropped on both sides (the teacher's 1 - sum_k p_k is th
 rounding of stored data). The teacher's tail, 1 - sum_k p_k of the stored log-probs, is computed
 with ``log1mexp``.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,13 +59,13 @@ NEG_INF = float("-inf")
 
 @dataclass(frozen=True)
 class TopKConfig:
-    divergence: str          # canonical name (nitrobrew.divergences)
-    param: float             # jsd beta / skew alpha
-    normalize: str           # "full" or "topk"
+    divergence: str  # canonical name (nitrobrew.divergences)
+    param: float  # jsd beta / skew alpha
+    normalize: str  # "full" or "topk"
     tail: bool
-    temperature: float       # applied to the student logits
-    kd_weight: float         # T^2 already folded in when asked for
-    ce_weight: float         # hard-label CE at temperature 1 (normalize="full" only)
+    temperature: float  # applied to the student logits
+    kd_weight: float  # T^2 already folded in when asked for
+    ce_weight: float  # hard-label CE at temperature 1 (normalize="full" only)
     chunk_V: Optional[int] = None
     softcap_s: Optional[float] = None  # final-logit softcapping of the student (z -> c tanh(z / c)), None = off
 
@@ -102,10 +103,10 @@ def masked_lse(x: Tensor, valid: Tensor) -> Tensor:
 
 @dataclass
 class RowResult:
-    kd: Tensor                       # [N] divergence per row (compute dtype)
-    sparse: Tensor                   # [N, K] dD/ds_k (tempered-logit units), 0 at invalid entries
-    dense: Optional[Tensor]          # [N] dD/dlse_s (normalize="full", no tail), multiplies q_j over the vocab
-    tail: Optional[Tensor] = None    # [N] (tail=True) multiplies exp(s_j - lse_tail) outside the ids
+    kd: Tensor  # [N] divergence per row (compute dtype)
+    sparse: Tensor  # [N, K] dD/ds_k (tempered-logit units), 0 at invalid entries
+    dense: Optional[Tensor]  # [N] dD/dlse_s (normalize="full", no tail), multiplies q_j over the vocab
+    tail: Optional[Tensor] = None  # [N] (tail=True) multiplies exp(s_j - lse_tail) outside the ids
     lse_tail: Optional[Tensor] = None  # [N] logsumexp of s_j over the ids outside the valid top-k
 
 
@@ -147,8 +148,9 @@ def _exclusive_lse(x: Tensor) -> Tensor:
     return torch.logaddexp(before, after)
 
 
-def _tail_rows(kd: Tensor, u: Tensor, lq: Tensor, lp_v: Tensor, valid: Tensor, lse_s: Tensor, lse_tail: Tensor,
-               cfg: TopKConfig) -> RowResult:
+def _tail_rows(
+    kd: Tensor, u: Tensor, lq: Tensor, lp_v: Tensor, valid: Tensor, lse_s: Tensor, lse_tail: Tensor, cfg: TopKConfig
+) -> RowResult:
     """Add the tail bucket and form the gradient in the rearranged form of the module notes."""
     has_tail = torch.isfinite(lse_tail)
     lq_t = torch.where(has_tail, lse_tail - lse_s, torch.full_like(lse_s, NEG_INF))
@@ -165,8 +167,9 @@ def _tail_rows(kd: Tensor, u: Tensor, lq: Tensor, lp_v: Tensor, valid: Tensor, l
     return RowResult(kd + phi_t, sparse, None, outside, lse_tail)
 
 
-def topk_rows(s: Tensor, lp: Tensor, valid: Tensor, lse_s: Optional[Tensor], cfg: TopKConfig,
-              lse_tail: Optional[Tensor] = None) -> RowResult:
+def topk_rows(
+    s: Tensor, lp: Tensor, valid: Tensor, lse_s: Optional[Tensor], cfg: TopKConfig, lse_tail: Optional[Tensor] = None
+) -> RowResult:
     """Divergence and gradient coefficients per row.
 
     s: [N, K] tempered student logits at the stored ids; lp: [N, K] stored teacher log-probs

@@ -30,6 +30,7 @@ the umask's mode. A writer holds an exclusive lock on the store (``.lock``); an 
 over processes writes one part manifest per process, merged into ``manifest.json`` by the last
 part (``TopKWriter``). The manifest is checked against a schema when read (``validate_manifest``).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -49,17 +50,28 @@ from .._io import atomic_write_bytes
 FORMAT = "nitrobrew-topk"
 VERSION = 1
 MANIFEST = "manifest.json"
-LOGPROB_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                  "uint8": torch.uint8}
+LOGPROB_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
 QUANTIZED = "uint8"  # codes + a per-row scale (see quantize_logprobs)
 # top-k ids: int32 [rows, K], or packed little-endian into 2 or 3 bytes ([rows, K, n] uint8) when the
 # vocabulary fits: the ids are most of a position's bytes
 ID_DTYPES = {"int32": (4, 1 << 31), "uint16": (2, 1 << 16), "uint24": (3, 1 << 24)}
-ALIGNMENT = ("row i of a sequence of L tokens (0 <= i < L - 1) is the teacher's distribution over token i + 1; "
-             "the last position is not stored")
+ALIGNMENT = (
+    "row i of a sequence of L tokens (0 <= i < L - 1) is the teacher's distribution over token i + 1; "
+    "the last position is not stored"
+)
 # header fields that must agree when an extraction resumes into an existing store
-HEADER_KEYS = ("model", "k", "temperature", "logprob_dtype", "vocab_size", "head_rows", "sequences_per_shard",
-               "source", "num_sequences", "id_dtype")
+HEADER_KEYS = (
+    "model",
+    "k",
+    "temperature",
+    "logprob_dtype",
+    "vocab_size",
+    "head_rows",
+    "sequences_per_shard",
+    "source",
+    "num_sequences",
+    "id_dtype",
+)
 
 
 class StoreError(ValueError):
@@ -153,15 +165,35 @@ class ShardInfo:
 
 # ------------------------------------------------------------------------------- manifest schema
 
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-_HEADER_SCHEMA = {"model": str, "k": int, "temperature": float, "logprob_dtype": str, "id_dtype": str, "vocab_size": int,
-                  "head_rows": int, "sequences_per_shard": int, "num_sequences": int, "source": dict,
-                  "shards": list, "complete": bool}
-_SHARD_SCHEMA = {"index": int, "file": str, "first_sequence": int, "sequences": int, "rows": int, "tokens": int,
-                 "bytes": int, "sha256": str}
+_HEADER_SCHEMA = {
+    "model": str,
+    "k": int,
+    "temperature": float,
+    "logprob_dtype": str,
+    "id_dtype": str,
+    "vocab_size": int,
+    "head_rows": int,
+    "sequences_per_shard": int,
+    "num_sequences": int,
+    "source": dict,
+    "shards": list,
+    "complete": bool,
+}
+_SHARD_SCHEMA = {
+    "index": int,
+    "file": str,
+    "first_sequence": int,
+    "sequences": int,
+    "rows": int,
+    "tokens": int,
+    "bytes": int,
+    "sha256": str,
+}
 
 
 def _check_fields(obj, schema: Dict, where: str) -> None:
@@ -171,8 +203,13 @@ def _check_fields(obj, schema: Dict, where: str) -> None:
         if key not in obj:
             raise StoreError(f"{where} lacks the field {key!r}")
         value = obj[key]
-        ok = (_is_int(value) if kind is int else
-              (_is_int(value) or isinstance(value, float)) if kind is float else isinstance(value, kind))
+        ok = (
+            _is_int(value)
+            if kind is int
+            else (_is_int(value) or isinstance(value, float))
+            if kind is float
+            else isinstance(value, kind)
+        )
         if not ok:
             raise StoreError(f"{where}: field {key!r} must be {kind.__name__}, got {value!r}")
 
@@ -190,8 +227,9 @@ def validate_manifest(man, where: str, part: bool = False) -> None:
     if man["logprob_dtype"] not in LOGPROB_DTYPES:
         raise StoreError(f"{where}: logprob_dtype {man['logprob_dtype']!r} is not one of {sorted(LOGPROB_DTYPES)}")
     if man["id_dtype"] not in ID_DTYPES or V > ID_DTYPES[man["id_dtype"]][1]:
-        raise StoreError(f"{where}: id_dtype {man['id_dtype']!r} cannot hold a vocabulary of {V} "
-                         f"(one of {sorted(ID_DTYPES)})")
+        raise StoreError(
+            f"{where}: id_dtype {man['id_dtype']!r} cannot hold a vocabulary of {V} (one of {sorted(ID_DTYPES)})"
+        )
     if S <= 0 or n < 0:
         raise StoreError(f"{where}: sequences_per_shard must be > 0 and num_sequences >= 0, got {S} and {n}")
     num_shards = (n + S - 1) // S
@@ -208,8 +246,10 @@ def validate_manifest(man, where: str, part: bool = False) -> None:
             raise StoreError(f"{where}: shard {j}'s file must be {shard_name(j)!r}, got {info['file']!r}")
         first, count = j * S, min((j + 1) * S, n) - j * S
         if (info["first_sequence"], info["sequences"]) != (first, count):
-            raise StoreError(f"{where}: shard {j} must hold sequences [{first}, {first + count}), the manifest says "
-                             f"[{info['first_sequence']}, {info['first_sequence'] + info['sequences']})")
+            raise StoreError(
+                f"{where}: shard {j} must hold sequences [{first}, {first + count}), the manifest says "
+                f"[{info['first_sequence']}, {info['first_sequence'] + info['sequences']})"
+            )
         if min(info["rows"], info["tokens"], info["bytes"]) < 0 or len(info["sha256"]) != 64:
             raise StoreError(f"{where}: shard {j} has a negative size or a malformed sha256")
     if man["complete"] and not part:
@@ -251,8 +291,10 @@ def verify_shard(path: str, info: Dict) -> None:
         raise StoreError(f"shard {fpath} is truncated or corrupted: {size} bytes, the manifest says {info['bytes']}")
     digest = sha256_file(fpath)
     if digest != info["sha256"]:
-        raise StoreError(f"shard {fpath} is corrupted: sha256 {digest[:16]}... does not match the manifest's "
-                         f"{info['sha256'][:16]}...")
+        raise StoreError(
+            f"shard {fpath} is corrupted: sha256 {digest[:16]}... does not match the manifest's "
+            f"{info['sha256'][:16]}..."
+        )
 
 
 class _Lock:
@@ -265,8 +307,9 @@ class _Lock:
         try:
             self._lock.acquire()
         except Timeout:
-            raise StoreError(f"{what} (lock {path} is held); wait for it to finish, or use another output "
-                             "directory") from None
+            raise StoreError(
+                f"{what} (lock {path} is held); wait for it to finish, or use another output directory"
+            ) from None
 
     def release(self) -> None:
         self._lock.release()
@@ -278,23 +321,36 @@ def lock_store(path: str, num_parts: int = 1, part: int = 0) -> _Lock:
     os.makedirs(path, exist_ok=True)
     if num_parts == 1:
         return _Lock(os.path.join(path, ".lock"), f"another extraction is writing into {path!r}")
-    return _Lock(os.path.join(path, f".lock-part-{part}-of-{num_parts}"),
-                 f"another extraction of part {part} of {num_parts} is writing into {path!r}")
+    return _Lock(
+        os.path.join(path, f".lock-part-{part}-of-{num_parts}"),
+        f"another extraction of part {part} of {num_parts} is writing into {path!r}",
+    )
 
 
 def _new_manifest(header: Dict) -> Dict:
     return {"format": FORMAT, "version": VERSION, **header, "alignment": ALIGNMENT, "shards": [], "complete": False}
 
 
-def check_header(k, temperature, vocab_size: int, head_rows: int, logprob_dtype: str, sequences_per_shard,
-                 num_sequences, id_dtype: str = "int32") -> None:
+def check_header(
+    k,
+    temperature,
+    vocab_size: int,
+    head_rows: int,
+    logprob_dtype: str,
+    sequences_per_shard,
+    num_sequences,
+    id_dtype: str = "int32",
+) -> None:
     """ValueError for settings a store cannot hold (before anything is written)."""
     if not (_is_int(vocab_size) and _is_int(head_rows) and 0 < vocab_size <= head_rows):
         raise ValueError(f"vocab_size must be an int in [1, {head_rows}] (the head's rows), got {vocab_size!r}")
     if not (_is_int(k) and 0 < k <= vocab_size):
         raise ValueError(f"k must be an int in [1, {vocab_size}] (the vocabulary), got {k!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-            math.isfinite(temperature) and temperature > 0):
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not (math.isfinite(temperature) and temperature > 0)
+    ):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if logprob_dtype not in LOGPROB_DTYPES:
         raise ValueError(f"logprob_dtype must be one of {sorted(LOGPROB_DTYPES)}, got {logprob_dtype!r}")
@@ -321,20 +377,41 @@ class TopKWriter:
     wrote them, so the merged store is bit-identical to the single-process one.
     """
 
-    def __init__(self, path: str, *, model: str, k: int, temperature: float, vocab_size: int, head_rows: int,
-                 num_sequences: int, logprob_dtype: str = "float32", sequences_per_shard: int = 1024,
-                 source: Optional[Dict] = None, resume: bool = True, num_parts: int = 1, part: int = 0,
-                 lock: Optional[_Lock] = None, id_dtype: str = "int32"):
-        check_header(k, temperature, vocab_size, head_rows, logprob_dtype, sequences_per_shard, num_sequences,
-                     id_dtype)
+    def __init__(
+        self,
+        path: str,
+        *,
+        model: str,
+        k: int,
+        temperature: float,
+        vocab_size: int,
+        head_rows: int,
+        num_sequences: int,
+        logprob_dtype: str = "float32",
+        sequences_per_shard: int = 1024,
+        source: Optional[Dict] = None,
+        resume: bool = True,
+        num_parts: int = 1,
+        part: int = 0,
+        lock: Optional[_Lock] = None,
+        id_dtype: str = "int32",
+    ):
+        check_header(k, temperature, vocab_size, head_rows, logprob_dtype, sequences_per_shard, num_sequences, id_dtype)
         if not (_is_int(num_parts) and num_parts > 0 and _is_int(part) and 0 <= part < num_parts):
             raise ValueError(f"part must be an int in [0, num_parts) and num_parts >= 1, got {part!r} of {num_parts!r}")
         self.path, self.num_parts, self.part = path, num_parts, part
         self.merged: Optional[Dict] = None  # the complete manifest.json, once there is one
         header = {
-            "model": model, "k": int(k), "temperature": float(temperature), "logprob_dtype": logprob_dtype,
-            "vocab_size": int(vocab_size), "head_rows": int(head_rows), "sequences_per_shard": sequences_per_shard,
-            "source": source or {}, "num_sequences": int(num_sequences), "id_dtype": id_dtype,
+            "model": model,
+            "k": int(k),
+            "temperature": float(temperature),
+            "logprob_dtype": logprob_dtype,
+            "vocab_size": int(vocab_size),
+            "head_rows": int(head_rows),
+            "sequences_per_shard": sequences_per_shard,
+            "source": source or {},
+            "num_sequences": int(num_sequences),
+            "id_dtype": id_dtype,
         }
         self.header = header
         os.makedirs(path, exist_ok=True)
@@ -361,7 +438,8 @@ class TopKWriter:
                 raise StoreError(
                     f"cannot resume into {self.path!r}: its {key} is {man.get(key)!r}, this extraction's is "
                     f"{self.header[key]!r} (use another output directory, or --no-resume / resume=False to "
-                    "start over)")
+                    "start over)"
+                )
         return man
 
     def _parts_present(self) -> List[str]:
@@ -370,8 +448,10 @@ class TopKWriter:
     def _start_single(self, resume: bool) -> None:
         parts = self._parts_present()
         if resume and parts:
-            raise StoreError(f"{self.path!r} holds the parts of an extraction in several processes ({parts[0]}, ...): "
-                             "finish them with the same --num-shards, or start over with --no-resume")
+            raise StoreError(
+                f"{self.path!r} holds the parts of an extraction in several processes ({parts[0]}, ...): "
+                "finish them with the same --num-shards, or start over with --no-resume"
+            )
         if not resume:
             for f in parts:
                 os.unlink(os.path.join(self.path, f))
@@ -391,13 +471,17 @@ class TopKWriter:
         if os.path.exists(mpath) and resume:
             man = self._resumable(MANIFEST)
             if not man["complete"]:
-                raise StoreError(f"{self.path!r} holds an unfinished single-process extraction: finish it without "
-                                 "--num-shards, or start over with --no-resume")
+                raise StoreError(
+                    f"{self.path!r} holds an unfinished single-process extraction: finish it without "
+                    "--num-shards, or start over with --no-resume"
+                )
             self.merged = man  # every part is already in it: nothing to do
         other = [f for f in self._parts_present() if not f.endswith(f"-of-{self.num_parts:05d}.json")]
         if other:
-            raise StoreError(f"{self.path!r} holds parts of an extraction in another number of shards ({other[0]}): "
-                             "use the same --num-shards, or another output directory")
+            raise StoreError(
+                f"{self.path!r} holds parts of an extraction in another number of shards ({other[0]}): "
+                "use the same --num-shards, or another output directory"
+            )
         man = None
         if resume and os.path.exists(os.path.join(self.path, self._name)):
             man = self._resumable(self._name)
@@ -422,8 +506,11 @@ class TopKWriter:
 
         class _Held:  # the store-wide lock, held briefly by a part (a single-process run holds it throughout)
             def __enter__(self):
-                self.lock = _Lock(os.path.join(writer.path, ".lock"),
-                                  f"a single-process extraction is writing into {writer.path!r}", timeout=60)
+                self.lock = _Lock(
+                    os.path.join(writer.path, ".lock"),
+                    f"a single-process extraction is writing into {writer.path!r}",
+                    timeout=60,
+                )
 
             def __exit__(self, *exc):
                 self.lock.release()
@@ -449,26 +536,37 @@ class TopKWriter:
         s = self.header["sequences_per_shard"]
         return index * s, min((index + 1) * s, self.header["num_sequences"])
 
-    def write_shard(self, index: int, input_ids: Sequence[torch.Tensor], topk_ids: Sequence[torch.Tensor],
-                    topk_logprobs: Sequence[torch.Tensor], quantized: Optional[Sequence[torch.Tensor]] = None
-                    ) -> ShardInfo:
+    def write_shard(
+        self,
+        index: int,
+        input_ids: Sequence[torch.Tensor],
+        topk_ids: Sequence[torch.Tensor],
+        topk_logprobs: Sequence[torch.Tensor],
+        quantized: Optional[Sequence[torch.Tensor]] = None,
+    ) -> ShardInfo:
         """Write shard `index` (its sequences' tokens, and rows: L - 1 per sequence of L tokens).
 
         A uint8 store quantizes the log-probs; `quantized` (its per-sequence scale blocks [rows, 2],
         with `topk_logprobs` then the codes) writes already quantized rows as they are (an import)."""
         if not (_is_int(index) and 0 <= index < self.num_shards and self.owns(index)):
-            raise ValueError(f"shard {index!r} is not one of this writer's (part {self.part} of {self.num_parts}, "
-                             f"{self.num_shards} shards)")
+            raise ValueError(
+                f"shard {index!r} is not one of this writer's (part {self.part} of {self.num_parts}, "
+                f"{self.num_shards} shards)"
+            )
         first, last = self.shard_range(index)
         if len(input_ids) != last - first or len(topk_ids) != len(input_ids) or len(topk_logprobs) != len(input_ids):
-            raise ValueError(f"shard {index} holds sequences [{first}, {last}): got {len(input_ids)} sequences, "
-                             f"{len(topk_ids)} id blocks and {len(topk_logprobs)} log-prob blocks")
+            raise ValueError(
+                f"shard {index} holds sequences [{first}, {last}): got {len(input_ids)} sequences, "
+                f"{len(topk_ids)} id blocks and {len(topk_logprobs)} log-prob blocks"
+            )
         K = self.header["k"]
         for i, (t, a, b) in enumerate(zip(input_ids, topk_ids, topk_logprobs)):
             rows = max(int(t.numel()) - 1, 0)
             if tuple(a.shape) != (rows, K) or tuple(b.shape) != (rows, K):
-                raise ValueError(f"sequence {first + i} has {t.numel()} tokens: its top-k blocks must be "
-                                 f"({rows}, {K}), got {tuple(a.shape)} and {tuple(b.shape)}")
+                raise ValueError(
+                    f"sequence {first + i} has {t.numel()} tokens: its top-k blocks must be "
+                    f"({rows}, {K}), got {tuple(a.shape)} and {tuple(b.shape)}"
+                )
         quantize = self.header["logprob_dtype"] == QUANTIZED
         lp_dtype = torch.float32 if quantize and quantized is None else LOGPROB_DTYPES[self.header["logprob_dtype"]]
 
@@ -477,32 +575,45 @@ class TopKWriter:
             return torch.cumsum(sizes, 0)
 
         tensors = {
-            "input_ids": torch.cat([t.reshape(-1).to(torch.int32).cpu() for t in input_ids]) if input_ids
+            "input_ids": torch.cat([t.reshape(-1).to(torch.int32).cpu() for t in input_ids])
+            if input_ids
             else torch.zeros(0, dtype=torch.int32),
             "seq_offsets": offsets([t.reshape(-1) for t in input_ids]),
             "row_offsets": offsets(topk_ids),
-            "topk_ids": pack_ids(torch.cat([a.cpu() for a in topk_ids]) if topk_ids
-                                 else torch.zeros(0, K, dtype=torch.int32), self.header["id_dtype"]),
-            "topk_logprobs": torch.cat([b.to(lp_dtype).cpu() for b in topk_logprobs]) if topk_logprobs
+            "topk_ids": pack_ids(
+                torch.cat([a.cpu() for a in topk_ids]) if topk_ids else torch.zeros(0, K, dtype=torch.int32),
+                self.header["id_dtype"],
+            ),
+            "topk_logprobs": torch.cat([b.to(lp_dtype).cpu() for b in topk_logprobs])
+            if topk_logprobs
             else torch.zeros(0, K, dtype=lp_dtype),
         }
         if quantize:
             if quantized is None:
                 tensors["topk_logprobs"], tensors["topk_lp_scale"] = quantize_logprobs(tensors["topk_logprobs"])
             else:
-                tensors["topk_lp_scale"] = (torch.cat([q.float().cpu() for q in quantized]) if quantized
-                                            else torch.zeros(0, 2))
+                tensors["topk_lp_scale"] = (
+                    torch.cat([q.float().cpu() for q in quantized]) if quantized else torch.zeros(0, 2)
+                )
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         # one metadata entry: safetensors writes a map's entries in no fixed order, and a shard's
         # bytes must not depend on the run that wrote it (parts reproduce the single-process store)
         data = _safetensors().save(tensors, metadata={"format": f"{FORMAT} shard {index}"})
         name = shard_name(index)
         atomic_write_bytes(os.path.join(self.path, name), data)
-        info = ShardInfo(index=index, file=name, first_sequence=first, sequences=last - first,
-                         rows=int(tensors["topk_ids"].shape[0]), tokens=int(tensors["input_ids"].numel()),
-                         bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-        self.manifest["shards"] = sorted([s for s in self.manifest["shards"] if s["index"] != index] + [asdict(info)],
-                                         key=lambda s: s["index"])
+        info = ShardInfo(
+            index=index,
+            file=name,
+            first_sequence=first,
+            sequences=last - first,
+            rows=int(tensors["topk_ids"].shape[0]),
+            tokens=int(tensors["input_ids"].numel()),
+            bytes=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+        )
+        self.manifest["shards"] = sorted(
+            [s for s in self.manifest["shards"] if s["index"] != index] + [asdict(info)], key=lambda s: s["index"]
+        )
         self._write_manifest()
         return info
 
@@ -535,8 +646,9 @@ class TopKWriter:
             if not man["complete"]:
                 return self.manifest
             shards += man["shards"]
-        merged = _completed(dict(_new_manifest(self.header), shards=sorted(shards, key=lambda s: s["index"]),
-                                 complete=True))
+        merged = _completed(
+            dict(_new_manifest(self.header), shards=sorted(shards, key=lambda s: s["index"]), complete=True)
+        )
         validate_manifest(merged, os.path.join(self.path, MANIFEST))
         atomic_write_bytes(os.path.join(self.path, MANIFEST), _manifest_bytes(merged))
         for p in range(self.num_parts):
@@ -586,8 +698,10 @@ class TopKStore:
         shards: List[Dict] = self.manifest["shards"]
         if not self.manifest.get("complete"):
             if not allow_incomplete:
-                raise StoreError(f"store {path!r} is incomplete ({len(shards)} shards written): finish the "
-                                 "extraction (it resumes), or pass allow_incomplete=True to read the written shards")
+                raise StoreError(
+                    f"store {path!r} is incomplete ({len(shards)} shards written): finish the "
+                    "extraction (it resumes), or pass allow_incomplete=True to read the written shards"
+                )
             # only the leading run of consecutive shards is addressable by sequence index
             run = []
             for i, s in enumerate(shards):
@@ -643,7 +757,8 @@ class TopKStore:
             handle = safe_open(fpath, framework="pt")
             names = set(handle.keys())
             need = ("input_ids", "seq_offsets", "row_offsets", "topk_ids", "topk_logprobs") + (
-                ("topk_lp_scale",) if self.manifest["logprob_dtype"] == QUANTIZED else ())
+                ("topk_lp_scale",) if self.manifest["logprob_dtype"] == QUANTIZED else ()
+            )
             missing = [n for n in need if n not in names]
             if missing:
                 raise StoreError(f"shard {fpath} lacks tensors {missing}")
@@ -655,8 +770,10 @@ class TopKStore:
             raise StoreError(f"shard {fpath} cannot be read ({err})") from err
         want = [info["rows"], K]
         if shapes != [want, want] or small["seq_offsets"].numel() != info["sequences"] + 1:
-            raise StoreError(f"shard {fpath} does not match the manifest: top-k tensors {shapes}, expected {want} "
-                             f"(K = {K}), {small['seq_offsets'].numel() - 1} sequences, expected {info['sequences']}")
+            raise StoreError(
+                f"shard {fpath} does not match the manifest: top-k tensors {shapes}, expected {want} "
+                f"(K = {K}), {small['seq_offsets'].numel() - 1} sequences, expected {info['sequences']}"
+            )
         while len(self._open) >= self.max_open_shards:
             self._open.popitem(last=False)
         self._open[j] = (small, handle)

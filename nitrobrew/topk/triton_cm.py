@@ -9,6 +9,7 @@ Kept beside the fast mode (which is faster at a 64 MiB slab budget) because it i
 working memory does not depend on a slab: O(N * K) state, 7-25 MiB at N = 4096-16384, K = 64
 (docs/topk.md), against 69-134 MiB for the fast mode's smallest useful budget.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,9 +54,9 @@ PAD_ID = 2**31 - 1  # sorts after every real id and matches no column
 class RowIds:
     """Each row's valid ids in ascending order, as the kernels search them (``_tile_row_ids``)."""
 
-    ids: Tensor    # [N, K] int32, PAD_ID at padding entries (last)
+    ids: Tensor  # [N, K] int32, PAD_ID at padding entries (last)
     order: Tensor  # [N, K] int64: ids[n, j] = topk_ids[n, order[n, j]]
-    steps: int     # binary-search steps over K entries: ceil(log2(K + 1))
+    steps: int  # binary-search steps over K entries: ceil(log2(K + 1))
 
     @staticmethod
     def build(ids: Tensor, valid: Tensor) -> "RowIds":
@@ -118,16 +119,33 @@ def gather_logits(xs: Tensor, ws: Tensor, bs: Optional[Tensor], ids: Tensor) -> 
         return out
     block_k = 16 if _interpreting() else 32
     block_d = 16 if _interpreting() else 256
-    launch(kern._gather_kernel, (N, cdiv(K, block_k)),
-        xs, ws, bs if bs is not None else xs, ids, out, K, D, ws.shape[0],
-        xs.stride(0), ws.stride(0), ids.stride(0), out.stride(0),
-        HAS_BIAS=bs is not None, ACC=tl.float32, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4,
+    launch(
+        kern._gather_kernel,
+        (N, cdiv(K, block_k)),
+        xs,
+        ws,
+        bs if bs is not None else xs,
+        ids,
+        out,
+        K,
+        D,
+        ws.shape[0],
+        xs.stride(0),
+        ws.stride(0),
+        ids.stride(0),
+        out.stride(0),
+        HAS_BIAS=bs is not None,
+        ACC=tl.float32,
+        BLOCK_K=block_k,
+        BLOCK_D=block_d,
+        num_warps=4,
     )
     return out
 
 
-def lse_range(xs: Tensor, ws: Tensor, bs: Optional[Tensor], temperature: float, with_raw: bool,
-              outside: Optional[RowIds] = None) -> Tuple[Tensor, Optional[Tensor]]:
+def lse_range(
+    xs: Tensor, ws: Tensor, bs: Optional[Tensor], temperature: float, with_raw: bool, outside: Optional[RowIds] = None
+) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-row log-sum-exp of the tempered logits over the rows of ws
     (only over the ids not in ``outside``'s rows, when given: the tail bucket), and of the raw ones
     (over all of them)."""
@@ -142,18 +160,56 @@ def lse_range(xs: Tensor, ws: Tensor, bs: Optional[Tensor], temperature: float, 
     grid = (cdiv(N, c.block_b) * cdiv(V, c.block_v),)
     ids = outside.ids if outside is not None else locks
     K = ids.shape[1] if outside is not None else 1
-    launch(kern._lse_kernel, grid,
-        xs, ws, bs if bs is not None else xs, lse_s, lse_z, locks, ids, N, V, D, K,
-        outside.steps if outside is not None else 0, 1.0 / temperature, xs.stride(0), ws.stride(0), K,
-        HAS_BIAS=bs is not None, HAS_Z=with_raw, TAIL=outside is not None, DOT_PREC=_dot_prec(xs.dtype),
-        BLOCK_B=c.block_b, BLOCK_V=c.block_v, BLOCK_D=c.block_d, GROUP_B=c.group_b,
-        EVEN_D=D % c.block_d == 0, DOT_F32=_dot_f32(xs.dtype), num_warps=c.num_warps, num_stages=c.num_stages,
+    launch(
+        kern._lse_kernel,
+        grid,
+        xs,
+        ws,
+        bs if bs is not None else xs,
+        lse_s,
+        lse_z,
+        locks,
+        ids,
+        N,
+        V,
+        D,
+        K,
+        outside.steps if outside is not None else 0,
+        1.0 / temperature,
+        xs.stride(0),
+        ws.stride(0),
+        K,
+        HAS_BIAS=bs is not None,
+        HAS_Z=with_raw,
+        TAIL=outside is not None,
+        DOT_PREC=_dot_prec(xs.dtype),
+        BLOCK_B=c.block_b,
+        BLOCK_V=c.block_v,
+        BLOCK_D=c.block_d,
+        GROUP_B=c.group_b,
+        EVEN_D=D % c.block_d == 0,
+        DOT_F32=_dot_f32(xs.dtype),
+        num_warps=c.num_warps,
+        num_stages=c.num_stages,
     )
     return lse_s, (lse_z if with_raw else None)
 
 
-def full_backward_range(xs, ws, bs, lse_s, lse_z, dense: DenseCoef, ce_scale, labels, row_ids: RowIds, coef,
-                        temperature, need_w: bool = True, accum: Optional[str] = None):
+def full_backward_range(
+    xs,
+    ws,
+    bs,
+    lse_s,
+    lse_z,
+    dense: DenseCoef,
+    ce_scale,
+    labels,
+    row_ids: RowIds,
+    coef,
+    temperature,
+    need_w: bool = True,
+    accum: Optional[str] = None,
+):
     """(dX, dW, db) w.r.t. the raw logits: coef at each
     row's stored ids (coef [N * K] in the order of topk_ids) + the dense part dense.q_n * q_nj, or
     with the tail dense.tail_n * exp(s_nj - lse_tail_n) outside the row's ids, + the CE part
@@ -176,17 +232,52 @@ def full_backward_range(xs, ws, bs, lse_s, lse_z, dense: DenseCoef, ce_scale, la
     locks_x = torch.zeros(n_rb * n_dch, dtype=torch.int32, device=xs.device)
     locks_w = torch.zeros(n_vt * n_dch if need_w else 1, dtype=torch.int32, device=xs.device)
     if N > 0 and V > 0:
-        launch(kern._full_bwd_kernel, (n_rb * n_vt,),
-            xs, ws, bs if bs is not None else xs, lse_s, lse_z if has_ce else lse_s,
+        launch(
+            kern._full_bwd_kernel,
+            (n_rb * n_vt,),
+            xs,
+            ws,
+            bs if bs is not None else xs,
+            lse_s,
+            lse_z if has_ce else lse_s,
             f32(dense.q) if not tail else lse_s,
-            f32(ce_scale) if has_ce else lse_s, labels.to(torch.int32).contiguous() if has_ce else locks_x,
-            row_ids.ids, coef_s, f32(dense.tail) if tail else lse_s, f32(lse_t) if tail else lse_s,
-            dx, dw, db, locks_x, locks_w, N, V, D, row_ids.ids.shape[1], row_ids.steps, 1.0 / temperature,
-            xs.stride(0), ws.stride(0), dx.stride(0), dw.stride(0), row_ids.ids.stride(0), n_dch,
-            HAS_BIAS=bs is not None, HAS_CE=has_ce, TAIL=tail, NEED_W=need_w, DOT_PREC=_dot_prec(xs.dtype),
-            BLOCK_B=c.block_b, BLOCK_V=c.block_v, BLOCK_D=c.block_d, MM_BLOCK_D=c.mm_block_d,
-            GROUP_B=c.group_b, EVEN_D=D % c.block_d == 0, DOT_F32=_dot_f32(xs.dtype),
-            num_warps=c.num_warps, num_stages=c.num_stages,
+            f32(ce_scale) if has_ce else lse_s,
+            labels.to(torch.int32).contiguous() if has_ce else locks_x,
+            row_ids.ids,
+            coef_s,
+            f32(dense.tail) if tail else lse_s,
+            f32(lse_t) if tail else lse_s,
+            dx,
+            dw,
+            db,
+            locks_x,
+            locks_w,
+            N,
+            V,
+            D,
+            row_ids.ids.shape[1],
+            row_ids.steps,
+            1.0 / temperature,
+            xs.stride(0),
+            ws.stride(0),
+            dx.stride(0),
+            dw.stride(0),
+            row_ids.ids.stride(0),
+            n_dch,
+            HAS_BIAS=bs is not None,
+            HAS_CE=has_ce,
+            TAIL=tail,
+            NEED_W=need_w,
+            DOT_PREC=_dot_prec(xs.dtype),
+            BLOCK_B=c.block_b,
+            BLOCK_V=c.block_v,
+            BLOCK_D=c.block_d,
+            MM_BLOCK_D=c.mm_block_d,
+            GROUP_B=c.group_b,
+            EVEN_D=D % c.block_d == 0,
+            DOT_F32=_dot_f32(xs.dtype),
+            num_warps=c.num_warps,
+            num_stages=c.num_stages,
         )
     return dx, (dw if need_w else None), (db if (bs is not None and need_w) else None)
 
@@ -202,12 +293,19 @@ class TritonTopK(torch.autograd.Function):
         row_ids = RowIds.build(ids, valid)
         ids_g = ids if not cfg.with_ce else torch.cat([ids, labels.clamp_min(0)[:, None]], 1)
         z = gather_logits(xs, ws, bs, ids_g.contiguous())
-        lse_s, lse_z = lse_range(xs, ws, bs, cfg.temperature, cfg.with_ce and cfg.temperature != 1.0,
-                                 outside=row_ids if cfg.tail else None)
+        lse_s, lse_z = lse_range(
+            xs, ws, bs, cfg.temperature, cfg.with_ce and cfg.temperature != 1.0, outside=row_ids if cfg.tail else None
+        )
         ones = torch.ones_like(lse_s)
         res, lse_s, lse_z, ce = finish(
-            z[:, :K].reshape(-1), lpc, valid, Online(lse_s, ones),
-            None if lse_z is None else Online(lse_z, ones), z[:, K] if cfg.with_ce else None, cfg)
+            z[:, :K].reshape(-1),
+            lpc,
+            valid,
+            Online(lse_s, ones),
+            None if lse_z is None else Online(lse_z, ones),
+            z[:, K] if cfg.with_ce else None,
+            cfg,
+        )
         total, kd, ce_rows = combine_rows(res, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, labels, mask)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.cfg, ctx.row_ids = res, lse_s, lse_z, cfg, row_ids
@@ -221,8 +319,9 @@ class TritonTopK(torch.autograd.Function):
         cfg = ctx.cfg
         coef, dense, ce_scale = row_coefficients(grad_total, mask, ctx.res, cfg)
         need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        dx, dw, db = full_backward_range(xs, ws, bs, ctx.lse_s, ctx.lse_z, dense, ce_scale, labels, ctx.row_ids,
-                                         coef, cfg.temperature, need_w=need_w)
+        dx, dw, db = full_backward_range(
+            xs, ws, bs, ctx.lse_s, ctx.lse_z, dense, ce_scale, labels, ctx.row_ids, coef, cfg.temperature, need_w=need_w
+        )
         dw = None if dw is None else dw.to(ws.dtype)
         db = None if db is None else db.to(bs.dtype)
         dx = dx.to(xs.dtype) if ctx.needs_input_grad[0] else None

@@ -18,6 +18,7 @@ non-unit upstream gradient) the backward recomputes the slabs. C follows ``memor
 ``DEFAULT_BUDGET`` bytes of slab). The other mode ("constant_memory", ``triton_cm``) keeps
 O(rows * K) memory with fused CCE-style kernels and is several times slower.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -46,8 +47,9 @@ class FastPlan:
     dw_fp32: bool
 
 
-def make_fast_plan(n: int, v: int, d: int, dtype: torch.dtype, memory_budget: Optional[int],
-                   reduction: str) -> FastPlan:
+def make_fast_plan(
+    n: int, v: int, d: int, dtype: torch.dtype, memory_budget: Optional[int], reduction: str
+) -> FastPlan:
     budget = memory_budget or DEFAULT_BUDGET
     rows = budget // (4 * max(v, 1))
     rows = rows - rows % 64 if rows >= 128 else max(rows, 1)
@@ -62,11 +64,11 @@ def make_fast_plan(n: int, v: int, d: int, dtype: torch.dtype, memory_budget: Op
 class BlockRows:
     """One row block's statistics: the raw logits at the ids (and label), and the forward's results."""
 
-    z_ids: torch.Tensor            # [C, K] fp32
+    z_ids: torch.Tensor  # [C, K] fp32
     res: RowResult
-    lse_s: torch.Tensor            # [C] tempered full log-sum-exp
+    lse_s: torch.Tensor  # [C] tempered full log-sum-exp
     lse_z: Optional[torch.Tensor]  # [C] raw full log-sum-exp (CE), else None
-    ce: Optional[torch.Tensor]     # [C] per-row CE, else None
+    ce: Optional[torch.Tensor]  # [C] per-row CE, else None
 
 
 def _gradient_slab(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -89,8 +91,18 @@ def _rest_lse(z: torch.Tensor, cfg: TopKConfig) -> torch.Tensor:
     raw = cfg.with_ce and cfg.temperature != 1.0
     out = torch.empty(rows, 2, dtype=F32, device=z.device)
     if rows:
-        launch(kf.slab_lse_kernel, (rows,), z, out, z.stride(0), n_cols, 1.0 / cfg.temperature, RAW=raw,
-               BLOCK_V=row_block(n_cols), num_warps=NUM_WARPS)
+        launch(
+            kf.slab_lse_kernel,
+            (rows,),
+            z,
+            out,
+            z.stride(0),
+            n_cols,
+            1.0 / cfg.temperature,
+            RAW=raw,
+            BLOCK_V=row_block(n_cols),
+            num_warps=NUM_WARPS,
+        )
     return out
 
 
@@ -130,8 +142,9 @@ def _row_coefficients(grad_rows, mask, blk: BlockRows, cfg: TopKConfig):
     return torch.stack([a, lse_a, b, lse_b], 1).to(F32).contiguous(), g_ids
 
 
-def block_backward(z, xs, ws, bs, ids, valid, labels, mask, grad_rows, blk: BlockRows, cfg: TopKConfig,
-                   dx_out, dw, db, first: bool) -> None:
+def block_backward(
+    z, xs, ws, bs, ids, valid, labels, mask, grad_rows, blk: BlockRows, cfg: TopKConfig, dx_out, dw, db, first: bool
+) -> None:
     """Gradients of a row block from its slab z (raw logits, -inf at the valid ids): writes dx_out,
     accumulates dw (written by the first block) and db."""
     coef, g_ids = _row_coefficients(grad_rows, mask, blk, cfg)
@@ -144,10 +157,23 @@ def block_backward(z, xs, ws, bs, ids, valid, labels, mask, grad_rows, blk: Bloc
     softcap_grad_(g_ids, blk.z_ids, cfg.softcap_s)
     g = _gradient_slab(z, xs.dtype)
     rows, n_cols = z.shape
-    launch(kf.slab_grad_kernel, (rows,), z, g, coef, kernel_labels if cfg.with_ce else coef, z.stride(0),
-           g.stride(0), n_cols, 1.0 / cfg.temperature, 0.0 if cfg.softcap_s is None else 1.0 / cfg.softcap_s,
-           HAS_B=cfg.with_ce, SOFTCAP=cfg.softcap_s is not None, BLOCK_V=row_block(n_cols),
-           num_warps=NUM_WARPS)
+    launch(
+        kf.slab_grad_kernel,
+        (rows,),
+        z,
+        g,
+        coef,
+        kernel_labels if cfg.with_ce else coef,
+        z.stride(0),
+        g.stride(0),
+        n_cols,
+        1.0 / cfg.temperature,
+        0.0 if cfg.softcap_s is None else 1.0 / cfg.softcap_s,
+        HAS_B=cfg.with_ce,
+        SOFTCAP=cfg.softcap_s is not None,
+        BLOCK_V=row_block(n_cols),
+        num_warps=NUM_WARPS,
+    )
     g.scatter_add_(1, ids, g_ids.to(g.dtype))  # the kernel wrote exact zeros at the ids
     if dx_out is not None:
         torch.mm(g, ws, out=dx_out)  # g has xs's dtype: cuBLAS accumulates in fp32
@@ -162,8 +188,13 @@ def _cat_rows(blocks: List[BlockRows]) -> BlockRows:
         return blocks[0]
     cat = lambda vals: None if vals[0] is None else torch.cat(vals)  # noqa: E731
     res = RowResult(*(cat([getattr(b.res, f.name) for b in blocks]) for f in fields(RowResult)))
-    return BlockRows(cat([b.z_ids for b in blocks]), res, cat([b.lse_s for b in blocks]),
-                     cat([b.lse_z for b in blocks]), cat([b.ce for b in blocks]))
+    return BlockRows(
+        cat([b.z_ids for b in blocks]),
+        res,
+        cat([b.lse_s for b in blocks]),
+        cat([b.lse_z for b in blocks]),
+        cat([b.ce for b in blocks]),
+    )
 
 
 def _slice_rows(blk: BlockRows, r0: int, r1: int) -> BlockRows:
@@ -190,8 +221,23 @@ class FastTopK(torch.autograd.Function):
             blocks.append(blk)
             if precompute:
                 dx = None if grads[0] is None else grads[0][r0:r1]
-                block_backward(z, xs[r0:r1], ws, bs, ids[r0:r1], valid[r0:r1], lab, mask[r0:r1],
-                               red.expand(r1 - r0), blk, cfg, dx, grads[1], grads[2], r0 == 0)
+                block_backward(
+                    z,
+                    xs[r0:r1],
+                    ws,
+                    bs,
+                    ids[r0:r1],
+                    valid[r0:r1],
+                    lab,
+                    mask[r0:r1],
+                    red.expand(r1 - r0),
+                    blk,
+                    cfg,
+                    dx,
+                    grads[1],
+                    grads[2],
+                    r0 == 0,
+                )
             del z
         rows = _cat_rows(blocks) if blocks else None
         if rows is None:
@@ -199,8 +245,14 @@ class FastTopK(torch.autograd.Function):
         else:
             per_row = combine_rows(rows.res, rows.ce, mask, cfg)
         out = tuple(ck.reduce_rows(r, mask, plan.reduction, (n,)) for r in per_row)
-        keep_for_backward(ctx, cfg, plan, finish_grads(*grads, ws, bs) if precompute else None, rows,
-                          (xs, ws, bs, ids, lp, labels, mask))
+        keep_for_backward(
+            ctx,
+            cfg,
+            plan,
+            finish_grads(*grads, ws, bs) if precompute else None,
+            rows,
+            (xs, ws, bs, ids, lp, labels, mask),
+        )
         ctx.mark_non_differentiable(out[1], out[2])
         return out
 
@@ -212,8 +264,18 @@ class FastTopK(torch.autograd.Function):
             dx, dw, db = take_precomputed_grads(ctx, grad_total)
         else:
             dx, dw, db = _recomputed_grads(ctx, grad_total)
-        return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None,
-                None, None, None, None, None, None, None)
+        return (
+            dx if need[0] else None,
+            dw if need[1] else None,
+            db if need[2] else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _recomputed_grads(ctx, grad_total):
@@ -227,15 +289,28 @@ def _recomputed_grads(ctx, grad_total):
     for r0, r1 in spans(n, plan.row_chunk):
         z = softcap_(linear_logits(xs[r0:r1], ws, bs, F32), cfg.softcap_s)
         exclude_ids(z, ids[r0:r1], valid[r0:r1])
-        block_backward(z, xs[r0:r1], ws, bs, ids[r0:r1], valid[r0:r1], None if labels is None else labels[r0:r1],
-                       mask[r0:r1], upstream[r0:r1], _slice_rows(rows, r0, r1), cfg,
-                       None if dx is None else dx[r0:r1], dw, db, r0 == 0)
+        block_backward(
+            z,
+            xs[r0:r1],
+            ws,
+            bs,
+            ids[r0:r1],
+            valid[r0:r1],
+            None if labels is None else labels[r0:r1],
+            mask[r0:r1],
+            upstream[r0:r1],
+            _slice_rows(rows, r0, r1),
+            cfg,
+            None if dx is None else dx[r0:r1],
+            dw,
+            db,
+            r0 == 0,
+        )
         del z
     return finish_grads(dx, dw, db, ws, bs)
 
 
-def fast_topk(xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig, reduction: str,
-              memory_budget: Optional[int] = None):
+def fast_topk(xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig, reduction: str, memory_budget: Optional[int] = None):
     """Reduced (total, kd, ce) over flattened rows (normalize="full"; reduction "none" gives [N])."""
     plan = make_fast_plan(xs.shape[0], ws.shape[0], ws.shape[1], xs.dtype, memory_budget, reduction)
     grad_on = torch.is_grad_enabled()

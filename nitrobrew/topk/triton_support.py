@@ -31,6 +31,7 @@ once per entry. The kernels:
 g is the upstream gradient per row (times kd_weight and the mean's 1 / rows): a 1-element tensor
 with stride 0 for "mean"/"sum", per row for "none".
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,35 +50,53 @@ F32 = torch.float32
 
 @dataclass(frozen=True)
 class SupportTiles:
-    logit_block_r: int = 2   # forward logits by column blocks: rows per tile
+    logit_block_r: int = 2  # forward logits by column blocks: rows per tile
     logit_block_kb: int = 32
     logit_block_d: int = 64  # W cut to 64 columns (V * 128 bytes in bf16) stays in L2
     logit_warps: int = 2
-    block_kb: int = 64    # forward row kernel: ids at once (and gathered at once on the deterministic path)
-    block_d: int = 64     # deterministic path: hidden columns per step
+    block_kb: int = 64  # forward row kernel: ids at once (and gathered at once on the deterministic path)
+    block_d: int = 64  # deterministic path: hidden columns per step
     warps: int = 2
-    dx_block_r: int = 16   # rows per dX tile
-    dx_block_kb: int = 8   # ids of every row at once
-    dx_block_d: int = 64   # W cut to 64 columns (V * 128 bytes in bf16) stays in L2
+    dx_block_r: int = 16  # rows per dX tile
+    dx_block_kb: int = 8  # ids of every row at once
+    dx_block_d: int = 64  # W cut to 64 columns (V * 128 bytes in bf16) stays in L2
     dx_warps: int = 4
-    dw_block_r: int = 8   # vocab rows per dW tile
-    dw_j: int = 4         # entries of every row per lock step
+    dw_block_r: int = 8  # vocab rows per dW tile
+    dw_j: int = 4  # entries of every row per lock step
     dw_block_d: int = 64
-    dw_d_steps: int = 7   # column blocks per program, one after the other (the entries' loads hit L1 again)
+    dw_d_steps: int = 7  # column blocks per program, one after the other (the entries' loads hit L1 again)
     dw_warps: int = 1
     scatter_block: int = 1024  # entries per program of the counting sort's scatter
-    dw_min_cap: int = 64   # rows with more entries are summed by windows
-    dw_sub: int = 32       # entries per step of a window
+    dw_min_cap: int = 64  # rows with more entries are summed by windows
+    dw_sub: int = 32  # entries per step of a window
     dw_long_block_d: int = 256
     dw_long_warps: int = 2
 
 
 TILES = SupportTiles()
 # small: several blocks at the tests' odd shapes, long rows from 3 entries on
-INTERPRETER_TILES = SupportTiles(logit_block_r=2, logit_block_kb=4, logit_block_d=16, logit_warps=1,
-                                 block_kb=4, block_d=16, warps=1, dx_block_r=4, dx_block_kb=4, dx_block_d=16,
-                                 dx_warps=1, dw_block_r=4, dw_j=2, dw_block_d=16, dw_d_steps=2, dw_warps=1,
-                                 dw_min_cap=2, dw_sub=2, dw_long_block_d=16, scatter_block=16)
+INTERPRETER_TILES = SupportTiles(
+    logit_block_r=2,
+    logit_block_kb=4,
+    logit_block_d=16,
+    logit_warps=1,
+    block_kb=4,
+    block_d=16,
+    warps=1,
+    dx_block_r=4,
+    dx_block_kb=4,
+    dx_block_d=16,
+    dx_warps=1,
+    dw_block_r=4,
+    dw_j=2,
+    dw_block_d=16,
+    dw_d_steps=2,
+    dw_warps=1,
+    dw_min_cap=2,
+    dw_sub=2,
+    dw_long_block_d=16,
+    scatter_block=16,
+)
 
 
 def tiles() -> SupportTiles:
@@ -88,8 +107,18 @@ def scalar_reduction(kd_rows, mask, reduction: str, kd_weight: float):
     """(total, kd, ce, unit): the "mean"/"sum" reduction of the rows' divergences, as 0-dim fp32 tensors
     from one launch; unit = d total / d row value (times the upstream gradient in the backward)."""
     outs = [torch.empty((), dtype=F32, device=kd_rows.device) for _ in range(4)]
-    launch(ks.scalar_reduction_kernel, (1,), kd_rows, mask, *outs, kd_rows.shape[0], kd_weight, MEAN=reduction == "mean",
-           BLOCK=min(4096, next_pow2(max(kd_rows.shape[0], 16))), num_warps=4)
+    launch(
+        ks.scalar_reduction_kernel,
+        (1,),
+        kd_rows,
+        mask,
+        *outs,
+        kd_rows.shape[0],
+        kd_weight,
+        MEAN=reduction == "mean",
+        BLOCK=min(4096, next_pow2(max(kd_rows.shape[0], 16))),
+        num_warps=4,
+    )
     return outs
 
 
@@ -106,7 +135,7 @@ def support_forward(xs, ws, bs, ids, lp, mask, cfg: TopKConfig, check=None):
     key = torch.empty(N, K, dtype=torch.int32, device=xs.device)
     if by_blocks:  # logits summed into zeroed coefficient slots, entries counted per id: one memset
         zeroed = torch.zeros(N * K + V + 1, dtype=torch.int32, device=xs.device)
-        coef, counts = zeroed[:N * K].view(F32).view(N, K), zeroed[N * K:]
+        coef, counts = zeroed[: N * K].view(F32).view(N, K), zeroed[N * K :]
     else:
         coef, counts = torch.empty(N, K, dtype=F32, device=xs.device), None
     inv_temp, param, log_a, log_1ma = math_args(cfg)
@@ -115,16 +144,61 @@ def support_forward(xs, ws, bs, ids, lp, mask, cfg: TopKConfig, check=None):
     if N == 0:
         return kd, coef, key, counts
     if by_blocks:
-        launch(ks.support_logits_kernel, (cdiv(N, t.logit_block_r), cdiv(D, t.logit_block_d)),
-               xs, ws, ids, lp, mask, coef, N, K, D, V, xs.stride(0), ws.stride(0), ids.stride(0), lp.stride(0),
-               BLOCK_R=t.logit_block_r, BLOCK_KB=min(t.logit_block_kb, next_pow2(K)), BLOCK_D=t.logit_block_d,
-               num_warps=t.logit_warps)
-    launch(ks.support_fwd_kernel, (N,),
-           xs, ws, bs if bs is not None else xs, ids, lp, mask, kd, coef, key, counts if by_blocks else key, K, D, V,
-           xs.stride(0), ws.stride(0), ids.stride(0), lp.stride(0), inv_temp, param, log_a, log_1ma,
-           HAS_BIAS=bs is not None, RENORM_T=cfg.renormalize_teacher, DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence],
-           HAS_Z=by_blocks, BLOCK_K=next_pow2(K), BLOCK_KB=min(t.block_kb, next_pow2(K)), BLOCK_D=t.block_d,
-           num_warps=t.warps)
+        launch(
+            ks.support_logits_kernel,
+            (cdiv(N, t.logit_block_r), cdiv(D, t.logit_block_d)),
+            xs,
+            ws,
+            ids,
+            lp,
+            mask,
+            coef,
+            N,
+            K,
+            D,
+            V,
+            xs.stride(0),
+            ws.stride(0),
+            ids.stride(0),
+            lp.stride(0),
+            BLOCK_R=t.logit_block_r,
+            BLOCK_KB=min(t.logit_block_kb, next_pow2(K)),
+            BLOCK_D=t.logit_block_d,
+            num_warps=t.logit_warps,
+        )
+    launch(
+        ks.support_fwd_kernel,
+        (N,),
+        xs,
+        ws,
+        bs if bs is not None else xs,
+        ids,
+        lp,
+        mask,
+        kd,
+        coef,
+        key,
+        counts if by_blocks else key,
+        K,
+        D,
+        V,
+        xs.stride(0),
+        ws.stride(0),
+        ids.stride(0),
+        lp.stride(0),
+        inv_temp,
+        param,
+        log_a,
+        log_1ma,
+        HAS_BIAS=bs is not None,
+        RENORM_T=cfg.renormalize_teacher,
+        DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence],
+        HAS_Z=by_blocks,
+        BLOCK_K=next_pow2(K),
+        BLOCK_KB=min(t.block_kb, next_pow2(K)),
+        BLOCK_D=t.block_d,
+        num_warps=t.warps,
+    )
     return kd, coef, key, counts
 
 
@@ -134,9 +208,26 @@ def support_dx(ws, key, coef, scale, dtype):
     t = tiles()
     dx = torch.empty(N, D, dtype=dtype, device=ws.device)
     if N:
-        launch(ks.support_dx_kernel, (cdiv(N, t.dx_block_r), cdiv(D, t.dx_block_d)), ws, key, coef, scale, dx,
-               N, K, D, V, ws.stride(0), dx.stride(0), scale.stride(0), BLOCK_R=t.dx_block_r,
-               BLOCK_KB=min(t.dx_block_kb, next_pow2(K)), BLOCK_D=t.dx_block_d, num_warps=t.dx_warps)
+        launch(
+            ks.support_dx_kernel,
+            (cdiv(N, t.dx_block_r), cdiv(D, t.dx_block_d)),
+            ws,
+            key,
+            coef,
+            scale,
+            dx,
+            N,
+            K,
+            D,
+            V,
+            ws.stride(0),
+            dx.stride(0),
+            scale.stride(0),
+            BLOCK_R=t.dx_block_r,
+            BLOCK_KB=min(t.dx_block_kb, next_pow2(K)),
+            BLOCK_D=t.dx_block_d,
+            num_warps=t.dx_warps,
+        )
     return dx
 
 
@@ -166,8 +257,26 @@ def sorted_entries(key, coef, scale, counts, V: int):
         cursor = torch.zeros(V, dtype=torch.int32, device=dev)  # counted up: the forward's counts stay
     if E:
         blk = tiles().scatter_block
-        launch(ks.sorted_entries_kernel, (cdiv(E, blk),), flat, coef, scale, cursor, offs, order, rows, terms, srt,
-               E, V, K, scale.stride(0), COUNTING=counts is not None, BLOCK=blk, num_warps=4)
+        launch(
+            ks.sorted_entries_kernel,
+            (cdiv(E, blk),),
+            flat,
+            coef,
+            scale,
+            cursor,
+            offs,
+            order,
+            rows,
+            terms,
+            srt,
+            E,
+            V,
+            K,
+            scale.stride(0),
+            COUNTING=counts is not None,
+            BLOCK=blk,
+            num_warps=4,
+        )
     return rows, terms, srt, offs
 
 
@@ -188,14 +297,52 @@ def support_dw(xs, key, coef, scale, V, bs, counts=None):
     dw = torch.empty(V, D, dtype=xs.dtype, device=dev)
     db = torch.empty(V, dtype=bs.dtype, device=dev) if bs is not None else None
     if E:
-        launch(ks.dw_long_kernel, (n_win,), xs, rows, terms, srt, offs, part, part_b, pkeys, E, V, D, xs.stride(0),
-               HAS_BIAS=bs is not None, CAP=cap, SUB=min(t.dw_sub, cap), BLOCK_D=t.dw_long_block_d,
-               num_warps=t.dw_long_warps)
+        launch(
+            ks.dw_long_kernel,
+            (n_win,),
+            xs,
+            rows,
+            terms,
+            srt,
+            offs,
+            part,
+            part_b,
+            pkeys,
+            E,
+            V,
+            D,
+            xs.stride(0),
+            HAS_BIAS=bs is not None,
+            CAP=cap,
+            SUB=min(t.dw_sub, cap),
+            BLOCK_D=t.dw_long_block_d,
+            num_warps=t.dw_long_warps,
+        )
     if V:
-        launch(ks.dw_rows_kernel, (cdiv(V, t.dw_block_r), cdiv(D, t.dw_block_d * t.dw_d_steps)),
-               xs, rows, terms, offs, part, part_b, pkeys, dw, dw if db is None else db, V, D, xs.stride(0),
-               dw.stride(0), HAS_BIAS=bs is not None, CAP=cap, BLOCK_R=t.dw_block_r, J=t.dw_j,
-               BLOCK_D=t.dw_block_d, D_STEPS=t.dw_d_steps, num_warps=t.dw_warps)
+        launch(
+            ks.dw_rows_kernel,
+            (cdiv(V, t.dw_block_r), cdiv(D, t.dw_block_d * t.dw_d_steps)),
+            xs,
+            rows,
+            terms,
+            offs,
+            part,
+            part_b,
+            pkeys,
+            dw,
+            dw if db is None else db,
+            V,
+            D,
+            xs.stride(0),
+            dw.stride(0),
+            HAS_BIAS=bs is not None,
+            CAP=cap,
+            BLOCK_R=t.dw_block_r,
+            J=t.dw_j,
+            BLOCK_D=t.dw_block_d,
+            D_STEPS=t.dw_d_steps,
+            num_warps=t.dw_warps,
+        )
     return dw, db
 
 
@@ -227,8 +374,17 @@ class SupportTopK(torch.autograd.Function):
             dx = support_dx(ws, key, coef, scale, xs.dtype)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             dw, db = support_dw(xs, key, coef, scale, ws.shape[0], bs, counts)
-        return (dx, dw if ctx.needs_input_grad[1] else None, db if ctx.needs_input_grad[2] else None,
-                None, None, None, None, None, None)
+        return (
+            dx,
+            dw if ctx.needs_input_grad[1] else None,
+            db if ctx.needs_input_grad[2] else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def support_topk(xs, ws, bs, ids, lp, mask, cfg: TopKConfig, reduction: str, check=None):

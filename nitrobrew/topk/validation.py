@@ -1,5 +1,6 @@
 """Checks of topk_kl's inputs (before any kernel runs) and of the stored teacher data, shared by the
 single-process API and the vocab-parallel path (so that neither imports the other's entry point)."""
+
 from __future__ import annotations
 
 import math
@@ -12,9 +13,29 @@ from .. import _checks as ck
 NORMALIZE = ("full", "topk")
 
 
-def validate(xs, ws, ids, lp, bs, labels, normalize, divergence, tail, temperature, teacher_temperature,
-              reduction, chunk_V, kd_weight, ce_weight, ignore_index, backend, id_ranges: bool = True,
-              mode=None, memory_budget=None, softcap_s=None) -> Callable[[], None]:
+def validate(
+    xs,
+    ws,
+    ids,
+    lp,
+    bs,
+    labels,
+    normalize,
+    divergence,
+    tail,
+    temperature,
+    teacher_temperature,
+    reduction,
+    chunk_V,
+    kd_weight,
+    ce_weight,
+    ignore_index,
+    backend,
+    id_ranges: bool = True,
+    mode=None,
+    memory_budget=None,
+    softcap_s=None,
+) -> Callable[[], None]:
     """Every check before any kernel runs (id_ranges=False: the vocab-parallel path checks ids globally).
     The checks of the stored data's values are launched here; the returned call reads them and raises."""
     for name, t in (("xs", xs), ("ws", ws), ("topk_ids", ids), ("topk_logprobs", lp)):
@@ -30,8 +51,9 @@ def validate(xs, ws, ids, lp, bs, labels, normalize, divergence, tail, temperatu
     if xs.dim() < 1:
         raise ValueError("xs must have a hidden dimension [..., D]")
     if ws.dim() != 2 or ws.shape[1] != xs.shape[-1]:
-        raise ValueError(f"ws must be a [V, D] head with D = {xs.shape[-1]} (xs {tuple(xs.shape)}), "
-                         f"got {tuple(ws.shape)}")
+        raise ValueError(
+            f"ws must be a [V, D] head with D = {xs.shape[-1]} (xs {tuple(xs.shape)}), got {tuple(ws.shape)}"
+        )
     if bs is not None and tuple(bs.shape) != (ws.shape[0],):
         raise ValueError(f"bs must have shape ({ws.shape[0]},), got {tuple(bs.shape)}")
     if tuple(ids.shape) != tuple(lp.shape):
@@ -74,8 +96,10 @@ def validate(xs, ws, ids, lp, bs, labels, normalize, divergence, tail, temperatu
             raise ValueError(f"{name} must be a finite number, got {wgt!r}")
     if ce_weight != 0:
         if normalize != "full":
-            raise ValueError("ce_weight != 0 needs normalize='full': the hard-label CE needs the student's "
-                             "log-sum-exp over the whole vocabulary")
+            raise ValueError(
+                "ce_weight != 0 needs normalize='full': the hard-label CE needs the student's "
+                "log-sum-exp over the whole vocabulary"
+            )
         if labels is None:
             raise ValueError("ce_weight != 0 needs labels (the hard targets of each row)")
         if id_ranges:
@@ -110,8 +134,11 @@ def stored_check(ids, lp, V: Optional[int], impl: str) -> Callable[[], None]:
     else:
         finite = torch.isfinite(lp)
         bad = [(torch.isnan(lp) | (lp == float("inf"))).any()]
-        bad.append((finite & ((ids < 0) | (ids >= V))).any() if V is not None else torch.zeros((), dtype=torch.bool,
-                                                                                              device=lp.device))
+        bad.append(
+            (finite & ((ids < 0) | (ids >= V))).any()
+            if V is not None
+            else torch.zeros((), dtype=torch.bool, device=lp.device)
+        )
         # padding entries get distinct negative stand-ins, so only valid ids can collide
         K = lp.shape[-1]
         stand_in = -1 - torch.arange(K, device=lp.device)
@@ -127,12 +154,16 @@ def stored_check(ids, lp, V: Optional[int], impl: str) -> Callable[[], None]:
         if bad_ids:  # the detailed message costs more syncs: only on failure
             ck.check_ids_in_range("topk_ids (at entries whose log-prob is finite)", ids[torch.isfinite(lp)], V)
         if dup:
-            raise ValueError("topk_ids repeats an id within a row (at entries whose log-prob is finite): each row's "
-                             "valid ids must be distinct (mark unused slots with log-prob -inf)")
+            raise ValueError(
+                "topk_ids repeats an id within a row (at entries whose log-prob is finite): each row's "
+                "valid ids must be distinct (mark unused slots with log-prob -inf)"
+            )
         if over:
-            raise ValueError(f"topk_logprobs are not a sub-distribution: a row's probabilities sum to more than 1 "
-                             f"(logsumexp over its K entries > {tol:.2g}); store log-probs (log_softmax over the "
-                             "whole vocabulary), not logits")
+            raise ValueError(
+                f"topk_logprobs are not a sub-distribution: a row's probabilities sum to more than 1 "
+                f"(logsumexp over its K entries > {tol:.2g}); store log-probs (log_softmax over the "
+                "whole vocabulary), not logits"
+            )
 
     return raise_if_bad
 

@@ -6,6 +6,7 @@ sha256, and its contents (tensor names, dtypes and shapes, the offsets against t
 counts, ids in the vocabulary and distinct within a row, log-probs <= 0, not NaN, and sorted).
 Prints one line per problem and exits 1 if there is any.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,13 @@ def _check_contents(path: str, info: Dict, man: Dict) -> List[str]:
 
     fpath = os.path.join(path, info["file"])
     packed = man["id_dtype"] != "int32"
-    want_dtypes = {"input_ids": torch.int32, "seq_offsets": torch.int64, "row_offsets": torch.int64,
-                   "topk_ids": torch.uint8 if packed else torch.int32,
-                   "topk_logprobs": LOGPROB_DTYPES[man["logprob_dtype"]]}
+    want_dtypes = {
+        "input_ids": torch.int32,
+        "seq_offsets": torch.int64,
+        "row_offsets": torch.int64,
+        "topk_ids": torch.uint8 if packed else torch.int32,
+        "topk_logprobs": LOGPROB_DTYPES[man["logprob_dtype"]],
+    }
     if man["logprob_dtype"] == QUANTIZED:
         want_dtypes["topk_lp_scale"] = torch.float32
     with safe_open(fpath, framework="pt") as f:
@@ -125,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     man = read_manifest(args.store)
     size = sum(s["bytes"] for s in man["shards"])
     rows = max(man.get("num_rows", 0), 1)
-    print(f"{args.store}: ok: {len(man['shards'])} shards, {man['num_sequences']} sequences, {man.get('num_rows', 0)} "
-          f"rows, K = {man['k']}, {man['logprob_dtype']} log-probs, {size} bytes ({size / rows:.1f} bytes/position)")
+    print(
+        f"{args.store}: ok: {len(man['shards'])} shards, {man['num_sequences']} sequences, {man.get('num_rows', 0)} "
+        f"rows, K = {man['k']}, {man['logprob_dtype']} log-probs, {size} bytes ({size / rows:.1f} bytes/position)"
+    )
     return 0
