@@ -27,8 +27,9 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/nitrobrew bench
 
-# ruff (pyflakes, import order), and the docs against the tree (design references, module layout).
+# ruff (format, then pycodestyle, pyflakes, import order, bugbear), and the docs against the tree.
 lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(PY) tools/check_docs.py
 

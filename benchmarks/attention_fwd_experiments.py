@@ -75,7 +75,8 @@ def median_ms(fn, reps=20):
 
 print(f"# attention_kl forward experiments, {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
 print(
-    "| N | variant | tiles (BM, BN, warps, stages) | KL fwd ms | SDPA default fwd ms | ratio | KL fwd+bwd ms | SDPA fwd+bwd ms | ratio | max |KL - baseline| |"
+    "| N | variant | tiles (BM, BN, warps, stages) | KL fwd ms | SDPA default fwd ms | ratio "
+    "| KL fwd+bwd ms | SDPA fwd+bwd ms | ratio | max |KL - baseline| |"
 )
 print("|---|---|---|---|---|---|---|---|---|---|")
 original = triton_function.attn_kl_fwd_kernel

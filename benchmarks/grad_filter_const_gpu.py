@@ -127,7 +127,12 @@ for regime in ("lm", "peaked", "close"):
                 f"| {regime} ({d.entropy:.1f}) | {order} | {k} | {t:.2f} | "
                 f"{min(times[k]):.2f}-{max(times[k]):.2f} | {t / med['4 GEMMs (floor)']:.3f} | "
                 f"{t / med['const-mem']:.3f} | "
-                f"{f'{skipped:.3f} (bound/threshold: min {closest[0]:.3g}, median {closest[1]:.3g})' if k.endswith('filter') else '-'} | "
+                + (
+                    f"{skipped:.3f} (bound/threshold: min {closest[0]:.3g}, median {closest[1]:.3g})"
+                    if k.endswith("filter")
+                    else "-"
+                )
+                + " | "
                 f"{mem.get(k, float('nan')):.1f} | {err.get(k, '-')} |",
                 flush=True,
             )

@@ -66,7 +66,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     print(
                         f"nitrobrew {name}: error: needs {top}: pip install 'nitrobrew[{EXTRAS[top]}]'", file=sys.stderr
                     )
-                    raise SystemExit(2)
+                    raise SystemExit(2) from None
                 raise
     args = parser.parse_args(argv)
     return int(importlib.import_module(args._module).run(args) or 0)

@@ -841,7 +841,8 @@ def test_vocab_parallel_over_gloo(world):
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures)
     assert len(results[0]["cases"]) >= 50, results[0]["cases"]
     print(
-        f"world {world}: {len(results[0]['cases'])} cases, rank CPU s {[round(results[r]['cpu_s'], 1) for r in range(world)]}"
+        f"world {world}: {len(results[0]['cases'])} cases, "
+        f"rank CPU s {[round(results[r]['cpu_s'], 1) for r in range(world)]}"
     )
     if world == 2:
         assert {"DDP over gloo", "FSDP2 over gloo"} <= set(results[0]["cases"])

@@ -715,7 +715,7 @@ def run(args) -> int:
     try:
         args.regimes = rg.parse(args.regimes)
     except ValueError as err:
-        raise SystemExit(f"nitrobrew bench: {err}")
+        raise SystemExit(f"nitrobrew bench: {err}") from None
     dev = cuda_device(args.device)
     d = GPU_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
     for k, v in d.items():

@@ -392,7 +392,7 @@ def _regimes(names: List[str]) -> List[str]:
     try:
         return rg.parse(names)
     except ValueError as err:
-        raise SystemExit(f"nitrobrew bench: {err}")
+        raise SystemExit(f"nitrobrew bench: {err}") from None
 
 
 def baseline(key: str, device: torch.device, filter_eps: Optional[float] = None) -> str:

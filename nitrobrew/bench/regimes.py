@@ -295,7 +295,9 @@ def make_attention(
     g = torch.Generator(device=dev).manual_seed(seed)  # on the device: 10^8-element inputs at real N
     std = FLAT_STD if regime == "flat" else SPREAD_STD
 
-    def rnd(*shape, sigma=math.sqrt(std)):
+    sigma = math.sqrt(std)
+
+    def rnd(*shape):
         return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32) * sigma
 
     q_t, k_t = rnd(B, H, N, D), rnd(B, Hkv, N, D)

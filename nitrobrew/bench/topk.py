@@ -517,7 +517,7 @@ def run(args) -> int:
     try:
         args.regimes = rg.parse(args.regimes)
     except ValueError as err:
-        raise SystemExit(f"nitrobrew bench: {err}")
+        raise SystemExit(f"nitrobrew bench: {err}") from None
     _settings(args)  # bad sizes: one line before any work
     env = environment()
     print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()))

@@ -55,7 +55,8 @@ def table(results: Dict) -> str:
         f"each training sequence's first {cfg.get('prompt_len', '?')} tokens itself (sampling at temperature 1, "
         "a fresh sample every step) and the teacher scores the student's own tokens; only generated tokens count. "
         "Peak MiB: one training step (teacher forward included) "
-        "above the resident weights and optimizer state. Train time: optimizer steps (teacher forwards and generation included; evaluation and the memory-tracked step excluded). "
+        "above the resident weights and optimizer state. Train time: optimizer steps (teacher forwards and "
+        "generation included; evaluation and the memory-tracked step excluded). "
         f"Device: {results['device']} ({env['device']}, torch threads: {results.get('threads', '?')}), "
         f"torch {env['torch']}, commit {env['commit']}.",
     ]

@@ -5,8 +5,8 @@ Nothing here returns a value to the host: counts stay on the device, so the filt
 graph captures and compiled graphs.
 
 ``filter_columns_kernel``: a program takes BLOCK_V columns of a gradient slab g [R, C] over ROWS of its
-rows (atomic max into int32 flags). A column is active when some row i has |g_ij| > eps * rowmax_i (rowmax: the row's largest |g|
-over the slab, written by the gradient kernel).
+rows (atomic max into int32 flags). A column is active when some row i has |g_ij| > eps * rowmax_i
+(rowmax: the row's largest |g| over the slab, written by the gradient kernel).
 ``drop_columns_kernel``: when at most half the columns are active (the count, on the device), zeroes
 the inactive ones in g, so every later product, dense or compacted, drops exactly them.
 ``scatter_add_rows_kernel``: dW rows of the compacted product added into place (distinct rows: plain

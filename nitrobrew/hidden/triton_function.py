@@ -334,7 +334,10 @@ class TritonDistill(torch.autograd.Function):
 def _concat_stats(stats, xs) -> RowStats:
     if len(stats) == 1:
         return stats[0]
-    cat = lambda name: None if getattr(stats[0], name) is None else torch.cat([getattr(s, name) for s in stats])
+
+    def cat(name):
+        return None if getattr(stats[0], name) is None else torch.cat([getattr(s, name) for s in stats])
+
     return RowStats(*(cat(k) for k in ("lse_s", "lse_t", "lse_z", "sum_u", "kd", "ce")))
 
 

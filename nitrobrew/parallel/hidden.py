@@ -62,7 +62,10 @@ class VocabLayout:
         self.used = max(0, min(sizes[rank], vocab - self.offset))
 
     def __repr__(self) -> str:
-        return f"VocabLayout(rank={self.rank}, offset={self.offset}, used={self.used}, sizes={self.sizes}, vocab={self.vocab})"
+        return (
+            f"VocabLayout(rank={self.rank}, offset={self.offset}, used={self.used}, sizes={self.sizes}, "
+            f"vocab={self.vocab})"
+        )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -335,7 +335,7 @@ def teacher_topk(
         group = seqs[b0:b1]
         L = max(len(s) for s in group)
         if L < 2:
-            for s in group:
+            for _ in group:
                 out_ids.append(torch.zeros(0, k, dtype=torch.int64))
                 out_lp.append(torch.zeros(0, k, dtype=torch.float32))
             continue
