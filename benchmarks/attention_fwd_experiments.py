@@ -57,7 +57,7 @@ def load_variant(name, edits):
     for a, b in edits:
         assert a in src, a
         src = src.replace(a, b)
-    src = src.replace("from .._launch import", "from nitrobrew._launch import").replace(
+    src = src.replace("from .._launch import", "from nitrobrew.core.launch import").replace(
         "from .kernels_tiles import", "from nitrobrew.attention.kernels_tiles import"
     )
     path = Path(tempfile.mkdtemp()) / f"variant_{abs(hash(name))}.py"

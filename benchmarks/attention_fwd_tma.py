@@ -29,13 +29,13 @@ import triton
 import triton.language as tl
 
 import nitrobrew as nb
-from nitrobrew._launch import cdiv, launch
 from nitrobrew.attention import triton_function
 from nitrobrew.attention.common import AttnSpec
 from nitrobrew.attention.kernels_fwd import LOG2E, _init_state, _online_step, _store_rows, attn_kl_fwd_kernel
 from nitrobrew.attention.kernels_tiles import dot, flat_rows, hide_invisible, key_ranges, program_block, scores
 from nitrobrew.attention.triton_function import Side
 from nitrobrew.bench.common import time_ms
+from nitrobrew.core.launch import cdiv, launch
 
 DEV = torch.device("cuda")
 OLD = None  # the library's pointer forward

@@ -27,7 +27,7 @@ speedup = single GPU torch ms / this ms (ideal for vocab-parallel: P); rel err =
 |L - L_1| / |L_1|, ||dX - dX_1|| / ||dX_1||, ||dW_r - dW_1[r]|| / ||dW_1[r]|| against the
 single-GPU torch path on the same inputs (bf16 gradients: ~4e-3 is the rounding of the output);
 bytes/call = payload bytes one rank hands to collectives in one fwd+bwd (nitrobrew.parallel.
-count_comm), checked against the formula (nitrobrew.parallel.comm_bytes); bytes/token = that / N.
+count_comm), checked against the formula (nitrobrew.hidden.vocab_parallel.comm_bytes); bytes/token = that / N.
 
 NVLink multicast (NVLS) is never used: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
 NVSHMEM_DISABLE_NVLS=1 are set before torch is imported, and the script refuses to run if the
@@ -61,7 +61,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import nitrobrew as nb  # noqa: E402
 from nitrobrew import divergences as dv  # noqa: E402
 from nitrobrew.bench.common import Row, environment, is_oom, rel_err, write_csv  # noqa: E402
-from nitrobrew.parallel import comm_bytes, count_comm  # noqa: E402
+from nitrobrew.hidden.vocab_parallel import comm_bytes  # noqa: E402
+from nitrobrew.parallel import count_comm  # noqa: E402
 from nitrobrew.parallel.comm import _record as record_bytes  # noqa: E402
 
 MAX_REL_ERR = 2e-2  # vocab-parallel vs single GPU (bf16 gradients round at ~4e-3)
@@ -422,7 +423,7 @@ def _markdown(path, table, env, args, failures):
             f"T={args.temperature}, ce_weight={args.ce_weight}; fwd+bwd (grads to xs and the student head), "
             f"median of {args.reps} after {args.warmup} warm-up, max over ranks. speedup = single GPU torch ms / "
             "ms. rel err against the single-GPU torch path. bytes = payload bytes per rank per call "
-            "(nitrobrew.parallel.count_comm; equals nitrobrew.parallel.comm_bytes).\n\n"
+            "(nitrobrew.parallel.count_comm; equals nitrobrew.hidden.vocab_parallel.comm_bytes).\n\n"
         )
         f.write(table + "\n")
         if failures:

@@ -259,7 +259,7 @@ def measure(method: str, student, teacher, opt, args, cfg, dev, vocab: int) -> D
                 peak_gib=peak / 2**30, above_resident_gib=(peak - resident) / 2**30, resident_gib=resident / 2**30
             )
         else:  # CPU: tensors made during the steps (weights and optimizer state already exist)
-            from nitrobrew._memory import TensorMemoryTracker
+            from nitrobrew.core.memory import TensorMemoryTracker
 
             times = [step(cfg["seq_len"])]
             with TensorMemoryTracker() as tracker:

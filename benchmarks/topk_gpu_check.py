@@ -9,9 +9,9 @@ import time
 
 import torch
 
+from nitrobrew.teacher.extract import streaming_topk
 from nitrobrew.topk import reference_topk_loss, topk_kl
 from nitrobrew.topk import triton_cm as td
-from nitrobrew.topk.extract import streaming_topk
 
 
 def rel(a, b):

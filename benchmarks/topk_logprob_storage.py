@@ -4,7 +4,7 @@ Teacher and student logits come from low-rank heads (D = 64, V = 4096) at three 
 teacher (entropies from about 0.3 to 5 nats) and two students (close to the teacher, and
 unrelated); per row, the forward KL with the tail bucket (float64 reference loss) from the
 top-64 log-probs stored as float32 is compared with the same log-probs stored as bfloat16,
-float16 and uint8 (nitrobrew.topk.store.quantize_logprobs).
+float16 and uint8 (nitrobrew.teacher.store.quantize_logprobs).
 
     PYTHONPATH=. python benchmarks/topk_logprob_storage.py [--md OUT.md]
 """
@@ -14,8 +14,8 @@ import sys
 
 import torch
 
+from nitrobrew.teacher.store import dequantize_logprobs, quantize_logprobs
 from nitrobrew.topk.reference import reference_topk_loss
-from nitrobrew.topk.store import dequantize_logprobs, quantize_logprobs
 
 K, V, D, R = 64, 4096, 64, 2048
 

@@ -17,10 +17,10 @@ COMMANDS = {
     "bench-attention": ("nitrobrew.bench.attention", "benchmark attention_kl against baselines"),
     "bench-topk": ("nitrobrew.bench.topk", "benchmark topk_kl against baselines"),
     "demo": ("nitrobrew.demo.cli", "distill a small model end to end and report"),
-    "topk-extract": ("nitrobrew.topk.extract", "store a teacher's top-k log-probs over a corpus"),
-    "topk-verify": ("nitrobrew.topk.verify", "check every shard of a top-k store (checksums and contents)"),
-    "topk-export": ("nitrobrew.topk.interop", "export a top-k store to parquet (Hugging Face datasets layout)"),
-    "topk-import": ("nitrobrew.topk.interop", "import a top-k store from parquet (Hugging Face datasets layout)"),
+    "topk-extract": ("nitrobrew.teacher.extract", "store a teacher's top-k log-probs over a corpus"),
+    "topk-verify": ("nitrobrew.teacher.verify", "check every shard of a top-k store (checksums and contents)"),
+    "topk-export": ("nitrobrew.teacher.interop", "export a top-k store to parquet (Hugging Face datasets layout)"),
+    "topk-import": ("nitrobrew.teacher.interop", "import a top-k store from parquet (Hugging Face datasets layout)"),
     "train": ("nitrobrew.hf.train_cli", "distill with DistillationTrainer from a YAML config"),
 }
 # `nitrobrew bench attention` is spelled as a mode of bench, too.

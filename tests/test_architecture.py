@@ -8,7 +8,11 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "nitrobrew"
-FAMILIES = ("hidden", "topk", "attention", "parallel", "hf")
+FAMILIES = ("hidden", "topk", "attention", "parallel", "hf", "teacher")
+LOSS_FAMILIES = ("hidden", "topk", "attention")
+APPLICATIONS = ("teacher", "hf", "bench", "demo", "cli", "environment")
+# Old import paths kept for one release; each only re-exports its new home, with a DeprecationWarning.
+DEPRECATED_SHIMS = {f"nitrobrew.topk.{m}" for m in ("data", "extract", "store", "interop", "verify", "inputs")}
 
 
 def module_name(path: Path) -> str:
@@ -106,3 +110,65 @@ def test_public_losses_are_written_out():
         assert f"\ndef {name}(" in api, name
     modules = (PKG / "hidden" / "modules.py").read_text()
     assert "type(name" not in modules and modules.count("(DistillLoss):") == len(dv.NAMES)
+
+
+def _nitrobrew_imports(f: Path):
+    return {t for t, _ in imports(f) if t.startswith("nitrobrew.")}
+
+
+def test_parallel_imports_no_family():
+    """parallel/ (collectives, rank checks, data-parallel normalization) sits below the loss families."""
+    bad = []
+    for f in sorted((PKG / "parallel").rglob("*.py")):
+        for t in _nitrobrew_imports(f):
+            part = t.split(".")[1] if t.count(".") else ""
+            if part in LOSS_FAMILIES + APPLICATIONS:
+                bad.append(f"{module_name(f)} imports {t}")
+    assert not bad, "\n".join(bad)
+    # the deprecated names it still hands out come from the families' vocab_parallel modules only
+    from nitrobrew import parallel
+
+    assert set(parallel._MOVED.values()) == {"nitrobrew.hidden.vocab_parallel", "nitrobrew.topk.vocab_parallel"}
+
+
+def test_core_is_the_bottom():
+    """core/ and divergences.py import nothing of nitrobrew but each other."""
+    bad = []
+    files = sorted((PKG / "core").rglob("*.py")) + [PKG / "divergences.py"]
+    for f in files:
+        for t in _nitrobrew_imports(f):
+            if not (t.startswith("nitrobrew.core") or t == "nitrobrew.divergences"):
+                bad.append(f"{module_name(f)} imports {t}")
+    assert not bad, "\n".join(bad)
+    assert not [p.name for p in PKG.glob("_*.py") if p.name != "__init__.py"], "the core lives in core/"
+
+
+def test_losses_never_import_the_applications():
+    bad = []
+    for family in LOSS_FAMILIES + ("parallel", "core"):
+        for f in sorted((PKG / family).rglob("*.py")):
+            if module_name(f) in DEPRECATED_SHIMS:
+                continue
+            for t in _nitrobrew_imports(f):
+                part = t.split(".")[1] if t.count(".") else ""
+                if part in APPLICATIONS:
+                    bad.append(f"{module_name(f)} imports {t}")
+    assert not bad, "\n".join(bad)
+
+
+def test_deprecated_paths_warn_and_point_home():
+    import importlib
+    import sys
+    import warnings
+
+    for mod in sorted(DEPRECATED_SHIMS):
+        sys.modules.pop(mod, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m = importlib.import_module(mod)
+        assert any(issubclass(w.category, DeprecationWarning) for w in caught), mod
+        home = importlib.import_module(mod.replace("nitrobrew.topk.", "nitrobrew.teacher."))
+        public = [
+            n for n in vars(home) if not n.startswith("_") and getattr(vars(home)[n], "__module__", "") == home.__name__
+        ]
+        assert public and all(getattr(m, n) is getattr(home, n) for n in public), mod

@@ -6,7 +6,7 @@ import torch
 import nitrobrew
 from attention_helpers import make_inputs, one_thread  # noqa: F401
 from nitrobrew import attention_kl
-from nitrobrew._checks import interpreter_enabled
+from nitrobrew.core.checks import interpreter_enabled
 
 
 def _ins(**kw):

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from attention_helpers import compare, make_inputs, one_thread, rel  # noqa: F401
 from nitrobrew import attention_kl
-from nitrobrew._memory import TensorMemoryTracker
 from nitrobrew.attention import reference_attention_kl
+from nitrobrew.core.memory import TensorMemoryTracker
 
 
 @pytest.mark.parametrize("direction", ["forward", "reverse"])

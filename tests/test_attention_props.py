@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from attention_helpers import compare, one_thread  # noqa: F401
 from nitrobrew import attention_kl
-from nitrobrew._checks import interpreter_enabled, triton_available
+from nitrobrew.core.checks import interpreter_enabled, triton_available
 
 
 @st.composite

@@ -10,7 +10,7 @@ import torch
 
 from attention_helpers import compare, make_inputs, one_thread, rel  # noqa: F401
 from nitrobrew import attention_kl
-from nitrobrew._checks import interpreter_enabled, triton_available
+from nitrobrew.core.checks import interpreter_enabled, triton_available
 
 pytestmark = pytest.mark.skipif(
     not (triton_available() and interpreter_enabled()), reason="needs triton with TRITON_INTERPRET=1"

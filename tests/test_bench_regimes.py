@@ -177,8 +177,10 @@ def test_commit_is_nitrobrews_not_the_working_directorys(tmp_path, monkeypatch):
     if ours.returncode == 0 and os.path.exists(os.path.join(ROOT, ".git")):
         assert commit.startswith(ours.stdout.strip())
     # outside any git tree: the installed version, said as such
-    monkeypatch.setattr(common, "_git", lambda *a: "")
-    assert common.nitrobrew_commit() == f"release {common.nitrobrew_version()} (no git tree)"
+    from nitrobrew import environment as env
+
+    monkeypatch.setattr(env, "_git", lambda *a: "")
+    assert env.nitrobrew_commit() == f"release {env.nitrobrew_version()} (no git tree)"
     monkeypatch.setenv("NITROBREW_COMMIT", "abc1234")  # a copy of the tree without .git
     assert common.environment()["commit"] == "abc1234"
 

@@ -149,8 +149,8 @@ def test_trainer_packed_equals_padded(tmp_path):
 def test_trainer_topk_packed_equals_padded(tmp_path):
     """A stored top-k dataset, packed (one row, position_ids) or padded (TopKCollator): same step."""
     pytest.importorskip("safetensors")
-    pytest.importorskip("nitrobrew.topk.extract")
-    from nitrobrew.topk.data import TopKCollator
+    pytest.importorskip("nitrobrew.teacher.extract")
+    from nitrobrew.teacher.data import TopKCollator
     from test_hf_topk import make_store
 
     dataset, _ = make_store(tmp_path / "store", LENGTHS)

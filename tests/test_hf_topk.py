@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
-topk_extract = pytest.importorskip("nitrobrew.topk.extract")
+topk_extract = pytest.importorskip("nitrobrew.teacher.extract")
 from nitrobrew.hf import DistillationArguments, DistillationTrainer, distill_loss  # noqa: E402
-from nitrobrew.topk.data import TopKCollator, TopKDataset  # noqa: E402
+from nitrobrew.teacher.data import TopKCollator, TopKDataset  # noqa: E402
 from test_hf_trainer import V, args, student_model, teacher_model  # noqa: E402
 
 K = 5

@@ -9,7 +9,7 @@ import torch
 
 import nitrobrew as nb
 from hidden_cases import DIVERGENCES, LOSS_FNS, make_case
-from nitrobrew import _checks
+from nitrobrew.core import checks as _checks
 
 CASE = make_case(shape=(2, 3), ds=6, dt=10, vocab=11, bias=True, labels="some", seed=1)
 

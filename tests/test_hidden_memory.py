@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hidden_cases import DIVERGENCES, make_case, run_loss, run_reference, upstream_grad
-from nitrobrew._memory import TensorMemoryTracker
+from nitrobrew.core.memory import TensorMemoryTracker
 
 N, D, V, CHUNK = 128, 4, 4096, 64
 F32_BYTES = 4

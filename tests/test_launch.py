@@ -1,4 +1,4 @@
-"""The direct-launch cache of nitrobrew._launch: which launches reuse a compiled kernel.
+"""The direct-launch cache of nitrobrew.core.launch: which launches reuse a compiled kernel.
 
 The direct path only runs on CUDA; here a stand-in kernel records how it was called, so the
 keying (what Triton specializes on) is checked on CPU."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from nitrobrew import _launch  # noqa: E402
+from nitrobrew.core import launch as _launch  # noqa: E402
 
 
 class FakeCompiled:

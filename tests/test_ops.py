@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nitrobrew._ops import mm_acc, mm_acc_add
+from nitrobrew.core.ops import mm_acc, mm_acc_add
 
 
 def _operands(dtype):

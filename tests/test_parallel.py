@@ -38,15 +38,10 @@ from hidden_cases import (
     tiny_kl_rel_err,
     upstream_grad,
 )
-from nitrobrew.parallel import (
-    comm_bytes,
-    count_comm,
-    data_parallel_loss,
-    global_mean,
-    global_token_count,
-    topk_comm_bytes,
-)
+from nitrobrew.hidden.vocab_parallel import comm_bytes
+from nitrobrew.parallel import count_comm, data_parallel_loss, global_mean, global_token_count
 from nitrobrew.topk import reference_topk_loss, topk_kl
+from nitrobrew.topk.vocab_parallel import topk_comm_bytes
 
 LAUNCH_TIMEOUT_S = 150
 # vocab-parallel vs single process in the same dtype: only the order of the fp32 sums differs, so

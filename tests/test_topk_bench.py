@@ -63,7 +63,7 @@ def test_bench_topk_extract_only(tmp_path):
 def test_bench_topk_triton_methods_under_the_interpreter(tmp_path):
     """The Triton methods at CPU sizes (TRITON_INTERPRET=1): their errors against float64, and each
     top-k row's ratio to the full row of its K."""
-    from nitrobrew import _checks as ck
+    from nitrobrew.core import checks as ck
 
     if not ck.interpreter_enabled():
         pytest.skip("needs TRITON_INTERPRET=1 (make test sets it)")

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from nitrobrew.cli import main as cli_main
-from nitrobrew.topk import store as store_mod
-from nitrobrew.topk.data import TopKDataset
-from nitrobrew.topk.extract import Teacher, extract_topk
-from nitrobrew.topk.store import StoreError, TopKStore, TopKWriter
+from nitrobrew.teacher import store as store_mod
+from nitrobrew.teacher.data import TopKDataset
+from nitrobrew.teacher.extract import Teacher, extract_topk
+from nitrobrew.teacher.store import StoreError, TopKStore, TopKWriter
 
 pytest.importorskip("safetensors")
 K, T = 4, 1.0
@@ -202,7 +202,7 @@ def test_a_second_extraction_into_the_same_store_fails_at_once(tmp_path, capsys)
     import sys
 
     code = (
-        "import sys, time; from nitrobrew.topk.store import TopKWriter; "
+        "import sys, time; from nitrobrew.teacher.store import TopKWriter; "
         "w = TopKWriter(sys.argv[1], model='x', k=2, temperature=1.0, vocab_size=97, head_rows=97, "
         "num_sequences=1); print('locked', flush=True); time.sleep(60)"
     )
@@ -589,7 +589,7 @@ def test_import_foreign_parquet_and_datasets_reads_the_export(tmp_path):
     (tmp_path / "foreign").mkdir()
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "foreign" / "x.parquet")
     with pytest.raises(ValueError, match="pass --temperature"):
-        from nitrobrew.topk.interop import import_store
+        from nitrobrew.teacher.interop import import_store
 
         import_store(str(tmp_path / "foreign"), str(tmp_path / "s"))
     assert (
@@ -629,10 +629,10 @@ def _word_tokenizer(tmp_path):
 
 
 def test_text_chat_and_datasets_inputs(tmp_path, capsys):
-    from nitrobrew.topk.inputs import open_corpus, read_all
+    from nitrobrew.teacher.inputs import open_corpus, read_all
 
     tdir, words = _word_tokenizer(tmp_path)
-    from nitrobrew.topk.extract import load_tokenizer
+    from nitrobrew.teacher.extract import load_tokenizer
 
     tok = load_tokenizer(tdir)
     ids = {w: i for i, w in enumerate(words)}
@@ -700,7 +700,7 @@ def test_progress_bar_reports_tokens(tmp_path, capsys):
 
 
 def test_uint8_logprobs_error_bound(tmp_path):
-    from nitrobrew.topk.store import dequantize_logprobs, quantize_logprobs
+    from nitrobrew.teacher.store import dequantize_logprobs, quantize_logprobs
 
     g = torch.Generator().manual_seed(0)
     lp = torch.log_softmax(torch.randn(300, 500, generator=g) * 6, -1).topk(32, -1).values
@@ -725,7 +725,7 @@ def test_uint8_logprobs_error_bound(tmp_path):
 
 def test_hub_id_from_the_local_cache(tmp_path, monkeypatch, capsys):
     hub = pytest.importorskip("huggingface_hub")
-    from nitrobrew.topk.extract import resolve_model
+    from nitrobrew.teacher.extract import resolve_model
 
     snap = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "0123abcd"
     snap.parent.mkdir(parents=True)
@@ -761,7 +761,7 @@ def test_hub_id_from_the_local_cache(tmp_path, monkeypatch, capsys):
 
 def test_datasets_folder_of_files_streamed_and_shard_flags(tmp_path, capsys):
     pytest.importorskip("datasets")
-    from nitrobrew.topk.inputs import open_corpus, read_all
+    from nitrobrew.teacher.inputs import open_corpus, read_all
 
     (tmp_path / "folder").mkdir()
     _jsonl(tmp_path / "folder" / "a.jsonl", [[1, 2], [3]])
@@ -792,7 +792,7 @@ def test_datasets_folder_of_files_streamed_and_shard_flags(tmp_path, capsys):
 
 @pytest.mark.parametrize("id_dtype,nbytes", [("uint16", 2), ("uint24", 3)])
 def test_packed_ids(tmp_path, id_dtype, nbytes):
-    from nitrobrew.topk.store import pack_ids, unpack_ids
+    from nitrobrew.teacher.store import pack_ids, unpack_ids
 
     ids = torch.tensor([[0, 1, 255, 256], [65535, 40000, 7, 9]])
     if id_dtype == "uint24":
@@ -822,7 +822,7 @@ def test_packed_ids(tmp_path, id_dtype, nbytes):
 
 
 def test_teacher_is_bfloat16_on_cuda_by_default():
-    from nitrobrew.topk.extract import teacher_dtype
+    from nitrobrew.teacher.extract import teacher_dtype
 
     assert teacher_dtype("cuda") == teacher_dtype("cuda:3") == "bfloat16"
     assert teacher_dtype("cpu") == "saved" and teacher_dtype("cuda", "float32") == "float32"

@@ -7,11 +7,10 @@ import sys
 import pytest
 import torch
 
-from nitrobrew._memory import TensorMemoryTracker
 from nitrobrew.cli import main as cli_main
-from nitrobrew.topk import topk_kl
-from nitrobrew.topk.data import TopKCollator, TopKDataset
-from nitrobrew.topk.extract import (
+from nitrobrew.core.memory import TensorMemoryTracker
+from nitrobrew.teacher.data import TopKCollator, TopKDataset
+from nitrobrew.teacher.extract import (
     Teacher,
     extract_topk,
     load_hf_teacher,
@@ -19,7 +18,8 @@ from nitrobrew.topk.extract import (
     streaming_topk,
     teacher_from_hf,
 )
-from nitrobrew.topk.store import StoreError, TopKStore
+from nitrobrew.teacher.store import StoreError, TopKStore
+from nitrobrew.topk import topk_kl
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -307,7 +307,7 @@ def test_load_sequences_errors_and_formats(tmp_path):
 
 
 def test_writer_reader_and_extract_errors(tmp_path):
-    from nitrobrew.topk.store import TopKWriter
+    from nitrobrew.teacher.store import TopKWriter
 
     kw = dict(model="m", k=2, temperature=1.0, vocab_size=10, head_rows=10, num_sequences=3)
     with pytest.raises(ValueError, match="logprob_dtype must be one of"):

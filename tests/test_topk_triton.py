@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from nitrobrew import _checks as ck
+from nitrobrew.core import checks as ck
 
 if not ck.triton_available() or not ck.interpreter_enabled():
     pytest.skip("needs triton with TRITON_INTERPRET=1 (make test sets it)", allow_module_level=True)
@@ -151,7 +151,7 @@ def _triton_pieces(xs, ws, bs, ids, lp, labels, cfg):
         z[:, :K].reshape(-1), lp, valid, Online(lse[0], ones), Online(lse[1], ones), z[:, K], cfg
     )
     mask = ones
-    total = tc.combine_rows(res, ce, mask, cfg)[0]
+    total = tc.combine_topk_rows(res, ce, mask, cfg)[0]
     up = torch.rand(n, generator=torch.Generator().manual_seed(7))
     coef, dense, ce_scale = tc.row_coefficients(up, mask, res, cfg)
     grads = td.full_backward_range(x, w, b, lse_s, lse_z, dense, ce_scale, labels, row_ids, coef, cfg.temperature)
@@ -240,7 +240,7 @@ def test_triton_fast_mode_upstream_gradients_and_frozen_head():
 def test_triton_fast_mode_memory_follows_the_budget():
     """The fast mode's largest tensor is the [rows, V] slab of one row block (rows from memory_budget)
     or the fp32 dW accumulator, never all N rows x V."""
-    from nitrobrew._memory import TensorMemoryTracker
+    from nitrobrew.core.memory import TensorMemoryTracker
 
     g = torch.Generator().manual_seed(5)
     n, d, v = 48, 4, 130
@@ -255,7 +255,7 @@ def test_triton_fast_mode_memory_follows_the_budget():
 
 def test_triton_memory_has_no_vocab_wide_rows_tensor():
     """Constant-memory mode, no [rows, V] tensor: the largest allocation is the (fp32) dW accumulator [V, D]."""
-    from nitrobrew._memory import TensorMemoryTracker
+    from nitrobrew.core.memory import TensorMemoryTracker
 
     g = torch.Generator().manual_seed(5)
     n, d, v = 24, 8, 130

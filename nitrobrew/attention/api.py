@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .. import _checks as ck
+from ..core import checks as ck
 from .common import DIRECTIONS, TARGETS, AttnSpec, effective_scales, key_mask, row_weights
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -34,8 +34,8 @@ from typing import Optional
 
 import torch
 
-from .. import _checks as ck
 from .. import divergences as dv
+from ..core import checks as ck
 from .common import AttnSpec, visible
 
 Tensor = torch.Tensor

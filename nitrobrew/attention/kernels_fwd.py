@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._launch import next_pow2
+from ..core.launch import next_pow2
 from .kernels_tiles import (
     centred_diff,
     exp2_pair,

@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch
 
-from .. import _checks as ck
-from .._checks import interpreter_enabled
-from .._launch import cdiv, launch
+from ..core import checks as ck
+from ..core.checks import interpreter_enabled
+from ..core.launch import cdiv, launch
 from .common import AttnSpec
 from .kernels_bwd import attn_kl_bwd_dk_kernel, attn_kl_bwd_dq_kernel
 from .kernels_fwd import DEFAULT_CONFIGS, LOG2E, attn_kl_fwd_kernel, next_pow2_dim

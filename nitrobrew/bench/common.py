@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import csv
-import gc
 import os
-import platform
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .._memory import TensorMemoryTracker
+from ..core.memory import peak_mib  # noqa: F401  (re-exported for the harnesses)
+from ..environment import environment, nitrobrew_commit, nitrobrew_version, package_version  # noqa: F401
 
 
 @dataclass
@@ -38,15 +36,6 @@ FAILED = ("error", "failed")  # notes of rows whose method broke (not skipped, n
 def failed(rows: List[Row]) -> List[Row]:
     """Rows whose method raised: a bench with any exits non-zero."""
     return [r for r in rows if r.note.split(":")[0].strip().lower() in FAILED]
-
-
-def package_version(dist: str) -> str:
-    try:
-        from importlib.metadata import version
-
-        return version(dist)
-    except Exception:
-        return "absent"
 
 
 def check_sizes(prog: str, **limits) -> None:
@@ -77,51 +66,6 @@ def triton_unavailable(device: torch.device) -> Optional[str]:
     return None
 
 
-def environment() -> Dict[str, str]:
-    """Device, versions and commit, recorded with every result table."""
-    info = {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-    }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except Exception:
-        info["triton"] = "absent"
-    info["nitrobrew"] = nitrobrew_version()
-    info["commit"] = os.environ.get("NITROBREW_COMMIT", "") or nitrobrew_commit()
-    return info
-
-
-def _git(root: str, *args: str) -> str:
-    return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=5).stdout.strip()
-
-
-def nitrobrew_commit() -> str:
-    """The commit of nitrobrew's own source tree (not of the directory the user stands in):
-    git in the package's directory, only when that repository's nitrobrew/ is this package;
-    else the installed version. "+dirty": the package's files differ from the commit."""
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../nitrobrew
-    try:
-        top = _git(pkg, "rev-parse", "--show-toplevel")
-        if top and os.path.samefile(os.path.join(top, "nitrobrew"), pkg):
-            head = _git(top, "rev-parse", "--short", "HEAD")
-            if head:
-                dirty = _git(top, "status", "--porcelain", "--untracked-files=no", "--", "nitrobrew")
-                return head + ("+dirty" if dirty else "")
-    except Exception:
-        pass
-    return f"release {nitrobrew_version()} (no git tree)"
-
-
-def nitrobrew_version() -> str:
-    from .. import __version__
-
-    return __version__
-
-
 def time_ms(fn: Callable[[], object], device: torch.device, warmup: int = 2, reps: int = 5) -> float:
     """Median wall time of fn() in ms: CUDA events on GPU, perf_counter on CPU, after warm-up."""
     for _ in range(warmup):
@@ -141,22 +85,6 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int = 2, rep
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
-
-
-def peak_mib(fn: Callable[[], object], device: torch.device) -> float:
-    """Peak memory above what was allocated before the call (inputs and their grads live), MiB."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-    with TensorMemoryTracker() as tracker:
-        fn()
-    return tracker.peak / 2**20
 
 
 def is_oom(err: BaseException) -> bool:

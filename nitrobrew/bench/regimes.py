@@ -295,10 +295,12 @@ def make_attention(
     g = torch.Generator(device=dev).manual_seed(seed)  # on the device: 10^8-element inputs at real N
     std = FLAT_STD if regime == "flat" else SPREAD_STD
 
-    sigma = math.sqrt(std)
+    default_sigma = math.sqrt(std)
 
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32) * sigma
+    def rnd(*shape, sigma=None):
+        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32) * (
+            default_sigma if sigma is None else sigma
+        )
 
     q_t, k_t = rnd(B, H, N, D), rnd(B, Hkv, N, D)
     if regime == "close":

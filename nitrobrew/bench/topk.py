@@ -52,7 +52,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .._ops import mm_acc
+from ..core.ops import mm_acc
 from . import baselines as bl
 from . import regimes as rg
 from .common import (
@@ -171,7 +171,7 @@ def _settings(args):
 def make_inputs(N: int, V: int, D: int, K: int, dtype, dev, seed: int = 0, regime: str = "lm"):
     """Student hidden/head of one regime and the teacher's top-k (streaming, no [N, V]);
     returns (xs, ws, ids, lp, labels, teacher entropy)."""
-    from ..topk.extract import streaming_topk
+    from ..teacher.extract import streaming_topk
 
     d = rg.make_hidden(regime, N, V, D, D, dtype, dev, seed)
     if K >= d.ws.shape[0]:
@@ -430,7 +430,7 @@ def run_extract(args) -> List[Row]:
     """Teacher forward with logits vs decoder + streaming top-k, on a random Qwen2-style model."""
     import transformers
 
-    from ..topk.extract import teacher_from_hf, teacher_topk
+    from ..teacher.extract import teacher_from_hf, teacher_topk
 
     dev, V, _, _, ks, dtype, reps, warmup, _ = _settings(args)
     gpu = dev.type == "cuda"

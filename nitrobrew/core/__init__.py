@@ -7,7 +7,7 @@
 - ``tl_utils``: Triton jit helpers (``phi_u``, online updates, one ``logaddexp``) and launch settings.
 - ``outputs``: ``DistillOutput``.
 
-With ``nitrobrew._checks`` (validation, reductions, backend choice, the double-backward guard),
-``nitrobrew._ops`` (fp32-accumulating matmuls, softcap), ``nitrobrew._launch`` (Triton launch) and
+With ``nitrobrew.core.checks`` (validation, reductions, backend choice, the double-backward guard),
+``nitrobrew.core.ops`` (fp32-accumulating matmuls, softcap), ``nitrobrew.core.launch`` (Triton launch) and
 ``nitrobrew.divergences`` (the math). See docs/design.md §11 for what lives where.
 """

@@ -1,5 +1,5 @@
 """Online (streaming) softmax state and the bookkeeping every loss family shares: spans of rows or
-vocab columns, the automatic vocab chunk, per-row upstream scales and the (total, kd, ce) rows.
+vocab columns and the automatic vocab chunk.
 
 The math (docs/design.md §2.3-§2.4): a row's running max m, rescaled sum l = sum e^(x - m), and the
 forward/reverse KL's accumulators a, r (and b on the other side), merged across chunks, lanes and
@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
 import torch
-
-from .._checks import reduction_scale
 
 Tensor = torch.Tensor
 # In the KLs' close-distribution sum r, an entry whose other side lies more than this many nats above
@@ -98,24 +96,3 @@ def auto_chunk_v(n_rows: int, vocab: int, budget_elems: int = 1 << 24) -> int:
     while chunk * 2 * max(n_rows, 1) <= budget_elems and chunk < vocab:
         chunk *= 2
     return min(chunk, vocab)
-
-
-def row_upstream(grad_total: torch.Tensor, mask: torch.Tensor, reduction: str, n: int) -> torch.Tensor:
-    """d loss / d row value for each of the n rows, given the gradient of the reduced output."""
-    if reduction == "none":
-        return grad_total.to(torch.float32)
-    return (reduction_scale(mask, reduction) * grad_total.to(torch.float32)).expand(n)
-
-
-def row_scales(grad_rows: Tensor, mask: Tensor, cfg) -> Tuple[Tensor, Tensor]:
-    """Per-row multipliers of the divergence's and the CE's gradients (upstream x row mask x weight)."""
-    g = grad_rows * mask
-    return g * cfg.kd_weight, g * cfg.ce_weight
-
-
-def combine_rows(kd: Tensor, ce: Optional[Tensor], mask: Tensor, cfg) -> Tuple[Tensor, Tensor, Tensor]:
-    """Per-row (total, kd, ce) in the compute dtype (float32; float64 for float64 inputs), 0 at
-    ignored rows (cfg: any config with kd_weight and ce_weight)."""
-    kd = torch.where(mask > 0, kd, torch.zeros_like(kd))
-    ce = torch.zeros_like(kd) if ce is None else torch.where(mask > 0, ce, torch.zeros_like(ce))
-    return cfg.kd_weight * kd + cfg.ce_weight * ce, kd, ce

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .._ops import linear_logits, mm_acc, mm_acc_add, softcap_
+from .ops import linear_logits, mm_acc, mm_acc_add, softcap_
 
 Tensor = torch.Tensor
 F32 = torch.float32

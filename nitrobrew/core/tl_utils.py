@@ -12,9 +12,9 @@ import math
 import triton
 import triton.language as tl
 
-from .. import _checks as ck
 from .. import divergences as dv
-from .._launch import next_pow2
+from . import checks as ck
+from .launch import next_pow2
 
 FORWARD_KL = tl.constexpr(dv.DIVERGENCE_IDS["forward_kl"])
 REVERSE_KL = tl.constexpr(dv.DIVERGENCE_IDS["reverse_kl"])

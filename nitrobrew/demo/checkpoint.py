@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from .._io import atomic_write_bytes
+from ..core.atomic_io import atomic_write_bytes
 
 
 class CheckpointError(ValueError):

@@ -30,8 +30,9 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from .._io import atomic_write_text
-from ..bench.common import environment, peak_mib
+from ..core.atomic_io import atomic_write_text
+from ..core.memory import peak_mib
+from ..environment import environment
 from .checkpoint import load_checkpoint, save_checkpoint
 from .progress import Progress
 from .source import HMMSource
@@ -316,8 +317,8 @@ class Runner:
 
 def topk_available() -> bool:
     try:
-        from ..topk import data as _d  # noqa: F401
-        from ..topk import extract as _e  # noqa: F401
+        from ..teacher import data as _d  # noqa: F401
+        from ..teacher import extract as _e  # noqa: F401
     except ImportError:
         return False
     return True
@@ -325,7 +326,7 @@ def topk_available() -> bool:
 
 def extract_store(runner: Runner, teacher, data: Data) -> str:
     """The teacher's top-k over the training corpus, as a nitrobrew.topk store (resumable)."""
-    from ..topk.extract import extract_topk, teacher_from_hf
+    from ..teacher.extract import extract_topk, teacher_from_hf
 
     cfg = runner.cfg
     path = os.path.join(runner.out, "topk_store")
@@ -401,7 +402,7 @@ def run_demo(
 
     store = None
     if "topk" in methods:
-        from ..topk.data import TopKCollator, TopKDataset
+        from ..teacher.data import TopKCollator, TopKDataset
 
         store = TopKDataset(extract_store(runner, teacher, data))
         collate = TopKCollator()

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Dict, Optional
 
-from .._io import atomic_write_text
+from ..core.atomic_io import atomic_write_text
 
 NAMES = {
     "teacher": "teacher",

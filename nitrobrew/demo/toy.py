@@ -20,7 +20,7 @@ from typing import Dict, List
 import torch
 
 from .. import hidden_loss, tvd
-from .._io import atomic_write_text
+from ..core.atomic_io import atomic_write_text
 from .progress import Progress
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")

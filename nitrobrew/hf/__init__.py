@@ -10,6 +10,7 @@
 The helpers and ``distill_loss`` do not import transformers; the trainer does (on first use).
 """
 
+from .generation import Generator, Sampling, make_generator
 from .loss import DIVERGENCES, LMDistillOutput, distill_loss
 from .model import (
     IGNORE_INDEX,
@@ -37,6 +38,9 @@ def __getattr__(name):
 
 
 __all__ = [
+    "Generator",
+    "Sampling",
+    "make_generator",
     "distill_loss",
     "LMDistillOutput",
     "DIVERGENCES",

@@ -97,7 +97,7 @@ def distill_loss(
             with -100 at padding, and are per token (not yet shifted), as HF collators make them.
         targets: instead of labels, per-position targets already shifted (``targets[b, i]`` is
             the token position i predicts, -100 where nothing counts), as
-            ``nitrobrew.topk.data.TopKCollator`` makes them under the name "labels".
+            ``nitrobrew.teacher.data.TopKCollator`` makes them under the name "labels".
         divergence: one of forward_kl, reverse_kl, jsd (beta), tvd, skew_kl, skew_reverse_kl
             (alpha), or "topk" (needs topk_ids / topk_logprobs).
         temperature, scale_t2: logits / T for the divergence; ``scale_t2`` multiplies it by T^2.

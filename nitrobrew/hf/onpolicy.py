@@ -12,21 +12,18 @@ defaults to ``jsd``; ``seq_kd`` trains on the teacher's completions instead.
 from __future__ import annotations
 
 import contextlib
-import time
-from typing import Callable, NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from .generation.base import GenerateFn, Generator, Sampling
 from .model import IGNORE_INDEX, unwrap
 
-# generate_fn(prompt_ids, prompt_mask, **options) -> completion ids [B, G] (G <= max_new_tokens),
-# e.g. a vLLM engine behind a small adapter; options: model (the one asked to generate: the
-# student, or the teacher for seq_kd), max_new_tokens, temperature, top_p, top_k, eos_token_id,
-# pad_token_id, seed. Prompts come left-padded.
-GenerateFn = Callable[..., torch.Tensor]
 
-
+# generate_fn(prompt_ids, prompt_mask, **options) -> completion ids [B, G] (G <= max_new_tokens); options:
+# model (the one asked to generate: the student, or the teacher for seq_kd), max_new_tokens, temperature,
+# top_p, top_k, eos_token_id, pad_token_id, seed. Prompts come left-padded. Engines: nitrobrew.hf.generation.
 class GeneratedBatch(NamedTuple):
     """input_ids, attention_mask, labels [B, <= P + G], right-padded; n_generated [B]: counted completion tokens
     per row (EOS included); seconds: the generation's wall time."""
@@ -36,6 +33,9 @@ class GeneratedBatch(NamedTuple):
     labels: torch.Tensor
     n_generated: torch.Tensor
     seconds: float
+    logprobs: Optional[torch.Tensor] = None
+    weight_version: int = 0
+    decode_steps: int = 0
 
 
 def left_pad(ids: torch.Tensor, mask: Optional[torch.Tensor], pad: int):
@@ -50,18 +50,6 @@ def left_pad(ids: torch.Tensor, mask: Optional[torch.Tensor], pad: int):
     ids = ids.gather(1, order).masked_fill(~keep, pad)
     first = int(keep.any(0).long().argmax()) if bool(keep.any()) else 0  # drop all-padding columns
     return ids[:, first:], keep[:, first:].long()
-
-
-def completion_mask(completion: torch.Tensor, eos_token_id: Union[None, int, Sequence[int]]) -> torch.Tensor:
-    """1 up to and including the first EOS of each row, 0 after it (all 1 without an EOS id)."""
-    if eos_token_id is None:
-        return torch.ones_like(completion)
-    eos = torch.as_tensor(
-        list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id], device=completion.device
-    )
-    is_eos = torch.isin(completion, eos).long()
-    after = (is_eos.cumsum(1) - is_eos) > 0
-    return (~after).long()
 
 
 def _rng(seed: Optional[int], device: torch.device):
@@ -85,6 +73,9 @@ def on_policy_batch(
     pad_token_id: Optional[int] = None,
     seed: Optional[int] = None,
     generate_fn: Optional[GenerateFn] = None,
+    generator: Optional[Generator] = None,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
 ) -> GeneratedBatch:
     """Complete ``prompt_ids`` with ``model`` (the student, or the teacher for sequence-level KD).
 
@@ -98,22 +89,19 @@ def on_policy_batch(
             every row generates max_new_tokens tokens.
         seed: sample under this seed (the global RNG is left as it was); None: the global RNG.
         generate_fn: an external generator instead of ``model.generate`` (see ``GenerateFn``).
+        generator: an engine of ``nitrobrew.hf.generation`` (vLLM, the fast in-process engine, ...);
+            default: ``generate_fn`` if given, else ``model.generate`` with the dynamic cache.
+        min_p, repetition_penalty: further sampling settings (0 and 1: off).
 
     Returns:
         ``GeneratedBatch``; pass its ``input_ids, attention_mask, labels`` to ``distill_loss``.
     """
-    if not (isinstance(max_new_tokens, int) and max_new_tokens > 0):
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if prompt_ids.dim() != 2:
         raise ValueError(f"prompt_ids must be [batch, length], got shape {tuple(prompt_ids.shape)}")
     m = unwrap(model)
     from .fsdp import head_is_sharded_apart
 
-    if generate_fn is None and head_is_sharded_apart(m):
+    if generate_fn is None and generator is None and head_is_sharded_apart(m):
         raise ValueError(
             "generation with an FSDP2 head sharded apart from the decoder would gather it through the "
             "root's forward, breaking the vocab-parallel layout: pass generate_fn (an external "
@@ -129,54 +117,27 @@ def on_policy_batch(
     pad = 0 if pad_token_id is None else int(pad_token_id)
     device = next(m.parameters()).device
     ids, mask = left_pad(prompt_ids.to(device), None if prompt_mask is None else prompt_mask.to(device), pad)
-    sampling = (
-        dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
-        if temperature > 0
-        else dict(do_sample=False)
+    sampling = Sampling(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad,
+        seed=seed,
     )
-    t0 = time.perf_counter()
+    if generator is None:
+        from .generation import CallableGenerator, DynamicCacheGenerator
+
+        generator = CallableGenerator(generate_fn, model) if generate_fn is not None else DynamicCacheGenerator(model)
     with _rng(seed, device):
         if seed is not None:
             torch.manual_seed(seed)
-        if generate_fn is not None:
-            completion = generate_fn(
-                ids,
-                mask,
-                model=model,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                eos_token_id=eos_token_id,
-                pad_token_id=pad,
-                seed=seed,
-            )
-            completion = torch.as_tensor(completion, device=device)
-        else:
-            was_training = m.training
-            m.eval()
-            try:
-                out = m.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    max_new_tokens=max_new_tokens,
-                    eos_token_id=eos_token_id,
-                    pad_token_id=pad,
-                    use_cache=True,
-                    **sampling,
-                )
-            finally:
-                m.train(was_training)
-            completion = out[:, ids.shape[1] :]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t0
-    if completion.dim() != 2 or completion.shape[0] != ids.shape[0] or completion.shape[1] > max_new_tokens:
-        raise ValueError(
-            f"the generator returned completions of shape {tuple(completion.shape)}; expected "
-            f"[{ids.shape[0]}, <= {max_new_tokens}]"
-        )
-    cmask = completion_mask(completion, eos_token_id)
+        gen = generator.generate(ids, mask, sampling)
+    completion = gen.ids.to(device)
+    cmask = gen.mask.to(device).long()
     labels = torch.cat([torch.full_like(ids, IGNORE_INDEX), completion.masked_fill(cmask == 0, IGNORE_INDEX)], 1)
     # Right-aligned again: every row starts at column 0, so the training forward numbers the
     # positions as generation did (from the prompt's first token) without position_ids.
@@ -186,7 +147,20 @@ def on_policy_batch(
     width = int(keep.sum(1).max())
     out_ids = torch.cat([ids, completion], 1).gather(1, order).masked_fill(~keep, pad)[:, :width]
     labels = labels.gather(1, order).masked_fill(~keep, IGNORE_INDEX)[:, :width]
-    return GeneratedBatch(out_ids, keep[:, :width].long(), labels, cmask.sum(1), seconds)
+    logprobs = None
+    if gen.logprobs is not None:
+        logprobs = torch.cat([torch.zeros_like(ids, dtype=torch.float32), gen.logprobs.to(device).float()], 1)
+        logprobs = logprobs.gather(1, order).masked_fill(~keep, 0.0)[:, :width]
+    return GeneratedBatch(
+        out_ids,
+        keep[:, :width].long(),
+        labels,
+        cmask.sum(1),
+        gen.seconds,
+        logprobs=logprobs,
+        weight_version=gen.weight_version,
+        decode_steps=gen.decode_steps,
+    )
 
 
 def prompts_of(batch: dict, pad: int = 0):

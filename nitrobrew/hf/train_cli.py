@@ -214,7 +214,7 @@ def build(model_args: ModelArguments, data_args: DataArguments, args):
     elif args.divergence != "topk":
         raise ValueError(f"divergence {args.divergence!r} needs a teacher (the teacher key)")
     if args.divergence == "topk":
-        from ..topk.data import TopKCollator, TopKDataset
+        from ..teacher.data import TopKCollator, TopKDataset
 
         if data_args.packing:
             raise ValueError("packing: true is not available for a top-k store (its collator pads)")

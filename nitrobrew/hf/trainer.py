@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from .. import _checks as ck
+from ..core import checks as ck
 from .loss import DIVERGENCES, distill_loss
 from .model import IGNORE_INDEX, check_head, is_fsdp2, is_wrapped, labels_from_inputs, shift_labels, unwrap
 from .onpolicy import on_policy_batch, prompts_of
@@ -181,7 +181,7 @@ class DistillationTrainer(Trainer):
         model: the student (a transformers causal LM, optionally PEFT-wrapped).
         teacher_model: a causal LM with the same tokenizer, or its path / hub name; frozen, put in
             eval mode and moved to the training device. Not needed for ``divergence="topk"``,
-            where the dataset is a ``nitrobrew.topk.data.TopKDataset`` and the collator a
+            where the dataset is a ``nitrobrew.teacher.data.TopKDataset`` and the collator a
             ``TopKCollator``: batches carry ``topk_ids`` and ``topk_logprobs`` [B, N, K] and
             labels already shifted.
         args: ``DistillationArguments``.
@@ -220,7 +220,7 @@ class DistillationTrainer(Trainer):
         # Older Trainers only pass num_items_in_batch (and skip their 1/GA scaling) for models
         # that "accept loss kwargs"; our compute_loss does.
         self.model_accepts_loss_kwargs = True
-        # A top-k dataset (nitrobrew.topk.data.TopKDataset) records its extraction temperature.
+        # A top-k dataset (nitrobrew.teacher.data.TopKDataset) records its extraction temperature.
         self._store_temperature = getattr(self.train_dataset, "temperature", None)
         if args.divergence == "topk" and self._store_temperature not in (None, args.temperature):
             raise ValueError(
@@ -300,7 +300,7 @@ class DistillationTrainer(Trainer):
         return batch_samples, count
 
     def _labels(self, batch):
-        # Top-k batches (nitrobrew.topk.data.TopKCollator) carry labels already shifted.
+        # Top-k batches (nitrobrew.teacher.data.TopKCollator) carry labels already shifted.
         if self.args.divergence == "topk":
             return {"targets": batch["labels"]} if batch.get("labels") is not None else {"labels": None}
         return {"labels": batch.get("labels")}

@@ -6,9 +6,10 @@ from typing import Optional, Union
 
 import torch
 
-from .. import _checks as ck
 from .. import divergences as dv
+from ..core import checks as ck
 from ..core.outputs import DistillOutput
+from ..core.reduction import reduce_rows
 from . import grad_filter as gf
 from .config import LossConfig
 from .custom_op import compiled_distill
@@ -94,7 +95,7 @@ def hidden_loss(
 
         xs, xt, ws, wt, bs, bt, labels, process_group = unwrap(xs, xt, ws, wt, bs, bt, labels, process_group)
     if process_group is not None:  # vocab-parallel heads
-        from ..parallel.hidden import parallel_hidden_loss
+        from .vocab_parallel import parallel_hidden_loss
 
         return parallel_hidden_loss(
             xs,
@@ -193,7 +194,7 @@ def hidden_loss(
         from .chunked import chunked_rows
 
         rows = chunked_rows(x_s, x_t, ws, wt, bs, bt, ce_labels, mask, cfg)
-        out = tuple(ck.reduce_rows(r, mask, reduction, lead) for r in rows)
+        out = tuple(reduce_rows(r, mask, reduction, lead) for r in rows)
     total, kd, ce = (r.reshape(lead) for r in out) if reduction == "none" else out
     if return_parts:
         return DistillOutput(total, kd, ce)

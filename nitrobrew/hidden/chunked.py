@@ -17,10 +17,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import _checks as ck
 from .. import divergences as dv
-from .._ops import compute_dtype, softcap_grad_
-from ..core.online import FAR_NATS, Online, auto_chunk_v, combine_rows, row_scales, spans
+from ..core import checks as ck
+from ..core.online import FAR_NATS, Online, auto_chunk_v, spans
+from ..core.ops import compute_dtype, softcap_grad_
+from ..core.reduction import combine_rows, row_scales
 from ..core.slabs import chunk_logits, gather_label_logit, head_grads_from_chunk
 from . import grad_filter as gf
 from .config import LossConfig, Operands

@@ -16,9 +16,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import _checks as ck
-from .._ops import compute_dtype, grad_needed, kernel_operands
-from ..core.online import auto_chunk_v, combine_rows, row_scales, row_upstream
+from ..core import checks as ck
+from ..core.online import auto_chunk_v
+from ..core.ops import compute_dtype, grad_needed, kernel_operands
+from ..core.reduction import combine_rows, reduce_rows, row_scales, row_upstream
 from .chunked import RowStats, backward_chunks, compute_stats
 from .config import LossConfig, Operands
 
@@ -115,7 +116,7 @@ def hidden_distill(
     else:
         chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0])
         rs = compute_stats(Operands(xs, xt, ws, wt, bs, bt), labels, cfg, chunk)
-        out = tuple(ck.reduce_rows(r, mask, reduction, (xs.shape[0],)) for r in combine_rows(rs.kd, rs.ce, mask, cfg))
+        out = tuple(reduce_rows(r, mask, reduction, (xs.shape[0],)) for r in combine_rows(rs.kd, rs.ce, mask, cfg))
         grads = None
     if grads is not None:
         dx, dw, db = grads

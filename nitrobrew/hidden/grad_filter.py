@@ -48,7 +48,7 @@ from typing import List, Optional, Union
 
 import torch
 
-from .._ops import mm_acc, mm_acc_add
+from ..core.ops import mm_acc, mm_acc_add
 
 F32 = torch.float32
 PIECE = 8192  # active columns per product: bounds the gathered copies (G, W rows, dW rows)

@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from .. import divergences as dv
-from .._launch import launch
 from ..core import online
+from ..core.launch import launch
 from ..core.tl_utils import (
     FORWARD_KL,
     KL_STATS_BLOCK_V,

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import cdiv, launch
+from ..core.launch import cdiv, launch
 
 FILTER_BLOCK_V = 128  # columns per program of the flag kernels
 FILTER_BLOCK_R = 64  # rows per tile of the flag kernels (best of an H100 sweep: 0.125 ms per 704 x 152064 slab)

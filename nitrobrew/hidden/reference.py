@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from .. import divergences as dv
-from .._checks import reduce_rows, row_weights
+from ..core.reduction import reduce_rows, row_weights
 
 
 def reference_loss(

@@ -17,10 +17,11 @@ from typing import Optional
 
 import torch
 
-from .. import _checks as ck
 from .. import divergences as dv
-from .._ops import grad_needed, kernel_operands, linear_logits, mm_acc, mm_acc_add, softcap_
-from ..core.online import Online, combine_rows, row_scales, row_upstream, spans
+from ..core import checks as ck
+from ..core.online import Online, spans
+from ..core.ops import grad_needed, kernel_operands, linear_logits, mm_acc, mm_acc_add, softcap_
+from ..core.reduction import combine_rows, reduce_rows, reduction_scale, row_scales, row_upstream
 from ..core.slabs import accumulate_dw, alloc_grads, finish_grads, keep_for_backward, take_precomputed_grads
 from . import grad_filter as gf
 from . import kernels as tr
@@ -44,7 +45,7 @@ class Plan:
 
 def make_plan(n: int, v: int, ds: int, dtype, mode, chunk_V, memory_budget, reduction) -> Plan:
     v = max(v, 1)  # an empty vocabulary shard (vocab-parallel) still gets a valid plan
-    # mode and memory_budget were validated by the public API (nitrobrew._checks.check_mode)
+    # mode and memory_budget were validated by the public API (nitrobrew.core.checks.check_mode)
     if mode is None:
         mode = "constant_memory" if chunk_V is not None else "fast"
     if mode == "fast":
@@ -228,7 +229,7 @@ def distill_forward(
     n = xs.shape[0]
     precompute = need_grad and plan.mode == "fast" and plan.reduction != "none"
     grads = alloc_grads(xs, ws, bs, plan.dw_fp32) if precompute else None
-    red = ck.reduction_scale(mask, plan.reduction) if precompute else None
+    red = reduction_scale(mask, plan.reduction) if precompute else None
     chunk_max = None
     if tile_bounds and need_grad and _drops_tiles(cfg, plan, ws, bs):
         chunk_max = torch.empty(n, -(-ws.shape[0] // plan.vocab_chunk), 2, dtype=F32, device=xs.device)
@@ -259,7 +260,7 @@ def distill_forward(
     rs = _concat_stats(stats, xs)
     rs.chunk_max = chunk_max
     rows = combine_rows(rs.kd, rs.ce, mask, cfg)
-    out = tuple(ck.reduce_rows(r, mask, plan.reduction, (n,)) for r in rows)
+    out = tuple(reduce_rows(r, mask, plan.reduction, (n,)) for r in rows)
     return out, (finish_grads(*grads, ws, bs) if precompute else None), rs
 
 

@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from .. import _checks as ck
+from ..core import checks as ck
+from ..core.reduction import row_weights
 
 
 def check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels, heads: str = "[V, D] heads") -> None:
@@ -66,7 +67,7 @@ def prepare_rows(xs, xt, ws, wt, bs, bt, labels, ignore_index, ce_weight, used: 
     x_s = xs.reshape(-1, xs.shape[-1])
     x_t = xt.reshape(-1, xt.shape[-1])
     flat_labels = None if labels is None else labels.reshape(-1)
-    mask = ck.row_weights(flat_labels, ignore_index, x_s.shape[0], xs.device)
+    mask = row_weights(flat_labels, ignore_index, x_s.shape[0], xs.device)
     if labels is not None:
         x_s = torch.where(mask[:, None] > 0, x_s, torch.zeros((), dtype=x_s.dtype, device=x_s.device))
     ce_labels = None

@@ -201,3 +201,45 @@ def merge_online(states, group, extra=(), kl_pairs=()) -> List[Tensor]:
     for (o, name), v in zip(fields, out):
         setattr(o, name, v)
     return out[len(fields) :]
+
+
+def fail(msg: str):
+    """A vocab-parallel argument error, raised the same on every rank."""
+    raise ValueError(f"nitrobrew vocab-parallel loss: {msg}")
+
+
+def check_rows_agree(table: dict) -> None:
+    """Every rank of the group must hold the same rows and call with the same options."""
+    for key, what in (
+        ("rows", "number of rows (tokens)"),
+        ("ds", "student hidden size"),
+        ("dt", "teacher hidden size"),
+        ("k", "number of stored ids per row"),
+    ):
+        if key in table:
+            same_everywhere(table, key, f"every rank of the group must hold the same rows; {what} differs")
+    same_everywhere(
+        table,
+        "options",
+        "ranks called the loss with different options (divergence, beta/alpha, "
+        "temperature, weights, reduction, vocab_size, ignore_index, dtype, requires_grad of xs or "
+        "presence of biases/labels)",
+    )
+    for key in ("label_hash", "ids_hash"):
+        if key in table:
+            same_everywhere(
+                table,
+                key,
+                f"ranks hold different {'labels' if key == 'label_hash' else 'top-k ids'}: "
+                "every rank of the vocab-parallel group needs the same rows (split the batch over a "
+                "separate data-parallel group)",
+            )
+
+
+def check_label_range(table: dict, V: int, what: str = "labels", lo_f="label_min", hi_f="label_max") -> None:
+    lo, hi = min(table[lo_f]), max(table[hi_f])
+    if hi >= 0 and (lo < 0 or hi >= V):
+        fail(
+            f"{what} must lie in [0, {V}) (global ids{', or equal ignore_index' if what == 'labels' else ''}), "
+            f"found values in [{lo}, {hi}]"
+        )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from .._checks import is_dtensor
+from ..core.checks import is_dtensor
 from .comm import ranks_of
 
 __all__ = ["is_dtensor", "unwrap"]

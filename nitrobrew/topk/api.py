@@ -6,8 +6,9 @@ from typing import Optional
 
 import torch
 
-from .. import _checks as ck
+from ..core import checks as ck
 from ..core.outputs import DistillOutput
+from ..core.reduction import reduce_rows, row_weights
 from .rowmath import TopKConfig
 from .validation import safe_ids, validate
 
@@ -99,7 +100,7 @@ def topk_kl(
         topk_ids = topk_ids.to_local() if ck.is_dtensor(topk_ids) else topk_ids
         topk_logprobs = topk_logprobs.to_local() if ck.is_dtensor(topk_logprobs) else topk_logprobs
     if process_group is not None:  # a vocab-parallel head
-        from ..parallel.topk import parallel_topk_kl
+        from .vocab_parallel import parallel_topk_kl
 
         return parallel_topk_kl(
             xs,
@@ -156,7 +157,7 @@ def topk_kl(
     x = xs.reshape(-1, xs.shape[-1])
     lp = topk_logprobs.reshape(-1, K)
     flat_labels = None if labels is None else labels.reshape(-1)
-    mask = ck.row_weights(flat_labels, ignore_index, x.shape[0], xs.device)
+    mask = row_weights(flat_labels, ignore_index, x.shape[0], xs.device)
     ce_labels = None
     if ce_weight != 0:
         ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1)).long()
@@ -196,7 +197,7 @@ def topk_kl(
         else:
             from .chunked import chunked_rows as rows_fn
         rows = rows_fn(x, ws, bs, ids, lp, ce_labels, mask, cfg)
-        total, kd, ce = (ck.reduce_rows(r, mask, reduction, lead) for r in rows)
+        total, kd, ce = (reduce_rows(r, mask, reduction, lead) for r in rows)
     if return_parts:
         return DistillOutput(total, kd, ce)
     return total

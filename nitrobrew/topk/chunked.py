@@ -28,10 +28,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import _checks as ck
-from .._ops import compute_dtype, softcap_, softcap_grad_
-from ..core.online import Online, auto_chunk_v, row_scales, spans
-from ..core.online import combine_rows as combine_kd_ce
+from ..core import checks as ck
+from ..core.online import Online, auto_chunk_v, spans
+from ..core.ops import compute_dtype, softcap_, softcap_grad_
+from ..core.reduction import combine_rows as combine_kd_ce
+from ..core.reduction import row_scales
 from ..core.slabs import chunk_logits, gather_label_logit, head_grads_from_chunk
 from .rowmath import DenseCoef, RowResult, TopKConfig, full_lse, topk_rows
 
@@ -250,7 +251,7 @@ def row_coefficients(grad_rows: Tensor, mask: Tensor, res: RowResult, cfg: TopKC
     return coef, dense, (ce_scale if cfg.with_ce else None)
 
 
-def combine_rows(res: RowResult, ce: Optional[Tensor], mask: Tensor, cfg: TopKConfig):
+def combine_topk_rows(res: RowResult, ce: Optional[Tensor], mask: Tensor, cfg: TopKConfig):
     """Per-row (total, kd, ce) in the compute dtype, 0 at ignored rows (the hidden losses' rule)."""
     return combine_kd_ce(res.kd, ce, mask, cfg)
 
@@ -270,7 +271,7 @@ class ChunkedTopK(torch.autograd.Function):
             z_ids = softcap_(gather_logits(xs, ws, bs, ids).reshape(-1), cfg.softcap_s)
             ctx.z_ids = z_ids
             res, lse_s, lse_z, ce = finish(z_ids, lpc, valid, None, None, None, cfg)
-        total, kd, ce_rows = combine_rows(res, ce, mask, cfg)
+        total, kd, ce_rows = combine_topk_rows(res, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, ids, labels, mask)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.entries, ctx.cfg = res, lse_s, lse_z, entries, cfg
         ctx.mark_non_differentiable(kd, ce_rows)

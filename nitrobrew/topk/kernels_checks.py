@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import cdiv, launch, next_pow2
+from ..core.launch import cdiv, launch, next_pow2
 
 TILE = 4096  # entries per program: rows x next_pow2(K)
 

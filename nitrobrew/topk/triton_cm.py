@@ -19,11 +19,11 @@ from typing import Optional, Tuple
 import torch
 import triton.language as tl
 
-from .. import _checks as ck
-from .._launch import cdiv, launch
+from ..core import checks as ck
+from ..core.launch import cdiv, launch
 from ..core.online import Online
 from . import kernels_cm as kern
-from .chunked import chunked_rows, combine_rows, finish, row_coefficients
+from .chunked import chunked_rows, combine_topk_rows, finish, row_coefficients
 from .rowmath import DenseCoef, TopKConfig
 
 Tensor = torch.Tensor
@@ -306,7 +306,7 @@ class TritonTopK(torch.autograd.Function):
             z[:, K] if cfg.with_ce else None,
             cfg,
         )
-        total, kd, ce_rows = combine_rows(res, ce, mask, cfg)
+        total, kd, ce_rows = combine_topk_rows(res, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, labels, mask)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.cfg, ctx.row_ids = res, lse_s, lse_z, cfg, row_ids
         ctx.mark_non_differentiable(kd, ce_rows)

@@ -26,14 +26,15 @@ from typing import List, Optional
 
 import torch
 
-from .. import _checks as ck
-from .._launch import launch
-from .._ops import linear_logits, softcap_, softcap_grad_
-from ..core.online import Online, row_scales, row_upstream, spans
+from ..core import checks as ck
+from ..core.launch import launch
+from ..core.online import Online, spans
+from ..core.ops import linear_logits, softcap_, softcap_grad_
+from ..core.reduction import reduce_rows, reduction_scale, row_scales, row_upstream
 from ..core.slabs import accumulate_dw, alloc_grads, finish_grads, keep_for_backward, take_precomputed_grads
 from ..core.tl_utils import NUM_WARPS, row_block
 from . import kernels_fast as kf
-from .chunked import combine_rows, finish
+from .chunked import combine_topk_rows, finish
 from .rowmath import RowResult, TopKConfig, full_lse
 
 F32 = torch.float32
@@ -212,7 +213,7 @@ class FastTopK(torch.autograd.Function):
         valid = torch.isfinite(lp)
         precompute = any(need) and plan.reduction != "none"
         grads = alloc_grads(xs, ws, bs, plan.dw_fp32, need[0], need[1] or need[2]) if precompute else (None,) * 3
-        red = ck.reduction_scale(mask, plan.reduction) if precompute else None
+        red = reduction_scale(mask, plan.reduction) if precompute else None
         blocks = []
         for r0, r1 in spans(n, plan.row_chunk):
             z = softcap_(linear_logits(xs[r0:r1], ws, bs, F32), cfg.softcap_s)
@@ -243,8 +244,8 @@ class FastTopK(torch.autograd.Function):
         if rows is None:
             per_row = (torch.zeros(0, dtype=F32, device=xs.device),) * 3
         else:
-            per_row = combine_rows(rows.res, rows.ce, mask, cfg)
-        out = tuple(ck.reduce_rows(r, mask, plan.reduction, (n,)) for r in per_row)
+            per_row = combine_topk_rows(rows.res, rows.ce, mask, cfg)
+        out = tuple(reduce_rows(r, mask, plan.reduction, (n,)) for r in per_row)
         keep_for_backward(
             ctx,
             cfg,

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _checks as ck
 from .. import divergences as dv
-from .._launch import cdiv, launch, next_pow2
+from ..core import checks as ck
+from ..core.launch import cdiv, launch, next_pow2
 from ..core.tl_utils import math_args
 from . import kernels_support as ks
 from .rowmath import TopKConfig

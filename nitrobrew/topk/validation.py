@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import _checks as ck
+from ..core import checks as ck
 
 NORMALIZE = ("full", "topk")
 

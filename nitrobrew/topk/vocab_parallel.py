@@ -15,14 +15,18 @@ import math
 
 import torch
 
-from .. import _checks as ck
-from .._ops import compute_dtype
+from ..core import checks as ck
 from ..core.online import auto_chunk_v
+from ..core.ops import compute_dtype
 from ..core.outputs import DistillOutput
-from .comm import (
+from ..core.reduction import reduce_rows, row_weights
+from ..parallel.comm import (
     all_reduce,
+    check_label_range,
+    check_rows_agree,
     checked_exchange,
     comm_device,
+    fail,
     fingerprint,
     group_rank_world,
     ids_summary,
@@ -30,8 +34,7 @@ from .comm import (
     offsets_from_sizes,
     require_initialized,
 )
-from .dtensor import is_dtensor, unwrap
-from .hidden import _fail, check_label_range, check_rows_agree
+from ..parallel.dtensor import is_dtensor, unwrap
 
 Tensor = torch.Tensor
 
@@ -55,7 +58,7 @@ class VocabParallelTopK(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, ws, bs, ids, lp, labels, mask, cfg, group, lo: int):
-        from ..topk.chunked import Entries, combine_rows, finish, vocab_pass
+        from .chunked import Entries, combine_topk_rows, finish, vocab_pass
 
         acc = compute_dtype(xs.dtype)
         N, K = lp.shape
@@ -68,7 +71,7 @@ class VocabParallelTopK(torch.autograd.Function):
         z_label = extra[0] if cfg.with_ce else st.z_label
         z_ids = extra[-1]
         res, lse_s, lse_z, ce = finish(z_ids, lp.to(acc), valid, st.s, st.z, z_label, cfg)
-        total, kd, ce_rows = combine_rows(res, ce, mask, cfg)
+        total, kd, ce_rows = combine_topk_rows(res, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, labels, mask)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.entries, ctx.cfg = res, lse_s, lse_z, entries, cfg
         ctx.group, ctx.lo, ctx.chunk = group, lo, chunk
@@ -78,7 +81,7 @@ class VocabParallelTopK(torch.autograd.Function):
     @staticmethod
     @ck.no_double_backward
     def backward(ctx, grad_total, _gkd, _gce):
-        from ..topk.chunked import backward_range, row_coefficients
+        from .chunked import backward_range, row_coefficients
 
         xs, ws, bs, labels, mask = ctx.saved_tensors
         coef, dense, ce_scale = row_coefficients(grad_total, mask, ctx.res, ctx.cfg)
@@ -163,8 +166,8 @@ def parallel_topk_kl(
 
     Everything else (xs, topk_ids as global ids, topk_logprobs, labels) is the same on every rank.
     """
-    from ..topk.rowmath import TopKConfig
-    from ..topk.validation import validate
+    from .rowmath import TopKConfig
+    from .validation import validate
 
     xs, _, ws, _, bs, _, labels, group = unwrap(xs, None, ws, None, bs, None, labels, process_group)
     topk_ids = topk_ids.to_local() if is_dtensor(topk_ids) else topk_ids
@@ -243,7 +246,7 @@ def parallel_topk_kl(
         check_label_range(table, V)
     lo = offsets_from_sizes(sizes)[rank]
     if V == 0:
-        _fail("the student head has no rows on any rank")
+        fail("the student head has no rows on any rank")
 
     lead = xs.shape[:-1]
     K = topk_ids.shape[-1]
@@ -253,7 +256,7 @@ def parallel_topk_kl(
         torch.isfinite(lp), topk_ids.reshape(-1, K).long(), torch.zeros((), dtype=torch.long, device=lp.device)
     )
     flat_labels = None if labels is None else labels.reshape(-1)
-    mask = ck.row_weights(flat_labels, ignore_index, x.shape[0], xs.device)
+    mask = row_weights(flat_labels, ignore_index, x.shape[0], xs.device)
     ce_labels = None
     if ce_weight != 0:
         ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1)).long()
@@ -269,7 +272,7 @@ def parallel_topk_kl(
         softcap_s=None if softcap_s is None else float(softcap_s),
     )
     rows = VocabParallelTopK.apply(x, ws, bs, ids, lp, ce_labels, mask, cfg, group, lo)
-    total, kd, ce = (ck.reduce_rows(r, mask, reduction, lead) for r in rows)
+    total, kd, ce = (reduce_rows(r, mask, reduction, lead) for r in rows)
     if return_parts:
         return DistillOutput(total, kd, ce)
     return total

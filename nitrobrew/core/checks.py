@@ -68,7 +68,7 @@ def divergence_param(divergence: str, beta: float, alpha: float) -> Tuple[str, f
     """The canonical (divergence, parameter) of the public options: the registry names the option
     that carries each divergence's parameter (beta for jsd, alpha for the skews), checked to lie in
     [0, 1]; unknown names raise."""
-    from . import divergences as dv
+    from .. import divergences as dv
 
     entry = dv.REGISTRY.get(divergence)
     if entry is None or entry.param is None:
@@ -137,33 +137,6 @@ def check_ids_in_range(name: str, ids: torch.Tensor, upper: int, ignore_index: O
     lo, hi = int(valid.min()), int(valid.max())
     if lo < 0 or hi >= upper:
         raise ValueError(f"{name} must lie in [0, {upper}) (or equal ignore_index), found values in [{lo}, {hi}]")
-
-
-def row_weights(labels: Optional[torch.Tensor], ignore_index: int, n_rows: int, device: torch.device) -> torch.Tensor:
-    """float32 [n_rows] mask: 1 where the row counts, 0 where its label is ignore_index."""
-    if labels is None:
-        return torch.ones(n_rows, device=device, dtype=torch.float32)
-    return (labels.reshape(-1) != ignore_index).to(torch.float32)
-
-
-def reduce_rows(per_row: torch.Tensor, mask: torch.Tensor, reduction: str, lead_shape) -> torch.Tensor:
-    """Apply a reduction to per-row values that are already 0 at ignored rows.
-
-    "mean" divides by the number of counted rows; with none counted the result is 0 (not NaN).
-    """
-    if reduction == "none":
-        return per_row.reshape(lead_shape)
-    total = per_row.sum()
-    if reduction == "sum":
-        return total
-    return total / mask.sum().clamp_min(1.0)
-
-
-def reduction_scale(mask: torch.Tensor, reduction: str) -> torch.Tensor:
-    """d loss / d row_value for "mean" and "sum", as a float32 scalar tensor (0 if no row counts)."""
-    if reduction == "sum":
-        return torch.ones((), device=mask.device, dtype=torch.float32)
-    return 1.0 / mask.sum().clamp_min(1.0)
 
 
 def triton_available() -> bool:

@@ -8,7 +8,9 @@ uses it where CUDA's allocator statistics are not available.
 
 from __future__ import annotations
 
+import gc
 import weakref
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -62,3 +64,19 @@ class TensorMemoryTracker(TorchDispatchMode):
                     continue
                 self._track(o)
         return out
+
+
+def peak_mib(fn: Callable[[], object], device: torch.device) -> float:
+    """Peak memory above what was allocated before the call (inputs and their grads live), MiB."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    with TensorMemoryTracker() as tracker:
+        fn()
+    return tracker.peak / 2**20

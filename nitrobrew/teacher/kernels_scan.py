@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._launch import cdiv, launch, next_pow2
+from ..core.launch import cdiv, launch, next_pow2
 from ..core.online import Online
 from ..core.tl_utils import f32, online_tile
 

@@ -11,7 +11,7 @@ block, then merges the per-row states across ranks exactly as the online update 
 
 and the backward runs ``chunked.backward_chunks`` on the local block and all-reduces dX once.
 Communication is O(rows) in the forward and O(rows * Ds) in the backward, never O(rows * V);
-``nitrobrew.parallel.comm_bytes`` gives the exact count.
+``comm_bytes`` below gives the exact count.
 """
 
 from __future__ import annotations
@@ -21,28 +21,30 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .. import _checks as ck
 from .. import divergences as dv
-from .._ops import compute_dtype
-from ..core.online import combine_rows, row_scales
+from ..core import checks as ck
+from ..core.ops import compute_dtype
 from ..core.outputs import DistillOutput
-from ..hidden import grad_filter as gf
-from ..hidden.chunked import RowStats, TorchLocal, finish_stats
-from ..hidden.config import LossConfig, Operands
-from ..hidden.validation import check_hidden_tensors, check_loss_options, prepare_rows
-from .comm import (
+from ..core.reduction import combine_rows, reduce_rows, row_scales
+from ..parallel.comm import (
     all_reduce,
+    check_label_range,
+    check_rows_agree,
     checked_exchange,
     comm_device,
+    fail,
     fingerprint,
     group_rank_world,
     ids_summary,
     merge_online,
     offsets_from_sizes,
     require_initialized,
-    same_everywhere,
 )
-from .dtensor import unwrap
+from ..parallel.dtensor import unwrap
+from . import grad_filter as gf
+from .chunked import RowStats, TorchLocal, finish_stats
+from .config import LossConfig, Operands
+from .validation import check_hidden_tensors, check_loss_options, prepare_rows
 
 Tensor = torch.Tensor
 
@@ -76,7 +78,7 @@ def local_impl(xs, ws, cfg: LossConfig, backend: str, memory_budget=None):
     """The single-process pieces this rank runs on its block: the Triton row kernels where the
     single-process loss would use them (CUDA, or backend="triton"), else the PyTorch chunks."""
     if xs.dtype != torch.float64 and ck.resolve_backend(backend, xs.device) == "triton":
-        from ..hidden.triton_function import TritonLocal
+        from .triton_function import TritonLocal
 
         return TritonLocal(xs, ws, cfg, memory_budget)
     return TorchLocal(xs, ws, cfg)
@@ -175,14 +177,14 @@ def _check_layout(table: dict, vocab_size: Optional[int], world: int) -> Tuple[L
     Vs, Vt = sum(s_sizes), sum(t_sizes)
     if vocab_size is None:
         if Vs != Vt:
-            _fail(
+            fail(
                 f"student vocab {Vs} != teacher vocab {Vt} (summed over the shards): pass vocab_size=N to "
                 "compare global ids [0, N) of both heads (never zero-pad a head)"
             )
         V = Vs
     else:
         if vocab_size > min(Vs, Vt):
-            _fail(
+            fail(
                 f"vocab_size must be an int in [1, {min(Vs, Vt)}] (global ids; student {Vs}, teacher {Vt}), "
                 f"got {vocab_size}"
             )
@@ -192,54 +194,13 @@ def _check_layout(table: dict, vocab_size: Optional[int], world: int) -> Tuple[L
         s_rng = (min(s_off[r], V), min(s_off[r] + s_sizes[r], V))
         t_rng = (min(t_off[r], V), min(t_off[r] + t_sizes[r], V))
         if s_rng != t_rng:
-            _fail(
+            fail(
                 f"the student and teacher heads must be split the same way over the vocabulary: rank {r} holds "
                 f"student ids [{s_rng[0]}, {s_rng[1]}) but teacher ids [{t_rng[0]}, {t_rng[1]}) (rows per rank: "
                 f"student {s_sizes}, teacher {t_sizes}). Shard both heads with one partition, e.g. pad the "
                 "smaller head's rows to the larger size before sharding and pass vocab_size=N"
             )
     return s_sizes, V
-
-
-def _fail(msg: str):
-    raise ValueError(f"nitrobrew vocab-parallel loss: {msg}")
-
-
-def check_rows_agree(table: dict) -> None:
-    """Every rank of the group must hold the same rows and call with the same options."""
-    for field, what in (
-        ("rows", "number of rows (tokens)"),
-        ("ds", "student hidden size"),
-        ("dt", "teacher hidden size"),
-        ("k", "number of stored ids per row"),
-    ):
-        if field in table:
-            same_everywhere(table, field, f"every rank of the group must hold the same rows; {what} differs")
-    same_everywhere(
-        table,
-        "options",
-        "ranks called the loss with different options (divergence, beta/alpha, "
-        "temperature, weights, reduction, vocab_size, ignore_index, dtype, requires_grad of xs or "
-        "presence of biases/labels)",
-    )
-    for field in ("label_hash", "ids_hash"):
-        if field in table:
-            same_everywhere(
-                table,
-                field,
-                f"ranks hold different {'labels' if field == 'label_hash' else 'top-k ids'}: "
-                "every rank of the vocab-parallel group needs the same rows (split the batch over a "
-                "separate data-parallel group)",
-            )
-
-
-def check_label_range(table: dict, V: int, what: str = "labels", lo_f="label_min", hi_f="label_max") -> None:
-    lo, hi = min(table[lo_f]), max(table[hi_f])
-    if hi >= 0 and (lo < 0 or hi >= V):
-        _fail(
-            f"{what} must lie in [0, {V}) (global ids{', or equal ignore_index' if what == 'labels' else ''}), "
-            f"found values in [{lo}, {hi}]"
-        )
 
 
 def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabLayout, str, float]:
@@ -389,7 +350,47 @@ def parallel_hidden_loss(
     )
     local = local_impl(x_s, ws, cfg, backend, memory_budget)
     rows = VocabParallelDistill.apply(x_s, x_t, ws, wt, bs, bt, local_labels, mask, cfg, group, local)
-    total, kd, ce = (ck.reduce_rows(r, mask, reduction, lead) for r in rows)
+    total, kd, ce = (reduce_rows(r, mask, reduction, lead) for r in rows)
     if return_parts:
         return DistillOutput(total, kd, ce)
     return total
+
+
+def comm_bytes(
+    n_rows: int,
+    d_student: int,
+    *,
+    divergence: str = "forward_kl",
+    param: float = 0.5,
+    with_ce: bool = False,
+    temperature: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+    world: int = 2,
+    backward: bool = True,
+    x_requires_grad: bool = True,
+) -> dict:
+    """Payload bytes one rank sends in one vocab-parallel hidden-loss call (forward + backward).
+
+    e = 8 for float64 inputs, else 4 (statistics are fp32). N rows, Ds the student hidden size.
+      layout    8 * 10 * world               (int64 shard sizes + checks, before any kernel)
+      fwd_max   e * N * (2 + c)               c = 1 if CE is on and T != 1 (a T=1 student lse)
+      fwd_sum   e * N * (2 + c + 3a + ce)     a = 1 for forward_kl/reverse_kl (a, r, b), ce = 1 if CE is on
+      fwd_2nd   e * N * 2                     jsd, tvd, skew_kl, skew_reverse_kl only
+      bwd_dx    e * N * Ds                    when xs requires grad
+    Independent of the vocabulary size V. A ring all-reduce puts ~2 (world-1)/world of that on each link.
+    """
+    name, _ = dv.canonical(divergence, param)
+    e = 8 if dtype == torch.float64 else 4
+    c = 1 if (with_ce and temperature != 1.0) else 0
+    a = 1 if name in dv.ONE_PASS else 0
+    out = {
+        "layout": 8 * 10 * world,
+        "fwd_max": e * n_rows * (2 + c),
+        "fwd_sum": e * n_rows * (2 + c + 3 * a + (1 if with_ce else 0)),
+    }
+    if name not in dv.ONE_PASS:
+        out["fwd_second_pass"] = e * n_rows * 2
+    if backward and x_requires_grad:
+        out["bwd_dx"] = e * n_rows * d_student
+    out["total"] = sum(out.values())
+    return out
