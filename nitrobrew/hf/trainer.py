@@ -187,6 +187,9 @@ class DistillationTrainer(Trainer):
         args: ``DistillationArguments``.
         generate_fn: an external generator for on-policy / seq_kd batches (see
             ``nitrobrew.hf.onpolicy.GenerateFn``); default: ``generate`` of the unwrapped model.
+        generator: an engine of ``nitrobrew.hf.generation`` (e.g. ``make_generator("vllm", model)``) for the
+            student's completions; it gets the student's weights (``sync_weights``) after optimizer steps. If
+            it loses its server, a checkpoint is saved before the error is raised (resume from it).
         Everything else as for ``transformers.Trainer``. Batches need ``input_ids`` and
         optionally ``attention_mask``, ``labels`` (per token, -100 = ignored; default: the
         input ids with -100 at padding), ``position_ids`` and flash-attention varlen kwargs
@@ -199,7 +202,13 @@ class DistillationTrainer(Trainer):
     """
 
     def __init__(
-        self, model=None, teacher_model=None, args: Optional[DistillationArguments] = None, generate_fn=None, **kwargs
+        self,
+        model=None,
+        teacher_model=None,
+        args: Optional[DistillationArguments] = None,
+        generate_fn=None,
+        generator=None,
+        **kwargs,
     ):
         if not isinstance(args, DistillationArguments):
             raise TypeError("DistillationTrainer needs args=DistillationArguments(...)")
@@ -217,6 +226,8 @@ class DistillationTrainer(Trainer):
                 teacher.to(self.args.device)
             self.teacher = teacher
         self.generate_fn = generate_fn
+        self.generator = generator  # the student's engine (nitrobrew.hf.generation), synced per optimizer step
+        self._synced_step = 0
         # Older Trainers only pass num_items_in_batch (and skip their 1/GA scaling) for models
         # that "accept loss kwargs"; our compute_loss does.
         self.model_accepts_loss_kwargs = True
@@ -269,6 +280,10 @@ class DistillationTrainer(Trainer):
                 "(do not pack, or set lmbda=0 and seq_kd=False)"
             )
         prompts, mask = prompts_of(batch)
+        generator = self.generator if who is self.model else None
+        if generator is not None and self._synced_step != self.state.global_step:
+            generator.sync_weights(self.model)  # the optimizer stepped since the engine last saw the student
+            self._synced_step = self.state.global_step
         gen = on_policy_batch(
             who,
             prompts,
@@ -279,6 +294,7 @@ class DistillationTrainer(Trainer):
             top_k=a.top_k,
             seed=a.seed * 1_000_003 + index,
             generate_fn=self.generate_fn,
+            generator=generator,
         )
         self._add("gen_len", gen.n_generated.float().mean())
         self._add("gen_seconds", torch.tensor(gen.seconds))
@@ -291,7 +307,12 @@ class DistillationTrainer(Trainer):
         # Generated batches replace their sources before the count: the normalizer stays exact.
         # Which batches are generated, and how: a function of the seed and the micro-batch's index.
         first = self.state.global_step * num_batches
-        batch_samples = [self._generate(b, first + i) for i, b in enumerate(batch_samples)]
+        try:
+            batch_samples = [self._generate(b, first + i) for i, b in enumerate(batch_samples)]
+        except ConnectionError:  # a generation server went away: keep what was trained, resumable
+            if self.generator is not None:
+                self._save_checkpoint(self.model, trial=None)
+            raise
         count = torch.zeros((), dtype=torch.long, device=self.args.device)
         for batch in batch_samples:
             count += (self._targets(batch) != IGNORE_INDEX).sum().to(count.device)

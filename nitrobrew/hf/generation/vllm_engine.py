@@ -39,7 +39,8 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def vllm_importable() -> bool:
-    return importlib.util.find_spec("vllm") is not None
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None  # a directory named vllm on the path is not vLLM
 
 
 def require_vllm(backend: str):
@@ -228,6 +229,8 @@ class VLLMColocatedGenerator:
         sleep_level: vLLM's sleep level (1: weights offloaded to CPU memory, KV cache dropped; 2: both
             dropped, the weights loaded again on wake).
         max_model_len: the longest prompt + completion (default: the model's).
+        enforce_eager: no compiled graphs (default: on CPU, where compiling at each engine start costs
+            more than it gains; on CUDA vLLM's compiled decode with CUDA graphs).
         seed: the engine's seed.
         engine_kwargs: further ``vllm.LLM`` arguments.
     """
@@ -244,6 +247,7 @@ class VLLMColocatedGenerator:
         sleep_between_generations: Optional[bool] = None,
         sleep_level: int = 1,
         max_model_len: Optional[int] = None,
+        enforce_eager: Optional[bool] = None,
         seed: int = 0,
         engine_kwargs: Optional[dict] = None,
     ):
@@ -280,6 +284,7 @@ class VLLMColocatedGenerator:
             gpu_memory_utilization=float(gpu_memory_utilization),
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             max_model_len=max_model_len,
+            enforce_eager=not self.on_cuda if enforce_eager is None else bool(enforce_eager),
             dtype=vllm_dtype(model),
             seed=seed,
             skip_tokenizer_init=True,  # prompts arrive as token ids; completions leave as token ids
@@ -361,9 +366,10 @@ class VLLMColocatedGenerator:
     def wake(self) -> None:
         if not self.asleep and self.llm is not None:
             return
-        if self.llm is None:  # shut down: start again from the latest weights
-            if self.stale:
+        if self.llm is None:  # shut down: start again, from the student's latest weights
+            if self.sync_calls:
                 write_weights(self.model, self.dir)
+                self.weight_version = self.sync_calls
             self._start()
             self.restarts += 1
         else:
@@ -374,8 +380,9 @@ class VLLMColocatedGenerator:
         self.stale = False
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> Completions:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
+        from vllm import SamplingParams
 
         self.wake()
         prompts = prompt_lists(prompt_ids, prompt_mask)
