@@ -9,13 +9,14 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple, TypeVar, cast
 
 import torch
 
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("auto", "torch", "triton")
 MODES = ("fast", "constant_memory")
+T = TypeVar("T")
 
 
 def is_int(value) -> bool:
@@ -50,6 +51,11 @@ def is_dtensor(t) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
+
+
+def local_tensor(t: T) -> T:
+    """t's local shard if t is a DTensor, else t itself (None included)."""
+    return cast(Any, t).to_local() if is_dtensor(t) else t
 
 
 def check_softcap(name: str, cap) -> None:

@@ -183,6 +183,7 @@ def distill_loss(
         process_group=group,
     )
     if divergence == "topk":
+        assert topk_ids is not None and topk_logprobs is not None  # checked on entry
         ids, lp = (t.to(xs.device).reshape(-1, t.shape[-1])[keep] for t in (topk_ids, topk_logprobs))
         if vocab_size is not None:  # a padded student head: the first vocab_size rows are the vocabulary
             options.update(bs=None if bs is None else bs[:vocab_size])
@@ -202,10 +203,11 @@ def distill_loss(
             )
     else:
         ce_only = teacher is None or kd_weight == 0
-        if ce_only:  # no teacher forward: a constant teacher of width 1, weighted 0
+        if teacher is None or kd_weight == 0:  # no teacher forward: a constant teacher of width 1, weighted 0
             xt = xs.new_zeros(xs.shape[0], 1).detach()
             wt, bt, cap_t = ws.new_zeros(ws.shape[0], 1).detach(), None, None
         else:
+            assert t_inputs is not None  # built with the teacher
             with torch.no_grad():
                 apart = head_is_sharded_apart(teacher)
                 ht = final_hidden_states(
@@ -227,6 +229,7 @@ def distill_loss(
         n_all = n_tokens.clone()
         torch.distributed.all_reduce(n_all, group=group)
         parts = parts._replace(**{k: getattr(parts, k) / world for k in ("loss", "kd", "ce")})
+    denom: Union[int, torch.Tensor]
     if num_items_in_batch is None:
         denom = (n_all if sharded_head else n_tokens).clamp_min(1)
     elif isinstance(num_items_in_batch, torch.Tensor):

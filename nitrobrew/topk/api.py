@@ -97,8 +97,7 @@ def topk_kl(
         from ..parallel.dtensor import unwrap
 
         xs, _, ws, _, bs, _, labels, process_group = unwrap(xs, None, ws, None, bs, None, labels, process_group)
-        topk_ids = topk_ids.to_local() if ck.is_dtensor(topk_ids) else topk_ids
-        topk_logprobs = topk_logprobs.to_local() if ck.is_dtensor(topk_logprobs) else topk_logprobs
+        topk_ids, topk_logprobs = ck.local_tensor(topk_ids), ck.local_tensor(topk_logprobs)
     if process_group is not None:  # a vocab-parallel head
         from .vocab_parallel import parallel_topk_kl
 
@@ -159,7 +158,7 @@ def topk_kl(
     flat_labels = None if labels is None else labels.reshape(-1)
     mask = row_weights(flat_labels, ignore_index, x.shape[0], xs.device)
     ce_labels = None
-    if ce_weight != 0:
+    if ce_weight != 0 and flat_labels is not None:  # labels are checked present for ce_weight != 0
         ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1)).long()
     cfg = TopKConfig(
         divergence=name,
