@@ -240,3 +240,46 @@ def test_kernel_modules_keep_their_names():
                 if node.attr.startswith("_") or node.attr.endswith("_kernel"):
                     bad.append(f"{src}:{node.lineno} touches {node.value.id}.{node.attr}")
     assert not bad, "\n".join(bad)
+
+
+def test_a_new_divergence_with_a_new_parameter_changes_only_the_registry(monkeypatch):
+    """A divergence whose parameter no signature names reaches hidden_loss, topk_kl and the checks through
+    divergences.py alone: its keyword, range and default come from the registry."""
+    import dataclasses
+
+    import pytest
+    import torch
+
+    import nitrobrew as nb
+    from nitrobrew import divergences as dv
+
+    def scaled_kl(lp, lq, gamma):  # gamma * forward KL
+        phi, u = dv.ELEMENTWISE["forward_kl"](lp, lq, 0.0)
+        return gamma * phi, gamma * u
+
+    param = dv.Param(name="gamma", default=1.0, low=0.0, high=2.0, help="scale of the forward KL")
+    entry = dataclasses.replace(dv.REGISTRY["skew_kl"], name="scaled_kl", kernel_id=99, param="gamma")
+    monkeypatch.setitem(dv.PARAMS, "gamma", param)
+    monkeypatch.setitem(dv.REGISTRY, "scaled_kl", entry)
+    monkeypatch.setitem(dv.ELEMENTWISE, "scaled_kl", scaled_kl)
+    monkeypatch.setattr(dv, "NAMES", dv.NAMES + ("scaled_kl",))
+
+    g = torch.Generator().manual_seed(0)
+    xs, xt = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
+    ws, wt = torch.randn(11, 4, generator=g) * 3, torch.randn(11, 3, generator=g) * 3
+    base = nb.hidden_loss(xs, xt, ws, wt, backend="torch")
+    scaled = nb.hidden_loss(xs, xt, ws, wt, divergence="scaled_kl", gamma=0.25, backend="torch")
+    torch.testing.assert_close(scaled, 0.25 * base)
+    torch.testing.assert_close(nb.hidden_loss(xs, xt, ws, wt, divergence="scaled_kl", backend="torch"), base)
+    with pytest.raises(ValueError, match=r"gamma must be in \[0, 2\], got 3"):
+        nb.hidden_loss(xs, xt, ws, wt, divergence="scaled_kl", gamma=3.0, backend="torch")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        nb.hidden_loss(xs, xt, ws, wt, divergence="scaled_kl", gama=0.5, backend="torch")
+
+    ids = torch.stack([torch.randperm(11, generator=g)[:3] for _ in range(5)])
+    lp = torch.log_softmax(torch.randn(5, 11, generator=g), -1).gather(1, ids)
+    kw = dict(normalize="topk", backend="torch")
+    torch.testing.assert_close(
+        nb.topk_kl(xs, ws, ids, lp, divergence="scaled_kl", gamma=0.5, **kw),
+        0.5 * nb.topk_kl(xs, ws, ids, lp, divergence="scaled_kl", **kw),
+    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any, Optional, Sequence, Tuple, TypeVar, cast
+from typing import Any, Mapping, Optional, Sequence, Tuple, TypeVar, cast
 
 import torch
 
@@ -70,17 +70,22 @@ def check_unit_interval(name: str, value: float) -> None:
         raise ValueError(f"{name} must be in [0, 1], got {value!r}")
 
 
-def divergence_param(divergence: str, beta: float, alpha: float) -> Tuple[str, float]:
-    """The canonical (divergence, parameter) of the public options: the registry names the option
-    that carries each divergence's parameter (beta for jsd, alpha for the skews), checked to lie in
-    [0, 1]; unknown names raise."""
+def divergence_param(divergence: str, params: Mapping[str, float]) -> Tuple[str, float]:
+    """The canonical (divergence, parameter) of the public options. ``params``: the divergence parameters
+    given by keyword (``beta=...``); the registry (``divergences.PARAMS``) names them, their ranges and
+    defaults. Unknown keywords raise TypeError, unknown divergences and values out of range ValueError."""
     from .. import divergences as dv
 
+    unknown = sorted(set(params) - set(dv.PARAMS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {unknown}; the divergence parameters are {sorted(dv.PARAMS)}")
     entry = dv.REGISTRY.get(divergence)
     if entry is None or entry.param is None:
         return dv.canonical(divergence, 0.0)
-    value = {"beta": beta, "alpha": alpha}[entry.param]
-    check_unit_interval(entry.param, value)
+    spec = dv.PARAMS[entry.param]
+    value = params.get(spec.name, spec.default)
+    if not (is_number(value) and spec.low <= value <= spec.high):
+        raise ValueError(f"{spec.name} must be in [{spec.low:g}, {spec.high:g}], got {value!r}")
     return dv.canonical(divergence, value)
 
 

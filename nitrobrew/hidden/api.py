@@ -64,8 +64,6 @@ def hidden_loss(
     wt: torch.Tensor,
     *,
     divergence: str = "forward_kl",
-    beta: float = 0.5,
-    alpha: float = 0.1,
     labels: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
     temperature: float = 1.0,
@@ -85,10 +83,13 @@ def hidden_loss(
     softcap_t: Optional[float] = None,
     return_parts: bool = False,
     process_group=None,
+    **params: float,
 ):
     """Divergence between teacher and student next-token distributions, from hidden states.
 
-    See the per-divergence functions (``forward_kl`` ...) for the meaning of each option.
+    See the per-divergence functions (``forward_kl`` ...) for the meaning of each option; ``params``: the
+    divergence's parameter by its keyword (``beta`` for jsd, ``alpha`` for the skews; ranges and defaults
+    in ``divergences.PARAMS``).
     """
     if process_group is not None or any(ck.is_dtensor(t) for t in (xs, xt, ws, wt, bs, bt)):
         from ..parallel.dtensor import unwrap
@@ -104,8 +105,6 @@ def hidden_loss(
             wt,
             process_group=process_group,
             divergence=divergence,
-            beta=beta,
-            alpha=alpha,
             labels=labels,
             ignore_index=ignore_index,
             temperature=temperature,
@@ -124,8 +123,9 @@ def hidden_loss(
             softcap_s=softcap_s,
             softcap_t=softcap_t,
             return_parts=return_parts,
+            **params,
         )
-    name, param = ck.divergence_param(divergence, beta, alpha)
+    name, param = ck.divergence_param(divergence, params)
     V = _validate(
         xs,
         xt,
@@ -246,7 +246,12 @@ _COMMON_DOC = """
 
 def _doc(name: str) -> str:
     d = dv.REGISTRY[name]
-    param = "" if d.param is None else f"\n    {d.param}: in [0, 1], default {d.default}.\n"
+    spec = None if d.param is None else dv.PARAMS[d.param]
+    param = (
+        ""
+        if spec is None
+        else f"\n    {spec.name}: {spec.help}, in [{spec.low:g}, {spec.high:g}], default {spec.default}.\n"
+    )
     return d.summary + "\n" + param + _COMMON_DOC
 
 
@@ -369,7 +374,7 @@ def jsd(
     ws: Tensor,
     wt: Tensor,
     *,
-    beta: float = 0.5,
+    beta: float = dv.default("beta"),
     labels: Optional[Tensor] = None,
     ignore_index: int = -100,
     temperature: float = 1.0,
@@ -481,7 +486,7 @@ def skew_kl(
     ws: Tensor,
     wt: Tensor,
     *,
-    alpha: float = 0.1,
+    alpha: float = dv.default("alpha"),
     labels: Optional[Tensor] = None,
     ignore_index: int = -100,
     temperature: float = 1.0,
@@ -538,7 +543,7 @@ def skew_reverse_kl(
     ws: Tensor,
     wt: Tensor,
     *,
-    alpha: float = 0.1,
+    alpha: float = dv.default("alpha"),
     labels: Optional[Tensor] = None,
     ignore_index: int = -100,
     temperature: float = 1.0,

@@ -24,8 +24,6 @@ def topk_kl(
     *,
     normalize: str = "full",
     divergence: str = "forward_kl",
-    beta: float = 0.5,
-    alpha: float = 0.1,
     tail: bool = False,
     labels: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
@@ -43,6 +41,7 @@ def topk_kl(
     softcap_s: Optional[float] = None,
     return_parts: bool = False,
     process_group=None,
+    **params: float,
 ):
     """Distill from a teacher's stored top-k next-token log-probs, from the student's hidden states.
 
@@ -109,8 +108,6 @@ def topk_kl(
             process_group=process_group,
             normalize=normalize,
             divergence=divergence,
-            beta=beta,
-            alpha=alpha,
             tail=tail,
             labels=labels,
             ignore_index=ignore_index,
@@ -125,8 +122,9 @@ def topk_kl(
             backend=backend,
             softcap_s=softcap_s,
             return_parts=return_parts,
+            **params,
         )
-    name, param = ck.divergence_param(divergence, beta, alpha)
+    name, param = ck.divergence_param(divergence, params)
     check_stored = validate(
         xs,
         ws,
