@@ -108,6 +108,14 @@ def test_public_losses_are_written_out():
 
     for name in dv.NAMES:
         assert f"\ndef {name}(" in api, name
+    import inspect
+
+    from nitrobrew.hidden import api as hidden_api
+
+    # one option list: HiddenOptions names exactly hidden_loss's options (its defaults live there)
+    sig = inspect.signature(hidden_api.hidden_loss).parameters.values()
+    options = {p.name for p in sig if p.kind is p.KEYWORD_ONLY} - {"divergence"}
+    assert hidden_api.OPTION_NAMES == options, sorted(hidden_api.OPTION_NAMES ^ options)
     modules = (PKG / "hidden" / "modules.py").read_text()
     assert "type(name" not in modules and modules.count("(DistillLoss):") == len(dv.NAMES)
 

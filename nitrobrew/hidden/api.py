@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
+from typing_extensions import TypedDict, Unpack
 
 from .. import divergences as dv
 from ..core import checks as ck
@@ -255,117 +256,52 @@ def _doc(name: str) -> str:
     return d.summary + "\n" + param + _COMMON_DOC
 
 
+class HiddenOptions(TypedDict, total=False):
+    """The options of the six losses, once (their defaults: ``hidden_loss``'s signature; their meaning: the
+    docstrings). ``tests/test_architecture.py`` checks that it lists exactly ``hidden_loss``'s options."""
+
+    labels: Optional[Tensor]
+    ignore_index: int
+    temperature: float
+    reduction: str
+    chunk_V: Optional[int]
+    vocab_size: Optional[int]
+    bs: Optional[Tensor]
+    bt: Optional[Tensor]
+    kd_weight: float
+    ce_weight: float
+    scale_t2: bool
+    backend: str
+    mode: Optional[str]
+    memory_budget: Optional[int]
+    grad_filter: Union[bool, float]
+    softcap_s: Optional[float]
+    softcap_t: Optional[float]
+    return_parts: bool
+    process_group: Any
+
+
+OPTION_NAMES = frozenset(HiddenOptions.__annotations__)
+
+
+def _check_options(fn: str, options: Mapping[str, Any]) -> None:
+    # hidden_loss takes every divergence's parameter by keyword; a named loss takes its own only
+    unknown = sorted(set(options) - OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"{fn}() got unexpected keyword argument(s) {unknown}")
+
+
 # The six losses, written out (one docstring body, from the registry). Options are keyword-only.
 
 
-def forward_kl(
-    xs: Tensor,
-    xt: Tensor,
-    ws: Tensor,
-    wt: Tensor,
-    *,
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
-):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="forward_kl",
-    )
+def forward_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, **options: Unpack[HiddenOptions]):
+    _check_options("forward_kl", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="forward_kl", **options)
 
 
-def reverse_kl(
-    xs: Tensor,
-    xt: Tensor,
-    ws: Tensor,
-    wt: Tensor,
-    *,
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
-):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="reverse_kl",
-    )
+def reverse_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, **options: Unpack[HiddenOptions]):
+    _check_options("reverse_kl", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="reverse_kl", **options)
 
 
 def jsd(
@@ -375,109 +311,15 @@ def jsd(
     wt: Tensor,
     *,
     beta: float = dv.default("beta"),
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
+    **options: Unpack[HiddenOptions],
 ):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        beta=beta,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="jsd",
-    )
+    _check_options("jsd", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="jsd", beta=beta, **options)
 
 
-def tvd(
-    xs: Tensor,
-    xt: Tensor,
-    ws: Tensor,
-    wt: Tensor,
-    *,
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
-):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="tvd",
-    )
+def tvd(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, **options: Unpack[HiddenOptions]):
+    _check_options("tvd", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="tvd", **options)
 
 
 def skew_kl(
@@ -487,54 +329,10 @@ def skew_kl(
     wt: Tensor,
     *,
     alpha: float = dv.default("alpha"),
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
+    **options: Unpack[HiddenOptions],
 ):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        alpha=alpha,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="skew_kl",
-    )
+    _check_options("skew_kl", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="skew_kl", alpha=alpha, **options)
 
 
 def skew_reverse_kl(
@@ -544,54 +342,10 @@ def skew_reverse_kl(
     wt: Tensor,
     *,
     alpha: float = dv.default("alpha"),
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
+    **options: Unpack[HiddenOptions],
 ):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        alpha=alpha,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="skew_reverse_kl",
-    )
+    _check_options("skew_reverse_kl", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="skew_reverse_kl", alpha=alpha, **options)
 
 
 LOSSES = {f.__name__: f for f in (forward_kl, reverse_kl, jsd, tvd, skew_kl, skew_reverse_kl)}
