@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Dict, List, Optional
 
 import torch
@@ -62,6 +63,12 @@ class DataArguments:
         metadata={"help": "pack sequences into rows without padding (DataCollatorWithFlattening; position_ids)"},
     )
 
+    def __post_init__(self):
+        if self.max_length is not None and not (
+            isinstance(self.max_length, int) and not isinstance(self.max_length, bool) and self.max_length > 0
+        ):
+            raise ValueError(f"max_length must be a positive int (or unset: no truncation), got {self.max_length!r}")
+
 
 def yaml_argv(config: Dict) -> List[str]:
     """A config mapping as ``--key value`` arguments (lists as several values, mappings as JSON)."""
@@ -81,35 +88,132 @@ def yaml_argv(config: Dict) -> List[str]:
     return argv
 
 
+def load_yaml(path: str) -> Dict:
+    """The top-level mapping of a YAML file; a key given twice is an error (YAML would keep the last)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise ValueError(f"{path}: key {key!r} is given twice (line {key_node.start_mark.line + 1})")
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config file {path!r}")
+    with open(path) as f:
+        try:
+            config = yaml.load(f, Loader=UniqueKeyLoader) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a mapping of keys to values at the top level")
+    return config
+
+
+def _field_kinds(dataclass_types) -> Dict[str, str]:
+    """key -> 'list', 'dict' or 'scalar': what a YAML value of that key may be."""
+    import typing
+
+    kinds = {}
+    for cls in dataclass_types:
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            hint = hints.get(f.name, f.type)
+            args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+            origins = {typing.get_origin(a) or a for a in args}
+            if origins & {list, tuple, List}:
+                kinds[f.name] = "list"
+            elif origins & {dict, Dict}:
+                kinds[f.name] = "dict"
+            elif str in origins and len(origins) > 1:  # Union[str, dict, ...] (fsdp_config, report_to)
+                kinds[f.name] = "any"
+            else:
+                kinds[f.name] = "scalar"
+    return kinds
+
+
+def check_value_shapes(config: Dict, dataclass_types, where: str) -> None:
+    """A list or mapping given for a key that takes one value, named (argparse would report it as
+    unused arguments, far from the key)."""
+    kinds = _field_kinds(dataclass_types)
+    for key, value in config.items():
+        kind = kinds.get(key)
+        if kind is None or kind == "any" or value is None:
+            continue  # unknown keys are reported by the parser
+        if isinstance(value, (list, tuple)) and kind != "list":
+            raise TypeError(f"{where}: {key} takes one value, got a list {value!r}")
+        if isinstance(value, dict) and kind not in ("dict", "list"):
+            raise TypeError(f"{where}: {key} takes one value, got a mapping {value!r}")
+
+
+def _parser(dataclass_types):
+    from transformers import HfArgumentParser
+
+    class Parser(HfArgumentParser):
+        def error(self, message):  # one line from run(), not argparse's usage block and exit
+            message = " ".join(str(message).split())
+            required = "the following arguments are required: "
+            if message.startswith(required):
+                keys = [k.lstrip("-") for k in message[len(required) :].split(", ")]
+                message = f"missing {', '.join(keys)}: set {' and '.join(k + ':' for k in keys)} in the config"
+            raise ValueError(message)
+
+    parser = Parser(dataclass_types, prog="nitrobrew train CONFIG")
+    parser.exit_on_error = False
+    return parser
+
+
 def parse(config_path: Optional[str], overrides: List[str]):
     """(ModelArguments, DataArguments, DistillationArguments) from the YAML file and the overrides."""
     try:
-        from transformers import HfArgumentParser
+        import transformers  # noqa: F401
     except ImportError as err:
         raise ImportError("needs transformers: pip install 'nitrobrew[hf]'") from err
 
     from .trainer import DistillationArguments
 
-    parser = HfArgumentParser((ModelArguments, DataArguments, DistillationArguments), prog="nitrobrew train CONFIG")
-    parser.exit_on_error = False  # one line from run(), not argparse's usage and exit
+    types = (ModelArguments, DataArguments, DistillationArguments)
+    parser = _parser(types)
     if any(a in ("-h", "--help") for a in overrides):
         parser.print_help()
         raise SystemExit(0)
     argv = []
     if config_path:
-        import yaml
-
-        if not os.path.isfile(config_path):
-            raise FileNotFoundError(f"no config file {config_path!r}")
-        with open(config_path) as f:
-            try:
-                config = yaml.safe_load(f) or {}
-            except yaml.YAMLError as err:
-                raise ValueError(f"{config_path}: not valid YAML ({' '.join(str(err).split())})") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"{config_path}: expected a mapping of keys to values at the top level")
+        config = load_yaml(config_path)
+        check_value_shapes(config, types, config_path)
         argv = yaml_argv(config)
     return parser.parse_args_into_dataclasses(args=argv + list(overrides))
+
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def looks_local(path: str) -> bool:
+    """Whether a model / data name can only be a local path (not a hub repo id)."""
+    return (
+        os.path.isabs(path)
+        or path.startswith((".", "~"))
+        or (os.sep != "/" and os.sep in path)
+        or not _REPO_ID.fullmatch(path)
+    )
+
+
+def check_paths(model_args: "ModelArguments", data_args: "DataArguments") -> None:
+    """Local paths that do not exist, named by their key (before anything loads or is written)."""
+    for key, path in (
+        ("student", model_args.student),
+        ("teacher", model_args.teacher),
+        ("tokenizer", model_args.tokenizer),
+    ):
+        if path is not None and looks_local(path) and not os.path.isdir(os.path.expanduser(path)):
+            what = "is a file, not a model directory" if os.path.isfile(path) else "no such model directory"
+            raise FileNotFoundError(f"{key}: {what}: {path}")
+    if looks_local(data_args.data) and not os.path.exists(os.path.expanduser(data_args.data)):
+        raise FileNotFoundError(f"data: no such file or directory: {data_args.data}")
 
 
 def _load_model(path: str, attn: Optional[str], dtype: str):
@@ -127,6 +231,11 @@ def _load_model(path: str, attn: Optional[str], dtype: str):
     return AutoModelForCausalLM.from_pretrained(path, **kw)
 
 
+def _is_blank(path: str) -> bool:
+    with open(path, "rb") as f:
+        return all(not chunk.strip() for chunk in iter(lambda: f.read(1 << 20), b""))
+
+
 def load_data(data: DataArguments, tokenizer_path: str):
     """A datasets.Dataset with input_ids (and labels where a prompt does not count)."""
     try:
@@ -139,11 +248,22 @@ def load_data(data: DataArguments, tokenizer_path: str):
         kinds = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
         if ext not in kinds:
             raise ValueError(f"data {path!r}: expected a .jsonl, .json or .parquet file")
-        ds = datasets.load_dataset(kinds[ext], data_files=path, split="train")
+        if kinds[ext] == "json" and _is_blank(path):
+            raise ValueError(f"data {path!r} is empty (no rows)")
+        try:
+            ds = datasets.load_dataset(kinds[ext], data_files=path, split="train")
+        except StopIteration:  # datasets' reading of an empty file
+            raise ValueError(f"data {path!r} is empty (no rows)") from None
+        except ValueError as err:
+            if "corresponds to no data" in str(err):  # a file of blank lines
+                raise ValueError(f"data {path!r} is empty (no rows)") from None
+            raise
     elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
         ds = datasets.load_from_disk(path)
     else:
         ds = datasets.load_dataset(path, data.data_config, split=data.data_split)
+    if len(ds) == 0:
+        raise ValueError(f"data {path!r} is empty (no rows)")
     if data.text_field is None:
         if "input_ids" not in ds.column_names:
             raise ValueError(
@@ -203,33 +323,50 @@ class PadCollator:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def build_dataset(model_args: ModelArguments, data_args: DataArguments, args):
+    """The training dataset: a top-k store (divergence: topk) or rows of input_ids / labels."""
+    if args.divergence == "topk":
+        from ..teacher.data import TopKDataset
+
+        if data_args.packing:
+            raise ValueError("packing: true is not available for a top-k store (its collator pads)")
+        return TopKDataset(data_args.data)
+    return load_data(data_args, model_args.tokenizer or model_args.student)
+
+
+def build_collator(data_args: DataArguments, args, student):
+    if args.divergence == "topk":
+        from ..teacher.data import TopKCollator
+
+        return TopKCollator()
+    if data_args.packing:
+        from transformers import DataCollatorWithFlattening
+
+        return DataCollatorWithFlattening()
+    pad = getattr(student.config, "pad_token_id", None)
+    return PadCollator(0 if pad is None else int(pad))
+
+
 def build(model_args: ModelArguments, data_args: DataArguments, args):
-    """The DistillationTrainer the three argument groups describe."""
+    """The DistillationTrainer the three argument groups describe. What can be checked without the
+    models is checked first (paths, the teacher key, the data), so that a bad config fails in
+    seconds and writes nothing."""
     from .trainer import DistillationTrainer
 
+    check_paths(model_args, data_args)
+    if model_args.teacher is None and args.divergence != "topk":
+        raise ValueError(f"divergence {args.divergence!r} needs a teacher (the teacher key)")
+    dataset = build_dataset(model_args, data_args, args)
     student = _load_model(model_args.student, model_args.attn_implementation, model_args.student_dtype)
     teacher = None
     if model_args.teacher is not None:
         teacher = _load_model(model_args.teacher, model_args.attn_implementation, "auto")
-    elif args.divergence != "topk":
-        raise ValueError(f"divergence {args.divergence!r} needs a teacher (the teacher key)")
-    if args.divergence == "topk":
-        from ..teacher.data import TopKCollator, TopKDataset
-
-        if data_args.packing:
-            raise ValueError("packing: true is not available for a top-k store (its collator pads)")
-        dataset, collator = TopKDataset(data_args.data), TopKCollator()
-    else:
-        dataset = load_data(data_args, model_args.tokenizer or model_args.student)
-        if data_args.packing:
-            from transformers import DataCollatorWithFlattening
-
-            collator = DataCollatorWithFlattening()
-        else:
-            pad = getattr(student.config, "pad_token_id", None)
-            collator = PadCollator(0 if pad is None else int(pad))
     return DistillationTrainer(
-        model=student, teacher_model=teacher, args=args, train_dataset=dataset, data_collator=collator
+        model=student,
+        teacher_model=teacher,
+        args=args,
+        train_dataset=dataset,
+        data_collator=build_collator(data_args, args, student),
     )
 
 
