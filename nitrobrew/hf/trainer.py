@@ -316,7 +316,7 @@ class DistillationTrainer(Trainer):
                 given = labels_from_inputs(batch["input_ids"], mask)
             target = shift_labels(given, mask)
         position_ids = batch.get("position_ids")
-        return document_targets(target, None if position_ids is None else position_ids.expand_as(target))
+        return document_targets(target, position_ids)  # broadcast (and checked) there
 
     def current(self, name: str) -> float:
         """The scheduled value of temperature, kd_weight or ce_weight at this optimizer step."""
