@@ -19,7 +19,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field, fields
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 
@@ -39,6 +39,16 @@ class ModelArguments:
         default=None, metadata={"help": "sdpa, eager, flash_attention_2 (both models; default: theirs)"}
     )
     student_dtype: str = field(default="auto", metadata={"help": "auto, float32 or bfloat16"})
+    teacher_dtype: str = field(
+        default="auto", metadata={"help": "auto, float32 or bfloat16 (teacher_model_init_kwargs may say more)"}
+    )
+    peft: Optional[Union[dict, str]] = field(
+        default=None,
+        metadata={
+            "help": "train LoRA adapters on the student: {r, alpha, dropout, target_modules, ...} (peft's LoraConfig; "
+            "alpha and dropout are lora_alpha and lora_dropout)"
+        },
+    )
 
 
 @dataclass
@@ -55,7 +65,18 @@ class DataArguments:
         default=None, metadata={"help": "tokenize this text column (default: the data has input_ids, and maybe labels)"}
     )
     prompt_field: Optional[str] = field(
-        default=None, metadata={"help": "a prompt text column put before text_field; its tokens do not count"}
+        default=None,
+        metadata={
+            "help": "a prompt text column put before text_field (which then holds the completion only); its "
+            "tokens do not count"
+        },
+    )
+    chat_template: bool = field(
+        default=False,
+        metadata={
+            "help": "text_field (default 'messages') holds chats, rendered with the tokenizer's chat template; "
+            "only the assistant turns count"
+        },
     )
     max_length: Optional[int] = field(default=None, metadata={"help": "truncate sequences to this many tokens"})
     packing: bool = field(
@@ -216,19 +237,39 @@ def check_paths(model_args: "ModelArguments", data_args: "DataArguments") -> Non
         raise FileNotFoundError(f"data: no such file or directory: {data_args.data}")
 
 
-def _load_model(path: str, attn: Optional[str], dtype: str):
-    import transformers
-    from packaging.version import Version
+def _load_model(path: str, attn: Optional[str], dtype: str, init_kwargs: Optional[dict] = None, who="student"):
     from transformers import AutoModelForCausalLM
 
-    dtypes = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16}
-    if dtype not in dtypes:
-        raise ValueError(f"student_dtype must be one of {sorted(dtypes)}, got {dtype!r}")
-    key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-    kw = {key: dtypes[dtype]}
+    from .trainer import model_init_kwargs
+
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"{who}_dtype must be one of auto, float32, bfloat16, got {dtype!r}")
+    kw = model_init_kwargs({"dtype": dtype, **(init_kwargs or {})})
     if attn:
-        kw["attn_implementation"] = attn
+        kw.setdefault("attn_implementation", attn)
     return AutoModelForCausalLM.from_pretrained(path, **kw)
+
+
+# the short names of the peft mapping -> LoraConfig's
+_LORA_NAMES = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
+
+
+def with_lora(student, config):
+    """The student with LoRA adapters (peft) as the ``peft`` mapping describes."""
+    from .trainer import _mapping
+
+    config = _mapping("peft", config)
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:
+        raise ImportError("peft: needs the peft package: pip install peft") from err
+    kwargs = {_LORA_NAMES.get(k, k): v for k, v in config.items()}
+    kwargs.setdefault("task_type", "CAUSAL_LM")
+    try:
+        lora = LoraConfig(**kwargs)
+    except TypeError as err:
+        raise ValueError(f"peft: {' '.join(str(err).split())} (keys are LoraConfig's: r, alpha, ...)") from None
+    return get_peft_model(student, lora)
 
 
 def _is_blank(path: str) -> bool:
@@ -264,7 +305,8 @@ def load_data(data: DataArguments, tokenizer_path: str):
         ds = datasets.load_dataset(path, data.data_config, split=data.data_split)
     if len(ds) == 0:
         raise ValueError(f"data {path!r} is empty (no rows)")
-    if data.text_field is None:
+    text_field = data.text_field or ("messages" if data.chat_template else None)
+    if text_field is None:
         if "input_ids" not in ds.column_names:
             raise ValueError(
                 f"data {path!r} has no input_ids column (columns: {ds.column_names}): set text_field "
@@ -274,7 +316,7 @@ def load_data(data: DataArguments, tokenizer_path: str):
     else:
         from transformers import AutoTokenizer
 
-        for name in (data.text_field, data.prompt_field):
+        for name in (text_field, data.prompt_field):
             if name is not None and name not in ds.column_names:
                 raise ValueError(f"data {path!r} has no column {name!r} (columns: {ds.column_names})")
         try:
@@ -285,8 +327,23 @@ def load_data(data: DataArguments, tokenizer_path: str):
                 f"PATH): {' '.join(str(err).split())}"
             ) from None
 
+        if data.chat_template:
+            if getattr(tok, "chat_template", None) is None:
+                raise ValueError(
+                    f"chat_template: true, but the tokenizer of {tokenizer_path!r} has no chat template (set "
+                    "tokenizer: to one that has)"
+                )
+            ds = ds.map(
+                lambda row, i: chat_example(tok, _chat_of(row, text_field, data.prompt_field), f"{path} row {i}"),
+                with_indices=True,
+                remove_columns=ds.column_names,
+            )
+            return _truncated(ds.select_columns(["input_ids", "labels"]), data.max_length)
+        if data.prompt_field is not None:
+            check_prompts_apart(ds[data.prompt_field], ds[text_field], data.prompt_field, text_field, path)
+
         def encode(row):
-            ids = tok(row[data.text_field], add_special_tokens=data.prompt_field is None)["input_ids"]
+            ids = tok(row[text_field], add_special_tokens=data.prompt_field is None)["input_ids"]
             n_prompt = 0
             if data.prompt_field is not None:
                 prompt = tok(row[data.prompt_field])["input_ids"]
@@ -297,10 +354,67 @@ def load_data(data: DataArguments, tokenizer_path: str):
 
         ds = ds.map(encode, remove_columns=ds.column_names)
         keep = ["input_ids", "labels"]
-    ds = ds.select_columns(keep)
-    if data.max_length:
-        ds = ds.map(lambda row: {k: row[k][: data.max_length] for k in keep})
-    return ds
+    return _truncated(ds.select_columns(keep), data.max_length)
+
+
+def _truncated(ds, max_length: Optional[int]):
+    if not max_length:
+        return ds
+    return ds.map(lambda row: {k: row[k][:max_length] for k in ds.column_names})
+
+
+def check_prompts_apart(prompts, texts, prompt_field: str, text_field: str, where: str) -> None:
+    """prompt_field is put before text_field: a text that already starts with its prompt would hold
+    it twice."""
+    for i, (prompt, text) in enumerate(zip(prompts, texts)):
+        if isinstance(prompt, str) and isinstance(text, str) and prompt.strip() and text.startswith(prompt):
+            raise ValueError(
+                f"data {where!r} row {i}: {text_field!r} already starts with its {prompt_field!r} ({prompt[:40]!r}), "
+                f"which prompt_field puts before it: the prompt would appear twice. {text_field!r} should hold the "
+                "completion only (or drop prompt_field)"
+            )
+
+
+def _chat_of(row, text_field: str, prompt_field: Optional[str]):
+    """A chat: the messages column, or (prompt / completion layout) the prompt's messages then the
+    completion's."""
+    messages = row[text_field]
+    if prompt_field is not None:
+        messages = list(row[prompt_field]) + list(messages)
+    return messages
+
+
+def _template_ids(tok, messages, **kw) -> List[int]:
+    out = tok.apply_chat_template(messages, tokenize=True, **kw)
+    if isinstance(out, dict) or hasattr(out, "keys"):  # recent transformers return a BatchEncoding
+        out = out["input_ids"]
+    return list(out)
+
+
+def chat_example(tok, messages, where: str) -> Dict[str, List[int]]:
+    """A chat through the tokenizer's template: input_ids, and labels that count the assistant turns
+    alone (each turn's tokens after its header, up to and with its end-of-turn; everything else -100),
+    as TRL's chat collators mask."""
+    if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
+        raise ValueError(f"{where}: expected a list of messages ({{role, content}} mappings), got {messages!r:.80}")
+    if any("role" not in m or "content" not in m for m in messages):
+        raise ValueError(f"{where}: every message needs a role and a content")
+    ids = _template_ids(tok, messages)
+    labels = [IGNORE_INDEX] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        header = _template_ids(tok, messages[:i], add_generation_prompt=True) if i else []
+        upto = _template_ids(tok, messages[: i + 1])
+        if upto[: len(header)] != header or ids[: len(upto)] != upto:
+            raise ValueError(
+                f"{where}: the chat template does not render a conversation's first turns as a prefix of the "
+                "whole, so assistant turns cannot be told apart: tokenize the data yourself (input_ids, labels)"
+            )
+        labels[len(header) : len(upto)] = ids[len(header) : len(upto)]
+    if all(label == IGNORE_INDEX for label in labels):
+        raise ValueError(f"{where}: no assistant message, nothing to learn from")
+    return {"input_ids": ids, "labels": labels}
 
 
 class PadCollator:
@@ -358,9 +472,16 @@ def build(model_args: ModelArguments, data_args: DataArguments, args):
         raise ValueError(f"divergence {args.divergence!r} needs a teacher (the teacher key)")
     dataset = build_dataset(model_args, data_args, args)
     student = _load_model(model_args.student, model_args.attn_implementation, model_args.student_dtype)
+    if model_args.peft is not None:
+        student = with_lora(student, model_args.peft)
     teacher = None
     if model_args.teacher is not None:
-        teacher = _load_model(model_args.teacher, model_args.attn_implementation, "auto")
+        teacher = _load_model(
+            model_args.teacher,
+            model_args.attn_implementation,
+            model_args.teacher_dtype,
+            init_kwargs=args.teacher_model_init_kwargs,
+        )
     return DistillationTrainer(
         model=student,
         teacher_model=teacher,
