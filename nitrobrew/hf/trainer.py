@@ -207,6 +207,10 @@ class DistillationTrainer(Trainer):
             raise ValueError(f"divergence={args.divergence!r} needs a teacher_model")
         super().__init__(model=model, args=args, **kwargs)
         self._check_sharding()
+        if getattr(self, "is_fsdp_enabled", False):  # a decoder wrapped apart: sharded here, before accelerate
+            from .fsdp import shard_for_accelerate
+
+            self.model = self.model_wrapped = shard_for_accelerate(self.accelerator, self.model)
         self.teacher = None
         if teacher_model is not None:
             teacher = _load_teacher(teacher_model, args.teacher_bf16)
