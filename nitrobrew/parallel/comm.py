@@ -223,7 +223,7 @@ def check_rows_agree(table: dict) -> None:
         "options",
         "ranks called the loss with different options (divergence, beta/alpha, "
         "temperature, weights, reduction, vocab_size, ignore_index, dtype, requires_grad of xs or "
-        "presence of biases/labels)",
+        "presence of biases/labels, or the plan: backend, chunk_V, memory_budget)",
     )
     for key in ("label_hash", "ids_hash"):
         if key in table:
