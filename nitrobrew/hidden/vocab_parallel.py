@@ -38,6 +38,7 @@ from ..parallel.comm import (
     ids_summary,
     merge_online,
     offsets_from_sizes,
+    phase,
     require_initialized,
 )
 from ..parallel.dtensor import unwrap
@@ -103,8 +104,14 @@ def _merged_stats(fp, cfg: LossConfig, group, second_pass) -> RowStats:
 
 def parallel_stats(ops: Operands, labels, cfg: LossConfig, local, group) -> RowStats:
     """RowStats over the global vocabulary from this rank's block [0, ws.shape[0]) (labels local ids)."""
-    fp = local.first_pass(ops, labels, cfg)
-    return _merged_stats(fp, cfg, group, lambda lse_s, lse_t: local.second_pass(ops, cfg, lse_s, lse_t))
+    with phase("local stats"):
+        fp = local.first_pass(ops, labels, cfg)
+
+    def second_pass(lse_s, lse_t):
+        with phase("local stats"):
+            return local.second_pass(ops, cfg, lse_s, lse_t)
+
+    return _merged_stats(fp, cfg, group, second_pass)
 
 
 class VocabParallelDistill(torch.autograd.Function):
@@ -125,15 +132,16 @@ class VocabParallelDistill(torch.autograd.Function):
         xs, xt, ws, wt, bs, bt, labels, mask = ctx.saved_tensors
         cfg, acc = ctx.cfg, ctx.stats.lse_s.dtype
         kd_scale, ce_scale = row_scales(grad_total.to(acc), mask.to(acc), cfg)
-        dx, dw, db = ctx.local.backward(
-            Operands(xs, xt, ws, wt, bs, bt),
-            labels,
-            ctx.stats,
-            cfg,
-            kd_scale,
-            ce_scale,
-            need_w=ctx.needs_input_grad[2] or ctx.needs_input_grad[4],
-        )
+        with phase("gradient pass"):
+            dx, dw, db = ctx.local.backward(
+                Operands(xs, xt, ws, wt, bs, bt),
+                labels,
+                ctx.stats,
+                cfg,
+                kd_scale,
+                ce_scale,
+                need_w=ctx.needs_input_grad[2] or ctx.needs_input_grad[4],
+            )
         if ctx.needs_input_grad[0]:
             dx = all_reduce(dx, "sum", ctx.group, "bwd_dx").to(xs.dtype)
         else:
@@ -174,37 +182,40 @@ def fused_forward(
     for r0, r1 in spans(n, plan.row_chunk):
         block = ops.rows(r0, r1)
         lab = None if labels is None else labels[r0:r1]
-        slabs = None if empty else _slabs(block, 0, ws.shape[0], cfg)
-        st = tr.new_state(r1 - r0, xs.device)
-        if not empty:
-            tr.launch_stats(*slabs, st, lab, 0, cfg, 1)
+        with phase("local stats"):
+            slabs = None if empty else _slabs(block, 0, ws.shape[0], cfg)
+            st = tr.new_state(r1 - r0, xs.device)
+            if not empty:
+                tr.launch_stats(*slabs, st, lab, 0, cfg, 1)
 
         def second_pass(lse_s, lse_t, slabs=slabs, st=st):
-            st2 = torch.zeros_like(st)
-            st2[:, tr.M_S], st2[:, tr.M_T] = lse_s, lse_t
-            if slabs is not None:
-                tr.launch_stats(*slabs, st2, None, 0, cfg, 2)
-            return st2[:, tr.PHI_SUM], st2[:, tr.U_SUM]
+            with phase("local stats"):
+                st2 = torch.zeros_like(st)
+                st2[:, tr.M_S], st2[:, tr.M_T] = lse_s, lse_t
+                if slabs is not None:
+                    tr.launch_stats(*slabs, st2, None, 0, cfg, 2)
+                return st2[:, tr.PHI_SUM], st2[:, tr.U_SUM]
 
         rs = _merged_stats(_first_pass_from_state(st, cfg), cfg, group, second_pass)
         stats.append(rs)
         if empty:
             continue
         kd_scale, ce_scale = row_scales(red.expand(r1 - r0), mask[r0:r1], cfg)
-        block_grads(
-            block,
-            lab,
-            rs,
-            kd_scale.contiguous(),
-            ce_scale.contiguous(),
-            cfg,
-            ws.shape[0],
-            None if dx is None else dx[r0:r1],
-            dw,
-            db,
-            r0 == 0,
-            slabs,
-        )
+        with phase("gradient pass"):
+            block_grads(
+                block,
+                lab,
+                rs,
+                kd_scale.contiguous(),
+                ce_scale.contiguous(),
+                cfg,
+                ws.shape[0],
+                None if dx is None else dx[r0:r1],
+                dw,
+                db,
+                r0 == 0,
+                slabs,
+            )
         del slabs
     rows = combine_rows(*_cat_rows(stats), mask, cfg)
     return rows, (dx, None if dw is None else dw.to(ws.dtype), None if db is None else db.to(bs.dtype))
