@@ -211,6 +211,11 @@ class DistillationTrainer(Trainer):
             from .fsdp import shard_for_accelerate
 
             self.model = self.model_wrapped = shard_for_accelerate(self.accelerator, self.model)
+        from ..parallel.watchdog import trainer_callback
+
+        watchdog = trainer_callback()  # a lost rank stops the others (NITROBREW_RANK_TIMEOUT, 0: off)
+        if watchdog is not None:
+            self.add_callback(watchdog)
         self.teacher = None
         if teacher_model is not None:
             teacher = _load_teacher(teacher_model, args.teacher_bf16)
