@@ -138,7 +138,14 @@ def trainer_callback(timeout_s: Optional[float] = None):
             self.watchdog = None
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.watchdog = RankWatchdog(timeout).start()
+            try:
+                self.watchdog = RankWatchdog(timeout).start()
+            except (RuntimeError, AttributeError) as e:  # no store this process group exposes
+                import warnings
+
+                warnings.warn(
+                    f"nitrobrew: no rank watchdog ({e}); a lost rank may leave the others waiting", stacklevel=2
+                )
 
         def on_train_end(self, args, state, control, **kwargs):
             if self.watchdog is not None:
