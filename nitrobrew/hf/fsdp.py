@@ -12,6 +12,9 @@ the rows' gradient, complete on every rank after the loss, is scaled by the worl
 way back to this rank's rows, because FSDP averages the decoder's gradients over ranks. The
 loss value is 1/world of the loss over all ranks' rows, so that the usual ``loss * world``
 (what the trainer does with a global token count) gives exact gradients in both layouts.
+
+Under accelerate's FSDP2 plugin with the decoder in the wrap list, ``shard_for_accelerate`` builds
+the units before accelerate does (accelerate's own order fails on that layout).
 """
 
 from __future__ import annotations
