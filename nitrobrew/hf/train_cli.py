@@ -501,11 +501,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rest.required = False  # may be empty: a missing config names the config alone
 
 
+def _resume_from(value):
+    """--resume_from_checkpoint: a checkpoint directory, or true / last for output_dir's latest one."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "last"):
+        return True
+    return value or None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         model_args, data_args, train_args = parse(None if args.config == "-" else args.config, args.overrides)
         trainer = build(model_args, data_args, train_args)
-        trainer.train()
+        trainer.train(resume_from_checkpoint=_resume_from(train_args.resume_from_checkpoint))
         trainer.save_model()
         trainer.save_state()  # trainer_state.json: the log history
     except (ValueError, TypeError, OSError, ImportError, KeyError, argparse.ArgumentError) as err:

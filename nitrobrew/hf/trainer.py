@@ -322,6 +322,15 @@ class DistillationTrainer(Trainer):
             raise ValueError(f"divergence={args.divergence!r} needs a teacher_model")
         super().__init__(model=model, args=args, **kwargs)
         self._check_sharding()
+        if getattr(self, "is_fsdp_enabled", False):  # a decoder wrapped apart: sharded here, before accelerate
+            from .fsdp import shard_for_accelerate
+
+            self.model = self.model_wrapped = shard_for_accelerate(self.accelerator, self.model)
+        from ..parallel.watchdog import trainer_callback
+
+        watchdog = trainer_callback()  # a lost rank stops the others (NITROBREW_RANK_TIMEOUT, 0: off)
+        if watchdog is not None:
+            self.add_callback(watchdog)
         self.teacher = None
         if teacher_model is not None:
             teacher = _load_teacher(teacher_model, args.teacher_bf16, args.teacher_model_init_kwargs)
