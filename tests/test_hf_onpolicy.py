@@ -124,6 +124,27 @@ def test_errors():
         on_policy_batch(student(), ids, mask, max_new_tokens=2, generate_fn=lambda p, m, **o: p[:, :3])
 
 
+def test_arguments_are_checked_at_the_call():
+    """A bool for max_new_tokens, float completions, ids outside the vocabulary: refused naming the argument."""
+    ids, mask = prompts()
+    called = []
+
+    def fixed(p, m, **o):
+        called.append(1)
+        return torch.full((p.shape[0], 2), 5)
+
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        on_policy_batch(student(), ids, mask, max_new_tokens=True, generate_fn=fixed)
+    assert not called  # refused before generating
+    with pytest.raises(TypeError, match="generate_fn.*integers"):
+        on_policy_batch(student(), ids, mask, max_new_tokens=2, generate_fn=lambda p, m, **o: torch.full((4, 2), 5.0))
+    for bad in (V, V + 7, -1):
+        with pytest.raises(ValueError, match="generate_fn.*outside the vocabulary"):
+            on_policy_batch(student(), ids, mask, max_new_tokens=2, generate_fn=lambda p, m, **o: torch.full((4, 2), bad))
+    b = on_policy_batch(student(), ids, mask, max_new_tokens=2, generate_fn=lambda p, m, **o: torch.full((4, 2), V - 1))
+    assert int(b.n_generated.sum()) == 8
+
+
 # ------------------------------------------------------------------------------------------- trainer
 
 
