@@ -140,7 +140,9 @@ def test_arguments_are_checked_at_the_call():
         on_policy_batch(student(), ids, mask, max_new_tokens=2, generate_fn=lambda p, m, **o: torch.full((4, 2), 5.0))
     for bad in (V, V + 7, -1):
         with pytest.raises(ValueError, match="generate_fn.*outside the vocabulary"):
-            on_policy_batch(student(), ids, mask, max_new_tokens=2, generate_fn=lambda p, m, **o: torch.full((4, 2), bad))
+            on_policy_batch(
+                student(), ids, mask, max_new_tokens=2, generate_fn=lambda p, m, bad=bad, **o: torch.full((4, 2), bad)
+            )
     b = on_policy_batch(student(), ids, mask, max_new_tokens=2, generate_fn=lambda p, m, **o: torch.full((4, 2), V - 1))
     assert int(b.n_generated.sum()) == 8
 
@@ -248,3 +250,84 @@ def test_prompts_are_needed(tmp_path):
     )
     with pytest.raises(ValueError, match="need prompts"):
         trainer.train()
+
+
+def window_data(n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for i in range(n):
+        p = 3 + i % 3
+        ids = torch.randint(4, V, (p + 2,), generator=g).tolist()
+        items.append({"input_ids": ids, "labels": [IGNORE_INDEX] * p + ids[p:]})
+    return items
+
+
+def test_one_generation_per_window(tmp_path):
+    """Gradient accumulation of 2: both micro-batches' prompts go to the engine in one call, each prompt
+    num_generations times, and come back split into their micro-batches."""
+    calls = []
+
+    def generator(p, m, **options):
+        calls.append(p.clone())
+        completion = torch.full((p.shape[0], options["max_new_tokens"]), 9)
+        completion[::2, 1] = EOS  # every other completion stops after 2 tokens
+        return completion
+
+    trainer = DistillationTrainer(
+        model=student(seed=11),
+        teacher_model=teacher_model(seed=12),
+        generate_fn=generator,
+        args=args(
+            tmp_path,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=1,
+            lmbda=1.0,
+            max_new_tokens=3,
+            num_generations=2,
+        ),
+        train_dataset=window_data(),
+        data_collator=collate,
+    )
+    seen = []
+    compute = trainer.compute_loss
+
+    def spy(model, inputs, *a, **k):
+        seen.append(inputs["labels"].clone())
+        return compute(model, inputs, *a, **k)
+
+    trainer.compute_loss = spy
+    trainer.train()
+    assert len(calls) == 1 and calls[0].shape[0] == 8  # 2 micro-batches x 2 prompts x 2 generations
+    assert [s.shape[0] for s in seen] == [4, 4]
+    counted = sum(int((s != IGNORE_INDEX).sum()) for s in seen)
+    assert counted == 4 * 2 + 4 * 3  # 8 completions: half stop at their EOS (2 tokens), half run 3
+    log = [h for h in trainer.state.log_history if "gen_tokens" in h][0]
+    assert log["gen_tokens"] == counted and log["gen_len"] == counted / 8
+    assert 0 <= log["gen_fraction"] <= 1 and log["gen_decode_ms"] >= 0 and log["gen_compiles"] == 0
+
+
+def test_static_backend_trains_like_the_dynamic_cache(tmp_path):
+    """generation_backend static and hf: the same greedy completions, the same update."""
+    teacher = teacher_model(seed=13)
+    got = {}
+    for backend in ("hf", "static"):
+        got[backend], trainer = train_once(
+            tmp_path / backend,
+            student(seed=14),
+            teacher,
+            lmbda=1.0,
+            max_new_tokens=4,
+            generation_temperature=0.0,
+            generation_backend=backend,
+        )
+        assert trainer.generator_for(trainer.model).name == backend
+    for n in got["hf"]:
+        torch.testing.assert_close(got["static"][n], got["hf"][n], rtol=0, atol=0, msg=n)
+
+
+def test_generation_arguments_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="generation_backend"):
+        args(tmp_path, generation_backend="fast")
+    with pytest.raises(ValueError, match="num_generations"):
+        args(tmp_path, num_generations=0)

@@ -36,6 +36,7 @@ class GeneratedBatch(NamedTuple):
     logprobs: Optional[torch.Tensor] = None
     weight_version: int = 0
     decode_steps: int = 0
+    compiles: int = 0
 
 
 def left_pad(ids: torch.Tensor, mask: Optional[torch.Tensor], pad: int):
@@ -101,7 +102,10 @@ def on_policy_batch(
     m = unwrap(model)
     from .fsdp import head_is_sharded_apart
 
-    if generate_fn is None and generator is None and head_is_sharded_apart(m):
+    in_process = generator is None or (
+        generator.name in ("hf", "static") and unwrap(getattr(generator, "model", None)) is m
+    )
+    if generate_fn is None and in_process and head_is_sharded_apart(m):
         raise ValueError(
             "generation with an FSDP2 head sharded apart from the decoder would gather it through the "
             "root's forward, breaking the vocab-parallel layout: pass generate_fn (an external "
@@ -160,6 +164,7 @@ def on_policy_batch(
         logprobs=logprobs,
         weight_version=gen.weight_version,
         decode_steps=gen.decode_steps,
+        compiles=getattr(gen, "compiles", 0),
     )
 
 

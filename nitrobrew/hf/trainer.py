@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -83,6 +84,16 @@ class DistillationArguments(TrainingArguments):
     generation_temperature: float = field(default=0.9, metadata={"help": "sampling temperature (0: greedy)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (1: off)"})
     top_k: int = field(default=0, metadata={"help": "top-k sampling (0: off)"})
+    generation_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "engine of on-policy / seq_kd generation: auto (static on CUDA, else hf), static (static "
+            "KV cache, compiled decode), hf (dynamic cache), or one registered in nitrobrew.hf.generation"
+        },
+    )
+    num_generations: int = field(
+        default=1, metadata={"help": "completions per prompt (a micro-batch of b prompts trains on b * this rows)"}
+    )
     # Schedules over training (constant, linear or cosine from the value to its *_end).
     temperature_schedule: str = field(default="constant", metadata={"help": "constant, linear or cosine"})
     temperature_end: Optional[float] = field(default=None, metadata={"help": "temperature at the last step"})
@@ -129,6 +140,18 @@ class DistillationArguments(TrainingArguments):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        from .generation import BACKENDS
+
+        if self.generation_backend not in BACKENDS:
+            raise ValueError(
+                f"generation_backend must be one of {', '.join(BACKENDS)}, got {self.generation_backend!r}"
+            )
+        if (
+            isinstance(self.num_generations, bool)
+            or not isinstance(self.num_generations, int)
+            or self.num_generations < 1
+        ):
+            raise ValueError(f"num_generations must be an int >= 1, got {self.num_generations!r}")
         if self.divergence == "topk" and (self.lmbda > 0 or self.seq_kd):
             raise ValueError(
                 "divergence='topk' scores the stored dataset's tokens only: on-policy (lmbda > 0) "
@@ -195,7 +218,10 @@ class DistillationTrainer(Trainer):
 
     Logs ``kd_loss`` and ``ce_loss`` (the two terms, normalized like the loss), the scheduled
     ``temperature`` / ``kd_weight`` / ``ce_weight``, and with generation ``gen_len`` (counted
-    tokens per completion) and ``gen_seconds`` (generation time per optimizer step).
+    tokens per completion), ``gen_tokens`` (counted tokens generated per optimizer step),
+    ``gen_seconds`` (generation time per optimizer step), ``gen_decode_ms`` (per decode step),
+    ``gen_fraction`` (the share of the steps' wall time spent generating) and ``gen_compiles``
+    (graphs the engine compiled: none once its shape buckets are warm).
     """
 
     def __init__(
@@ -217,6 +243,8 @@ class DistillationTrainer(Trainer):
                 teacher.to(self.args.device)
             self.teacher = teacher
         self.generate_fn = generate_fn
+        self._generators = {}
+        self._window_start = None
         # Older Trainers only pass num_items_in_batch (and skip their 1/GA scaling) for models
         # that "accept loss kwargs"; our compute_loss does.
         self.model_accepts_loss_kwargs = True
@@ -252,38 +280,84 @@ class DistillationTrainer(Trainer):
         )
 
     # -- on-policy / sequence-level batches -------------------------------------------------------
-    def _generate(self, batch, index: int):
-        """The batch, or its prompts completed by the teacher (seq_kd) and / or the student (lmbda)."""
+    def generator_for(self, who):
+        """The engine that completes prompts with ``who`` (the student, or the teacher for seq_kd), made once."""
+        key = "student" if who is self.model else "teacher"
+        gen = self._generators.get(key)
+        if gen is None:
+            from .generation import make_generator
+
+            gen = make_generator(self.args.generation_backend, who, generate_fn=self.generate_fn)
+            self._generators[key] = gen
+        return gen
+
+    def _who(self, index: int):
+        """Which model completes micro-batch ``index``: the student (on-policy), the teacher (seq_kd) or none."""
         a = self.args
         if not (a.seq_kd or a.lmbda > 0):
-            return batch
+            return None
         # Drawn from the seed and the micro-batch index: reproducible, and the global RNG is untouched.
         draw = float(torch.rand((), generator=torch.Generator().manual_seed(a.seed * 1_000_003 + index)))
         # On-policy wins over seq_kd (as in TRL, where the student's completions replace the teacher's).
-        who = self.model if draw < a.lmbda else self.teacher if a.seq_kd else None
-        if who is None:
-            return batch
-        if is_packed(batch.get("position_ids")):
-            raise ValueError(
-                "on-policy / seq_kd with packed batches: generation needs one prompt per row "
-                "(do not pack, or set lmbda=0 and seq_kd=False)"
+        return self.model if draw < a.lmbda else self.teacher if a.seq_kd else None
+
+    def _generate_window(self, batches, first: int):
+        """The window's micro-batches, those drawn for generation replaced by completions of their prompts.
+
+        All the prompts one model completes in the window go to its engine in one call (the hardware wants
+        large batches; TRL's ``generation_batch_size``), each ``num_generations`` times, and the completions
+        are split back into their micro-batches (a micro-batch of b prompts becomes b * num_generations rows).
+        """
+        a = self.args
+        whos = [self._who(first + i) for i in range(len(batches))]
+        out = list(batches)
+        for who in (self.model, self.teacher):
+            picked = [i for i, w in enumerate(whos) if w is not None and w is who]
+            if not picked:
+                continue
+            prompts, masks = [], []
+            for i in picked:
+                if is_packed(batches[i].get("position_ids")):
+                    raise ValueError(
+                        "on-policy / seq_kd with packed batches: generation needs one prompt per row "
+                        "(do not pack, or set lmbda=0 and seq_kd=False)"
+                    )
+                p, m = prompts_of(batches[i])
+                prompts.append(p)
+                masks.append(torch.ones_like(p) if m is None else m)
+            rows = [p.shape[0] * a.num_generations for p in prompts]
+            width = max(p.shape[1] for p in prompts)
+            ids = torch.cat([nn.functional.pad(p, (0, width - p.shape[1])) for p in prompts])
+            mask = torch.cat([nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
+            if a.num_generations > 1:
+                ids, mask = ids.repeat_interleave(a.num_generations, 0), mask.repeat_interleave(a.num_generations, 0)
+            gen = on_policy_batch(
+                who,
+                ids,
+                mask,
+                max_new_tokens=a.max_new_tokens,
+                temperature=a.generation_temperature,
+                top_p=a.top_p,
+                top_k=a.top_k,
+                seed=a.seed * 1_000_003 + first + picked[0],
+                generator=self.generator_for(who),
             )
-        prompts, mask = prompts_of(batch)
-        gen = on_policy_batch(
-            who,
-            prompts,
-            mask,
-            max_new_tokens=a.max_new_tokens,
-            temperature=a.generation_temperature,
-            top_p=a.top_p,
-            top_k=a.top_k,
-            seed=a.seed * 1_000_003 + index,
-            generate_fn=self.generate_fn,
-        )
-        self._add("gen_len", gen.n_generated.float().mean())
-        self._add("gen_seconds", torch.tensor(gen.seconds))
-        self._add("gen_batches", torch.tensor(1.0))
-        return {"input_ids": gen.input_ids, "attention_mask": gen.attention_mask, "labels": gen.labels}
+            self._add("gen_rows", torch.tensor(float(gen.n_generated.numel())))
+            self._add("gen_tokens", gen.n_generated.float().sum())
+            self._add("gen_seconds", torch.tensor(gen.seconds))
+            self._add("gen_decode_steps", torch.tensor(float(gen.decode_steps)))
+            self._add("gen_compiles", torch.tensor(float(gen.compiles)))
+            start = 0
+            for i, n in zip(picked, rows):
+                part = slice(start, start + n)
+                start += n
+                keep = int(gen.attention_mask[part].sum(1).max())
+                out[i] = {
+                    "input_ids": gen.input_ids[part, :keep],
+                    "attention_mask": gen.attention_mask[part, :keep],
+                    "labels": gen.labels[part, :keep],
+                }
+        return out
 
     # -- the global token count of each accumulation window ------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
@@ -291,7 +365,8 @@ class DistillationTrainer(Trainer):
         # Generated batches replace their sources before the count: the normalizer stays exact.
         # Which batches are generated, and how: a function of the seed and the micro-batch's index.
         first = self.state.global_step * num_batches
-        batch_samples = [self._generate(b, first + i) for i, b in enumerate(batch_samples)]
+        self._clock()  # the previous window's wall time ends here
+        batch_samples = self._generate_window(batch_samples, first)
         count = torch.zeros((), dtype=torch.long, device=self.args.device)
         for batch in batch_samples:
             count += (self._targets(batch) != IGNORE_INDEX).sum().to(count.device)
@@ -393,7 +468,23 @@ class DistillationTrainer(Trainer):
                 check_head(unwrap(who), ids, mask, **packing)
         self._heads_checked = True
 
-    _LOGGED = ("kd_loss", "ce_loss", "gen_len", "gen_seconds", "gen_batches")
+    _LOGGED = (
+        "kd_loss",
+        "ce_loss",
+        "gen_rows",
+        "gen_tokens",
+        "gen_seconds",
+        "gen_decode_steps",
+        "gen_compiles",
+        "step_seconds",
+    )
+
+    def _clock(self) -> None:
+        """Add the wall time since the last call to ``step_seconds`` (windows and logs split the time)."""
+        now = time.perf_counter()
+        if self._window_start is not None:
+            self._add("step_seconds", torch.tensor(now - self._window_start))
+        self._window_start = now
 
     def _summed_over_processes(self):
         """The logged sums of every process (training logs are written on every process, together)."""
@@ -407,19 +498,25 @@ class DistillationTrainer(Trainer):
         shares = getattr(self.args, "average_tokens_across_devices", False) and _PASSES_NUM_ITEMS
         for key in ("kd_loss", "ce_loss") if not shares else ():
             sums[key] /= n
-        sums["gen_seconds"] /= n
+        for key in ("gen_seconds", "gen_decode_steps", "step_seconds"):
+            sums[key] /= n
         return sums
 
     def log(self, logs, *args, **kwargs):
         if "loss" in logs:
             steps = max(self.state.global_step - self._logged_step, 1)
+            self._clock()
             sums = self._summed_over_processes()
             if "kd_loss" in self._sums or self.accelerator.num_processes > 1:
                 logs["kd_loss"] = round(sums["kd_loss"] / steps, 6)
                 logs["ce_loss"] = round(sums["ce_loss"] / steps, 6)
-            if sums["gen_batches"] > 0:
-                logs["gen_len"] = round(sums["gen_len"] / sums["gen_batches"], 3)
+            if sums["gen_rows"] > 0:
+                logs["gen_len"] = round(sums["gen_tokens"] / sums["gen_rows"], 3)
+                logs["gen_tokens"] = round(sums["gen_tokens"] / steps, 1)
                 logs["gen_seconds"] = round(sums["gen_seconds"] / steps, 4)
+                logs["gen_decode_ms"] = round(1e3 * sums["gen_seconds"] / max(sums["gen_decode_steps"], 1), 3)
+                logs["gen_fraction"] = round(min(sums["gen_seconds"] / max(sums["step_seconds"], 1e-9), 1.0), 4)
+                logs["gen_compiles"] = int(sums["gen_compiles"])
             self._sums = {}
             self._logged_step = self.state.global_step
         if "loss" in logs and self._schedule:  # the values the last optimizer step used

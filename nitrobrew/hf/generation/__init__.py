@@ -32,10 +32,12 @@ def supports_static_cache(model) -> bool:
 
 def auto_backend(model) -> str:
     """The engine ``"auto"`` picks for ``model``."""
-    from ..model import unwrap
+    from ..model import is_fsdp2, unwrap
 
-    device = next(unwrap(model).parameters()).device
-    return "static" if device.type == "cuda" and supports_static_cache(model) else "hf"
+    m = unwrap(model)
+    device = next(m.parameters()).device
+    # FSDP2 shards gather in the forward's hooks: the dynamic cache, uncompiled, is the safe path there.
+    return "static" if device.type == "cuda" and supports_static_cache(m) and not is_fsdp2(m) else "hf"
 
 
 def make_generator(backend: str, model, *, generate_fn: Optional[GenerateFn] = None, **options) -> Generator:
