@@ -66,8 +66,11 @@ def _nucleus_keep_full(top: torch.Tensor, lse: torch.Tensor, top_p: float) -> to
     return before < top_p
 
 
-def sample(logits: torch.Tensor, s: Sampling) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(token ids [B], their log-probabilities [B] float32 under the sampling distribution) from logits [B, V]."""
+def sample(
+    logits: torch.Tensor, s: Sampling, generator: Optional[torch.Generator] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [B], their log-probabilities [B] float32 under the sampling distribution) from logits [B, V];
+    the draws come from ``generator`` (default: the global RNG)."""
     if s.greedy:
         x = logits.float()
         tok = x.argmax(-1)
@@ -76,7 +79,7 @@ def sample(logits: torch.Tensor, s: Sampling) -> Tuple[torch.Tensor, torch.Tenso
     x, cand = processed_logits(logits, s)
     lse = torch.logsumexp(x, -1, keepdim=True)
     # Exponential race: argmax(log p - log E) is a draw from p (the Gumbel-max trick, one pass).
-    e = torch.empty_like(x).exponential_()
+    e = torch.empty_like(x).exponential_(generator=generator)
     pick = (x - lse - e.log()).argmax(-1)
     lp = (x.gather(-1, pick[:, None]) - lse)[:, 0]
     tok = pick if cand is None else cand.gather(-1, pick[:, None])[:, 0]

@@ -63,6 +63,9 @@ class StaticCacheGenerator(_LiveModel):
     """
 
     name = "static"
+    # Sampling.seed seeds a generator of the engine's own: the process's RNG is never touched, so an engine
+    # in a background thread (asynchronous rollouts) is deterministic and leaves training's draws alone.
+    seeds_itself = True
 
     def __init__(
         self,
@@ -160,6 +163,9 @@ class StaticCacheGenerator(_LiveModel):
         graphs0 = compiled_graphs()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        rng = None
+        if sampling.seed is not None and not sampling.greedy:
+            rng = torch.Generator(device=device).manual_seed(int(sampling.seed))
         t0 = time.perf_counter()
         steps = 0
         try:
@@ -180,7 +186,7 @@ class StaticCacheGenerator(_LiveModel):
             for t in range(G):
                 if penalty:
                     logits = _penalize(logits.float(), seen, sampling.repetition_penalty)
-                tok, lp = sample(logits, sampling)
+                tok, lp = sample(logits, sampling, rng)
                 tok = tok.masked_fill(done, pad)
                 out_ids[:, t], out_lp[:, t] = tok, lp.masked_fill(done, 0.0)
                 steps = t + 1

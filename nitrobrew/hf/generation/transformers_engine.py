@@ -77,6 +77,8 @@ class DynamicCacheGenerator(_LiveModel):
     @torch.no_grad()
     def generate(self, prompt_ids, prompt_mask, sampling: Sampling) -> Completions:
         m = unwrap(self.model)
+        device = next(m.parameters()).device
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         eos = sampling.eos_list()
         was_training = m.training
         m.eval()
