@@ -331,3 +331,55 @@ def test_generation_arguments_are_checked(tmp_path):
         args(tmp_path, generation_backend="fast")
     with pytest.raises(ValueError, match="num_generations"):
         args(tmp_path, num_generations=0)
+
+
+def async_run(tmp_path, **kw):
+    calls = []
+    trainer = DistillationTrainer(
+        model=student(seed=15),
+        teacher_model=teacher_model(seed=16),
+        args=args(
+            tmp_path,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=3,
+            learning_rate=0.5,
+            lmbda=1.0,
+            max_new_tokens=4,
+            generation_temperature=1.0,
+            generation_backend="static",
+            **kw,
+        ),
+        train_dataset=window_data(12),
+        data_collator=collate,
+    )
+    compute = trainer.compute_loss
+
+    def spy(model, inputs, *a, **k):
+        calls.append(inputs["input_ids"].clone())
+        return compute(model, inputs, *a, **k)
+
+    trainer.compute_loss = spy
+    trainer.train()
+    return calls, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer
+
+
+def test_async_generation_with_staleness_0_is_the_synchronous_run(tmp_path):
+    sync_batches, sync_weights, _ = async_run(tmp_path / "sync")
+    a_batches, a_weights, trainer = async_run(tmp_path / "async", generation_async=True, max_staleness=0)
+    assert len(a_batches) == len(sync_batches) == 6
+    assert all(torch.equal(x, y) for x, y in zip(a_batches, sync_batches))
+    for n in sync_weights:
+        torch.testing.assert_close(a_weights[n], sync_weights[n], rtol=0, atol=0, msg=n)
+    assert trainer._rollouts is None  # closed at the end of training
+
+
+def test_async_generation_staleness_1_is_deterministic(tmp_path):
+    sync_batches, _, _ = async_run(tmp_path / "sync")
+    a, wa, trainer = async_run(tmp_path / "a", generation_async=True, max_staleness=1)
+    b, wb, _ = async_run(tmp_path / "b", generation_async=True, max_staleness=1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and all(torch.equal(wa[n], wb[n]) for n in wa)
+    # Windows 0 and 1 come from the initial weights: window 0 as in the synchronous run, window 1 not.
+    assert torch.equal(a[0], sync_batches[0]) and not all(torch.equal(x, y) for x, y in zip(a[2:4], sync_batches[2:4]))
+    lags = [h["gen_staleness"] for h in trainer.state.log_history if "gen_staleness" in h]
+    assert lags == [0.0, 1.0, 1.0]

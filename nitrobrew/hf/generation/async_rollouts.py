@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -58,6 +58,7 @@ class AsyncRollouts:
         self._submitted = 0
         self._results: Dict[int, object] = {}
         self._finished: set = set()
+        self._windows: List[int] = []  # the window of each job
         self._jobs: "queue.Queue" = queue.Queue()
         self._cond = threading.Condition()
         self._engine_lock = threading.Lock()
@@ -66,12 +67,21 @@ class AsyncRollouts:
         self._thread.start()
 
     # -- the trainer's side -----------------------------------------------------------------------
-    def submit(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> int:
-        """Queue a window's prompts (left-padded) for generation; returns its index."""
+    def submit(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, window: Optional[int] = None
+    ) -> int:
+        """Queue the prompts (left-padded) of window ``window`` (the optimizer step that will train on them,
+        counted from this object's creation; default: the next after the last submitted) for generation;
+        returns the job's id for ``result``."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("AsyncRollouts is closed")
             j = self._submitted
+            if window is None:
+                window = self._windows[j - 1] + 1 if j else 0
+            if j and window < self._windows[j - 1]:
+                raise ValueError(f"windows are submitted in order: {window} after {self._windows[j - 1]}")
+            self._windows.append(int(window))
             self._submitted += 1
         self._jobs.put((j, prompt_ids, prompt_mask, sampling))
         return j
@@ -97,11 +107,11 @@ class AsyncRollouts:
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """After an optimizer step: wait for the windows the older weights must generate, then copy ``model``."""
-        new = self.version + 1
         with self._cond:
-            # Window j is generated with version max(0, j - staleness): all j < new + staleness that were
-            # submitted belong to older weights.
-            self._cond.wait_for(lambda: self._generated_below(new + self.staleness) or self._closed)
+            new = self.version + 1
+            # Window w is generated with version max(0, w - staleness): the submitted windows w < new + staleness
+            # belong to older weights.
+            self._cond.wait_for(lambda: self._generated_below(new - self.base + self.staleness) or self._closed)
         with self._engine_lock:
             self.engine.sync_weights(model)
         with self._cond:
@@ -122,8 +132,8 @@ class AsyncRollouts:
         self.close()
 
     # -- the thread -------------------------------------------------------------------------------
-    def _generated_below(self, limit: int) -> bool:
-        return all(j in self._finished for j in range(min(limit, self._submitted)))
+    def _generated_below(self, window: int) -> bool:
+        return all(j in self._finished for j in range(self._submitted) if self._windows[j] < window)
 
     def _run(self) -> None:
         while True:
@@ -133,7 +143,8 @@ class AsyncRollouts:
             j, ids, mask, sampling = job
             with self._cond:
                 # Not before the weights it must be generated with (max(0, j - staleness)) are in.
-                self._cond.wait_for(lambda j=j: self.version - self.base >= j - self.staleness or self._closed)
+                w = self._windows[j]
+                self._cond.wait_for(lambda w=w: self.version - self.base >= w - self.staleness or self._closed)
                 if self._closed:
                     return
             try:
