@@ -94,6 +94,13 @@ class DistillationArguments(TrainingArguments):
     num_generations: int = field(
         default=1, metadata={"help": "completions per prompt (a micro-batch of b prompts trains on b * this rows)"}
     )
+    generation_sleep: bool = field(
+        default=False,
+        metadata={
+            "help": "free the engine's memory (the static engine's KV caches) after each window's generation, "
+            "at the cost of allocating it again (and re-recording CUDA graphs) at the next"
+        },
+    )
     generation_async: bool = field(
         default=False,
         metadata={
@@ -409,6 +416,8 @@ class DistillationTrainer(Trainer):
                 generator=self.generator_for(who),
                 **self._sampling(self.args.seed * 1_000_003 + first + picked[0]),
             )
+            if self.args.generation_sleep:
+                self.generator_for(who).sleep()
             self._put_back(out, picked, rows, gen)
         return out
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .async_rollouts import AsyncRollouts, StalenessError
 from .base import Completions, GenerateFn, GenerationStats, Generator, Sampling, completion_mask
 from .static_engine import StaticCacheGenerator
 from .transformers_engine import CallableGenerator, DynamicCacheGenerator
@@ -60,6 +61,7 @@ def make_generator(backend: str, model, *, generate_fn: Optional[GenerateFn] = N
 
 
 __all__ = [
+    "AsyncRollouts",
     "BACKENDS",
     "CallableGenerator",
     "Completions",
@@ -68,6 +70,7 @@ __all__ = [
     "GenerationStats",
     "Generator",
     "Sampling",
+    "StalenessError",
     "StaticCacheGenerator",
     "auto_backend",
     "completion_mask",

@@ -181,6 +181,7 @@ class StaticCacheGenerator(_LiveModel):
                 **cache_kw,
             ).logits[:, -1]
             step = self._decode_fn(m)
+            graphs = self.compile and self.compile_mode == "reduce-overhead"
             done = torch.zeros(Bb, dtype=torch.bool, device=device)
             cache_positions = torch.arange(Pb, Pb + G, device=device)
             for t in range(G):
@@ -198,6 +199,8 @@ class StaticCacheGenerator(_LiveModel):
                     break
                 if penalty:
                     seen[:, Pb + t] = tok
+                if graphs:
+                    torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed
                 logits = step(
                     input_ids=tok[:, None],
                     attention_mask=mask,
