@@ -114,7 +114,13 @@ class StaticCacheGenerator(_LiveModel):
         if cache is None:
             from transformers import StaticCache
 
-            cache = StaticCache(config=m.config, max_cache_len=length)
+            try:  # transformers >= 4.56: allocated at the first update, at its batch
+                cache = StaticCache(config=m.config, max_cache_len=length)
+            except TypeError:  # older: the batch, the device and the dtype up front
+                p = next(m.parameters())
+                cache = StaticCache(
+                    config=m.config, max_batch_size=batch, max_cache_len=length, device=p.device, dtype=p.dtype
+                )
             self._caches[key] = cache
         else:
             cache.reset()
