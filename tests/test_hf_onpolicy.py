@@ -383,3 +383,38 @@ def test_async_generation_staleness_1_is_deterministic(tmp_path):
     assert torch.equal(a[0], sync_batches[0]) and not all(torch.equal(x, y) for x, y in zip(a[2:4], sync_batches[2:4]))
     lags = [h["gen_staleness"] for h in trainer.state.log_history if "gen_staleness" in h]
     assert lags == [0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--generation_backend", "hf"],
+        ["--generation_backend", "static", "--num_generations", "2"],
+        ["--generation_backend", "auto", "--generation_async", "true", "--max_staleness", "1"],
+    ],
+)
+def test_nitrobrew_train_on_policy_with_each_backend(tmp_path, extra):
+    """`nitrobrew train` with an on-policy config runs with each in-process engine and logs generation."""
+    import json
+
+    pytest.importorskip("yaml")
+    pytest.importorskip("datasets")
+    from nitrobrew.cli import main
+    from test_hf_train_cli import write_config
+    from test_hf_trainer import student_model
+
+    student_model().save_pretrained(tmp_path / "student")
+    teacher_model().save_pretrained(tmp_path / "teacher")
+    g = torch.Generator().manual_seed(0)
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for n in (6, 9, 5, 7):
+            ids = torch.randint(4, V, (n,), generator=g).tolist()
+            f.write(json.dumps({"input_ids": ids, "labels": [-100, -100] + ids[2:]}) + "\n")
+    path = write_config(tmp_path, "run")
+    assert main(["train", str(path), "--lmbda", "1", *extra]) == 0
+    history = [h for h in json.load(open(tmp_path / "run" / "trainer_state.json"))["log_history"] if "loss" in h]
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        assert h["gen_tokens"] > 0 and h["gen_decode_ms"] > 0 and 0 < h["gen_fraction"] <= 1
+    if "--generation_async" in extra:
+        assert [h["gen_staleness"] for h in history] == [0.0, 1.0]
