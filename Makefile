@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 NOTRITON_VENV ?= .venv-notriton
 NT_PY := $(NOTRITON_VENV)/bin/python
 
-.PHONY: demo test bench clean venv lint no-triton
+.PHONY: demo test bench clean venv lint typecheck no-triton
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) tools/check_docs.py
 
+# mypy over the core, divergences.py and the public APIs (the files: [tool.mypy] in pyproject.toml).
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
 # Import, every loss on CPU with backward and a compiled training step, with no triton installed
 # (a CUDA build of torch pulls triton in: it is removed again).
 no-triton:
@@ -42,9 +46,9 @@ no-triton:
 	$(NT_PY) -m pip uninstall -q -y triton 2>/dev/null || true
 	$(NT_PY) tools/no_triton_check.py
 
-# Lint and the no-Triton leg first; then the suite, Triton kernels under the interpreter on CPU
+# Lint, the type check and the no-Triton leg first; then the suite, Triton kernels under the interpreter on CPU
 # (-n 2 uses both cores of the CI machine).
-test: lint no-triton
+test: lint typecheck no-triton
 	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 tests
 
 clean:

@@ -65,8 +65,6 @@ def distill_loss(
     scale_t2: bool = False,
     kd_weight: float = 1.0,
     ce_weight: float = 0.0,
-    beta: float = 0.5,
-    alpha: float = 0.1,
     vocab_size: Optional[int] = None,
     num_items_in_batch: Optional[Union[int, torch.Tensor]] = None,
     topk_ids: Optional[torch.Tensor] = None,
@@ -78,7 +76,7 @@ def distill_loss(
     backend: str = "auto",
     through_forward: bool = False,
     position_ids: Optional[torch.Tensor] = None,
-    **varlen,
+    **kwargs,
 ) -> LMDistillOutput:
     """Distillation loss of a student causal LM against a teacher (or stored top-k) on one batch.
 
@@ -98,8 +96,8 @@ def distill_loss(
         targets: instead of labels, per-position targets already shifted (``targets[b, i]`` is
             the token position i predicts, -100 where nothing counts), as
             ``nitrobrew.teacher.data.TopKCollator`` makes them under the name "labels".
-        divergence: one of forward_kl, reverse_kl, jsd (beta), tvd, skew_kl, skew_reverse_kl
-            (alpha), or "topk" (needs topk_ids / topk_logprobs).
+        divergence: one of forward_kl, reverse_kl, jsd, tvd, skew_kl, skew_reverse_kl, or "topk"
+            (needs topk_ids / topk_logprobs).
         temperature, scale_t2: logits / T for the divergence; ``scale_t2`` multiplies it by T^2.
         kd_weight, ce_weight: weights of the divergence and of the hard-label CE (at T = 1).
         vocab_size: compare the first vocab_size entries of both heads (padded heads).
@@ -116,14 +114,18 @@ def distill_loss(
         position_ids: [B, N] (or [N]) positions; in a packed batch they restart at each document
             (``DataCollatorWithFlattening``): each model then attends within documents only (see
             ``nitrobrew.hf.packing``) and the last position of a document predicts nothing.
-        **varlen: the flash-attention varlen kwargs of a packed batch (``cu_seq_lens_q``,
-            ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``), passed to both models.
+        **kwargs: the divergence's parameter by its keyword (``beta`` for jsd, ``alpha`` for the skews;
+            ranges and defaults: ``divergences.PARAMS``), and the flash-attention varlen kwargs of a
+            packed batch (``cu_seq_lens_q``, ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``),
+            passed to both models.
 
     Returns:
         ``LMDistillOutput(loss, kd, ce, n_tokens)``.
     """
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if divergence not in dv.REGISTRY and divergence != "topk":
+        raise ValueError(f"divergence must be one of {dv.NAMES + ('topk',)}, got {divergence!r}")
+    params = {k: v for k, v in kwargs.items() if k in dv.PARAMS}
+    varlen = {k: v for k, v in kwargs.items() if k not in dv.PARAMS}
     if divergence == "topk" and (topk_ids is None or topk_logprobs is None):
         raise ValueError("divergence='topk' needs topk_ids and topk_logprobs (from a top-k store)")
     if divergence != "topk" and teacher is None and kd_weight != 0:
@@ -172,8 +174,6 @@ def distill_loss(
         scale_t2=scale_t2,
         kd_weight=kd_weight,
         ce_weight=ce_weight,
-        beta=beta,
-        alpha=alpha,
         reduction="sum",
         bs=bs,
         chunk_V=chunk_V,
@@ -181,8 +181,10 @@ def distill_loss(
         softcap_s=cap_s,
         return_parts=True,
         process_group=group,
+        **params,
     )
     if divergence == "topk":
+        assert topk_ids is not None and topk_logprobs is not None  # checked on entry
         ids, lp = (t.to(xs.device).reshape(-1, t.shape[-1])[keep] for t in (topk_ids, topk_logprobs))
         if vocab_size is not None:  # a padded student head: the first vocab_size rows are the vocabulary
             options.update(bs=None if bs is None else bs[:vocab_size])
@@ -202,10 +204,11 @@ def distill_loss(
             )
     else:
         ce_only = teacher is None or kd_weight == 0
-        if ce_only:  # no teacher forward: a constant teacher of width 1, weighted 0
+        if teacher is None or kd_weight == 0:  # no teacher forward: a constant teacher of width 1, weighted 0
             xt = xs.new_zeros(xs.shape[0], 1).detach()
             wt, bt, cap_t = ws.new_zeros(ws.shape[0], 1).detach(), None, None
         else:
+            assert t_inputs is not None  # built with the teacher
             with torch.no_grad():
                 apart = head_is_sharded_apart(teacher)
                 ht = final_hidden_states(
@@ -227,6 +230,7 @@ def distill_loss(
         n_all = n_tokens.clone()
         torch.distributed.all_reduce(n_all, group=group)
         parts = parts._replace(**{k: getattr(parts, k) / world for k in ("loss", "kd", "ce")})
+    denom: Union[int, torch.Tensor]
     if num_items_in_batch is None:
         denom = (n_all if sharded_head else n_tokens).clamp_min(1)
     elif isinstance(num_items_in_batch, torch.Tensor):

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from .. import divergences as dv
 from ..core import checks as ck
 from .loss import DIVERGENCES, distill_loss
 from .model import IGNORE_INDEX, check_head, is_fsdp2, is_wrapped, labels_from_inputs, shift_labels, unwrap
@@ -46,8 +47,8 @@ class DistillationArguments(TrainingArguments):
     scale_t2: bool = field(default=False, metadata={"help": "multiply the divergence by T^2 (Hinton)"})
     kd_weight: float = field(default=1.0, metadata={"help": "weight of the divergence"})
     ce_weight: float = field(default=0.0, metadata={"help": "weight of the hard-label CE (default 0: none)"})
-    beta: float = field(default=0.5, metadata={"help": "jsd mixture weight (0 = forward_kl, 1 = reverse_kl)"})
-    alpha: float = field(default=0.1, metadata={"help": "skew_kl / skew_reverse_kl mixture weight"})
+    beta: float = field(default=dv.default("beta"), metadata={"help": dv.PARAMS["beta"].help})
+    alpha: float = field(default=dv.default("alpha"), metadata={"help": dv.PARAMS["alpha"].help})
     vocab_size: Optional[int] = field(
         default=None, metadata={"help": "compare the first N vocab entries (padded heads)"}
     )

@@ -150,8 +150,7 @@ def _local_checks(
     bt,
     labels,
     divergence,
-    beta,
-    alpha,
+    params,
     temperature,
     reduction,
     chunk_V,
@@ -164,7 +163,7 @@ def _local_checks(
 ) -> Tuple[str, float]:
     """Checks that need nothing from other ranks; returns the canonical (divergence, param)."""
     check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels, heads="[V_local, D] head shards")
-    name, param = ck.divergence_param(divergence, beta, alpha)
+    name, param = ck.divergence_param(divergence, params)
     check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels, softcap_s, softcap_t)
     if vocab_size is not None and not (ck.is_int(vocab_size) and vocab_size > 0):
         raise ValueError(f"vocab_size must be a positive int (a global vocabulary size), got {vocab_size!r}")
@@ -218,8 +217,7 @@ def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabL
             bt,
             labels,
             opts["divergence"],
-            opts["beta"],
-            opts["alpha"],
+            opts["params"],
             opts["temperature"],
             opts["reduction"],
             opts["chunk_V"],
@@ -274,8 +272,6 @@ def parallel_hidden_loss(
     *,
     process_group=None,
     divergence="forward_kl",
-    beta=0.5,
-    alpha=0.1,
     labels=None,
     ignore_index=-100,
     temperature=1.0,
@@ -294,6 +290,7 @@ def parallel_hidden_loss(
     softcap_s=None,
     softcap_t=None,
     return_parts=False,
+    **params,
 ):
     """``hidden_loss`` over a vocabulary split across the ranks of ``process_group``.
 
@@ -314,8 +311,7 @@ def parallel_hidden_loss(
         )
     opts = dict(
         divergence=divergence,
-        beta=beta,
-        alpha=alpha,
+        params=params,
         ignore_index=ignore_index,
         temperature=temperature,
         reduction=reduction,

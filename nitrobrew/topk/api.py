@@ -24,8 +24,6 @@ def topk_kl(
     *,
     normalize: str = "full",
     divergence: str = "forward_kl",
-    beta: float = 0.5,
-    alpha: float = 0.1,
     tail: bool = False,
     labels: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
@@ -43,6 +41,7 @@ def topk_kl(
     softcap_s: Optional[float] = None,
     return_parts: bool = False,
     process_group=None,
+    **params: float,
 ):
     """Distill from a teacher's stored top-k next-token log-probs, from the student's hidden states.
 
@@ -97,8 +96,7 @@ def topk_kl(
         from ..parallel.dtensor import unwrap
 
         xs, _, ws, _, bs, _, labels, process_group = unwrap(xs, None, ws, None, bs, None, labels, process_group)
-        topk_ids = topk_ids.to_local() if ck.is_dtensor(topk_ids) else topk_ids
-        topk_logprobs = topk_logprobs.to_local() if ck.is_dtensor(topk_logprobs) else topk_logprobs
+        topk_ids, topk_logprobs = ck.local_tensor(topk_ids), ck.local_tensor(topk_logprobs)
     if process_group is not None:  # a vocab-parallel head
         from .vocab_parallel import parallel_topk_kl
 
@@ -110,8 +108,6 @@ def topk_kl(
             process_group=process_group,
             normalize=normalize,
             divergence=divergence,
-            beta=beta,
-            alpha=alpha,
             tail=tail,
             labels=labels,
             ignore_index=ignore_index,
@@ -126,8 +122,9 @@ def topk_kl(
             backend=backend,
             softcap_s=softcap_s,
             return_parts=return_parts,
+            **params,
         )
-    name, param = ck.divergence_param(divergence, beta, alpha)
+    name, param = ck.divergence_param(divergence, params)
     check_stored = validate(
         xs,
         ws,
@@ -159,7 +156,7 @@ def topk_kl(
     flat_labels = None if labels is None else labels.reshape(-1)
     mask = row_weights(flat_labels, ignore_index, x.shape[0], xs.device)
     ce_labels = None
-    if ce_weight != 0:
+    if ce_weight != 0 and flat_labels is not None:  # labels are checked present for ce_weight != 0
         ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1)).long()
     cfg = TopKConfig(
         divergence=name,
