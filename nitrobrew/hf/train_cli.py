@@ -49,6 +49,14 @@ class ModelArguments:
             "alpha and dropout are lora_alpha and lora_dropout)"
         },
     )
+    # vLLM engines of the student's completions (generation_backend: vllm / vllm-server; docs/hf.md).
+    vllm_server_url: Optional[str] = field(default=None, metadata={"help": "vllm-server: the server's URL"})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vllm: its share of GPU memory"})
+    vllm_kv_cache_memory_bytes: Optional[int] = field(
+        default=None, metadata={"help": "vllm: KV cache bytes (overrides the share; CPU default 256 MiB)"}
+    )
+    vllm_max_model_len: Optional[int] = field(default=None, metadata={"help": "vllm: longest prompt + completion"})
+    vllm_sync_every: int = field(default=1, metadata={"help": "vllm backends: load the weights every N steps"})
 
 
 @dataclass
@@ -488,6 +496,29 @@ def build(model_args: ModelArguments, data_args: DataArguments, args):
         args=args,
         train_dataset=dataset,
         data_collator=build_collator(data_args, args, student),
+        generator=_generator(model_args, student, args),
+    )
+
+
+def _generator(m: ModelArguments, student, args):
+    """The student's vLLM engine where the backend is one (else None: the trainer's default)."""
+    from .generation import BACKENDS, VLLM_BACKENDS, make_generator, resolve_backend
+
+    if args.generation_backend not in BACKENDS:
+        raise ValueError(f"generation_backend must be one of {', '.join(BACKENDS)}, got {args.generation_backend!r}")
+    backend = resolve_backend(args.generation_backend, student)
+    if backend not in VLLM_BACKENDS or not (args.lmbda > 0):
+        return None
+    if backend == "vllm-server":
+        return make_generator(backend, student, base_url=m.vllm_server_url, sync_every=m.vllm_sync_every)
+    return make_generator(
+        backend,
+        student,
+        gpu_memory_utilization=m.vllm_gpu_memory_utilization,
+        kv_cache_memory_bytes=m.vllm_kv_cache_memory_bytes,
+        max_model_len=m.vllm_max_model_len,
+        sync_every=m.vllm_sync_every,
+        seed=args.seed,
     )
 
 

@@ -365,6 +365,9 @@ class DistillationTrainer(Trainer):
         args: ``DistillationArguments``.
         generate_fn: an external generator for on-policy / seq_kd batches (see
             ``nitrobrew.hf.onpolicy.GenerateFn``); default: ``generate`` of the unwrapped model.
+        generator: an engine of ``nitrobrew.hf.generation`` (e.g. ``make_generator("vllm", model)``) for the
+            student's completions; it gets the student's weights (``sync_weights``) after optimizer steps. If
+            it loses its server, a checkpoint is saved before the error is raised (resume from it).
         Everything else as for ``transformers.Trainer``. Batches need ``input_ids`` and
         optionally ``attention_mask``, ``labels`` (per token, -100 = ignored; default: the
         input ids with -100 at padding), ``position_ids`` and flash-attention varlen kwargs
@@ -380,7 +383,13 @@ class DistillationTrainer(Trainer):
     """
 
     def __init__(
-        self, model=None, teacher_model=None, args: Optional[DistillationArguments] = None, generate_fn=None, **kwargs
+        self,
+        model=None,
+        teacher_model=None,
+        args: Optional[DistillationArguments] = None,
+        generate_fn=None,
+        generator=None,
+        **kwargs,
     ):
         if not isinstance(args, DistillationArguments):
             raise TypeError("DistillationTrainer needs args=DistillationArguments(...)")
@@ -412,6 +421,8 @@ class DistillationTrainer(Trainer):
                     disable_dropout(who)
         self._last_generation = None  # for log_completions
         self.generate_fn = generate_fn
+        self.generator = generator  # the student's engine, if given (e.g. vLLM), synced per optimizer step
+        self._synced_step = 0
         self._generators = {}
         self._window_start = None
         self._rollouts, self._rollouts_epoch, self._ahead = None, None, []
@@ -454,6 +465,11 @@ class DistillationTrainer(Trainer):
     def generator_for(self, who):
         """The engine that completes prompts with ``who`` (the student, or the teacher for seq_kd), made once."""
         key = "student" if who is self.model else "teacher"
+        if key == "student" and self.generator is not None:
+            if self._synced_step != self.state.global_step:
+                self.generator.sync_weights(self.model)  # the optimizer stepped since the engine last saw it
+                self._synced_step = self.state.global_step
+            return self.generator
         gen = self._generators.get(key)
         if gen is None:
             from .generation import make_generator
@@ -615,7 +631,12 @@ class DistillationTrainer(Trainer):
             batch_samples = self._async_window(epoch_iterator, num_batches, *args, **kwargs)
         else:
             batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
-            batch_samples = self._generate_window(batch_samples, self.state.global_step * num_batches)
+            try:
+                batch_samples = self._generate_window(batch_samples, self.state.global_step * num_batches)
+            except ConnectionError:  # a generation server went away: keep what was trained, resumable
+                if self.generator is not None:
+                    self._save_checkpoint(self.model, trial=None)
+                raise
         count = torch.zeros((), dtype=torch.long, device=self.args.device)
         for batch in batch_samples:
             count += (self._targets(batch) != IGNORE_INDEX).sum().to(count.device)
