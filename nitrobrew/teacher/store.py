@@ -403,6 +403,9 @@ class ShardWriter:
     def _validate(self, man: Dict, where: str) -> None:
         validate_manifest(man, where)
 
+    def shard_file(self, index: int) -> str:
+        return shard_name(index)
+
     # -- starting
 
     def _resumable(self, name: str) -> Optional[Dict]:
@@ -513,7 +516,7 @@ class ShardWriter:
     def _commit(self, index: int, data: bytes, rows: int, tokens: int) -> ShardInfo:
         """Write shard `index`'s bytes atomically, then record it in the manifest."""
         first, last = self.shard_range(index)
-        name = shard_name(index)
+        name = self.shard_file(index)
         atomic_write_bytes(os.path.join(self.path, name), data)
         info = ShardInfo(
             index=index,
