@@ -40,10 +40,11 @@ def _rows(hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return hidden.reshape(-1, hidden.shape[-1])[keep]
 
 
-def _head_operands(model: nn.Module, like: torch.Tensor, rows: torch.Tensor):
+def _head_operands(model: nn.Module, like: torch.Tensor, rows: torch.Tensor, head=None):
     """(hidden rows, head weight, bias, final-logit softcap or None) in one dtype, with a post-head
-    logit scale folded in (the cap applies after it, as in the model)."""
-    head = lm_head(model)
+    logit scale folded in (the cap applies after it, as in the model). `head`: an ``LMHead`` given
+    instead of the model's (a stored teacher's)."""
+    head = lm_head(model) if head is None else head
     w = head.weight.to(device=like.device, dtype=like.dtype)
     b = None if head.bias is None else head.bias.to(device=like.device, dtype=like.dtype)
     if head.scale != 1.0:
@@ -78,6 +79,9 @@ def distill_loss(
     backend: str = "auto",
     through_forward: bool = False,
     position_ids: Optional[torch.Tensor] = None,
+    teacher_hidden: Optional[torch.Tensor] = None,
+    teacher_hidden_scale: Optional[torch.Tensor] = None,
+    teacher_head=None,
     **varlen,
 ) -> LMDistillOutput:
     """Distillation loss of a student causal LM against a teacher (or stored top-k) on one batch.
@@ -116,6 +120,11 @@ def distill_loss(
         position_ids: [B, N] (or [N]) positions; in a packed batch they restart at each document
             (``DataCollatorWithFlattening``): each model then attends within documents only (see
             ``nitrobrew.hf.packing``) and the last position of a document predicts nothing.
+        teacher_hidden, teacher_hidden_scale, teacher_head: a stored teacher instead of a live one
+            (``nitrobrew.teacher.hidden_data``; pass teacher=None): its final hidden states [B, N, Dt]
+            (row i at position i; float32, bfloat16, or fp8 codes with their per-row scales [B, N]) and
+            its head (``nitrobrew.hf.model.LMHead``: weight, bias, logit scale, softcap). Exact: the
+            loss is the live teacher's with the same hidden states.
         **varlen: the flash-attention varlen kwargs of a packed batch (``cu_seq_lens_q``,
             ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``), passed to both models.
 
@@ -126,7 +135,8 @@ def distill_loss(
         raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
     if divergence == "topk" and (topk_ids is None or topk_logprobs is None):
         raise ValueError("divergence='topk' needs topk_ids and topk_logprobs (from a top-k store)")
-    if divergence != "topk" and teacher is None and kd_weight != 0:
+    stored = _check_stored_teacher(teacher, teacher_hidden, teacher_hidden_scale, teacher_head, input_ids, divergence)
+    if divergence != "topk" and teacher is None and not stored and kd_weight != 0:
         raise ValueError(f"divergence={divergence!r} needs a teacher model (or kd_weight=0 for CE only)")
     if targets is None:
         target = shift_labels(
@@ -201,17 +211,21 @@ def distill_loss(
                 **options,
             )
     else:
-        ce_only = teacher is None or kd_weight == 0
+        ce_only = (teacher is None and not stored) or kd_weight == 0
         if ce_only:  # no teacher forward: a constant teacher of width 1, weighted 0
             xt = xs.new_zeros(xs.shape[0], 1).detach()
             wt, bt, cap_t = ws.new_zeros(ws.shape[0], 1).detach(), None, None
         else:
             with torch.no_grad():
-                apart = head_is_sharded_apart(teacher)
-                ht = final_hidden_states(
-                    teacher, input_ids, through_forward=is_fsdp2(teacher) and not apart, **t_inputs
-                ).to(xs.device)
-                xt, wt, bt, cap_t = _head_operands(teacher, ht, _rows(ht, keep))
+                if stored:
+                    apart = False
+                    xt, wt, bt, cap_t = _stored_operands(teacher_hidden, teacher_hidden_scale, teacher_head, keep, xs)
+                else:
+                    apart = head_is_sharded_apart(teacher)
+                    ht = final_hidden_states(
+                        teacher, input_ids, through_forward=is_fsdp2(teacher) and not apart, **t_inputs
+                    ).to(xs.device)
+                    xt, wt, bt, cap_t = _head_operands(teacher, ht, _rows(ht, keep))
                 if sharded_head:  # all ranks' teacher rows, this rank's block of the teacher's head
                     xt = gather_rows(xt, group)
                     wt, bt = head_block(wt, bt, lay)
@@ -234,3 +248,37 @@ def distill_loss(
     else:
         denom = max(num_items_in_batch, 1)
     return LMDistillOutput(parts.loss / denom, parts.kd / denom, parts.ce / denom, n_tokens)
+
+
+def _check_stored_teacher(teacher, hidden, scale, head, input_ids, divergence) -> bool:
+    """Whether the batch carries a stored teacher (``teacher_hidden``); ValueError if it is malformed."""
+    if hidden is None:
+        if scale is not None or head is not None:
+            raise ValueError("teacher_hidden_scale / teacher_head need teacher_hidden (the stored rows)")
+        return False
+    if teacher is not None or divergence == "topk":
+        raise ValueError("teacher_hidden replaces the teacher model: pass teacher=None, and a hidden-state divergence")
+    if head is None or not hasattr(head, "weight"):
+        raise ValueError("teacher_hidden needs teacher_head (the stored teacher's LMHead: dataset.load_head(device))")
+    if (
+        hidden.dim() != 3
+        or tuple(hidden.shape[:2]) != tuple(input_ids.shape)
+        or hidden.shape[2] != head.weight.shape[1]
+    ):
+        raise ValueError(
+            f"teacher_hidden must be [B, N, Dt] = [{', '.join(map(str, input_ids.shape))}, {head.weight.shape[1]}], "
+            f"got {tuple(hidden.shape)}"
+        )
+    fp8 = hidden.dtype == torch.float8_e4m3fn
+    if fp8 != (scale is not None) or (fp8 and tuple(scale.shape) != tuple(input_ids.shape)):
+        raise ValueError("fp8 teacher_hidden needs teacher_hidden_scale [B, N] (and only fp8 rows take one)")
+    return True
+
+
+def _stored_operands(hidden, scale, head, keep, xs):
+    """The stored teacher's (rows, weight, bias, softcap) at the counted positions, on the student's device."""
+    rows = hidden.to(xs.device, non_blocking=True).reshape(-1, hidden.shape[-1])[keep]
+    if scale is not None:  # fp8 codes times their row scale, rounded once into the head's dtype
+        s = scale.to(xs.device, non_blocking=True).reshape(-1)[keep].float()
+        rows = (rows.float() * s[:, None]).to(head.weight.dtype)
+    return _head_operands(None, rows, rows, head=head)

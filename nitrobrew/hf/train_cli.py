@@ -208,12 +208,21 @@ def build(model_args: ModelArguments, data_args: DataArguments, args):
     from .trainer import DistillationTrainer
 
     student = _load_model(model_args.student, model_args.attn_implementation, model_args.student_dtype)
+    from ..teacher import hidden_store as hs
+
+    hidden_store = os.path.isdir(data_args.data) and hs.store_format(data_args.data) == hs.FORMAT
     teacher = None
     if model_args.teacher is not None:
         teacher = _load_model(model_args.teacher, model_args.attn_implementation, "auto")
-    elif args.divergence != "topk":
+    elif args.divergence != "topk" and not hidden_store:
         raise ValueError(f"divergence {args.divergence!r} needs a teacher (the teacher key)")
-    if args.divergence == "topk":
+    if hidden_store:  # the store is the teacher (its rows and head): DistillationTrainer refuses a teacher too
+        from ..teacher.hidden_data import HiddenCollator, HiddenDataset
+
+        if data_args.packing:
+            raise ValueError("packing: true is not available for a hidden store (its collator pads)")
+        dataset, collator = HiddenDataset(data_args.data), HiddenCollator()
+    elif args.divergence == "topk":
         from ..teacher.data import TopKCollator, TopKDataset
 
         if data_args.packing:
