@@ -599,7 +599,7 @@ def extract_hidden(
     *,
     hidden_dtype: str = "bfloat16",
     prompt_lengths: Optional[Sequence[int]] = None,
-    sequences_per_shard: int = 1024,
+    sequences_per_shard: int = 64,
     batch_tokens: int = 16384,
     source: Optional[Dict] = None,
     resume: bool = True,
@@ -653,6 +653,18 @@ def extract_hidden(
             lock.release()
         raise
     bar = None
+    # Shards are serialized, hashed and written by one thread while the teacher runs the next shard:
+    # the store's bytes cost (almost) no teacher time. One shard in flight, written in order.
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="hidden-store-writer")
+    pending = None
+
+    def write(j, seqs, rows, plen, scales, a, b):
+        writer.write_shard(j, [torch.tensor(s, dtype=torch.int32) for s in seqs], rows, plen, scales=scales)
+        if log:
+            log(f"shard {j}: sequences [{a}, {b}) written ({bar.rate()})")
+
     try:
         todo = {j for j in range(writer.num_shards) if writer.owns(j) and not writer.done(j)}
         bar = _Progress(sum(shard_tokens[j] for j in todo), progress, log)
@@ -670,13 +682,22 @@ def extract_hidden(
                 )
             plen = None if prompt_lengths is None else [int(p) for p in prompt_lengths[a:b]]
             rows, scales = teacher_hidden(teacher, seqs, plen, hidden_dtype, batch_tokens, on_tokens=bar.update)
-            writer.write_shard(j, [torch.tensor(s, dtype=torch.int32) for s in seqs], rows, plen, scales=scales)
-            if log:
-                log(f"shard {j}: sequences [{a}, {b}) written ({bar.rate()})")
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(write, j, seqs, rows, plen, scales, a, b)
+        if pending is not None:
+            pending.result()
+            pending = None
         if todo and seen != n:
             raise StoreError(f"the corpus changed while it was read: {seen} sequences, {n} when checked")
         man = dict(writer.finish())
     finally:
+        if pending is not None:  # an interruption: the shard in flight completes (or not) atomically
+            try:
+                pending.result()
+            except BaseException:
+                pass
+        pool.shutdown(wait=True)
         writer.close()
         if bar is not None:
             bar.close()
@@ -781,7 +802,12 @@ def add_arguments(p: argparse.ArgumentParser, kinds: bool = False) -> None:
         default="int32",
         help="int32 (default), or ids packed into 2 bytes (uint16: vocabularies up to 65536) or 3 (uint24)",
     )
-    p.add_argument("--sequences-per-shard", type=_positive_int, default=1024)
+    p.add_argument(
+        "--sequences-per-shard",
+        type=_positive_int,
+        default=None,
+        help="sequences per store shard (default 1024 for top-k, 64 for hidden states: ~Dt * 2 bytes a position)",
+    )
     p.add_argument("--batch-tokens", type=_positive_int, default=16384, help="padded tokens per teacher forward")
     p.add_argument(
         "--chunk-v", type=_positive_int, default=None, help="vocab chunk of the streaming top-k (default: automatic)"
@@ -834,6 +860,8 @@ def _run(args: argparse.Namespace, prog: str = "topk-extract", open_data=None) -
     if kind == "topk" and getattr(args, "store_dtype", None) is not None:
         return _fail("--dtype sets the rows of --kind hidden; a top-k store takes --logprob-dtype", prog)
     store_dtype = getattr(args, "store_dtype", None) or "bfloat16"
+    if args.sequences_per_shard is None:
+        args.sequences_per_shard = 1024 if kind == "topk" else 64
 
     def fail(msg: str) -> int:
         return _fail(msg, prog)
