@@ -206,9 +206,18 @@ def extraction(cfg, args, dev, tmp):
 # ----------------------------------------------------------------------------- 3. the step
 
 
-def steps(cfg, args, dev):
-    from nitrobrew.hf import distill_loss
+def random_head(cfg, dev, dtype, seed=3):
     from nitrobrew.hf.model import LMHead
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    w = torch.randn(cfg["vocab"], cfg["teacher"][1], device=dev, dtype=dtype, generator=g) * 0.02
+    return LMHead(w, None, 1.0, None)
+
+
+def steps(cfg, args, dev):
+    """Each variant allocates its own inputs (the stored rows, the head, the top-k) just before it runs
+    and frees them after: its peak memory holds what it needs and nothing of the others."""
+    from nitrobrew.hf import distill_loss
     from nitrobrew.teacher.hidden_store import quantize_fp8
 
     shape = list(cfg["student"])
@@ -219,36 +228,45 @@ def steps(cfg, args, dev):
     student.gradient_checkpointing_enable()
     student.config.use_cache = False
     student.train()
-    Dt = cfg["teacher"][1]
-    g = torch.Generator(device=dev).manual_seed(3)
-    head = LMHead(torch.randn(cfg["vocab"], Dt, device=dev, dtype=dtype, generator=g) * 0.02, None, 1.0, None)
+    Dt, V, k = cfg["teacher"][1], cfg["vocab"], cfg["k"]
     results = []
     for L in args.lens or cfg["lens"]:
-        ids = torch.randint(0, cfg["vocab"], (1, L), device=dev, generator=g)
-        xt = torch.randn(1, L, Dt, device=dev, dtype=dtype, generator=g)
-        codes, scale = quantize_fp8(xt[0])
-        k = cfg["k"]
-        V = cfg["vocab"]  # distinct ids per row: a random start plus K spaced offsets
-        topk_ids = (
-            torch.randint(0, V, (1, L, 1), device=dev, generator=g) + torch.arange(k, device=dev) * (V // k)
-        ) % V
-        topk_lp = torch.log_softmax(torch.randn(1, L, k, device=dev, generator=g) * 3, -1) - 0.5
-        variants = {
-            "sft (fused CE)": lambda: distill_loss(student, None, ids, kd_weight=0.0, ce_weight=1.0),
-            "hidden store bf16": lambda: distill_loss(student, None, ids, teacher_hidden=xt, teacher_head=head),
-            "hidden store fp8": lambda: distill_loss(
+        g = torch.Generator(device=dev).manual_seed(L)
+        ids = torch.randint(0, V, (1, L), device=dev, generator=g)
+
+        def sft():
+            return lambda: distill_loss(student, None, ids, kd_weight=0.0, ce_weight=1.0)
+
+        def hidden_bf16():
+            head, xt = random_head(cfg, dev, dtype), torch.randn(1, L, Dt, device=dev, dtype=dtype, generator=g)
+            return lambda: distill_loss(student, None, ids, teacher_hidden=xt, teacher_head=head)
+
+        def hidden_fp8():
+            head = random_head(cfg, dev, dtype)
+            codes, scale = quantize_fp8(torch.randn(L, Dt, device=dev, dtype=dtype, generator=g))
+            return lambda: distill_loss(
                 student, None, ids, teacher_hidden=codes[None], teacher_hidden_scale=scale[None], teacher_head=head
-            ),
-            "top-k store (K=%d)" % k: lambda: distill_loss(
-                student, None, ids, divergence="topk", topk_ids=topk_ids, topk_logprobs=topk_lp
-            ),
+            )
+
+        def topk():
+            start = torch.randint(0, V, (1, L, 1), device=dev, generator=g)
+            topk_ids = (start + torch.arange(k, device=dev) * (V // k)) % V  # distinct ids per row
+            topk_lp = torch.log_softmax(torch.randn(1, L, k, device=dev, generator=g) * 3, -1) - 0.5
+            return lambda: distill_loss(student, None, ids, divergence="topk", topk_ids=topk_ids, topk_logprobs=topk_lp)
+
+        variants = {
+            "sft (fused CE)": sft,
+            "hidden store bf16": hidden_bf16,
+            "hidden store fp8": hidden_fp8,
+            f"top-k store (K={k})": topk,
         }
         base_t = base_m = None
-        for name, fn in variants.items():
+        for name, make in variants.items():
             times = []
             free(dev)
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
+            fn = make()
             for i in range(cfg["warmup"] + (args.steps or cfg["steps"])):
                 student.zero_grad(set_to_none=True)
                 sync(dev)
@@ -257,13 +275,14 @@ def steps(cfg, args, dev):
                 sync(dev)
                 if i >= cfg["warmup"]:
                     times.append(time.perf_counter() - t0)
+            del fn
             t = statistics.median(times)
             mem = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else float("nan")
             if base_t is None:
                 base_t, base_m = t, mem
             results.append((L, name, t * 1e3, t / base_t, mem, mem / base_m if base_m == base_m else float("nan")))
-        del xt, codes, scale, topk_ids, topk_lp
-    return results, student, head, shape
+    student.zero_grad(set_to_none=True)
+    return results, student, shape
 
 
 # ----------------------------------------------------------------------------- 4. the loader
@@ -368,7 +387,8 @@ def main(argv=None):
         print("bytes per position: done", flush=True)
         extract_rows, t_shape = extraction(cfg, args, dev, tmp)
         print(f"extraction: {extract_rows}", flush=True)
-        step_rows, student, head, s_shape = steps(cfg, args, dev)
+        step_rows, student, s_shape = steps(cfg, args, dev)
+        head = random_head(cfg, dev, next(student.parameters()).dtype)
         print(f"steps: {step_rows}", flush=True)
         idle = loader_idle(cfg, dev, tmp, student, head)
         print(f"loader: {idle}", flush=True)

@@ -277,7 +277,11 @@ def _check_stored_teacher(teacher, hidden, scale, head, input_ids, divergence) -
 
 def _stored_operands(hidden, scale, head, keep, xs):
     """The stored teacher's (rows, weight, bias, softcap) at the counted positions, on the student's device."""
-    rows = hidden.to(xs.device, non_blocking=True).reshape(-1, hidden.shape[-1])[keep]
+    flat = hidden.to(xs.device, non_blocking=True).reshape(-1, hidden.shape[-1])
+    if scale is not None:  # the codes' bytes are indexed (not every device indexes float8 tensors)
+        rows = flat.view(torch.uint8)[keep].view(flat.dtype)
+    else:
+        rows = flat[keep]
     if scale is not None:  # fp8 codes times their row scale, rounded once into the head's dtype
         s = scale.to(xs.device, non_blocking=True).reshape(-1)[keep].float()
         rows = (rows.float() * s[:, None]).to(head.weight.dtype)
