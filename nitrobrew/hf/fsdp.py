@@ -19,12 +19,13 @@ the units before accelerate does (accelerate's own order fails on that layout).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.checks import is_dtensor, local_tensor
 from .wrapping import decoder, is_fsdp2, unwrap
 
 
@@ -36,10 +37,6 @@ class Layout(NamedTuple):
     rank: int
     offset: int
     rows: int
-
-
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor"
 
 
 def head_is_sharded_apart(model: nn.Module) -> bool:
@@ -55,7 +52,7 @@ def head_is_sharded_apart(model: nn.Module) -> bool:
     out = m.get_output_embeddings() if callable(getattr(m, "get_output_embeddings", None)) else None
     w = getattr(out, "weight", None)
     tied = w is not None and w is getattr(m.get_input_embeddings(), "weight", None)
-    return is_fsdp2(dec) and dec is not m and not tied and _is_dtensor(w)
+    return is_fsdp2(dec) and dec is not m and not tied and is_dtensor(w)
 
 
 def layout(weight) -> Layout:
@@ -112,7 +109,7 @@ def head_block(weight: torch.Tensor, bias: Optional[torch.Tensor], lay: Layout):
     def block(t):
         if t is None:
             return None
-        if _is_dtensor(t):
+        if is_dtensor(t):
             if any(p.is_shard() for p in t.placements):
                 theirs = layout(t)
                 if (theirs.offset, theirs.rows) != (lay.offset, lay.rows):
@@ -125,6 +122,44 @@ def head_block(weight: torch.Tensor, bias: Optional[torch.Tensor], lay: Layout):
         return t[lay.offset : lay.offset + lay.rows]
 
     return block(weight), block(bias)
+
+
+def shard_student(
+    xs: torch.Tensor, labels: torch.Tensor, ws: torch.Tensor, bs: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Layout]:
+    """A student head sharded apart: (all ranks' rows, their labels, this rank's block of the head and bias,
+    the layout). The rows' gradient comes back scaled by the world size (FSDP averages the decoder's)."""
+    lay = layout(ws)
+    xs = gather_rows(xs, lay.group, scale=lay.world)
+    labels = gather_rows(labels, lay.group)
+    return xs, labels, local_tensor(ws), local_tensor(bs), lay
+
+
+def match_teacher(
+    xt: torch.Tensor,
+    wt: torch.Tensor,
+    bt: Optional[torch.Tensor],
+    *,
+    student_layout: Optional[Layout],
+    teacher_apart: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The teacher's rows and head laid out like the student's: with a student head sharded apart, all ranks'
+    teacher rows and this rank's block of the teacher's head; with only the teacher's head kept sharded, the
+    teacher's head gathered whole."""
+    if student_layout is not None:
+        w, b = head_block(wt, bt, student_layout)
+        return gather_rows(xt, student_layout.group), w, b
+    if teacher_apart:
+        return xt, wt.full_tensor(), None if bt is None else bt.full_tensor()  # type: ignore[attr-defined]
+    return xt, wt, bt
+
+
+def over_ranks(parts: Any, n_tokens: torch.Tensor, lay: Layout) -> Tuple[Any, torch.Tensor]:
+    """A loss over all ranks' rows (a head sharded apart): (its parts as 1/world of it, the positions counted
+    on all ranks), so that the usual ``loss * world`` of the trainer gives exact gradients."""
+    n_all = n_tokens.clone()
+    dist.all_reduce(n_all, group=lay.group)
+    return parts._replace(**{k: getattr(parts, k) / lay.world for k in ("loss", "kd", "ce")}), n_all
 
 
 def _accelerate_fsdp2_kwargs(accelerator, plugin, model) -> dict:
