@@ -6,7 +6,7 @@ import torch
 pytest.importorskip("transformers")
 from vllm_helpers import PAD, tiny_model  # noqa: E402
 
-from nitrobrew.hf.generation import BACKENDS, Sampling, make_generator, resolve_backend  # noqa: E402
+from nitrobrew.hf.generation import BACKENDS, Sampling, auto_backend, make_generator, resolve_backend  # noqa: E402
 from nitrobrew.hf.generation.vllm_engine import (  # noqa: E402
     VLLMColocatedGenerator,
     completions_from,
@@ -18,8 +18,8 @@ from nitrobrew.hf.generation.vllm_engine import (  # noqa: E402
 
 def test_registered_and_auto():
     assert "vllm" in BACKENDS and "vllm-server" in BACKENDS
-    expected = "vllm" if torch.cuda.is_available() and vllm_importable() else "hf"
-    assert resolve_backend("auto") == expected
+    assert resolve_backend("auto", tiny_model(0)) == "hf"  # on the CPU
+    assert auto_backend(tiny_model(0), vllm=False) == "hf"
     assert resolve_backend("vllm-server") == "vllm-server"
 
 
