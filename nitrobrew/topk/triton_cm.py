@@ -85,19 +85,23 @@ def _interpreting() -> bool:
 
 
 def _fwd_cfg(dtype: torch.dtype) -> TileConfig:
-    return _tile_cfg(dtype, TileConfig(256, 128, 32, 32, 8, 3))  # CCE's forward configuration
+    return _tile_cfg(
+        dtype, TileConfig(block_b=256, block_v=128, block_d=32, mm_block_d=32, num_warps=8, num_stages=3)
+    )  # CCE's forward configuration
 
 
 def _bwd_cfg(dtype: torch.dtype) -> TileConfig:
-    return _tile_cfg(dtype, TileConfig(128, 128, 32, 64, 4, 4))  # CCE's backward configuration
+    return _tile_cfg(
+        dtype, TileConfig(block_b=128, block_v=128, block_d=32, mm_block_d=64, num_warps=4, num_stages=4)
+    )  # CCE's backward configuration
 
 
 def _tile_cfg(dtype: torch.dtype, half_precision: TileConfig) -> TileConfig:
     """Tiles for the interpreter (tiny), fp32 inputs (FMA dots: small tiles), or 16-bit inputs."""
     if _interpreting():
-        return TileConfig(16, 16, 16, 16, 1, 1)
+        return TileConfig(block_b=16, block_v=16, block_d=16, mm_block_d=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
-        return TileConfig(64, 64, 32, 32, 4, 2)
+        return TileConfig(block_b=64, block_v=64, block_d=32, mm_block_d=32, num_warps=4, num_stages=2)
     return half_precision
 
 
@@ -295,13 +299,13 @@ class TritonTopK(torch.autograd.Function):
         )
         ones = torch.ones_like(lse_s)
         res, lse_s, lse_z, ce = finish(
-            z[:, :K].reshape(-1),
-            lpc,
-            valid,
-            Online(lse_s, ones),
-            None if lse_z is None else Online(lse_z, ones),
-            z[:, K] if cfg.with_ce else None,
-            cfg,
+            z_ids=z[:, :K].reshape(-1),
+            lp=lpc,
+            valid=valid,
+            s_state=Online(lse_s, ones),
+            z_state=None if lse_z is None else Online(lse_z, ones),
+            z_label=z[:, K] if cfg.with_ce else None,
+            cfg=cfg,
         )
         total, kd, ce_rows = combine_topk_rows(res, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, labels, mask)
@@ -317,7 +321,18 @@ class TritonTopK(torch.autograd.Function):
         coef, dense, ce_scale = row_coefficients(grad_total, mask, ctx.res, cfg)
         need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         dx, dw, db = full_backward_range(
-            xs, ws, bs, ctx.lse_s, ctx.lse_z, dense, ce_scale, labels, ctx.row_ids, coef, cfg.temperature, need_w=need_w
+            xs=xs,
+            ws=ws,
+            bs=bs,
+            lse_s=ctx.lse_s,
+            lse_z=ctx.lse_z,
+            dense=dense,
+            ce_scale=ce_scale,
+            labels=labels,
+            row_ids=ctx.row_ids,
+            coef=coef,
+            temperature=cfg.temperature,
+            need_w=need_w,
         )
         dw = None if dw is None else dw.to(ws.dtype)
         db = None if db is None else db.to(bs.dtype)
@@ -330,5 +345,5 @@ class TritonTopK(torch.autograd.Function):
 def constant_memory_rows(xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig):
     """Entry used by the public API (float64 inputs run the PyTorch path)."""
     if xs.dtype == torch.float64:
-        return chunked_rows(xs, ws, bs, ids, lp, labels, mask, cfg)
+        return chunked_rows(xs=xs, ws=ws, bs=bs, ids=ids, lp=lp, labels=labels, mask=mask, cfg=cfg)
     return TritonTopK.apply(xs, ws, bs, ids, lp, labels, mask, cfg)

@@ -344,7 +344,9 @@ class SupportTopK(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, ws, bs, ids, lp, mask, cfg: TopKConfig, reduction: str, check):
-        kd_rows, coef, key, counts = support_forward(xs, ws, bs, ids, lp, mask, cfg, check)
+        kd_rows, coef, key, counts = support_forward(
+            xs=xs, ws=ws, bs=bs, ids=ids, lp=lp, mask=mask, cfg=cfg, check=check
+        )
         if reduction == "none":
             kd, unit = kd_rows, None
             total, ce = kd_rows * cfg.kd_weight, torch.zeros_like(kd_rows)
@@ -366,7 +368,7 @@ class SupportTopK(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = support_dx(ws, key, coef, scale, xs.dtype)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            dw, db = support_dw(xs, key, coef, scale, ws.shape[0], bs, counts)
+            dw, db = support_dw(xs=xs, key=key, coef=coef, scale=scale, V=ws.shape[0], bs=bs, counts=counts)
         return (
             dx,
             dw if ctx.needs_input_grad[1] else None,
