@@ -11,6 +11,8 @@ from typing import Optional, Tuple
 import torch
 
 Tensor = torch.Tensor
+# The label of a row that does not count (PyTorch's cross_entropy and the HF collators use it too).
+IGNORE_INDEX = -100
 
 
 def row_weights(labels: Optional[torch.Tensor], ignore_index: int, n_rows: int, device: torch.device) -> torch.Tensor:

@@ -10,7 +10,7 @@ from typing_extensions import TypedDict, Unpack
 from .. import divergences as dv
 from ..core import checks as ck
 from ..core.outputs import DistillOutput
-from ..core.reduction import reduce_rows
+from ..core.reduction import IGNORE_INDEX, reduce_rows
 from . import grad_filter as gf
 from .config import LossConfig
 from .custom_op import compiled_distill
@@ -76,7 +76,7 @@ def hidden_loss(
     *,
     divergence: str = "forward_kl",
     labels: Optional[torch.Tensor] = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     temperature: float = 1.0,
     reduction: str = "mean",
     chunk_V: Optional[int] = None,
@@ -255,8 +255,9 @@ _COMMON_DOC = """
         grad_filter: True (threshold finfo(dtype).eps / 2, 2^-8 for bf16) or a threshold in
             (0, 1): vocab entries whose logit gradient is below threshold x its row's largest
             entry, in every row of a block, skip the dX/dW products (those entries are dropped;
-            faster on peaked distributions in the fast mode). One host sync per slab, so not
-            inside a CUDA graph capture. Default False: exact gradients.
+            faster on peaked distributions in the fast mode). The Triton path needs no host sync;
+            the PyTorch path syncs once per slab, so not inside a CUDA graph capture there.
+            Default False: exact gradients.
         return_parts: return ``DistillOutput(loss, kd, ce)`` instead of the loss alone: ``kd``
             is the divergence and ``ce`` the cross-entropy, each reduced like the loss and
             without weights (detached), so loss = kd_weight * [T^2] * kd + ce_weight * ce.

@@ -8,7 +8,7 @@ import torch
 
 from ..core import checks as ck
 from ..core.outputs import DistillOutput
-from ..core.reduction import reduce_rows, row_weights
+from ..core.reduction import IGNORE_INDEX, reduce_rows, row_weights
 from .rowmath import TopKConfig
 from .validation import safe_ids, validate
 
@@ -26,7 +26,7 @@ def topk_kl(
     divergence: str = "forward_kl",
     tail: bool = False,
     labels: Optional[torch.Tensor] = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     temperature: float = 1.0,
     teacher_temperature: Optional[float] = None,
     reduction: str = "mean",

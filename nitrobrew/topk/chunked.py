@@ -31,8 +31,7 @@ import torch
 from ..core import checks as ck
 from ..core.online import Online, auto_chunk_v, spans
 from ..core.ops import compute_dtype, softcap_, softcap_grad_
-from ..core.reduction import combine_rows as combine_kd_ce
-from ..core.reduction import row_scales
+from ..core.reduction import combine_rows, row_scales
 from ..core.slabs import chunk_logits, gather_label_logit, head_grads_from_chunk
 from .rowmath import DenseCoef, RowResult, TopKConfig, full_lse, topk_rows
 
@@ -251,11 +250,6 @@ def row_coefficients(grad_rows: Tensor, mask: Tensor, res: RowResult, cfg: TopKC
     return coef, dense, (ce_scale if cfg.with_ce else None)
 
 
-def combine_topk_rows(res: RowResult, ce: Optional[Tensor], mask: Tensor, cfg: TopKConfig):
-    """Per-row (total, kd, ce) in the compute dtype, 0 at ignored rows (the hidden losses' rule)."""
-    return combine_kd_ce(res.kd, ce, mask, cfg)
-
-
 class ChunkedTopK(torch.autograd.Function):
     """Per-row (total, kd, ce); gradients to xs, ws and bs (the stored teacher is constant)."""
 
@@ -275,7 +269,7 @@ class ChunkedTopK(torch.autograd.Function):
             res, lse_s, lse_z, ce = finish(
                 z_ids=z_ids, lp=lpc, valid=valid, s_state=None, z_state=None, z_label=None, cfg=cfg
             )
-        total, kd, ce_rows = combine_topk_rows(res, ce, mask, cfg)
+        total, kd, ce_rows = combine_rows(res.kd, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, ids, labels, mask)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.entries, ctx.cfg = res, lse_s, lse_z, entries, cfg
         ctx.mark_non_differentiable(kd, ce_rows)

@@ -13,6 +13,7 @@ working memory does not depend on a slab: O(N * K) state, 7-25 MiB at N = 4096-1
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -22,29 +23,30 @@ import triton.language as tl
 from ..core import checks as ck
 from ..core.launch import cdiv
 from ..core.online import Online
+from ..core.reduction import combine_rows
 from . import kernels_cm as kern
-from .chunked import chunked_rows, combine_topk_rows, finish, row_coefficients
+from .chunked import chunked_rows, finish, row_coefficients
 from .rowmath import DenseCoef, TopKConfig
 
 Tensor = torch.Tensor
 
 # "fp32": dX and dW accumulate in fp32 buffers (the project's convention; 4 (N + V) D bytes of
 # workspace). "native": locked adds straight into gradients of the input dtype, as CCE does
-# (no workspace, bf16 rounding at every partial sum). A benchmark knob, not an API.
-GRAD_ACCUM = "fp32"
+# (no workspace, bf16 rounding at every partial sum). A benchmark knob, not an API: the forward reads
+# it and hands it to its backward (which may run on another thread).
+_GRAD_ACCUM: contextvars.ContextVar[str] = contextvars.ContextVar("nitrobrew_topk_grad_accum", default="fp32")
 
 
 @contextlib.contextmanager
 def grad_accumulation(mode: str):
-    """Set GRAD_ACCUM for a region; it is read when the backward runs, so wrap the backward too."""
-    global GRAD_ACCUM
+    """The gradient accumulation ("fp32" or "native") of the constant-memory losses formed in this region."""
     if mode not in ("fp32", "native"):
         raise ValueError(f"grad accumulation must be 'fp32' or 'native', got {mode!r}")
-    old, GRAD_ACCUM = GRAD_ACCUM, mode
+    token = _GRAD_ACCUM.set(mode)
     try:
         yield
     finally:
-        GRAD_ACCUM = old
+        _GRAD_ACCUM.reset(token)
 
 
 PAD_ID = 2**31 - 1  # sorts after every real id and matches no column
@@ -210,7 +212,7 @@ def full_backward_range(
     coef,
     temperature,
     need_w: bool = True,
-    accum: Optional[str] = None,
+    accum: str = "fp32",
 ):
     """(dX, dW, db) w.r.t. the raw logits: coef at each
     row's stored ids (coef [N * K] in the order of topk_ids) + the dense part dense.q_n * q_nj, or
@@ -219,7 +221,6 @@ def full_backward_range(
     N, D = xs.shape
     V = ws.shape[0]
     c = _bwd_cfg(xs.dtype)
-    accum = accum or GRAD_ACCUM
     acc_dtype = torch.float32 if accum == "fp32" else xs.dtype
     n_rb, n_vt = cdiv(N, c.block_b), cdiv(V, c.block_v)
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
@@ -307,9 +308,10 @@ class TritonTopK(torch.autograd.Function):
             z_label=z[:, K] if cfg.with_ce else None,
             cfg=cfg,
         )
-        total, kd, ce_rows = combine_topk_rows(res, ce, mask, cfg)
+        total, kd, ce_rows = combine_rows(res.kd, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, labels, mask)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.cfg, ctx.row_ids = res, lse_s, lse_z, cfg, row_ids
+        ctx.accum = _GRAD_ACCUM.get()
         ctx.mark_non_differentiable(kd, ce_rows)
         return total, kd, ce_rows
 
@@ -333,6 +335,7 @@ class TritonTopK(torch.autograd.Function):
             coef=coef,
             temperature=cfg.temperature,
             need_w=need_w,
+            accum=ctx.accum,
         )
         dw = None if dw is None else dw.to(ws.dtype)
         db = None if db is None else db.to(bs.dtype)

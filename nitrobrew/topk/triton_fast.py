@@ -29,11 +29,11 @@ import torch
 from ..core import checks as ck
 from ..core.online import Online, spans
 from ..core.ops import linear_logits, softcap_, softcap_grad_
-from ..core.reduction import reduce_rows, reduction_scale, row_scales, row_upstream
+from ..core.reduction import combine_rows, reduce_rows, reduction_scale, row_scales, row_upstream
 from ..core.slabs import accumulate_dw, alloc_grads, finish_grads, keep_for_backward, take_precomputed_grads
 from ..core.tl_utils import NUM_WARPS, row_block
 from . import kernels_fast as kf
-from .chunked import combine_topk_rows, finish
+from .chunked import finish
 from .rowmath import RowResult, TopKConfig, full_lse
 
 F32 = torch.float32
@@ -247,7 +247,7 @@ class FastTopK(torch.autograd.Function):
         if rows is None:
             per_row = (torch.zeros(0, dtype=F32, device=xs.device),) * 3
         else:
-            per_row = combine_topk_rows(rows.res, rows.ce, mask, cfg)
+            per_row = combine_rows(rows.res.kd, rows.ce, mask, cfg)
         out = tuple(reduce_rows(r, mask, plan.reduction, (n,)) for r in per_row)
         keep_for_backward(
             ctx=ctx,
