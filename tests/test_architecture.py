@@ -8,9 +8,9 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "nitrobrew"
-FAMILIES = ("hidden", "topk", "attention", "parallel", "hf", "teacher")
+FAMILIES = ("hidden", "topk", "attention", "parallel", "hf", "teacher", "integrations")
 LOSS_FAMILIES = ("hidden", "topk", "attention")
-APPLICATIONS = ("teacher", "hf", "bench", "demo", "cli", "environment")
+APPLICATIONS = ("teacher", "hf", "bench", "demo", "cli", "environment", "integrations")
 # Old import paths kept for one release; each only re-exports its new home, with a DeprecationWarning.
 DEPRECATED_SHIMS = {f"nitrobrew.topk.{m}" for m in ("data", "extract", "store", "interop", "verify", "inputs")}
 
@@ -300,16 +300,21 @@ POSITIONAL_TODO = {
     "hidden/custom_op.py": 20,
     "hidden/chunked.py": 19,
     "hidden/triton_function.py": 16,
-    "hidden/vocab_parallel.py": 11,
+    "hidden/vocab_parallel.py": 15,
     "topk/vocab_parallel.py": 6,
     "bench/attention.py": 10,
     "bench/hidden.py": 9,
     "bench/topk.py": 7,
     "bench/regimes.py": 6,
-    "teacher/extract.py": 5,
-    "teacher/store.py": 1,
+    "teacher/extract.py": 8,
+    "teacher/hidden_store.py": 3,
+    "teacher/store.py": 2,
+    "teacher/rollout.py": 1,
     "demo/lm.py": 3,
     "hf/generation/transformers_engine.py": 2,
+    "hf/generation/static_engine.py": 1,
+    "hf/generation/vllm_engine.py": 1,
+    "integrations/trl.py": 2,
     "environment.py": 1,
     "core/launch.py": 1,  # for good: the compiled kernel's launcher (a C function) takes positions only
 }

@@ -12,6 +12,9 @@ the rows' gradient, complete on every rank after the loss, is scaled by the worl
 way back to this rank's rows, because FSDP averages the decoder's gradients over ranks. The
 loss value is 1/world of the loss over all ranks' rows, so that the usual ``loss * world``
 (what the trainer does with a global token count) gives exact gradients in both layouts.
+
+Under accelerate's FSDP2 plugin with the decoder in the wrap list, ``shard_for_accelerate`` builds
+the units before accelerate does (accelerate's own order fails on that layout).
 """
 
 from __future__ import annotations
@@ -157,3 +160,86 @@ def over_ranks(parts: Any, n_tokens: torch.Tensor, lay: Layout) -> Tuple[Any, to
     n_all = n_tokens.clone()
     dist.all_reduce(n_all, group=lay.group)
     return parts._replace(**{k: getattr(parts, k) / lay.world for k in ("loss", "kd", "ce")}), n_all
+
+
+def _accelerate_fsdp2_kwargs(accelerator, plugin, model) -> dict:
+    """The fully_shard arguments accelerate's fsdp2_prepare_model passes (mesh, precision, offload)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    kwargs = {
+        "reshard_after_forward": plugin.reshard_after_forward,
+        "offload_policy": plugin.cpu_offload,
+        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None,
+    }
+    if getattr(plugin, "ignored_modules", None) is not None:
+        from accelerate.utils.fsdp_utils import get_parameters_from_modules
+
+        kwargs["ignored_params"] = get_parameters_from_modules(plugin.ignored_modules, model, accelerator.device)
+    return kwargs
+
+
+def shard_for_accelerate(accelerator, model: nn.Module) -> nn.Module:
+    """Shard a student whose wrap policy names its decoder (the head sharded apart) before accelerate does.
+
+    accelerate's ``fsdp2_prepare_model`` shards the policy's modules bottom-up and only then carves the
+    input embeddings and the final norm into units of their own: when the decoder (which holds both)
+    is already a unit, their parameters are DTensors and ``fully_shard`` fails on them (an invariant
+    error in ``DeviceMesh._concatenate``). Here the same units are built in an order that works: the
+    layers, the input embeddings, the decoder (with its final norm), then the root (with the head,
+    which the vocab-parallel loss never gathers); accelerate then finds an FSDP2 model and keeps
+    it. With a tied head the decoder cannot be a unit apart from it: the decoder is not wrapped
+    (the root-wrapped layout), with a warning. Any other policy: the model is returned untouched.
+    """
+    state = getattr(accelerator, "state", None)
+    plugin = getattr(state, "fsdp_plugin", None)
+    if plugin is None or getattr(plugin, "fsdp_version", 1) != 2 or is_fsdp2(model):
+        return model
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from accelerate.utils.other import get_module_children_bottom_up
+    from torch.distributed.fsdp import fully_shard
+
+    plugin.set_auto_wrap_policy(model)
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    embed = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    if policy is None or embed is None:
+        return model
+    chosen = [m for m in get_module_children_bottom_up(model)[:-1] if policy(m)]
+    holders = {id(m) for m in chosen if m is not embed and any(sub is embed for sub in m.modules())}
+    if not holders:
+        return model  # accelerate's own order works
+    if getattr(plugin, "cpu_ram_efficient_loading", False):
+        raise ValueError(
+            "cpu_ram_efficient_loading with the decoder wrapped apart from the head is not supported: "
+            "load the model on every rank (cpu_ram_efficient_loading: false)"
+        )
+    if getattr(plugin, "activation_checkpointing", False):
+        raise ValueError(
+            "fsdp_config activation_checkpointing with the decoder wrapped apart from the head is not "
+            "supported: use gradient_checkpointing=True instead"
+        )
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    tied = head is not None and getattr(head, "weight", None) is getattr(embed, "weight", None)
+    if tied:
+        import warnings
+
+        warnings.warn(
+            "the student's head is tied to its input embeddings: it cannot be sharded apart from the "
+            "decoder, so the decoder is not wrapped (the head is gathered with the root)",
+            stacklevel=2,
+        )
+        chosen = [m for m in chosen if id(m) not in holders]
+    kwargs = _accelerate_fsdp2_kwargs(accelerator, plugin, model)
+    # As accelerate: trainable parameters in fp32 under mixed precision (the policy casts for compute).
+    if getattr(accelerator, "mixed_precision", "no") != "no":
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.to(torch.float32)
+    for m in chosen:
+        if id(m) in holders and not tied and not is_fsdp2(embed):
+            fully_shard(embed, **kwargs)
+        fully_shard(m, **kwargs)
+    # The root's leftovers (the head) are never gathered by the loss; torch's default for the root.
+    fully_shard(model, **{k: v for k, v in kwargs.items() if k != "reshard_after_forward"})
+    return model
