@@ -31,7 +31,7 @@ import torch
 from ..core import checks as ck
 from ..core.online import Online, auto_chunk_v, spans
 from ..core.ops import compute_dtype, softcap_, softcap_grad_
-from ..core.reduction import combine_rows, row_scales
+from ..core.reduction import PartsFunction, combine_rows, row_scales
 from ..core.slabs import chunk_logits, gather_label_logit, head_grads_from_chunk
 from .rowmath import DenseCoef, RowResult, TopKConfig, full_lse, topk_rows
 
@@ -250,7 +250,7 @@ def row_coefficients(grad_rows: Tensor, mask: Tensor, res: RowResult, cfg: TopKC
     return coef, dense, (ce_scale if cfg.with_ce else None)
 
 
-class ChunkedTopK(torch.autograd.Function):
+class ChunkedTopK(PartsFunction):
     """Per-row (total, kd, ce); gradients to xs, ws and bs (the stored teacher is constant)."""
 
     @staticmethod
@@ -272,8 +272,7 @@ class ChunkedTopK(torch.autograd.Function):
         total, kd, ce_rows = combine_rows(res.kd, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, ids, labels, mask)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.entries, ctx.cfg = res, lse_s, lse_z, entries, cfg
-        ctx.mark_non_differentiable(kd, ce_rows)
-        return total, kd, ce_rows
+        return ChunkedTopK.parts(ctx, total, kd, ce_rows)
 
     @staticmethod
     @ck.no_double_backward
@@ -281,7 +280,7 @@ class ChunkedTopK(torch.autograd.Function):
         xs, ws, bs, ids, labels, mask = ctx.saved_tensors
         cfg = ctx.cfg
         coef, dense, ce_scale = row_coefficients(grad_total, mask, ctx.res, cfg)
-        need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        need_w = ChunkedTopK.head_needed(ctx)
         if cfg.full:
             dx, dw, db = backward_range(
                 xs=xs,
@@ -307,10 +306,7 @@ class ChunkedTopK(torch.autograd.Function):
                 coef=softcap_grad_(coef, ctx.z_ids, cfg.softcap_s),
                 need_w=need_w,
             )
-        dx = dx.to(xs.dtype) if ctx.needs_input_grad[0] else None
-        dw = dw if ctx.needs_input_grad[1] else None
-        db = db if ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None, None, None
+        return ChunkedTopK.input_grads(ctx, dx.to(xs.dtype) if ctx.needs_input_grad[0] else None, dw, db)
 
 
 def chunked_rows(xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig):

@@ -23,7 +23,7 @@ import triton.language as tl
 from ..core import checks as ck
 from ..core.launch import cdiv
 from ..core.online import Online
-from ..core.reduction import combine_rows
+from ..core.reduction import PartsFunction, combine_rows
 from . import kernels_cm as kern
 from .chunked import chunked_rows, finish, row_coefficients
 from .rowmath import DenseCoef, TopKConfig
@@ -284,7 +284,7 @@ def full_backward_range(
     return dx, (dw if need_w else None), (db if (bs is not None and need_w) else None)
 
 
-class TritonTopK(torch.autograd.Function):
+class TritonTopK(PartsFunction):
     @staticmethod
     def forward(ctx, xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig):
         xs, ws = xs.contiguous(), ws.contiguous()
@@ -312,8 +312,7 @@ class TritonTopK(torch.autograd.Function):
         ctx.save_for_backward(xs, ws, bs, labels, mask)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.cfg, ctx.row_ids = res, lse_s, lse_z, cfg, row_ids
         ctx.accum = _GRAD_ACCUM.get()
-        ctx.mark_non_differentiable(kd, ce_rows)
-        return total, kd, ce_rows
+        return TritonTopK.parts(ctx, total, kd, ce_rows)
 
     @staticmethod
     @ck.no_double_backward
@@ -321,7 +320,7 @@ class TritonTopK(torch.autograd.Function):
         xs, ws, bs, labels, mask = ctx.saved_tensors
         cfg = ctx.cfg
         coef, dense, ce_scale = row_coefficients(grad_total, mask, ctx.res, cfg)
-        need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        need_w = TritonTopK.head_needed(ctx)
         dx, dw, db = full_backward_range(
             xs=xs,
             ws=ws,
@@ -339,10 +338,7 @@ class TritonTopK(torch.autograd.Function):
         )
         dw = None if dw is None else dw.to(ws.dtype)
         db = None if db is None else db.to(bs.dtype)
-        dx = dx.to(xs.dtype) if ctx.needs_input_grad[0] else None
-        dw = dw if ctx.needs_input_grad[1] else None
-        db = db if ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None, None, None
+        return TritonTopK.input_grads(ctx, dx.to(xs.dtype) if ctx.needs_input_grad[0] else None, dw, db)
 
 
 def constant_memory_rows(xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig):

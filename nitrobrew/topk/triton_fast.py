@@ -29,7 +29,7 @@ import torch
 from ..core import checks as ck
 from ..core.online import Online, spans
 from ..core.ops import linear_logits, softcap_, softcap_grad_
-from ..core.reduction import combine_rows, reduce_rows, reduction_scale, row_scales, row_upstream
+from ..core.reduction import PartsFunction, combine_rows, reduce_rows, reduction_scale, row_scales, row_upstream
 from ..core.slabs import accumulate_dw, alloc_grads, finish_grads, keep_for_backward, take_precomputed_grads
 from ..core.tl_utils import NUM_WARPS, row_block
 from . import kernels_fast as kf
@@ -203,7 +203,7 @@ def _slice_rows(blk: BlockRows, r0: int, r1: int) -> BlockRows:
     return BlockRows(blk.z_ids[r0:r1], res, blk.lse_s[r0:r1], sl(blk.lse_z), sl(blk.ce))
 
 
-class FastTopK(torch.autograd.Function):
+class FastTopK(PartsFunction):
     """Reduced (total, kd, ce) of normalize="full"; gradients to xs, ws, bs."""
 
     @staticmethod
@@ -257,29 +257,16 @@ class FastTopK(torch.autograd.Function):
             state=rows,
             saved=(xs, ws, bs, ids, lp, labels, mask),
         )
-        ctx.mark_non_differentiable(out[1], out[2])
-        return out
+        return FastTopK.parts(ctx, *out)
 
     @staticmethod
     @ck.no_double_backward
     def backward(ctx, grad_total, _gkd, _gce):
-        need = ctx.needs_input_grad
         if ctx.precompute:
             dx, dw, db = take_precomputed_grads(ctx, grad_total)
         else:
             dx, dw, db = _recomputed_grads(ctx, grad_total)
-        return (
-            dx if need[0] else None,
-            dw if need[1] else None,
-            db if need[2] else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        return FastTopK.input_grads(ctx, dx, dw, db)
 
 
 def _recomputed_grads(ctx, grad_total):
