@@ -20,10 +20,36 @@ from axolotl.utils.dict import DictDefault  # noqa: E402
 
 from nitrobrew.cli import main as cli_main  # noqa: E402
 from nitrobrew.integrations import axolotl as nbax  # noqa: E402
-from test_topk_pipeline import _write_store  # noqa: E402
+from nitrobrew.teacher.store import TopKWriter  # noqa: E402
 
 PLUGINS = ["nitrobrew.integrations.axolotl.NitrobrewKDPlugin", "axolotl.integrations.kd.KDPlugin"]
-VOCAB = 50  # the synthetic store's vocabulary
+VOCAB, K = 50, 4  # the synthetic store's vocabulary and top-k
+
+
+def _write_store(path, n_shards=2, per=8, seed=0):
+    """A store of a teacher's real top-k log-probs (log_softmax over the vocabulary, then top-k)."""
+    g = torch.Generator().manual_seed(seed)
+    w = TopKWriter(
+        str(path),
+        model="synthetic",
+        k=K,
+        temperature=1.0,
+        vocab_size=VOCAB,
+        head_rows=VOCAB,
+        num_sequences=n_shards * per,
+        sequences_per_shard=per,
+    )
+    for j in range(n_shards):
+        toks, ids, lps = [], [], []
+        for _ in range(per):
+            L = int(torch.randint(2, 9, (1,), generator=g))
+            toks.append(torch.randint(3, VOCAB, (L,), generator=g))
+            top = torch.log_softmax(3 * torch.randn(L - 1, VOCAB, generator=g), -1).topk(K, -1)
+            ids.append(top.indices)
+            lps.append(top.values)
+        w.write_shard(j, toks, ids, lps)
+    w.finish()
+    w.close()
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +80,7 @@ def work(tmp_path_factory):
         model.lm_head.weight.mul_(20.0)
     model.save_pretrained(d / "model")
     fast.save_pretrained(d / "model")
-    _write_store(d / "store", n_shards=2)
+    _write_store(d / "store")
     assert cli_main(["topk-export", str(d / "store"), str(d / "pq")]) == 0
     return d
 
