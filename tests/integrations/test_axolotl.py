@@ -197,28 +197,37 @@ def test_loss_equals_axolotls_on_its_collated_batch(work, kd_alpha, kd_ce_alpha,
     ref = _axolotl_loss(model, batch, kd_alpha, kd_ce_alpha, temperature, normalize_topk)
     ref.backward()
     ref_grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    h = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True
-    ).hidden_states[-1]
-    ours = (
-        nbax.kd_loss_sum(
-            h,
-            model.lm_head.weight,
-            batch["labels"],
-            batch["target_token_ids"],
-            batch["target_logprobs"],
-            batch["target_mask"],
-            kd_alpha=kd_alpha,
-            kd_ce_alpha=kd_ce_alpha,
-            temperature=temperature,
-            normalize_topk=normalize_topk,
+
+    def ours(kd_weight):
+        model.zero_grad()
+        h = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True
+        ).hidden_states[-1]
+        loss = (
+            nbax.kd_loss_sum(
+                h,
+                model.lm_head.weight,
+                batch["labels"],
+                batch["target_token_ids"],
+                batch["target_logprobs"],
+                batch["target_mask"],
+                kd_alpha=kd_weight,
+                kd_ce_alpha=kd_ce_alpha,
+                temperature=temperature,
+                normalize_topk=normalize_topk,
+            )
+            / (batch["labels"] != -100).sum()
         )
-        / (batch["labels"] != -100).sum()
-    )
-    ours.backward()
-    torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-6)
-    for a, b in zip([p.grad for p in model.parameters()], ref_grads):
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    value, grads = ours(kd_alpha)
+    torch.testing.assert_close(value, ref.detach().float(), rtol=1e-5, atol=1e-6)
+    if temperature != 1.0:
+        # Axolotl's backward leaves out the T^2 its loss value carries: its gradient is that of
+        # kd_alpha * KD + kd_ce_alpha * CE. nitrobrew's is the gradient of the value it returns.
+        _, grads = ours(kd_alpha / temperature**2)
+    for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
