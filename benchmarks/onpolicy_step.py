@@ -177,7 +177,7 @@ def time_generation(engine, ids, mask, steps: int, dev):
     return time.perf_counter() - t0, out
 
 
-def measure_decode(name, student, batch, cfg, dev, floor_bw) -> Dict:
+def measure_decode(name, student, batch, cfg, dev, floor_bw, profile_dir: Optional[str] = None) -> Dict:
     row = dict(part="decode", backend=name, batch=batch, note="")
     engine, why = make_engine(name, student)
     if engine is None:
@@ -204,6 +204,8 @@ def measure_decode(name, student, batch, cfg, dev, floor_bw) -> Dict:
             compiles_warmup=compiled,
             recompiles=getattr(engine, "compiles", 0) - compiled,
         )
+        if profile_dir:
+            print("profile: " + profile_decode(engine, ids, mask, dev, profile_dir), flush=True)
         if floor_bw:
             floor = (weight_bytes(student) + batch * (P + G) * kv_bytes_per_token(student)) / floor_bw * 1e3
             row.update(floor_ms=floor, x_floor=ms / floor)
@@ -302,8 +304,8 @@ def measure_async(student, teacher, opt, cfg, windows: int, batch: int) -> Dict:
     engine = StaticCacheGenerator(replica)
     s = Sampling(max_new_tokens=G, temperature=1.0, pad_token_id=0, seed=0)
     windows_prompts = [prompts(batch, P, cfg["vocab"], dev1, seed=100 + k) for k in range(windows + 2)]
-    # Warm-up on the copy (compilation, CUDA graphs) before timing.
-    engine.generate(*windows_prompts[0], Sampling(max_new_tokens=8, temperature=1.0, pad_token_id=0))
+    # Warm-up on the copy at the timed shapes (compilation, CUDA graphs) before timing.
+    engine.generate(*windows_prompts[0], s)
     times = []
     with AsyncRollouts(engine, staleness=1) as rollouts:
         ahead = 0
@@ -330,17 +332,15 @@ def measure_async(student, teacher, opt, cfg, windows: int, batch: int) -> Dict:
 # ---------------------------------------------------------------- profile
 
 
-def profile_decode(student, cfg, dev, out_dir: str) -> str:
+def profile_decode(engine, ids, mask, dev, out_dir: str) -> str:
+    """A torch.profiler table of a few decode steps of a warm engine, at the shapes it was timed at (its
+    compiled graphs and CUDA graphs are reused: nothing compiles while profiled)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from nitrobrew.hf.generation import Sampling, StaticCacheGenerator
+    from nitrobrew.hf.generation import Sampling
 
-    B = 64 if dev.type == "cuda" else cfg["decode_batches"][-1]
     steps = 8
-    engine = StaticCacheGenerator(student)
-    ids, mask = prompts(B, cfg["prompt"], cfg["vocab"], dev)
     s = Sampling(max_new_tokens=steps + 1, temperature=1.0, pad_token_id=0, seed=0)
-    engine.generate(ids, mask, s)  # warm-up
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=activities) as prof:
         engine.generate(ids, mask, s)
@@ -350,11 +350,10 @@ def profile_decode(student, cfg, dev, out_dir: str) -> str:
     path = os.path.join(out_dir, "profile_decode.txt")
     with open(path, "w") as f:
         f.write(
-            f"static engine, batch {B}, prompts of {cfg['prompt']}, {steps + 1} new tokens (a prefill and "
-            f"{steps} decode steps; divide the decode kernels' totals by {steps}), sorted by {key}.\n"
-            "With CUDA graphs (reduce-overhead) the step's kernels run inside cudaGraphLaunch.\n\n" + table + "\n"
+            f"{engine.name} engine, batch {ids.shape[0]}, prompts of {ids.shape[1]}, {steps + 1} new tokens (a "
+            f"prefill and {steps} decode steps: divide the decode kernels' totals by {steps}), sorted by {key}. "
+            "With CUDA graphs the steps' kernels are launched by cudaGraphLaunch.\n\n" + table + "\n"
         )
-    engine.sleep()
     return path
 
 
@@ -483,7 +482,8 @@ def main(argv=None) -> int:
     failed = False
     for B in cfg["decode_batches"]:
         for name_ in args.backends:
-            row = measure_decode(name_, student, B, cfg, dev, bw)
+            profiled = args.profile and name_ == "static" and B == (64 if 64 in cfg["decode_batches"] else B)
+            row = measure_decode(name_, student, B, cfg, dev, bw, args.out if profiled else None)
             failed |= row["note"].startswith("error")
             rows.append(row)
             print(
@@ -520,10 +520,6 @@ def main(argv=None) -> int:
         print(f"async B={B}: step {fmt(row.get('on_policy_s'))} s {row['note']}", flush=True)
     elif dev.type == "cuda":
         rows.append(dict(part="async", batch="-", note="not measured: one GPU visible"))
-    if args.profile:
-        student.config.use_cache = True
-        student.eval()
-        print("profile: " + profile_decode(student, cfg, dev, args.out), flush=True)
     for path in write(rows, env, cfg, bw, args.out, time.perf_counter() - t_start):
         print("wrote " + path)
     return 1 if failed else 0
