@@ -433,7 +433,16 @@ class DistillationTrainer(Trainer):
         student = unwrap(self.model)
         device = torch.device(a.generation_device) if a.generation_device else next(student.parameters()).device
         replica = copy.deepcopy(student).to(device).requires_grad_(False)
-        engine = make_generator(a.generation_backend, replica, generate_fn=self.generate_fn)
+        # The static engine also runs uncompiled on a CPU; it draws from a generator of its own, so the thread
+        # neither reads nor moves the training's RNG.
+        backend = "static" if a.generation_backend == "auto" and self.generate_fn is None else a.generation_backend
+        engine = make_generator(backend, replica, generate_fn=self.generate_fn)
+        if not getattr(engine, "seeds_itself", False):
+            warnings.warn(
+                f"generation_async with the {engine.name!r} engine: its sampling draws from the process's RNG in "
+                "a background thread, so runs do not repeat exactly (the static engine's do)",
+                stacklevel=2,
+            )
         self._rollouts = AsyncRollouts(engine, staleness=a.max_staleness)
         self._rollouts_start = self.state.global_step
 

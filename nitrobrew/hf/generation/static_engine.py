@@ -168,7 +168,7 @@ class StaticCacheGenerator(_LiveModel):
         m.eval()
         graphs0 = compiled_graphs()
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()  # this stream: training may run beside it
         rng = None
         if sampling.seed is not None and not sampling.greedy:
             rng = torch.Generator(device=device).manual_seed(int(sampling.seed))
@@ -220,7 +220,7 @@ class StaticCacheGenerator(_LiveModel):
         finally:
             m.train(was_training)
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()  # this stream: training may run beside it
         seconds = time.perf_counter() - t0
         new_graphs = compiled_graphs() - graphs0
         self.compiles += new_graphs
