@@ -8,9 +8,9 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "nitrobrew"
-FAMILIES = ("hidden", "topk", "attention", "parallel", "hf", "teacher")
+FAMILIES = ("hidden", "topk", "attention", "parallel", "hf", "teacher", "integrations")
 LOSS_FAMILIES = ("hidden", "topk", "attention")
-APPLICATIONS = ("teacher", "hf", "bench", "demo", "cli", "environment")
+APPLICATIONS = ("teacher", "hf", "bench", "demo", "cli", "environment", "integrations")
 # Old import paths kept for one release; each only re-exports its new home, with a DeprecationWarning.
 DEPRECATED_SHIMS = {f"nitrobrew.topk.{m}" for m in ("data", "extract", "store", "interop", "verify", "inputs")}
 

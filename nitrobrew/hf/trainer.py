@@ -29,6 +29,8 @@ from .packing import VARLEN_KEYS, document_targets, is_packed
 from .schedules import SCHEDULES, scheduled
 
 _PASSES_NUM_ITEMS = "num_items_in_batch" in inspect.signature(Trainer.compute_loss).parameters
+# on_policy_batch's sampling settings beyond temperature, top_p and top_k
+GENERATION_KWARGS = ("min_p", "repetition_penalty")
 
 
 @dataclass
@@ -39,15 +41,26 @@ class DistillationArguments(TrainingArguments):
     over counted positions and divided by their number in the accumulation window.
     """
 
-    divergence: str = field(
-        default="forward_kl",
-        metadata={"help": "forward_kl, reverse_kl, jsd, tvd, skew_kl, skew_reverse_kl, or topk (stored dataset)"},
+    divergence: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "forward_kl, reverse_kl, jsd, tvd, skew_kl, skew_reverse_kl, or topk (stored dataset); default "
+            "forward_kl, or with beta given TRL's rule: jsd(beta), forward_kl at beta 0, reverse_kl at beta 1"
+        },
     )
-    temperature: float = field(default=1.0, metadata={"help": "logits / T in the divergence"})
+    temperature: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "logits / T in the divergence (default 1; the loss temperature, not the sampling temperature "
+            "of TRL's GKDConfig: that is generation_temperature)"
+        },
+    )
     scale_t2: bool = field(default=False, metadata={"help": "multiply the divergence by T^2 (Hinton)"})
     kd_weight: float = field(default=1.0, metadata={"help": "weight of the divergence"})
     ce_weight: float = field(default=0.0, metadata={"help": "weight of the hard-label CE (default 0: none)"})
-    beta: float = field(default=dv.default("beta"), metadata={"help": dv.PARAMS["beta"].help})
+    beta: Optional[float] = field(
+        default=None, metadata={"help": dv.PARAMS["beta"].help + "; given without divergence: TRL's rule"}
+    )
     alpha: float = field(default=dv.default("alpha"), metadata={"help": dv.PARAMS["alpha"].help})
     vocab_size: Optional[int] = field(
         default=None, metadata={"help": "compare the first N vocab entries (padded heads)"}
@@ -82,7 +95,24 @@ class DistillationArguments(TrainingArguments):
         },
     )
     max_new_tokens: int = field(default=128, metadata={"help": "tokens generated per prompt"})
-    generation_temperature: float = field(default=0.9, metadata={"help": "sampling temperature (0: greedy)"})
+    generation_temperature: Optional[float] = field(
+        default=None, metadata={"help": "sampling temperature (default 0.9; 0: greedy)"}
+    )
+    generation_kwargs: Optional[Union[dict, str]] = field(
+        default=None,
+        metadata={"help": f"more sampling settings for on-policy / seq_kd generation: {', '.join(GENERATION_KWARGS)}"},
+    )
+    log_completions: bool = field(
+        default=False,
+        metadata={"help": "at each logging step, append a generated completion to OUTPUT_DIR/completions.jsonl"},
+    )
+    disable_dropout: bool = field(
+        default=True, metadata={"help": "set the student's and teacher's dropout modules to p = 0 (as TRL)"}
+    )
+    teacher_model_init_kwargs: Optional[Union[dict, str]] = field(
+        default=None,
+        metadata={"help": "from_pretrained keyword arguments for a teacher given by name (dtype: 'bfloat16', ...)"},
+    )
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (1: off)"})
     top_k: int = field(default=0, metadata={"help": "top-k sampling (0: off)"})
     generation_backend: str = field(
@@ -133,6 +163,7 @@ class DistillationArguments(TrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        self._resolve_trl_defaults()
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
         ck.check_temperature(self.temperature)
@@ -193,16 +224,99 @@ class DistillationArguments(TrainingArguments):
         ck.check_chunk("chunk_v", self.chunk_v)
         if self.topk_tail is None:  # the tail needs the full normalization
             self.topk_tail = self.topk_normalize == "full"
+        self.generation_kwargs = _mapping("generation_kwargs", self.generation_kwargs)
+        unknown = sorted(set(self.generation_kwargs) - set(GENERATION_KWARGS))
+        if unknown:
+            raise ValueError(
+                f"generation_kwargs: unknown {unknown}; it takes {', '.join(GENERATION_KWARGS)} (temperature, top_p, "
+                "top_k and max_new_tokens are keys of their own: generation_temperature, top_p, top_k, max_new_tokens)"
+            )
+        self.teacher_model_init_kwargs = _mapping("teacher_model_init_kwargs", self.teacher_model_init_kwargs)
+        if self.ce_weight > 0 and self.lmbda > 0:
+            warnings.warn(
+                f"ce_weight={self.ce_weight} with lmbda={self.lmbda}: on on-policy batches the CE term trains the "
+                "student on its own samples (labels are its completions), not on the data",
+                stacklevel=2,
+            )
+
+    def _resolve_trl_defaults(self) -> None:
+        """Unset keys take their defaults here, where what was given is still known (TRL's habits)."""
+        given = {name: getattr(self, name) is not None for name in ("divergence", "beta", "temperature")}
+        if self.beta is not None:
+            ck.check_unit_interval("beta", self.beta)
+        if self.divergence is None:
+            # TRL's GKD rule: beta picks the generalized JSD, whose endpoints are the two KLs.
+            beta = self.beta
+            self.divergence = "forward_kl" if beta is None or beta == 0 else "reverse_kl" if beta == 1 else "jsd"
+        elif given["beta"] and self.divergence in DIVERGENCES and self.divergence != "jsd":
+            warnings.warn(
+                f"beta={self.beta} is used by divergence='jsd' only; divergence={self.divergence!r} ignores it",
+                stacklevel=3,
+            )
+        self.beta = dv.default("beta") if self.beta is None else self.beta
+        self.temperature = 1.0 if self.temperature is None else self.temperature
+        if given["temperature"] and self.generation_temperature is None and (self.lmbda > 0 or self.seq_kd):
+            warnings.warn(
+                f"temperature={self.temperature} is the loss temperature here; generation samples at "
+                "generation_temperature (default 0.9), which is what GKDConfig's temperature means: set "
+                "generation_temperature to choose it",
+                stacklevel=3,
+            )
+        self.generation_temperature = 0.9 if self.generation_temperature is None else self.generation_temperature
 
 
-def _load_teacher(teacher: Union[str, nn.Module], bf16: bool) -> nn.Module:
+def _mapping(name: str, value) -> dict:
+    """A mapping given as a dict or (from the command line) as JSON text."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError(f"{name} must be a mapping (JSON text on the command line), got {value!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a mapping, got {value!r}")
+    return dict(value)
+
+
+_DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_init_kwargs(kwargs: Optional[dict], name: str = "teacher_model_init_kwargs") -> dict:
+    """from_pretrained keyword arguments, with a dtype named by text ('bfloat16') as a torch dtype and
+    under the key this transformers version reads (dtype, formerly torch_dtype)."""
+    import transformers
+    from packaging.version import Version
+
+    kwargs = dict(kwargs or {})
+    key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    if "dtype" in kwargs and "torch_dtype" in kwargs:
+        raise ValueError(f"{name}: give dtype or torch_dtype, not both")
+    dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
+    if isinstance(dtype, str):
+        if dtype.removeprefix("torch.") not in _DTYPES:
+            raise ValueError(f"{name}: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        dtype = _DTYPES[dtype.removeprefix("torch.")]
+    if dtype is not None:
+        kwargs[key] = dtype
+    return kwargs
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """p = 0 in every dropout module (TRL's disable_dropout_in_model)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def _load_teacher(teacher: Union[str, nn.Module], bf16: bool, init_kwargs: Optional[dict] = None) -> nn.Module:
     if isinstance(teacher, str):
-        import transformers
-        from packaging.version import Version
         from transformers import AutoModelForCausalLM
 
-        key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-        return AutoModelForCausalLM.from_pretrained(teacher, **{key: torch.bfloat16 if bf16 else "auto"})
+        kwargs = model_init_kwargs({"dtype": "bfloat16" if bf16 else "auto", **(init_kwargs or {})})
+        return AutoModelForCausalLM.from_pretrained(teacher, **kwargs)
     if not isinstance(teacher, nn.Module):
         raise TypeError(f"teacher_model must be a model or a path / hub name, got {type(teacher).__name__}")
     return teacher.to(torch.bfloat16) if bf16 else teacher
@@ -251,6 +365,9 @@ class DistillationTrainer(Trainer):
         args: ``DistillationArguments``.
         generate_fn: an external generator for on-policy / seq_kd batches (see
             ``nitrobrew.hf.onpolicy.GenerateFn``); default: ``generate`` of the unwrapped model.
+        generator: an engine of ``nitrobrew.hf.generation`` (e.g. ``make_generator("vllm", model)``) for the
+            student's completions; it gets the student's weights (``sync_weights``) after optimizer steps. If
+            it loses its server, a checkpoint is saved before the error is raised (resume from it).
         Everything else as for ``transformers.Trainer``. Batches need ``input_ids`` and
         optionally ``attention_mask``, ``labels`` (per token, -100 = ignored; default: the
         input ids with -100 at padding), ``position_ids`` and flash-attention varlen kwargs
@@ -266,7 +383,13 @@ class DistillationTrainer(Trainer):
     """
 
     def __init__(
-        self, model=None, teacher_model=None, args: Optional[DistillationArguments] = None, generate_fn=None, **kwargs
+        self,
+        model=None,
+        teacher_model=None,
+        args: Optional[DistillationArguments] = None,
+        generate_fn=None,
+        generator=None,
+        **kwargs,
     ):
         if not isinstance(args, DistillationArguments):
             raise TypeError("DistillationTrainer needs args=DistillationArguments(...)")
@@ -274,16 +397,32 @@ class DistillationTrainer(Trainer):
             raise ValueError(f"divergence={args.divergence!r} needs a teacher_model")
         super().__init__(model=model, args=args, **kwargs)
         self._check_sharding()
+        if getattr(self, "is_fsdp_enabled", False):  # a decoder wrapped apart: sharded here, before accelerate
+            from .fsdp import shard_for_accelerate
+
+            self.model = self.model_wrapped = shard_for_accelerate(self.accelerator, self.model)
+        from ..parallel.watchdog import trainer_callback
+
+        watchdog = trainer_callback()  # a lost rank stops the others (NITROBREW_RANK_TIMEOUT, 0: off)
+        if watchdog is not None:
+            self.add_callback(watchdog)
         self.teacher = None
         if teacher_model is not None:
-            teacher = _load_teacher(teacher_model, args.teacher_bf16)
+            teacher = _load_teacher(teacher_model, args.teacher_bf16, args.teacher_model_init_kwargs)
             teacher.requires_grad_(False)
             teacher.eval()
             # Placed by the user otherwise (a device map, or a teacher sharded with fully_shard).
             if getattr(teacher, "hf_device_map", None) is None and not is_fsdp2(teacher):
                 teacher.to(self.args.device)
             self.teacher = teacher
+        if args.disable_dropout:
+            for who in (self.model, self.teacher):
+                if who is not None:
+                    disable_dropout(who)
+        self._last_generation = None  # for log_completions
         self.generate_fn = generate_fn
+        self.generator = generator  # the student's engine, if given (e.g. vLLM), synced per optimizer step
+        self._synced_step = 0
         self._generators = {}
         self._window_start = None
         self._rollouts, self._rollouts_epoch, self._ahead = None, None, []
@@ -326,6 +465,11 @@ class DistillationTrainer(Trainer):
     def generator_for(self, who):
         """The engine that completes prompts with ``who`` (the student, or the teacher for seq_kd), made once."""
         key = "student" if who is self.model else "teacher"
+        if key == "student" and self.generator is not None:
+            if self._synced_step != self.state.global_step:
+                self.generator.sync_weights(self.model)  # the optimizer stepped since the engine last saw it
+                self._synced_step = self.state.global_step
+            return self.generator
         gen = self._generators.get(key)
         if gen is None:
             from .generation import make_generator
@@ -377,10 +521,12 @@ class DistillationTrainer(Trainer):
             top_p=a.top_p,
             top_k=a.top_k,
             seed=seed,
+            **a.generation_kwargs,
         )
 
     def _put_back(self, out, picked, rows, gen) -> None:
         """Split a window's generated batch back into its micro-batches (in ``out``) and log it."""
+        self._last_generation = gen
         self._add("gen_rows", torch.tensor(float(gen.n_generated.numel())))
         self._add("gen_tokens", gen.n_generated.float().sum())
         self._add("gen_seconds", torch.tensor(gen.seconds))
@@ -494,7 +640,12 @@ class DistillationTrainer(Trainer):
             batch_samples = self._async_window(epoch_iterator, num_batches, *args, **kwargs)
         else:
             batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
-            batch_samples = self._generate_window(batch_samples, self.state.global_step * num_batches)
+            try:
+                batch_samples = self._generate_window(batch_samples, self.state.global_step * num_batches)
+            except ConnectionError:  # a generation server went away: keep what was trained, resumable
+                if self.generator is not None:
+                    self._save_checkpoint(self.model, trial=None)
+                raise
         count = torch.zeros((), dtype=torch.long, device=self.args.device)
         for batch in batch_samples:
             count += (self._targets(batch) != IGNORE_INDEX).sum().to(count.device)
@@ -519,7 +670,7 @@ class DistillationTrainer(Trainer):
                 given = labels_from_inputs(batch["input_ids"], mask)
             target = shift_labels(given, mask)
         position_ids = batch.get("position_ids")
-        return document_targets(target, None if position_ids is None else position_ids.expand_as(target))
+        return document_targets(target, position_ids)  # broadcast (and checked) there
 
     def current(self, name: str) -> float:
         """The scheduled value of temperature, kd_weight or ce_weight at this optimizer step."""
@@ -653,4 +804,29 @@ class DistillationTrainer(Trainer):
             self._logged_step = self.state.global_step
         if "loss" in logs and self._schedule:  # the values the last optimizer step used
             logs.update({k: round(v, 6) for k, v in self._schedule.items()})
+        if "loss" in logs and self.args.log_completions and self._last_generation is not None:
+            self._write_completion(self._last_generation)
+            self._last_generation = None
         return super().log(logs, *args, **kwargs)
+
+    def _write_completion(self, gen) -> None:
+        """The first row of the last generated batch, appended to OUTPUT_DIR/completions.jsonl (main
+        process): its prompt and completion, as text where the trainer has a tokenizer."""
+        if not self.is_world_process_zero():
+            return
+        import json
+        import os
+
+        ids, counted = gen.input_ids[0], gen.labels[0] != IGNORE_INDEX
+        keep = gen.attention_mask[0] != 0
+        prompt = ids[keep & ~counted].tolist()
+        # labels are shifted by one inside the loss; here they mark the completion's own tokens
+        completion = ids[keep & counted].tolist()
+        record = {"step": self.state.global_step, "prompt_ids": prompt, "completion_ids": completion}
+        tok = getattr(self, "processing_class", None) or getattr(self, "tokenizer", None)
+        if tok is not None and hasattr(tok, "decode"):
+            record["prompt"] = tok.decode(prompt, skip_special_tokens=True)
+            record["completion"] = tok.decode(completion, skip_special_tokens=True)
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, "completions.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")

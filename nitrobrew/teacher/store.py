@@ -543,11 +543,14 @@ class TopKWriter:
         topk_ids: Sequence[torch.Tensor],
         topk_logprobs: Sequence[torch.Tensor],
         quantized: Optional[Sequence[torch.Tensor]] = None,
+        sha256: Optional[str] = None,
     ) -> ShardInfo:
         """Write shard `index` (its sequences' tokens, and rows: L - 1 per sequence of L tokens).
 
         A uint8 store quantizes the log-probs; `quantized` (its per-sequence scale blocks [rows, 2],
-        with `topk_logprobs` then the codes) writes already quantized rows as they are (an import)."""
+        with `topk_logprobs` then the codes) writes already quantized rows as they are (an import).
+        `sha256`: the digest the shard must have (an import of an export rebuilds the source's
+        bytes); StoreError, and nothing written, if it does not."""
         if not (_is_int(index) and 0 <= index < self.num_shards and self.owns(index)):
             raise ValueError(
                 f"shard {index!r} is not one of this writer's (part {self.part} of {self.num_parts}, "
@@ -599,6 +602,12 @@ class TopKWriter:
         # one metadata entry: safetensors writes a map's entries in no fixed order, and a shard's
         # bytes must not depend on the run that wrote it (parts reproduce the single-process store)
         data = _safetensors().save(tensors, metadata={"format": f"{FORMAT} shard {index}"})
+        digest = hashlib.sha256(data).hexdigest()
+        if sha256 is not None and digest != sha256:
+            raise StoreError(
+                f"shard {index} as rebuilt has sha256 {digest[:16]}..., the source store's was {sha256[:16]}...: "
+                "the data changed after export"
+            )
         name = shard_name(index)
         atomic_write_bytes(os.path.join(self.path, name), data)
         info = ShardInfo(
@@ -609,7 +618,7 @@ class TopKWriter:
             rows=int(tensors["topk_ids"].shape[0]),
             tokens=int(tensors["input_ids"].numel()),
             bytes=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
+            sha256=digest,
         )
         self.manifest["shards"] = sorted(
             [s for s in self.manifest["shards"] if s["index"] != index] + [asdict(info)], key=lambda s: s["index"]

@@ -5,8 +5,10 @@ Backends (``make_generator(backend, model, ...)``, YAML key ``generation_backend
 - ``"static"``: the fast in-process engine (``static_engine``): transformers' static KV cache, a compiled
   decode step, bucketed shapes, a float32 sampler without full sorts;
 - ``"callable"``: a user's ``generate_fn``;
-- ``"auto"``: ``"static"`` for a model on CUDA whose architecture supports the static cache, else ``"hf"``
-  (CPU, unusual models).
+- ``"vllm"``: ``vllm.LLM`` in the training process (``vllm_engine.VLLMColocatedGenerator``);
+- ``"vllm-server"``: a running vLLM server, by URL (``vllm_server.VLLMServerGenerator``);
+- ``"auto"``: for a model on CUDA, ``"vllm"`` where vLLM is installed, else ``"static"`` where the architecture
+  supports the static cache; ``"hf"`` otherwise (CPU, unusual models, FSDP2-sharded students).
 
 The engines import their optional packages only when made.
 """
@@ -20,7 +22,8 @@ from .base import Completions, GenerateFn, GenerationStats, Generator, Sampling,
 from .static_engine import StaticCacheGenerator
 from .transformers_engine import CallableGenerator, DynamicCacheGenerator
 
-BACKENDS = ("auto", "hf", "static", "callable")
+BACKENDS = ("auto", "hf", "static", "callable", "vllm", "vllm-server")
+VLLM_BACKENDS = ("vllm", "vllm-server")
 
 
 def supports_static_cache(model) -> bool:
@@ -38,7 +41,22 @@ def auto_backend(model) -> str:
     m = unwrap(model)
     device = next(m.parameters()).device
     # FSDP2 shards gather in the forward's hooks: the dynamic cache, uncompiled, is the safe path there.
-    return "static" if device.type == "cuda" and supports_static_cache(m) and not is_fsdp2(m) else "hf"
+    if device.type != "cuda" or is_fsdp2(m):
+        return "hf"
+    from .vllm_engine import vllm_importable
+
+    if vllm_importable():
+        return "vllm"
+    return "static" if supports_static_cache(m) else "hf"
+
+
+def resolve_backend(backend: str, model=None) -> str:
+    """The backend ``backend`` stands for with ``model`` (``"auto"`` resolved as ``auto_backend``)."""
+    if backend != "auto":
+        return backend
+    if model is None:
+        raise ValueError("resolving generation_backend 'auto' needs the model")
+    return auto_backend(model)
 
 
 def make_generator(backend: str, model, *, generate_fn: Optional[GenerateFn] = None, **options) -> Generator:
@@ -49,11 +67,20 @@ def make_generator(backend: str, model, *, generate_fn: Optional[GenerateFn] = N
         if generate_fn is None:
             raise ValueError("generation_backend 'callable' needs generate_fn")
         return CallableGenerator(generate_fn, model)
+    resolved = resolve_backend(backend, model)
     if backend == "auto":
-        backend = auto_backend(model)
-        if backend == "hf":
-            options = {}  # the fallback: the static engine's options do not apply
-    if backend == "static":
+        options = {}  # the settings of a named backend do not carry over to the one "auto" finds
+    if resolved == "vllm":
+        from .vllm_engine import VLLMColocatedGenerator
+
+        return VLLMColocatedGenerator(model, **options)
+    if resolved == "vllm-server":
+        from .vllm_server import VLLMServerGenerator
+
+        if options.get("base_url") is None:
+            raise ValueError("generation_backend 'vllm-server' needs vllm_server_url (the server's http:// address)")
+        return VLLMServerGenerator(model, **options)
+    if resolved == "static":
         return StaticCacheGenerator(model, **options)
     if options:
         raise ValueError(f"generation backend {backend!r} takes no options, got {sorted(options)}")
@@ -72,7 +99,9 @@ __all__ = [
     "Sampling",
     "StalenessError",
     "StaticCacheGenerator",
+    "VLLM_BACKENDS",
     "auto_backend",
     "completion_mask",
     "make_generator",
+    "resolve_backend",
 ]
