@@ -150,12 +150,15 @@ def prompts(batch: int, length: int, vocab: int, dev, seed: int = 0):
 def make_engine(name: str, model):
     from nitrobrew.hf.generation import BACKENDS, make_generator
 
-    if name not in BACKENDS:
-        if name.startswith("vllm"):
+    if name.startswith("vllm"):
+        from nitrobrew.hf.generation.vllm_engine import vllm_importable
+
+        if not vllm_importable():
             return None, (
                 "not measured: vLLM is not installed here (it cannot be installed on the lent GPU: no package "
                 "index, and its wheels pin another torch); where it is, this script measures it"
             )
+    if name not in BACKENDS:
         return None, f"not measured: no backend {name!r} in this nitrobrew"
     try:
         return make_generator(name, model), ""
