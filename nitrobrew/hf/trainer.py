@@ -576,13 +576,16 @@ class DistillationTrainer(Trainer):
         from .generation.async_rollouts import AsyncRollouts
 
         a = self.args
-        student = unwrap(self.model)
-        device = torch.device(a.generation_device) if a.generation_device else next(student.parameters()).device
-        replica = copy.deepcopy(student).to(device).requires_grad_(False)
-        # The static engine also runs uncompiled on a CPU; it draws from a generator of its own, so the thread
-        # neither reads nor moves the training's RNG.
-        backend = "static" if a.generation_backend == "auto" and self.generate_fn is None else a.generation_backend
-        engine = make_generator(backend, replica, generate_fn=self.generate_fn)
+        if self.generator is not None:  # an engine with weights of its own (vLLM): synced like the copy below
+            engine = self.generator
+        else:
+            student = unwrap(self.model)
+            device = torch.device(a.generation_device) if a.generation_device else next(student.parameters()).device
+            replica = copy.deepcopy(student).to(device).requires_grad_(False)
+            # The static engine also runs uncompiled on a CPU; it draws from a generator of its own, so the
+            # thread neither reads nor moves the training's RNG.
+            auto = a.generation_backend == "auto" and self.generate_fn is None
+            engine = make_generator("static" if auto else a.generation_backend, replica, generate_fn=self.generate_fn)
         if not getattr(engine, "seeds_itself", False):
             warnings.warn(
                 f"generation_async with the {engine.name!r} engine: its sampling draws from the process's RNG in "
@@ -611,7 +614,7 @@ class DistillationTrainer(Trainer):
             job = None
             if request is not None:
                 picked, rows, ids, mask = request
-                engine_model = self._rollouts.engine.model
+                engine_model = getattr(self._rollouts.engine, "model", None) or self.model
                 ids, mask, sampling = generation_request(
                     engine_model, ids, mask, **self._sampling(a.seed * 1_000_003 + first + picked[0])
                 )
