@@ -197,3 +197,12 @@ def test_sample_draws_from_the_filtered_distribution():
     torch.testing.assert_close(freq[:3], p, atol=0.01, rtol=0)
     assert int(freq[3:].sum()) == 0
     torch.testing.assert_close(lp, p.log()[tok])
+
+
+def test_caches_kept_are_bounded():
+    model = qwen2()
+    engine = StaticCacheGenerator(model, prompt_bucket=8, cache_bucket=16, max_caches=2)
+    s = Sampling(max_new_tokens=4, temperature=0.0, pad_token_id=0)
+    for batch in (1, 2, 4, 2):
+        engine.generate(*prompts(batch, 6), s)
+    assert list(engine._caches) == [(4, 16), (2, 16)]  # the two most recently used buckets
