@@ -206,3 +206,16 @@ def test_caches_kept_are_bounded():
     for batch in (1, 2, 4, 2):
         engine.generate(*prompts(batch, 6), s)
     assert list(engine._caches) == [(4, 16), (2, 16)]  # the two most recently used buckets
+
+
+def test_repetition_penalty_as_transformers():
+    """Greedy under a repetition penalty (prompts without padding: transformers also penalizes pad ids)."""
+    model = qwen2(2)
+    ids = torch.randint(4, V, (2, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    s = Sampling(max_new_tokens=16, temperature=0.0, pad_token_id=0, repetition_penalty=1.5)
+    want = DynamicCacheGenerator(model).generate(ids, mask, s)
+    got = StaticCacheGenerator(model, prompt_bucket=8, cache_bucket=16).generate(ids, mask, s)
+    assert torch.equal(got.ids, want.ids)
+    plain = DynamicCacheGenerator(model).generate(ids, mask, Sampling(max_new_tokens=16, temperature=0.0))
+    assert not torch.equal(plain.ids, want.ids)  # the penalty changed something
