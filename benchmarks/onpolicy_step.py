@@ -486,7 +486,9 @@ def main(argv=None) -> int:
     for B in cfg["decode_batches"]:
         for name_ in args.backends:
             profiled = args.profile and name_ == "static" and B == (64 if 64 in cfg["decode_batches"] else B)
-            row = measure_decode(name_, student, B, cfg, dev, bw, args.out if profiled else None)
+            row = measure_decode(
+                name_, student, B, cfg=cfg, dev=dev, floor_bw=bw, profile_dir=args.out if profiled else None
+            )
             failed |= row["note"].startswith("error")
             rows.append(row)
             print(
@@ -500,7 +502,7 @@ def main(argv=None) -> int:
     student.config.use_cache = False
     student.train()
     opt = torch.optim.AdamW(student.parameters(), lr=1e-6)
-    for row in measure_steps(student, teacher, opt, cfg, dev, rows):
+    for row in measure_steps(student, teacher, opt, cfg=cfg, dev=dev, decode_rows=rows):
         failed |= row["note"].startswith("error")
         rows.append(row)
         print(
@@ -512,7 +514,7 @@ def main(argv=None) -> int:
     if dev.type == "cuda" and torch.cuda.device_count() >= 2 and not args.no_async:
         B = 64 if 64 in cfg["step_batches"] else cfg["step_batches"][-1]
         try:
-            row = measure_async(student, teacher, opt, cfg, args.async_windows, B)
+            row = measure_async(student, teacher, opt, cfg=cfg, windows=args.async_windows, batch=B)
             off = next((r.get("off_policy_s") for r in rows if r["part"] == "step" and r["batch"] == B), None)
             if off:
                 row["on_over_off"] = row["on_policy_s"] / off
@@ -523,7 +525,7 @@ def main(argv=None) -> int:
         print(f"async B={B}: step {fmt(row.get('on_policy_s'))} s {row['note']}", flush=True)
     elif dev.type == "cuda":
         rows.append(dict(part="async", batch="-", note="not measured: one GPU visible"))
-    for path in write(rows, env, cfg, bw, args.out, time.perf_counter() - t_start):
+    for path in write(rows, env, cfg=cfg, bw=bw, out=args.out, seconds=time.perf_counter() - t_start):
         print("wrote " + path)
     return 1 if failed else 0
 

@@ -242,12 +242,12 @@ class StaticCacheGenerator(_LiveModel):
         self._warm.add((Bb, L))
         ids_out = out_ids[:B, :steps]
         return Completions(
-            ids_out,
-            completion_mask(ids_out, eos),
-            out_lp[:B, :steps],
-            self.weight_version,
-            seconds,
-            steps,
+            ids=ids_out,
+            mask=completion_mask(ids_out, eos),
+            logprobs=out_lp[:B, :steps],
+            weight_version=self.weight_version,
+            seconds=seconds,
+            decode_steps=steps,
             compiles=new_graphs,
         )
 
