@@ -17,7 +17,8 @@ downloads), bf16, SDPA attention. Prompts of P = 256 tokens, completions of G = 
    (teacher-forced) step on the same number of tokens (teacher forward, student forward + backward with
    gradient checkpointing, ``distill_loss(divergence="jsd")``, AdamW) and against an SFT step (CE only).
 3. With two GPUs visible: asynchronous rollouts (the static engine on a copy of the student on cuda:1,
-   staleness 1, training on cuda:0), the measured steady-state step time over ``--async-windows`` windows.
+   staleness 1, training on cuda:0), the measured steady-state step time over ``--async-windows`` windows;
+   ``--async-same-gpu`` also times the copy on the training GPU (its own stream, sharing the GPU).
 
 vLLM cannot be installed on the lent GPUs (no package index there; its wheels pin another torch): its rows
 say so; where it is installed, ``--backends hf static vllm`` measures it the same way.
@@ -80,6 +81,11 @@ def parse_args(argv=None):
     p.add_argument("--decode-steps", type=int, default=None, help="decode steps timed per measurement")
     p.add_argument("--async-windows", type=int, default=3, help="windows timed with asynchronous rollouts")
     p.add_argument("--no-async", action="store_true", help="skip the two-GPU asynchronous variant")
+    p.add_argument(
+        "--async-same-gpu",
+        action="store_true",
+        help="also time asynchronous rollouts with the generating copy on the training GPU (a compilation more)",
+    )
     p.add_argument("--profile", action="store_true", help="write a torch.profiler table of decode steps")
     p.add_argument("--device", default=None)
     return p.parse_args(argv)
@@ -292,16 +298,17 @@ def measure_steps(student, teacher, opt, cfg, dev, decode_rows) -> List[Dict]:
 # ---------------------------------------------------------------- 3. asynchronous rollouts
 
 
-def measure_async(student, teacher, opt, cfg, windows: int, batch: int) -> Dict:
-    """Training on cuda:0 while the static engine on a copy of the student on cuda:1 generates the next window."""
+def measure_async(student, teacher, opt, cfg, windows: int, batch: int, gen_device: str = "cuda:1") -> Dict:
+    """Training on cuda:0 while the static engine on a copy of the student on ``gen_device`` generates the next
+    window (on cuda:0 itself: on a stream of its own, sharing the GPU with training)."""
     import copy
 
     from nitrobrew.hf.generation import Sampling, StaticCacheGenerator
     from nitrobrew.hf.generation.async_rollouts import AsyncRollouts
     from nitrobrew.hf.onpolicy import assemble
 
-    row = dict(part="async", backend="static on cuda:1", batch=batch, note="")
-    dev0, dev1 = torch.device("cuda:0"), torch.device("cuda:1")
+    row = dict(part="async", backend=f"static on {gen_device}", batch=batch, note="")
+    dev0, dev1 = next(student.parameters()).device, torch.device(gen_device)
     P, G = cfg["prompt"], cfg["gen"]
     replica = copy.deepcopy(student).to(dev1).requires_grad_(False)
     engine = StaticCacheGenerator(replica)
@@ -316,14 +323,14 @@ def measure_async(student, teacher, opt, cfg, windows: int, batch: int) -> Dict:
             while ahead < min(k + 2, windows + 1):
                 rollouts.submit(*windows_prompts[ahead], s)
                 ahead += 1
-            torch.cuda.synchronize(dev0)
+            sync(dev0)
             t0 = time.perf_counter()
             c = rollouts.result(k)
             ids, mask = windows_prompts[k]
             b = assemble(ids.to(dev0), mask.to(dev0), c, 0)
             train_step(student, teacher, opt, (b.input_ids, b.attention_mask, b.labels))
             rollouts.sync_weights(student)
-            torch.cuda.synchronize(dev0)
+            sync(dev0)
             if k:  # window 0 waits for a whole generation: not the steady state
                 times.append(time.perf_counter() - t0)
     row.update(on_policy_s=statistics.median(times), windows=len(times))
@@ -511,10 +518,19 @@ def main(argv=None) -> int:
             f"{fmt(row.get('on_over_off'), 1)} {row['note']}",
             flush=True,
         )
-    if dev.type == "cuda" and torch.cuda.device_count() >= 2 and not args.no_async:
+    gen_devices = ["cpu"] if dev.type == "cpu" and not args.no_async else []  # the code path, on a CPU
+    if dev.type == "cuda" and not args.no_async:
+        gen_devices = (["cuda:1"] if torch.cuda.device_count() >= 2 else []) + (
+            ["cuda:0"] if args.async_same_gpu else []
+        )
+        if torch.cuda.device_count() < 2:
+            rows.append(dict(part="async", batch="-", note="not measured on a second GPU: one GPU visible"))
+    for gen_device in gen_devices:
         B = 64 if 64 in cfg["step_batches"] else cfg["step_batches"][-1]
         try:
-            row = measure_async(student, teacher, opt, cfg=cfg, windows=args.async_windows, batch=B)
+            row = measure_async(
+                student, teacher, opt, cfg=cfg, windows=args.async_windows, batch=B, gen_device=gen_device
+            )
             off = next((r.get("off_policy_s") for r in rows if r["part"] == "step" and r["batch"] == B), None)
             if off:
                 row["on_over_off"] = row["on_policy_s"] / off
@@ -522,9 +538,7 @@ def main(argv=None) -> int:
             row = dict(part="async", batch=B, note=f"error: {type(err).__name__}: {str(err)[:160]}")
             failed = True
         rows.append(row)
-        print(f"async B={B}: step {fmt(row.get('on_policy_s'))} s {row['note']}", flush=True)
-    elif dev.type == "cuda":
-        rows.append(dict(part="async", batch="-", note="not measured: one GPU visible"))
+        print(f"async B={B} ({gen_device}): step {fmt(row.get('on_policy_s'))} s {row['note']}", flush=True)
     for path in write(rows, env, cfg=cfg, bw=bw, out=args.out, seconds=time.perf_counter() - t_start):
         print("wrote " + path)
     return 1 if failed else 0
