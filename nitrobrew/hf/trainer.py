@@ -378,8 +378,9 @@ class DistillationTrainer(Trainer):
     ``temperature`` / ``kd_weight`` / ``ce_weight``, and with generation ``gen_len`` (counted
     tokens per completion), ``gen_tokens`` (counted tokens generated per optimizer step),
     ``gen_seconds`` (generation time per optimizer step), ``gen_decode_ms`` (per decode step),
-    ``gen_fraction`` (the share of the steps' wall time spent generating) and ``gen_compiles``
-    (graphs the engine compiled: none once its shape buckets are warm).
+    ``gen_fraction`` (the share of the steps' wall time spent generating), ``gen_compiles`` (graphs
+    the engine compiled) and ``gen_recompiles`` (of those, for shapes it had compiled before: none
+    expected).
     """
 
     def __init__(
@@ -532,6 +533,7 @@ class DistillationTrainer(Trainer):
         self._add("gen_seconds", torch.tensor(gen.seconds))
         self._add("gen_decode_steps", torch.tensor(float(gen.decode_steps)))
         self._add("gen_compiles", torch.tensor(float(gen.compiles)))
+        self._add("gen_recompiles", torch.tensor(float(gen.recompiles)))
         start = 0
         for i, n in zip(picked, rows):
             part = slice(start, start + n)
@@ -758,6 +760,7 @@ class DistillationTrainer(Trainer):
         "gen_seconds",
         "gen_decode_steps",
         "gen_compiles",
+        "gen_recompiles",
         "gen_lag",
         "gen_windows",
         "step_seconds",
@@ -801,6 +804,7 @@ class DistillationTrainer(Trainer):
                 logs["gen_decode_ms"] = round(1e3 * sums["gen_seconds"] / max(sums["gen_decode_steps"], 1), 3)
                 logs["gen_fraction"] = round(min(sums["gen_seconds"] / max(sums["step_seconds"], 1e-9), 1.0), 4)
                 logs["gen_compiles"] = int(sums["gen_compiles"])
+                logs["gen_recompiles"] = int(sums["gen_recompiles"])
             if sums["gen_windows"] > 0:
                 logs["gen_staleness"] = round(sums["gen_lag"] / sums["gen_windows"], 3)
             self._sums = {}

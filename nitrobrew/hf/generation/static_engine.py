@@ -236,9 +236,9 @@ class StaticCacheGenerator(_LiveModel):
             torch.cuda.current_stream(device).synchronize()  # this stream: training may run beside it
         seconds = time.perf_counter() - t0
         new_graphs = compiled_graphs() - graphs0
+        again = new_graphs if (Bb, L) in self._warm else 0  # a bucket compiled before: recompiled
         self.compiles += new_graphs
-        if (Bb, L) in self._warm:
-            self.recompiles += new_graphs
+        self.recompiles += again
         self._warm.add((Bb, L))
         ids_out = out_ids[:B, :steps]
         return Completions(
@@ -249,6 +249,7 @@ class StaticCacheGenerator(_LiveModel):
             seconds=seconds,
             decode_steps=steps,
             compiles=new_graphs,
+            recompiles=again,
         )
 
 
