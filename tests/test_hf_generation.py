@@ -219,3 +219,19 @@ def test_repetition_penalty_as_transformers():
     assert torch.equal(got.ids, want.ids)
     plain = DynamicCacheGenerator(model).generate(ids, mask, Sampling(max_new_tokens=16, temperature=0.0))
     assert not torch.equal(plain.ids, want.ids)  # the penalty changed something
+
+
+def test_logprobs_are_those_of_the_sampling_distribution():
+    """The static engine's log-probs: log softmax of the processed logits (T, top-k) at the sampled tokens,
+    as a teacher-forced forward of the prompt and the completion gives them."""
+    model = qwen2(3).eval()
+    ids, mask = prompts(2, 6)
+    mask[:] = 1
+    s = Sampling(max_new_tokens=8, temperature=0.7, top_k=20, pad_token_id=0, seed=1)
+    c = StaticCacheGenerator(model, prompt_bucket=8, cache_bucket=16).generate(ids, mask, s)
+    full = torch.cat([ids, c.ids], 1)
+    with torch.no_grad():
+        logits = model(full).logits[:, ids.shape[1] - 1 : -1].float()
+    filtered = reference_filter(logits.reshape(-1, V), s).reshape(logits.shape)
+    want = torch.log_softmax(filtered, -1).gather(-1, c.ids[..., None])[..., 0]
+    torch.testing.assert_close(c.logprobs, want, rtol=1e-4, atol=1e-4)
