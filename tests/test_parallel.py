@@ -380,6 +380,21 @@ def vocab_cases(r, world, group):
                 lambda: check_case(r, group, world, "forward_kl", s0, backend="triton", softcap_s=6.0, softcap_t=4.0),
             ),
             (
+                "triton: jsd + ce, fast plan in blocks of rows (gradient formed in the forward)",
+                lambda: check_case(
+                    r,
+                    group,
+                    world,
+                    "jsd",
+                    s1,
+                    backend="triton",
+                    ce_weight=0.3,
+                    memory_budget=500,
+                    reduction="sum",
+                    case_kw=dict(shape=(33,), labels="some", bias=True),
+                ),
+            ),
+            (
                 "triton: jsd, constant-memory plan",
                 lambda: check_case(
                     r,

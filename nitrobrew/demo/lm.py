@@ -449,6 +449,7 @@ def run_demo(
     """The whole demo; returns the results (also written to OUT/results.json)."""
     require_transformers()
     from ..hf import distill_loss, on_policy_batch
+    from ..hf.generation import make_generator
 
     dev = torch.device(device)
     methods = list(cfg.methods)
@@ -508,8 +509,10 @@ def run_demo(
 
     for method in methods:
         student = make_model(cfg, cfg.student_hidden, cfg.student_layers, cfg.seed + 20, dev)
+        # The fast engine where it applies (the static cache on CUDA), the dynamic cache elsewhere.
+        engine = make_generator("auto", student) if method in ON_POLICY else None
 
-        def loss_fn(idx, step, method=method, student=student):
+        def loss_fn(idx, step, method=method, student=student, engine=engine):
             if method == "hard_labels":
                 return distill_loss(student, None, train_dev[idx], kd_weight=0.0, ce_weight=1.0).loss
             if method == "topk":
@@ -569,6 +572,7 @@ def run_demo(
                     eos_token_id=None,
                     pad_token_id=0,
                     seed=cfg.seed * 1_000_003 + step,
+                    generator=engine,
                 )
                 out = distill_loss(
                     student,

@@ -112,12 +112,12 @@ def streaming_topk(
     best_i = torch.zeros((R, k), dtype=torch.int64, device=hidden.device)
     state = Online.empty(R, acc, hidden.device)
     if triton_scan:
-        from .kernels_scan import scan_chunk
+        from .kernels_scan import launch_scan_chunk
 
     for c0, c1 in spans(V, chunk):
         z = linear_logits(hidden, weight[c0:c1], None if bias is None else bias[c0:c1], acc)
         if triton_scan:
-            gmax, scale = scan_chunk(z, state, 1.0 / temperature, group), 1.0 / temperature
+            gmax, scale = launch_scan_chunk(z, state, 1.0 / temperature, group), 1.0 / temperature
         else:
             if temperature != 1.0:
                 z = z / temperature
