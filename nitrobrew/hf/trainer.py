@@ -408,6 +408,8 @@ class DistillationTrainer(Trainer):
         super().__init__(model=model, args=args, **kwargs)
         # the stored teacher's head, loaded once on the training device
         self.teacher_head = self.train_dataset.load_head(self.args.device) if stored else None
+        # the store's vocabulary (padded head rows excluded) is the default vocab_size of its loss
+        self._store_vocab = self.train_dataset.vocab_size if stored else None
         self._check_sharding()
         if getattr(self, "is_fsdp_enabled", False):  # a decoder wrapped apart: sharded here, before accelerate
             from .fsdp import shard_for_accelerate
@@ -721,7 +723,7 @@ class DistillationTrainer(Trainer):
             ce_weight=ce_weight,
             beta=a.beta,
             alpha=a.alpha,
-            vocab_size=a.vocab_size,
+            vocab_size=a.vocab_size if a.vocab_size is not None else self._store_vocab,
             num_items_in_batch=num_items_in_batch,
             topk_ids=inputs.get("topk_ids"),
             topk_logprobs=inputs.get("topk_logprobs"),
