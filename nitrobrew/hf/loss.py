@@ -54,11 +54,12 @@ def _no_autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _head_operands(model: nn.Module, hidden: torch.Tensor, keep: torch.Tensor) -> Rows:
-    """The model's Rows at the kept positions of its final hidden states, in their dtype, with a post-head
-    logit scale folded in (the cap applies after it, as in the model)."""
-    rows = hidden.reshape(-1, hidden.shape[-1])[keep]
-    head = lm_head(model)
+def _head_operands(model: Optional[nn.Module], hidden: torch.Tensor, keep: Optional[torch.Tensor], head=None) -> Rows:
+    """The model's Rows at the kept positions of its final hidden states (``keep`` None: ``hidden`` is already
+    the rows), in their dtype, with a post-head logit scale folded in (the cap applies after it, as in the
+    model). ``head``: an ``LMHead`` given instead of the model's (a stored teacher's)."""
+    rows = hidden if keep is None else hidden.reshape(-1, hidden.shape[-1])[keep]
+    head = lm_head(model) if head is None else head
     w = head.weight.to(device=hidden.device, dtype=hidden.dtype)
     b = None if head.bias is None else head.bias.to(device=hidden.device, dtype=hidden.dtype)
     if head.scale != 1.0:
@@ -67,12 +68,12 @@ def _head_operands(model: nn.Module, hidden: torch.Tensor, keep: torch.Tensor) -
     return Rows(rows, w, b, head.softcap)
 
 
-def _check_request(divergence: str, teacher, kd_weight: float, topk_ids, topk_logprobs) -> None:
+def _check_request(divergence: str, teacher, kd_weight: float, topk_ids, topk_logprobs, stored: bool = False) -> None:
     if divergence not in dv.REGISTRY and divergence != "topk":
         raise ValueError(f"divergence must be one of {dv.NAMES + ('topk',)}, got {divergence!r}")
     if divergence == "topk" and (topk_ids is None or topk_logprobs is None):
         raise ValueError("divergence='topk' needs topk_ids and topk_logprobs (from a top-k store)")
-    if divergence != "topk" and teacher is None and kd_weight != 0:
+    if divergence != "topk" and teacher is None and not stored and kd_weight != 0:
         raise ValueError(f"divergence={divergence!r} needs a teacher model (or kd_weight=0 for CE only)")
 
 
@@ -132,6 +133,18 @@ def teacher_rows(
         t = _head_operands(teacher, ht.to(device), keep)
         x, w, b = fsdp.match_teacher(t.x, t.w, t.b, student_layout=student_layout, teacher_apart=apart)
     return Rows(x, w, b, t.softcap)
+
+
+def stored_teacher_rows(hidden, scale, head, keep: torch.Tensor, device: torch.device) -> Rows:
+    """A stored teacher's Rows (``nitrobrew.teacher.hidden_data``) at the counted positions, on ``device``."""
+    flat = hidden.to(device, non_blocking=True).reshape(-1, hidden.shape[-1])
+    if scale is not None:  # the codes' bytes are indexed (not every device indexes float8 tensors)
+        rows = flat.view(torch.uint8)[keep].view(flat.dtype)
+        s = scale.to(device, non_blocking=True).reshape(-1)[keep].float()
+        rows = (rows.float() * s[:, None]).to(head.weight.dtype)  # codes times their row scale, rounded once
+    else:
+        rows = flat[keep]
+    return _head_operands(None, rows, None, head=head)
 
 
 def _hidden_parts(s: Rows, t: Rows, divergence: str, options: Dict[str, Any]) -> DistillOutput:
@@ -205,6 +218,9 @@ def distill_loss(
     backend: str = "auto",
     through_forward: bool = False,
     position_ids: Optional[torch.Tensor] = None,
+    teacher_hidden: Optional[torch.Tensor] = None,
+    teacher_hidden_scale: Optional[torch.Tensor] = None,
+    teacher_head=None,
     **kwargs,
 ) -> LMDistillOutput:
     """Distillation loss of a student causal LM against a teacher (or stored top-k) on one batch.
@@ -243,6 +259,11 @@ def distill_loss(
         position_ids: [B, N] (or [N]) positions; in a packed batch they restart at each document
             (``DataCollatorWithFlattening``): each model then attends within documents only (see
             ``nitrobrew.hf.packing``) and the last position of a document predicts nothing.
+        teacher_hidden, teacher_hidden_scale, teacher_head: a stored teacher instead of a live one
+            (``nitrobrew.teacher.hidden_data``; pass teacher=None): its final hidden states [B, N, Dt]
+            (row i at position i; float32, bfloat16, or fp8 codes with their per-row scales [B, N]) and
+            its head (``nitrobrew.hf.model.LMHead``: weight, bias, logit scale, softcap). Exact: the
+            loss is the live teacher's with the same hidden states.
         **kwargs: the divergence's parameter by its keyword (``beta`` for jsd, ``alpha`` for the skews;
             ranges and defaults: ``divergences.PARAMS``), and the flash-attention varlen kwargs of a
             packed batch (``cu_seq_lens_q``, ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``),
@@ -251,7 +272,8 @@ def distill_loss(
     Returns:
         ``LMDistillOutput(loss, kd, ce, n_tokens)``.
     """
-    _check_request(divergence, teacher, kd_weight, topk_ids, topk_logprobs)
+    stored = _check_stored_teacher(teacher, teacher_hidden, teacher_hidden_scale, teacher_head, input_ids, divergence)
+    _check_request(divergence, teacher, kd_weight, topk_ids, topk_logprobs, stored)
     params = {k: v for k, v in kwargs.items() if k in dv.PARAMS}
     varlen = {k: v for k, v in kwargs.items() if k not in dv.PARAMS}
     tg = batch_targets(input_ids, attention_mask, labels, targets, position_ids)
@@ -283,8 +305,12 @@ def distill_loss(
         assert topk_ids is not None and topk_logprobs is not None  # checked on entry
         options.update(normalize=topk_normalize, tail=topk_tail, teacher_temperature=teacher_temperature)
         parts = _topk_parts(s, topk_ids, topk_logprobs, tg.keep, options)
-    # A hidden-state store plugs in here: given teacher_hidden + teacher_head instead of a teacher model, its
-    # rows are the teacher's Rows (teacher_hidden at tg.keep, the head's weight, bias, softcap) for _hidden_parts.
+    elif stored and kd_weight != 0:  # a hidden-state store: the stored rows through the stored head
+        if lay is not None:
+            raise ValueError("a hidden-state store with the student's head sharded apart is not supported")
+        with torch.no_grad():
+            t = stored_teacher_rows(teacher_hidden, teacher_hidden_scale, teacher_head, tg.keep, s.x.device)
+        parts = _hidden_parts(s, t, divergence, options)
     elif teacher is None or kd_weight == 0:
         parts = _ce_only_parts(s, divergence, options)
     else:
@@ -292,3 +318,28 @@ def distill_loss(
         t = teacher_rows(teacher, input_ids, tg.keep, inputs=t_inputs, device=s.x.device, student_layout=lay)
         parts = _hidden_parts(s, t, divergence, options)
     return _normalized(parts, tg.n_tokens, num_items_in_batch, lay)
+
+
+def _check_stored_teacher(teacher, hidden, scale, head, input_ids, divergence) -> bool:
+    """Whether the batch carries a stored teacher (``teacher_hidden``); ValueError if it is malformed."""
+    if hidden is None:
+        if scale is not None or head is not None:
+            raise ValueError("teacher_hidden_scale / teacher_head need teacher_hidden (the stored rows)")
+        return False
+    if teacher is not None or divergence == "topk":
+        raise ValueError("teacher_hidden replaces the teacher model: pass teacher=None, and a hidden-state divergence")
+    if head is None or not hasattr(head, "weight"):
+        raise ValueError("teacher_hidden needs teacher_head (the stored teacher's LMHead: dataset.load_head(device))")
+    if (
+        hidden.dim() != 3
+        or tuple(hidden.shape[:2]) != tuple(input_ids.shape)
+        or hidden.shape[2] != head.weight.shape[1]
+    ):
+        raise ValueError(
+            f"teacher_hidden must be [B, N, Dt] = [{', '.join(map(str, input_ids.shape))}, {head.weight.shape[1]}], "
+            f"got {tuple(hidden.shape)}"
+        )
+    fp8 = hidden.dtype == torch.float8_e4m3fn
+    if fp8 != (scale is not None) or (fp8 and tuple(scale.shape) != tuple(input_ids.shape)):
+        raise ValueError("fp8 teacher_hidden needs teacher_hidden_scale [B, N] (and only fp8 rows take one)")
+    return True

@@ -445,8 +445,22 @@ class PadCollator:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def is_hidden_store(data_args: DataArguments) -> bool:
+    """Whether ``data`` names a hidden-state teacher store (the store is then the teacher: rows and head)."""
+    from ..teacher import hidden_store as hs
+
+    return os.path.isdir(data_args.data) and hs.store_format(data_args.data) == hs.FORMAT
+
+
 def build_dataset(model_args: ModelArguments, data_args: DataArguments, args):
-    """The training dataset: a top-k store (divergence: topk) or rows of input_ids / labels."""
+    """The training dataset: a hidden-state store, a top-k store (divergence: topk) or rows of input_ids /
+    labels."""
+    if is_hidden_store(data_args):
+        from ..teacher.hidden_data import HiddenDataset
+
+        if data_args.packing:
+            raise ValueError("packing: true is not available for a hidden store (its collator pads)")
+        return HiddenDataset(data_args.data)
     if args.divergence == "topk":
         from ..teacher.data import TopKDataset
 
@@ -457,6 +471,10 @@ def build_dataset(model_args: ModelArguments, data_args: DataArguments, args):
 
 
 def build_collator(data_args: DataArguments, args, student):
+    if is_hidden_store(data_args):
+        from ..teacher.hidden_data import HiddenCollator
+
+        return HiddenCollator()
     if args.divergence == "topk":
         from ..teacher.data import TopKCollator
 
@@ -476,7 +494,7 @@ def build(model_args: ModelArguments, data_args: DataArguments, args):
     from .trainer import DistillationTrainer
 
     check_paths(model_args, data_args)
-    if model_args.teacher is None and args.divergence != "topk":
+    if model_args.teacher is None and args.divergence != "topk" and not is_hidden_store(data_args):
         raise ValueError(f"divergence {args.divergence!r} needs a teacher (the teacher key)")
     dataset = build_dataset(model_args, data_args, args)
     student = _load_model(model_args.student, model_args.attn_implementation, model_args.student_dtype)

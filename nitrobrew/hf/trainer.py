@@ -393,9 +393,20 @@ class DistillationTrainer(Trainer):
     ):
         if not isinstance(args, DistillationArguments):
             raise TypeError("DistillationTrainer needs args=DistillationArguments(...)")
-        if teacher_model is None and args.divergence != "topk":
-            raise ValueError(f"divergence={args.divergence!r} needs a teacher_model")
+        # A hidden store (nitrobrew.teacher.hidden_data.HiddenDataset) is the teacher: its rows and its head.
+        stored = hasattr(kwargs.get("train_dataset"), "load_head")
+        if teacher_model is None and args.divergence != "topk" and not stored:
+            raise ValueError(
+                f"divergence={args.divergence!r} needs a teacher_model (or a hidden store as train_dataset)"
+            )
+        if stored and (teacher_model is not None or args.divergence == "topk" or args.lmbda > 0 or args.seq_kd):
+            raise ValueError(
+                "a hidden store is the teacher: no teacher_model, a hidden-state divergence, and no live generation "
+                "(lmbda = 0, seq_kd = False: write rollouts with `nitrobrew rollout` and extract them instead)"
+            )
         super().__init__(model=model, args=args, **kwargs)
+        # the stored teacher's head, loaded once on the training device
+        self.teacher_head = self.train_dataset.load_head(self.args.device) if stored else None
         self._check_sharding()
         if getattr(self, "is_fsdp_enabled", False):  # a decoder wrapped apart: sharded here, before accelerate
             from .fsdp import shard_for_accelerate
@@ -645,8 +656,8 @@ class DistillationTrainer(Trainer):
         return batch_samples, count
 
     def _labels(self, batch):
-        # Top-k batches (nitrobrew.teacher.data.TopKCollator) carry labels already shifted.
-        if self.args.divergence == "topk":
+        # Top-k and hidden-store batches (TopKCollator, HiddenCollator) carry labels already shifted.
+        if self.args.divergence == "topk" or "teacher_hidden" in batch:
             return {"targets": batch["labels"]} if batch.get("labels") is not None else {"labels": None}
         return {"labels": batch.get("labels")}
 
@@ -705,6 +716,9 @@ class DistillationTrainer(Trainer):
             teacher_temperature=self._store_temperature,
             chunk_V=a.chunk_v,
             through_forward=is_wrapped(model),
+            teacher_hidden=inputs.get("teacher_hidden"),
+            teacher_hidden_scale=inputs.get("teacher_hidden_scale"),
+            teacher_head=self.teacher_head if "teacher_hidden" in inputs else None,
             **packing,
         )
         loss = out.loss
