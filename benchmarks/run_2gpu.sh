@@ -50,18 +50,18 @@ RUN="$PY -m torch.distributed.run --nproc-per-node 2 --monitor-interval 1"
 
 # 1. DistillationTrainer under accelerate's FSDP2 plugin, both layouts, teacher replicated / sharded:
 #    one SGD step against one process on the whole batch.
-part hf_fsdp2_trainer 70 $RUN benchmarks/hf_fsdp2_trainer.py "$OUT/hf_fsdp2_trainer.md"
+part hf_fsdp2_trainer 50 $RUN benchmarks/hf_fsdp2_trainer.py "$OUT/hf_fsdp2_trainer.md"
 
 # 2. Vocab-parallel hidden-state loss over NCCL: speed vs one GPU (torch and Triton), per-rank phases.
 part distributed_nccl 120 $RUN benchmarks/distributed_nccl.py --out "$OUT" --tokens 4096,16384 \
     --divergences forward_kl,jsd --reps 3 --warmup 1 --naive-max-tokens 0
 
 # 3. FSDP2 plain loop at 7B/1.5B shapes: head sharded apart vs root-wrapped vs HF logits.
-part fsdp2_plain_loop 140 $RUN benchmarks/fsdp2_plain_loop.py --out "$OUT" --lengths 8192,32768 --steps 3 --warmup 1
+part fsdp2_plain_loop 130 $RUN benchmarks/fsdp2_plain_loop.py --out "$OUT" --lengths 8192,32768 --steps 3 --warmup 1
 
 # 4. A rank killed mid-run (NCCL, torchrun): bounded stop, then --resume_from_checkpoint on the same curve.
-part rank_death 85 $PY benchmarks/rank_death.py --out "$OUT" --device cuda --steps 40 --save-steps 5 --bound 45 \
-    --run-timeout 60
+part rank_death 100 $PY benchmarks/rank_death.py --out "$OUT" --device cuda --steps 300 --save-steps 20 --bound 45 \
+    --run-timeout 70
 
 # 5. `nitrobrew train` under accelerate launch (FSDP2, decoder apart) and torchrun (FSDP2, root-wrapped).
 TL=$(mktemp -d)
