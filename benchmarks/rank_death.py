@@ -10,7 +10,8 @@ temporary directory, no downloads):
   C  B's run resumed with --resume_from_checkpoint (its latest complete checkpoint) to the end
 
 C's per-step losses must equal A's on the steps after the checkpoint (same data order, optimizer,
-scheduler and RNG states). Writes rank_death.md to --out; exit status 0 when the stop was bounded
+scheduler and RNG states; eager attention, whose backward is deterministic on CUDA where SDPA's
+memory-efficient kernel adds with atomics). Writes rank_death.md to --out; exit status 0 when the stop was bounded
 (--bound seconds) and the curves agree.
 
     python benchmarks/rank_death.py --out benchmarks/results/parallel --device cuda    # 2 GPUs, NCCL
@@ -36,6 +37,7 @@ student: {root}/student
 teacher: {root}/teacher
 data: {root}/data.jsonl
 output_dir: {out}
+attn_implementation: eager
 max_steps: {steps}
 per_device_train_batch_size: 2
 learning_rate: 1.0e-2
