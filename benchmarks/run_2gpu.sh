@@ -45,6 +45,11 @@ part() {
     timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
     rc=$?
     echo "$name: exit $rc in $(($(date +%s) - t0)) s (limit $limit s)$([ $rc -eq 124 ] && echo ' TIMED OUT')" | tee -a "$SUMMARY"
+    if [ "$rc" -ne 0 ]; then  # the end of a failing part's log, in the command's own output
+        echo "--- last lines of $LOGS/$name.log"
+        tail -n 30 "$LOGS/$name.log"
+        echo "---"
+    fi
 }
 RUN="$PY -m torch.distributed.run --nproc-per-node 2 --monitor-interval 1"
 
