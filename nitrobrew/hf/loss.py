@@ -59,7 +59,9 @@ def _head_operands(model: Optional[nn.Module], hidden: torch.Tensor, keep: Optio
     the rows), in their dtype, with a post-head logit scale folded in (the cap applies after it, as in the
     model). ``head``: an ``LMHead`` given instead of the model's (a stored teacher's)."""
     rows = hidden if keep is None else hidden.reshape(-1, hidden.shape[-1])[keep]
-    head = lm_head(model) if head is None else head
+    if head is None:
+        assert model is not None, "a model or its head"
+        head = lm_head(model)
     w = head.weight.to(device=hidden.device, dtype=hidden.dtype)
     b = None if head.bias is None else head.bias.to(device=hidden.device, dtype=hidden.dtype)
     if head.scale != 1.0:
@@ -272,8 +274,15 @@ def distill_loss(
     Returns:
         ``LMDistillOutput(loss, kd, ce, n_tokens)``.
     """
-    stored = _check_stored_teacher(teacher, teacher_hidden, teacher_hidden_scale, teacher_head, input_ids, divergence)
-    _check_request(divergence, teacher, kd_weight, topk_ids, topk_logprobs, stored)
+    stored = _check_stored_teacher(
+        teacher,
+        hidden=teacher_hidden,
+        scale=teacher_hidden_scale,
+        head=teacher_head,
+        input_ids=input_ids,
+        divergence=divergence,
+    )
+    _check_request(divergence, teacher, kd_weight, topk_ids=topk_ids, topk_logprobs=topk_logprobs, stored=stored)
     params = {k: v for k, v in kwargs.items() if k in dv.PARAMS}
     varlen = {k: v for k, v in kwargs.items() if k not in dv.PARAMS}
     tg = batch_targets(input_ids, attention_mask, labels, targets, position_ids)

@@ -378,8 +378,9 @@ class DistillationTrainer(Trainer):
     ``temperature`` / ``kd_weight`` / ``ce_weight``, and with generation ``gen_len`` (counted
     tokens per completion), ``gen_tokens`` (counted tokens generated per optimizer step),
     ``gen_seconds`` (generation time per optimizer step), ``gen_decode_ms`` (per decode step),
-    ``gen_fraction`` (the share of the steps' wall time spent generating) and ``gen_compiles``
-    (graphs the engine compiled: none once its shape buckets are warm).
+    ``gen_fraction`` (the share of the steps' wall time spent generating), ``gen_compiles`` (graphs
+    the engine compiled) and ``gen_recompiles`` (of those, for shapes it had compiled before: none
+    expected).
     """
 
     def __init__(
@@ -543,6 +544,7 @@ class DistillationTrainer(Trainer):
         self._add("gen_seconds", torch.tensor(gen.seconds))
         self._add("gen_decode_steps", torch.tensor(float(gen.decode_steps)))
         self._add("gen_compiles", torch.tensor(float(gen.compiles)))
+        self._add("gen_recompiles", torch.tensor(float(gen.recompiles)))
         start = 0
         for i, n in zip(picked, rows):
             part = slice(start, start + n)
@@ -587,10 +589,22 @@ class DistillationTrainer(Trainer):
         from .generation.async_rollouts import AsyncRollouts
 
         a = self.args
-        student = unwrap(self.model)
-        device = torch.device(a.generation_device) if a.generation_device else next(student.parameters()).device
-        replica = copy.deepcopy(student).to(device).requires_grad_(False)
-        engine = make_generator(a.generation_backend, replica, generate_fn=self.generate_fn)
+        if self.generator is not None:  # an engine with weights of its own (vLLM): synced like the copy below
+            engine = self.generator
+        else:
+            student = unwrap(self.model)
+            device = torch.device(a.generation_device) if a.generation_device else next(student.parameters()).device
+            replica = copy.deepcopy(student).to(device).requires_grad_(False)
+            # The static engine also runs uncompiled on a CPU; it draws from a generator of its own, so the
+            # thread neither reads nor moves the training's RNG.
+            auto = a.generation_backend == "auto" and self.generate_fn is None
+            engine = make_generator("static" if auto else a.generation_backend, replica, generate_fn=self.generate_fn)
+        if not getattr(engine, "seeds_itself", False):
+            warnings.warn(
+                f"generation_async with the {engine.name!r} engine: its sampling draws from the process's RNG in "
+                "a background thread, so runs do not repeat exactly (the static engine's do)",
+                stacklevel=2,
+            )
         self._rollouts = AsyncRollouts(engine, staleness=a.max_staleness)
         self._rollouts_start = self.state.global_step
 
@@ -613,7 +627,7 @@ class DistillationTrainer(Trainer):
             job = None
             if request is not None:
                 picked, rows, ids, mask = request
-                engine_model = self._rollouts.engine.model
+                engine_model = getattr(self._rollouts.engine, "model", None) or self.model
                 ids, mask, sampling = generation_request(
                     engine_model, ids, mask, **self._sampling(a.seed * 1_000_003 + first + picked[0])
                 )
@@ -760,6 +774,7 @@ class DistillationTrainer(Trainer):
         "gen_seconds",
         "gen_decode_steps",
         "gen_compiles",
+        "gen_recompiles",
         "gen_lag",
         "gen_windows",
         "step_seconds",
@@ -803,6 +818,7 @@ class DistillationTrainer(Trainer):
                 logs["gen_decode_ms"] = round(1e3 * sums["gen_seconds"] / max(sums["gen_decode_steps"], 1), 3)
                 logs["gen_fraction"] = round(min(sums["gen_seconds"] / max(sums["step_seconds"], 1e-9), 1.0), 4)
                 logs["gen_compiles"] = int(sums["gen_compiles"])
+                logs["gen_recompiles"] = int(sums["gen_recompiles"])
             if sums["gen_windows"] > 0:
                 logs["gen_staleness"] = round(sums["gen_lag"] / sums["gen_windows"], 3)
             self._sums = {}

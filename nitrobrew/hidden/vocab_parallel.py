@@ -25,7 +25,7 @@ from .. import divergences as dv
 from ..core import checks as ck
 from ..core.ops import compute_dtype, grad_needed
 from ..core.outputs import DistillOutput
-from ..core.reduction import combine_rows, reduce_rows, reduction_scale, row_scales
+from ..core.reduction import IGNORE_INDEX, combine_rows, reduce_rows, reduction_scale, row_scales
 from ..parallel.comm import (
     all_reduce,
     check_label_range,
@@ -428,7 +428,7 @@ def parallel_hidden_loss(
     process_group=None,
     divergence="forward_kl",
     labels=None,
-    ignore_index=-100,
+    ignore_index=IGNORE_INDEX,
     temperature=1.0,
     reduction="mean",
     chunk_V=None,
