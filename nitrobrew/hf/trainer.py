@@ -479,17 +479,18 @@ class DistillationTrainer(Trainer):
     def generator_for(self, who):
         """The engine that completes prompts with ``who`` (the student, or the teacher for seq_kd), made once."""
         key = "student" if who is self.model else "teacher"
-        if key == "student" and self.generator is not None:
-            if self._synced_step != self.state.global_step:
-                self.generator.sync_weights(self.model)  # the optimizer stepped since the engine last saw it
-                self._synced_step = self.state.global_step
-            return self.generator
-        gen = self._generators.get(key)
+        gen = self.generator if key == "student" and self.generator is not None else self._generators.get(key)
         if gen is None:
-            from .generation import make_generator
+            from .generation import VLLM_BACKENDS, auto_backend, make_generator
 
-            gen = make_generator(self.args.generation_backend, who, generate_fn=self.generate_fn)
+            backend = self.args.generation_backend
+            if key == "teacher" and (backend in VLLM_BACKENDS or backend == "auto"):
+                backend = auto_backend(who, vllm=False)  # vLLM engines hold the student; the teacher's stay here
+            gen = make_generator(backend, who, generate_fn=self.generate_fn)
             self._generators[key] = gen
+        if key == "student" and self._synced_step != self.state.global_step:
+            gen.sync_weights(self.model)  # the optimizer stepped since the engine last saw the student
+            self._synced_step = self.state.global_step
         return gen
 
     def _who(self, index: int):
@@ -591,7 +592,12 @@ class DistillationTrainer(Trainer):
         from .generation.async_rollouts import AsyncRollouts
 
         a = self.args
-        if self.generator is not None:  # an engine with weights of its own (vLLM): synced like the copy below
+        if a.generation_backend == "vllm" or getattr(self.generator, "name", None) == "vllm":
+            raise ValueError(
+                "generation_async with generation_backend 'vllm' (in this process) is not supported: use "
+                "vllm-server (a server on other GPUs) or generation_async: false"
+            )
+        if self.generator is not None:  # an engine with weights of its own (a vLLM server): synced per step
             engine = self.generator
         else:
             student = unwrap(self.model)
@@ -654,16 +660,18 @@ class DistillationTrainer(Trainer):
         self._clock()  # the previous window's wall time ends here
         # Generated batches replace their sources before the count: the normalizer stays exact.
         # Which batches are generated, and how: a function of the seed and the micro-batch's index.
-        if self.args.generation_async:
-            batch_samples = self._async_window(epoch_iterator, num_batches, *args, **kwargs)
-        else:
-            batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
-            try:
+        try:
+            if self.args.generation_async:
+                batch_samples = self._async_window(epoch_iterator, num_batches, *args, **kwargs)
+            else:
+                batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
                 batch_samples = self._generate_window(batch_samples, self.state.global_step * num_batches)
-            except ConnectionError:  # a generation server went away: keep what was trained, resumable
-                if self.generator is not None:
-                    self._save_checkpoint(self.model, trial=None)
-                raise
+        except (ConnectionError, RuntimeError) as err:
+            # A generation server went away (raised here, or by the rollout thread): keep what was trained,
+            # resumable, then stop.
+            if isinstance(err, ConnectionError) or isinstance(err.__cause__, ConnectionError):
+                self._save_checkpoint(self.model, trial=None)
+            raise
         count = torch.zeros((), dtype=torch.long, device=self.args.device)
         for batch in batch_samples:
             count += (self._targets(batch) != IGNORE_INDEX).sum().to(count.device)
