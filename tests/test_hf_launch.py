@@ -89,3 +89,13 @@ def test_accelerate_fsdp2_config_on_cpu_is_refused(run_dir):
 def test_packing_with_generation_is_refused_at_parse_time(run_dir, generation):
     with pytest.raises(ValueError, match="packing: true with lmbda > 0 or seq_kd"):
         parse(str(run_dir / "cfg.yaml"), ["--packing", "true", *generation])
+
+
+def test_fsdp2_plain_loop_example_runs_under_torchrun(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    for extra in ([], ["--shard-teacher", "--apart"]):
+        cmd = [*torchrun(), os.path.join(ROOT, "examples", "fsdp2_plain_loop.py"), "--steps", "2", *extra]
+        done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+        assert len(steps) == 2 and all("(2 ranks)" in line for line in steps), done.stdout

@@ -288,6 +288,28 @@ def check_sharding(deepspeed_plugin=None, fsdp_plugin=None) -> None:
         )
 
 
+class GenerationProgress:
+    """On-policy / seq_kd generation on the training bar (transformers' ProgressCallback), so that a step
+    that spends most of its time generating says so: "generating 1/4 ..." while it runs, then the
+    tokens generated and tokens/s. Nothing without a bar (disable_tqdm, other processes)."""
+
+    def __init__(self, trainer: Trainer):
+        self.bar = None
+        for callback in trainer.callback_handler.callbacks:
+            if getattr(callback, "training_bar", None) is not None:
+                self.bar = callback.training_bar
+
+    def start(self, i: int, n: int) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"generating {i + 1}/{n} ...", refresh=True)
+
+    def end(self, gen) -> None:
+        if self.bar is not None:
+            tokens = int(gen.n_generated.sum())
+            rate = tokens / gen.seconds if gen.seconds > 0 else float("inf")
+            self.bar.set_postfix_str(f"generated {tokens} tokens in {gen.seconds:.1f} s, {rate:.0f} tokens/s")
+
+
 class DistillationTrainer(Trainer):
     """Trainer whose loss distills ``teacher_model`` into ``model``.
 
@@ -406,13 +428,26 @@ class DistillationTrainer(Trainer):
         self._add("gen_batches", torch.tensor(1.0))
         return {"input_ids": gen.input_ids, "attention_mask": gen.attention_mask, "labels": gen.labels}
 
+    def _generate_shown(self, batch, index: int, i: int, n: int):
+        """_generate, shown on the training bar: which micro-batch is generating, then tokens/s."""
+        a = self.args
+        if not (a.seq_kd or a.lmbda > 0):
+            return batch
+        shown = GenerationProgress(self)
+        shown.start(i, n)
+        before = self._last_generation
+        out = self._generate(batch, index)
+        if self._last_generation is not None and self._last_generation is not before:
+            shown.end(self._last_generation)
+        return out
+
     # -- the global token count of each accumulation window ------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
         # Generated batches replace their sources before the count: the normalizer stays exact.
         # Which batches are generated, and how: a function of the seed and the micro-batch's index.
         first = self.state.global_step * num_batches
-        batch_samples = [self._generate(b, first + i) for i, b in enumerate(batch_samples)]
+        batch_samples = [self._generate_shown(b, first + i, i, len(batch_samples)) for i, b in enumerate(batch_samples)]
         count = torch.zeros((), dtype=torch.long, device=self.args.device)
         for batch in batch_samples:
             count += (self._targets(batch) != IGNORE_INDEX).sum().to(count.device)
