@@ -23,6 +23,12 @@ COMMANDS = {
     "topk-verify": ("nitrobrew.teacher.verify", "check every shard of a top-k store (checksums and contents)"),
     "topk-export": ("nitrobrew.teacher.interop", "export a top-k store to parquet (Hugging Face datasets layout)"),
     "topk-import": ("nitrobrew.teacher.interop", "import a top-k store from parquet (Hugging Face datasets layout)"),
+    "teacher-extract": (
+        "nitrobrew.teacher.hidden_extract",
+        "store a teacher's final hidden states and head (or top-k) over a corpus or rollouts",
+    ),
+    "teacher-verify": ("nitrobrew.teacher.hidden_verify", "check every shard of a hidden-state or top-k store"),
+    "rollout": ("nitrobrew.teacher.rollout", "write a model's completions of a prompt set as a dataset"),
     "train": ("nitrobrew.hf.train_cli", "distill with DistillationTrainer from a YAML config"),
 }
 # `nitrobrew bench attention` is spelled as a mode of bench, too.

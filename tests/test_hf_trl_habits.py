@@ -217,4 +217,4 @@ def test_generation_progress_shows_on_the_step_bar(tmp_path, capsys):
         model=student_model(), teacher_model=teacher_model(), args=a, train_dataset=data, data_collator=PadCollator()
     ).train()
     err = capsys.readouterr().err
-    assert "generating 1/1 ..." in err and "tokens/s" in err, err[-2000:]
+    assert "generating 1 completion (student) ..." in err and "tokens/s" in err, err[-2000:]

@@ -8,10 +8,10 @@ import torch
 
 from ..core import checks as ck
 from ..core.checks import interpreter_enabled
-from ..core.launch import cdiv, launch
+from ..core.launch import cdiv
 from .common import AttnSpec
-from .kernels_bwd import attn_kl_bwd_dk_kernel, attn_kl_bwd_dq_kernel
-from .kernels_fwd import DEFAULT_CONFIGS, LOG2E, attn_kl_fwd_kernel, next_pow2_dim
+from .kernels_bwd import launch_bwd_dk, launch_bwd_dq
+from .kernels_fwd import DEFAULT_CONFIGS, LOG2E, launch_fwd, next_pow2_dim
 
 
 class Side:
@@ -79,8 +79,7 @@ def triton_forward(X: Side, Y: Side, kpm, spec: AttnSpec, lse_x=None, lse_y=None
     lx_in, x_fixed = fixed(lse_x)
     ly_in, y_fixed = fixed(lse_y)
     grid = (cdiv(Nq, BM), B * H)
-    launch(
-        attn_kl_fwd_kernel,
+    launch_fwd(
         grid,
         X.q,
         X.k,
@@ -153,8 +152,7 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
         dqy = torch.empty_like(Y.q) if need["qy"] else kl
         sx3 = dqx.stride()[:3] if need["qx"] else (0, 0, 0)
         sy3 = dqy.stride()[:3] if need["qy"] else (0, 0, 0)
-        launch(
-            attn_kl_bwd_dq_kernel,
+        launch_bwd_dq(
             (cdiv(Nq, BM), B * H),
             X.q,
             X.k,
@@ -219,8 +217,7 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
         dka = torch.empty_like(A.k)
         dkb = torch.empty_like(Bs.k) if also_b else kl
         sb3 = dkb.stride()[:3] if also_b else (0, 0, 0)
-        launch(
-            attn_kl_bwd_dk_kernel,
+        launch_bwd_dk(
             (cdiv(Nk, BN), B * Hkva),
             A.q,
             A.k,

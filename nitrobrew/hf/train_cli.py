@@ -49,6 +49,14 @@ class ModelArguments:
             "alpha and dropout are lora_alpha and lora_dropout)"
         },
     )
+    # vLLM engines of the student's completions (generation_backend: vllm / vllm-server; docs/hf.md).
+    vllm_server_url: Optional[str] = field(default=None, metadata={"help": "vllm-server: the server's URL"})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vllm: its share of GPU memory"})
+    vllm_kv_cache_memory_bytes: Optional[int] = field(
+        default=None, metadata={"help": "vllm: KV cache bytes (overrides the share; CPU default 256 MiB)"}
+    )
+    vllm_max_model_len: Optional[int] = field(default=None, metadata={"help": "vllm: longest prompt + completion"})
+    vllm_sync_every: int = field(default=1, metadata={"help": "vllm backends: load the weights every N steps"})
 
 
 @dataclass
@@ -481,8 +489,22 @@ class PadCollator:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def is_hidden_store(data_args: DataArguments) -> bool:
+    """Whether ``data`` names a hidden-state teacher store (the store is then the teacher: rows and head)."""
+    from ..teacher import hidden_store as hs
+
+    return os.path.isdir(data_args.data) and hs.store_format(data_args.data) == hs.FORMAT
+
+
 def build_dataset(model_args: ModelArguments, data_args: DataArguments, args):
-    """The training dataset: a top-k store (divergence: topk) or rows of input_ids / labels."""
+    """The training dataset: a hidden-state store, a top-k store (divergence: topk) or rows of input_ids /
+    labels."""
+    if is_hidden_store(data_args):
+        from ..teacher.hidden_data import HiddenDataset
+
+        if data_args.packing:
+            raise ValueError("packing: true is not available for a hidden store (its collator pads)")
+        return HiddenDataset(data_args.data)
     if args.divergence == "topk":
         from ..teacher.data import TopKDataset
 
@@ -493,6 +515,10 @@ def build_dataset(model_args: ModelArguments, data_args: DataArguments, args):
 
 
 def build_collator(data_args: DataArguments, args, student):
+    if is_hidden_store(data_args):
+        from ..teacher.hidden_data import HiddenCollator
+
+        return HiddenCollator()
     if args.divergence == "topk":
         from ..teacher.data import TopKCollator
 
@@ -512,7 +538,7 @@ def build(model_args: ModelArguments, data_args: DataArguments, args):
     from .trainer import DistillationTrainer
 
     check_paths(model_args, data_args)
-    if model_args.teacher is None and args.divergence != "topk":
+    if model_args.teacher is None and args.divergence != "topk" and not is_hidden_store(data_args):
         raise ValueError(f"divergence {args.divergence!r} needs a teacher (the teacher key)")
     dataset = build_dataset(model_args, data_args, args)
     student = _load_model(model_args.student, model_args.attn_implementation, model_args.student_dtype)
@@ -532,6 +558,29 @@ def build(model_args: ModelArguments, data_args: DataArguments, args):
         args=args,
         train_dataset=dataset,
         data_collator=build_collator(data_args, args, student),
+        generator=_generator(model_args, student, args),
+    )
+
+
+def _generator(m: ModelArguments, student, args):
+    """The student's vLLM engine where the backend is one (else None: the trainer's default)."""
+    from .generation import BACKENDS, VLLM_BACKENDS, make_generator, resolve_backend
+
+    if args.generation_backend not in BACKENDS:
+        raise ValueError(f"generation_backend must be one of {', '.join(BACKENDS)}, got {args.generation_backend!r}")
+    backend = resolve_backend(args.generation_backend, student)
+    if backend not in VLLM_BACKENDS or not (args.lmbda > 0):
+        return None
+    if backend == "vllm-server":
+        return make_generator(backend, student, base_url=m.vllm_server_url, sync_every=m.vllm_sync_every)
+    return make_generator(
+        backend,
+        student,
+        gpu_memory_utilization=m.vllm_gpu_memory_utilization,
+        kv_cache_memory_bytes=m.vllm_kv_cache_memory_bytes,
+        max_model_len=m.vllm_max_model_len,
+        sync_every=m.vllm_sync_every,
+        seed=args.seed,
     )
 
 
@@ -545,11 +594,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rest.required = False  # may be empty: a missing config names the config alone
 
 
+def _resume_from(value):
+    """--resume_from_checkpoint: a checkpoint directory, or true / last for output_dir's latest one."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "last"):
+        return True
+    return value or None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         model_args, data_args, train_args = parse(None if args.config == "-" else args.config, args.overrides)
         trainer = build(model_args, data_args, train_args)
-        trainer.train()
+        trainer.train(resume_from_checkpoint=_resume_from(train_args.resume_from_checkpoint))
         trainer.save_model()
         trainer.save_state()  # trainer_state.json: the log history
     except (ValueError, TypeError, OSError, ImportError, KeyError, argparse.ArgumentError) as err:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
+from typing_extensions import TypedDict, Unpack
 
 from .. import divergences as dv
 from ..core import checks as ck
@@ -64,8 +65,6 @@ def hidden_loss(
     wt: torch.Tensor,
     *,
     divergence: str = "forward_kl",
-    beta: float = 0.5,
-    alpha: float = 0.1,
     labels: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
     temperature: float = 1.0,
@@ -85,10 +84,13 @@ def hidden_loss(
     softcap_t: Optional[float] = None,
     return_parts: bool = False,
     process_group=None,
+    **params: float,
 ):
     """Divergence between teacher and student next-token distributions, from hidden states.
 
-    See the per-divergence functions (``forward_kl`` ...) for the meaning of each option.
+    See the per-divergence functions (``forward_kl`` ...) for the meaning of each option; ``params``: the
+    divergence's parameter by its keyword (``beta`` for jsd, ``alpha`` for the skews; ranges and defaults
+    in ``divergences.PARAMS``).
     """
     if process_group is not None or any(ck.is_dtensor(t) for t in (xs, xt, ws, wt, bs, bt)):
         from ..parallel.dtensor import unwrap
@@ -104,8 +106,6 @@ def hidden_loss(
             wt,
             process_group=process_group,
             divergence=divergence,
-            beta=beta,
-            alpha=alpha,
             labels=labels,
             ignore_index=ignore_index,
             temperature=temperature,
@@ -124,8 +124,9 @@ def hidden_loss(
             softcap_s=softcap_s,
             softcap_t=softcap_t,
             return_parts=return_parts,
+            **params,
         )
-    name, param = ck.divergence_param(divergence, beta, alpha)
+    name, param = ck.divergence_param(divergence, params)
     V = _validate(
         xs,
         xt,
@@ -246,121 +247,61 @@ _COMMON_DOC = """
 
 def _doc(name: str) -> str:
     d = dv.REGISTRY[name]
-    param = "" if d.param is None else f"\n    {d.param}: in [0, 1], default {d.default}.\n"
+    spec = None if d.param is None else dv.PARAMS[d.param]
+    param = (
+        ""
+        if spec is None
+        else f"\n    {spec.name}: {spec.help}, in [{spec.low:g}, {spec.high:g}], default {spec.default}.\n"
+    )
     return d.summary + "\n" + param + _COMMON_DOC
+
+
+class HiddenOptions(TypedDict, total=False):
+    """The options of the six losses, once (their defaults: ``hidden_loss``'s signature; their meaning: the
+    docstrings). ``tests/test_architecture.py`` checks that it lists exactly ``hidden_loss``'s options."""
+
+    labels: Optional[Tensor]
+    ignore_index: int
+    temperature: float
+    reduction: str
+    chunk_V: Optional[int]
+    vocab_size: Optional[int]
+    bs: Optional[Tensor]
+    bt: Optional[Tensor]
+    kd_weight: float
+    ce_weight: float
+    scale_t2: bool
+    backend: str
+    mode: Optional[str]
+    memory_budget: Optional[int]
+    grad_filter: Union[bool, float]
+    softcap_s: Optional[float]
+    softcap_t: Optional[float]
+    return_parts: bool
+    process_group: Any
+
+
+OPTION_NAMES = frozenset(HiddenOptions.__annotations__)
+
+
+def _check_options(fn: str, options: Mapping[str, Any]) -> None:
+    # hidden_loss takes every divergence's parameter by keyword; a named loss takes its own only
+    unknown = sorted(set(options) - OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"{fn}() got unexpected keyword argument(s) {unknown}")
 
 
 # The six losses, written out (one docstring body, from the registry). Options are keyword-only.
 
 
-def forward_kl(
-    xs: Tensor,
-    xt: Tensor,
-    ws: Tensor,
-    wt: Tensor,
-    *,
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
-):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="forward_kl",
-    )
+def forward_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, **options: Unpack[HiddenOptions]):
+    _check_options("forward_kl", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="forward_kl", **options)
 
 
-def reverse_kl(
-    xs: Tensor,
-    xt: Tensor,
-    ws: Tensor,
-    wt: Tensor,
-    *,
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
-):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="reverse_kl",
-    )
+def reverse_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, **options: Unpack[HiddenOptions]):
+    _check_options("reverse_kl", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="reverse_kl", **options)
 
 
 def jsd(
@@ -369,110 +310,16 @@ def jsd(
     ws: Tensor,
     wt: Tensor,
     *,
-    beta: float = 0.5,
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
+    beta: float = dv.default("beta"),
+    **options: Unpack[HiddenOptions],
 ):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        beta=beta,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="jsd",
-    )
+    _check_options("jsd", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="jsd", beta=beta, **options)
 
 
-def tvd(
-    xs: Tensor,
-    xt: Tensor,
-    ws: Tensor,
-    wt: Tensor,
-    *,
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
-):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="tvd",
-    )
+def tvd(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, **options: Unpack[HiddenOptions]):
+    _check_options("tvd", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="tvd", **options)
 
 
 def skew_kl(
@@ -481,55 +328,11 @@ def skew_kl(
     ws: Tensor,
     wt: Tensor,
     *,
-    alpha: float = 0.1,
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
+    alpha: float = dv.default("alpha"),
+    **options: Unpack[HiddenOptions],
 ):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        alpha=alpha,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="skew_kl",
-    )
+    _check_options("skew_kl", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="skew_kl", alpha=alpha, **options)
 
 
 def skew_reverse_kl(
@@ -538,55 +341,11 @@ def skew_reverse_kl(
     ws: Tensor,
     wt: Tensor,
     *,
-    alpha: float = 0.1,
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
+    alpha: float = dv.default("alpha"),
+    **options: Unpack[HiddenOptions],
 ):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        alpha=alpha,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="skew_reverse_kl",
-    )
+    _check_options("skew_reverse_kl", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="skew_reverse_kl", alpha=alpha, **options)
 
 
 LOSSES = {f.__name__: f for f in (forward_kl, reverse_kl, jsd, tvd, skew_kl, skew_reverse_kl)}

@@ -86,7 +86,7 @@ def _kl_lanes_to_row(m_o, l_o, acc, rel, m_x, l_x, lost, mo0, lo0, a0, r0, mx0, 
 
 
 @triton.jit
-def stats_kernel(
+def hidden_stats_kernel(
     z_ptr,
     t_ptr,
     stride_z,
@@ -281,7 +281,7 @@ def _grad_tile(
 
 
 @triton.jit
-def grad_kernel(
+def hidden_grad_kernel(
     z_ptr,
     t_ptr,
     g_ptr,
@@ -380,7 +380,7 @@ def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no:
     has_labels = cfg.with_ce and labels is not None and pass_no == 1
     kl = pass_no == 1 and cfg.divergence in dv.ONE_PASS
     launch(
-        stats_kernel,
+        hidden_stats_kernel,
         (rows,),
         z,
         t,
@@ -415,7 +415,7 @@ def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, c
     inv_temp, a, log_a, log_1ma = math_args(cfg)
     with_ce = cfg.with_ce and labels is not None
     launch(
-        grad_kernel,
+        hidden_grad_kernel,
         (rows,),
         z,
         t,

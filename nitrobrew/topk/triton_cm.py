@@ -20,7 +20,7 @@ import torch
 import triton.language as tl
 
 from ..core import checks as ck
-from ..core.launch import cdiv, launch
+from ..core.launch import cdiv
 from ..core.online import Online
 from . import kernels_cm as kern
 from .chunked import chunked_rows, combine_topk_rows, finish, row_coefficients
@@ -119,8 +119,7 @@ def gather_logits(xs: Tensor, ws: Tensor, bs: Optional[Tensor], ids: Tensor) -> 
         return out
     block_k = 16 if _interpreting() else 32
     block_d = 16 if _interpreting() else 256
-    launch(
-        kern._gather_kernel,
+    kern.launch_gather(
         (N, cdiv(K, block_k)),
         xs,
         ws,
@@ -160,8 +159,7 @@ def lse_range(
     grid = (cdiv(N, c.block_b) * cdiv(V, c.block_v),)
     ids = outside.ids if outside is not None else locks
     K = ids.shape[1] if outside is not None else 1
-    launch(
-        kern._lse_kernel,
+    kern.launch_lse(
         grid,
         xs,
         ws,
@@ -232,8 +230,7 @@ def full_backward_range(
     locks_x = torch.zeros(n_rb * n_dch, dtype=torch.int32, device=xs.device)
     locks_w = torch.zeros(n_vt * n_dch if need_w else 1, dtype=torch.int32, device=xs.device)
     if N > 0 and V > 0:
-        launch(
-            kern._full_bwd_kernel,
+        kern.launch_bwd(
             (n_rb * n_vt,),
             xs,
             ws,

@@ -4,11 +4,11 @@ For a block of C rows:
 1. z = x W^T (+ b), an fp32 [C, V] slab from cuBLAS (bf16 operands, fp32 output: the logits are
    never rounded to bf16);
 2. the logits at the row's stored ids (and at its label) are gathered, then the ids' entries of
-   the slab are set to -inf, so that one row pass (``kf.slab_lse_kernel``) gives the log-sum-exp
+   the slab are set to -inf, so that one row pass (``kf.topk_fast_lse_kernel``) gives the log-sum-exp
    over the OTHER entries directly: with the tail bucket that is the student's tail, exact however
    small; without it, the full log-sum-exp is rebuilt from it and the K id logits;
 3. the [C, K] math of ``rowmath`` gives the losses and the gradient coefficients;
-4. ``kernels_fast.slab_grad_kernel`` writes the gradient slab in the heads' dtype over the slab's own bytes;
+4. ``kernels_fast.topk_fast_grad_kernel`` writes the gradient slab in the heads' dtype over the slab's own bytes;
    the ids' gradients (computed in fp32 on [C, K]) are added at their columns (the kernel wrote
    exact zeros there); then dX = G W, dW += G^T X, db += sum G.
 
@@ -27,7 +27,6 @@ from typing import List, Optional
 import torch
 
 from ..core import checks as ck
-from ..core.launch import launch
 from ..core.online import Online, spans
 from ..core.ops import linear_logits, softcap_, softcap_grad_
 from ..core.reduction import reduce_rows, reduction_scale, row_scales, row_upstream
@@ -92,8 +91,7 @@ def _rest_lse(z: torch.Tensor, cfg: TopKConfig) -> torch.Tensor:
     raw = cfg.with_ce and cfg.temperature != 1.0
     out = torch.empty(rows, 2, dtype=F32, device=z.device)
     if rows:
-        launch(
-            kf.slab_lse_kernel,
+        kf.launch_lse(
             (rows,),
             z,
             out,
@@ -123,8 +121,8 @@ def block_forward(z, ids, lp, valid, labels, cfg: TopKConfig) -> BlockRows:
 
 
 def _row_coefficients(grad_rows, mask, blk: BlockRows, cfg: TopKConfig):
-    """(slab coefficients [C, 4] = (a, lse_a, b, lse_b) of ``kernels_fast.slab_grad_kernel``, id gradients [C, K] fp32
-    without the label's one-hot)."""
+    """(slab coefficients [C, 4] = (a, lse_a, b, lse_b) of ``kernels_fast.topk_fast_grad_kernel``, id gradients
+    [C, K] fp32 without the label's one-hot)."""
     dt = blk.res.kd.dtype
     kd_scale, ce_scale = row_scales(grad_rows.to(dt), mask.to(dt), cfg)
     kd_scale = kd_scale / cfg.temperature
@@ -158,8 +156,7 @@ def block_backward(
     softcap_grad_(g_ids, blk.z_ids, cfg.softcap_s)
     g = _gradient_slab(z, xs.dtype)
     rows, n_cols = z.shape
-    launch(
-        kf.slab_grad_kernel,
+    kf.launch_grad(
         (rows,),
         z,
         g,

@@ -7,23 +7,23 @@ kernels walk D in column blocks, every row tile of one block before the next blo
 columns (V * 128 bytes) stays in L2 and each row of ws comes from HBM about once per pass instead of
 once per entry. The kernels:
 
-- ``ks.support_logits_kernel``: the K raw logits of every row, summed over column blocks with fp32
+- ``ks.topk_support_logits_kernel``: the K raw logits of every row, summed over column blocks with fp32
   atomic adds (so their last bits can vary between runs; with
   ``torch.use_deterministic_algorithms(True)`` the row kernel gathers them itself, in a fixed order).
-- ``ks.support_fwd_kernel`` (one program per row): applies the [K] math of ``rowmath.topk_rows`` for
+- ``ks.topk_support_fwd_kernel`` (one program per row): applies the [K] math of ``rowmath.topk_rows`` for
   normalize="topk" (the divergences of ``nitrobrew.divergences`` through ``phi_u``) and writes the
   row's divergence, its gradient coefficients per unit upstream gradient (raw-logit units) and each
   entry's sort key (its id; V at padding entries and ignored rows).
-- ``ks.support_dx_kernel``: dX_n = g_n sum_k c_nk w_{id_nk}, one [rows, column block] tile per program.
+- ``ks.topk_support_dx_kernel``: dX_n = g_n sum_k c_nk w_{id_nk}, one [rows, column block] tile per program.
 - dW_v = sum over the entries with id v of g_row c x_row, from the entries sorted by key (CSR over
   the vocabulary): a counting sort, its buckets counted by the row kernel and filled by
-  ``ks.sorted_entries_kernel``, which also writes each sorted entry's row and term g_row c (so dW reads
+  ``ks.topk_support_sort_kernel``, which also writes each sorted entry's row and term g_row c (so dW reads
   them contiguously); under deterministic algorithms a stable sort instead (the order inside a
-  counting-sort bucket varies between runs). ``ks.dw_rows_kernel``: a tile of vocab rows walks its
+  counting-sort bucket varies between runs). ``ks.topk_support_dw_rows_kernel``: a tile of vocab rows walks its
   rows' entries in lock step, J entries of every row per step; every row of dW is written once, zeros
   included (no memset). A row with more than CAP entries (an id in many rows' top-k, as frequent
   tokens are with a trained teacher) would hold its whole tile for count / J steps: its entries are
-  summed beforehand by ``ks.dw_long_kernel``, one program per window of CAP sorted entries, each window
+  summed beforehand by ``ks.topk_support_dw_long_kernel``, one program per window of CAP sorted entries, each window
   storing its sums for the (at most two) long rows it meets in its own two slots; the tile then adds
   the slots of its long rows window by window. No atomics, so this part is deterministic. db comes
   out of the same walks.
@@ -40,7 +40,7 @@ import torch
 
 from .. import divergences as dv
 from ..core import checks as ck
-from ..core.launch import cdiv, launch, next_pow2
+from ..core.launch import cdiv, next_pow2
 from ..core.tl_utils import math_args
 from . import kernels_support as ks
 from .rowmath import TopKConfig
@@ -107,8 +107,7 @@ def scalar_reduction(kd_rows, mask, reduction: str, kd_weight: float):
     """(total, kd, ce, unit): the "mean"/"sum" reduction of the rows' divergences, as 0-dim fp32 tensors
     from one launch; unit = d total / d row value (times the upstream gradient in the backward)."""
     outs = [torch.empty((), dtype=F32, device=kd_rows.device) for _ in range(4)]
-    launch(
-        ks.scalar_reduction_kernel,
+    ks.launch_scalar_reduction(
         (1,),
         kd_rows,
         mask,
@@ -144,8 +143,7 @@ def support_forward(xs, ws, bs, ids, lp, mask, cfg: TopKConfig, check=None):
     if N == 0:
         return kd, coef, key, counts
     if by_blocks:
-        launch(
-            ks.support_logits_kernel,
+        ks.launch_logits(
             (cdiv(N, t.logit_block_r), cdiv(D, t.logit_block_d)),
             xs,
             ws,
@@ -166,8 +164,7 @@ def support_forward(xs, ws, bs, ids, lp, mask, cfg: TopKConfig, check=None):
             BLOCK_D=t.logit_block_d,
             num_warps=t.logit_warps,
         )
-    launch(
-        ks.support_fwd_kernel,
+    ks.launch_fwd(
         (N,),
         xs,
         ws,
@@ -208,8 +205,7 @@ def support_dx(ws, key, coef, scale, dtype):
     t = tiles()
     dx = torch.empty(N, D, dtype=dtype, device=ws.device)
     if N:
-        launch(
-            ks.support_dx_kernel,
+        ks.launch_dx(
             (cdiv(N, t.dx_block_r), cdiv(D, t.dx_block_d)),
             ws,
             key,
@@ -233,7 +229,7 @@ def support_dx(ws, key, coef, scale, dtype):
 
 def long_cap(entries: int, min_cap: int) -> int:
     """Entries above which a vocab row is summed by windows of that many sorted entries
-    (``ks.dw_long_kernel``): at most ~2048 windows whatever the batch (their two slots of partial sums
+    (``ks.topk_support_dw_long_kernel``): at most ~2048 windows whatever the batch (their two slots of partial sums
     take 2 * 2048 * D * 4 bytes), and lock-step walks of at most that many entries."""
     return max(min_cap, next_pow2(cdiv(entries, 2048)))
 
@@ -257,8 +253,7 @@ def sorted_entries(key, coef, scale, counts, V: int):
         cursor = torch.zeros(V, dtype=torch.int32, device=dev)  # counted up: the forward's counts stay
     if E:
         blk = tiles().scatter_block
-        launch(
-            ks.sorted_entries_kernel,
+        ks.launch_sort(
             (cdiv(E, blk),),
             flat,
             coef,
@@ -297,8 +292,7 @@ def support_dw(xs, key, coef, scale, V, bs, counts=None):
     dw = torch.empty(V, D, dtype=xs.dtype, device=dev)
     db = torch.empty(V, dtype=bs.dtype, device=dev) if bs is not None else None
     if E:
-        launch(
-            ks.dw_long_kernel,
+        ks.launch_dw_long(
             (n_win,),
             xs,
             rows,
@@ -319,8 +313,7 @@ def support_dw(xs, key, coef, scale, V, bs, counts=None):
             num_warps=t.dw_long_warps,
         )
     if V:
-        launch(
-            ks.dw_rows_kernel,
+        ks.launch_dw_rows(
             (cdiv(V, t.dw_block_r), cdiv(D, t.dw_block_d * t.dw_d_steps)),
             xs,
             rows,

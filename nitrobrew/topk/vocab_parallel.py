@@ -145,8 +145,6 @@ def parallel_topk_kl(
     process_group=None,
     normalize="full",
     divergence="forward_kl",
-    beta=0.5,
-    alpha=0.1,
     tail=False,
     labels=None,
     ignore_index=-100,
@@ -161,6 +159,7 @@ def parallel_topk_kl(
     backend="auto",
     softcap_s=None,
     return_parts=False,
+    **params,
 ):
     """``topk_kl`` with ws (bs) holding this rank's contiguous vocabulary block (rank order).
 
@@ -192,7 +191,7 @@ def parallel_topk_kl(
                 "process_group= (vocab-parallel) runs nitrobrew's PyTorch chunked path; pass "
                 "backend='auto' or backend='torch'"
             )
-        name, param = ck.divergence_param(divergence, beta, alpha)
+        name, param = ck.divergence_param(divergence, params)
         validate(
             xs,
             ws,
