@@ -336,6 +336,29 @@ def check_sharding(deepspeed_plugin=None, fsdp_plugin=None) -> None:
         )
 
 
+class GenerationProgress:
+    """On-policy / seq_kd generation on the training bar (transformers' ProgressCallback), so that a step
+    that spends most of its time generating says so: "generating 8 completions (student) ..." while it runs, then the
+    tokens generated and tokens/s. Nothing without a bar (disable_tqdm, other processes)."""
+
+    def __init__(self, trainer: Trainer):
+        self.bar = None
+        for callback in trainer.callback_handler.callbacks:
+            if getattr(callback, "training_bar", None) is not None:
+                self.bar = callback.training_bar
+
+    def start(self, who: str, rows: int) -> None:
+        if self.bar is not None:
+            plural = "s" if rows != 1 else ""
+            self.bar.set_postfix_str(f"generating {rows} completion{plural} ({who}) ...", refresh=True)
+
+    def end(self, gen) -> None:
+        if self.bar is not None:
+            tokens = int(gen.n_generated.sum())
+            rate = tokens / gen.seconds if gen.seconds > 0 else float("inf")
+            self.bar.set_postfix_str(f"generated {tokens} tokens in {gen.seconds:.1f} s, {rate:.0f} tokens/s")
+
+
 class _SyncRollouts(TrainerCallback):
     """Asynchronous generation: the generating copy takes the student's weights after each optimizer step."""
 
@@ -572,6 +595,8 @@ class DistillationTrainer(Trainer):
             if request is None:
                 continue
             picked, rows, ids, mask = request
+            shown = GenerationProgress(self)
+            shown.start("student" if who is self.model else "teacher", ids.shape[0])
             gen = on_policy_batch(
                 who,
                 ids,
@@ -579,6 +604,7 @@ class DistillationTrainer(Trainer):
                 generator=self.generator_for(who),
                 **self._sampling(self.args.seed * 1_000_003 + first + picked[0]),
             )
+            shown.end(gen)
             if self.args.generation_sleep:
                 self.generator_for(who).sleep()
             self._put_back(out, picked, rows, gen)
