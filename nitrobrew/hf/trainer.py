@@ -336,6 +336,29 @@ def check_sharding(deepspeed_plugin=None, fsdp_plugin=None) -> None:
         )
 
 
+class GenerationProgress:
+    """On-policy / seq_kd generation on the training bar (transformers' ProgressCallback), so that a step
+    that spends most of its time generating says so: "generating 8 completions (student) ..." while it runs, then the
+    tokens generated and tokens/s. Nothing without a bar (disable_tqdm, other processes)."""
+
+    def __init__(self, trainer: Trainer):
+        self.bar = None
+        for callback in trainer.callback_handler.callbacks:
+            if getattr(callback, "training_bar", None) is not None:
+                self.bar = callback.training_bar
+
+    def start(self, who: str, rows: int) -> None:
+        if self.bar is not None:
+            plural = "s" if rows != 1 else ""
+            self.bar.set_postfix_str(f"generating {rows} completion{plural} ({who}) ...", refresh=True)
+
+    def end(self, gen) -> None:
+        if self.bar is not None:
+            tokens = int(gen.n_generated.sum())
+            rate = tokens / gen.seconds if gen.seconds > 0 else float("inf")
+            self.bar.set_postfix_str(f"generated {tokens} tokens in {gen.seconds:.1f} s, {rate:.0f} tokens/s")
+
+
 class _SyncRollouts(TrainerCallback):
     """Asynchronous generation: the generating copy takes the student's weights after each optimizer step."""
 
@@ -378,8 +401,9 @@ class DistillationTrainer(Trainer):
     ``temperature`` / ``kd_weight`` / ``ce_weight``, and with generation ``gen_len`` (counted
     tokens per completion), ``gen_tokens`` (counted tokens generated per optimizer step),
     ``gen_seconds`` (generation time per optimizer step), ``gen_decode_ms`` (per decode step),
-    ``gen_fraction`` (the share of the steps' wall time spent generating) and ``gen_compiles``
-    (graphs the engine compiled: none once its shape buckets are warm).
+    ``gen_fraction`` (the share of the steps' wall time spent generating), ``gen_compiles`` (graphs
+    the engine compiled) and ``gen_recompiles`` (of those, for shapes it had compiled before: none
+    expected).
     """
 
     def __init__(
@@ -407,6 +431,8 @@ class DistillationTrainer(Trainer):
         super().__init__(model=model, args=args, **kwargs)
         # the stored teacher's head, loaded once on the training device
         self.teacher_head = self.train_dataset.load_head(self.args.device) if stored else None
+        # the store's vocabulary (padded head rows excluded) is the default vocab_size of its loss
+        self._store_vocab = self.train_dataset.vocab_size if stored else None
         self._check_sharding()
         if getattr(self, "is_fsdp_enabled", False):  # a decoder wrapped apart: sharded here, before accelerate
             from .fsdp import shard_for_accelerate
@@ -544,6 +570,7 @@ class DistillationTrainer(Trainer):
         self._add("gen_seconds", torch.tensor(gen.seconds))
         self._add("gen_decode_steps", torch.tensor(float(gen.decode_steps)))
         self._add("gen_compiles", torch.tensor(float(gen.compiles)))
+        self._add("gen_recompiles", torch.tensor(float(gen.recompiles)))
         start = 0
         for i, n in zip(picked, rows):
             part = slice(start, start + n)
@@ -568,6 +595,8 @@ class DistillationTrainer(Trainer):
             if request is None:
                 continue
             picked, rows, ids, mask = request
+            shown = GenerationProgress(self)
+            shown.start("student" if who is self.model else "teacher", ids.shape[0])
             gen = on_policy_batch(
                 who,
                 ids,
@@ -575,6 +604,7 @@ class DistillationTrainer(Trainer):
                 generator=self.generator_for(who),
                 **self._sampling(self.args.seed * 1_000_003 + first + picked[0]),
             )
+            shown.end(gen)
             if self.args.generation_sleep:
                 self.generator_for(who).sleep()
             self._put_back(out, picked, rows, gen)
@@ -584,25 +614,31 @@ class DistillationTrainer(Trainer):
     def _start_rollouts(self) -> None:
         import copy
 
-        from .generation import auto_backend, make_generator
+        from .generation import make_generator
         from .generation.async_rollouts import AsyncRollouts
 
         a = self.args
-        student = unwrap(self.model)
-        device = torch.device(a.generation_device) if a.generation_device else next(student.parameters()).device
         if a.generation_backend == "vllm" or getattr(self.generator, "name", None) == "vllm":
             raise ValueError(
                 "generation_async with generation_backend 'vllm' (in this process) is not supported: use "
                 "vllm-server (a server on other GPUs) or generation_async: false"
             )
-        if getattr(self.generator, "name", None) == "vllm-server":
-            engine = self.generator  # a server generates beside training by nature
+        if self.generator is not None:  # an engine with weights of its own (a vLLM server): synced per step
+            engine = self.generator
         else:
+            student = unwrap(self.model)
+            device = torch.device(a.generation_device) if a.generation_device else next(student.parameters()).device
             replica = copy.deepcopy(student).to(device).requires_grad_(False)
-            backend = a.generation_backend
-            if backend == "auto":
-                backend = auto_backend(replica, vllm=False)
-            engine = make_generator(backend, replica, generate_fn=self.generate_fn)
+            # The static engine also runs uncompiled on a CPU; it draws from a generator of its own, so the
+            # thread neither reads nor moves the training's RNG.
+            auto = a.generation_backend == "auto" and self.generate_fn is None
+            engine = make_generator("static" if auto else a.generation_backend, replica, generate_fn=self.generate_fn)
+        if not getattr(engine, "seeds_itself", False):
+            warnings.warn(
+                f"generation_async with the {engine.name!r} engine: its sampling draws from the process's RNG in "
+                "a background thread, so runs do not repeat exactly (the static engine's do)",
+                stacklevel=2,
+            )
         self._rollouts = AsyncRollouts(engine, staleness=a.max_staleness)
         self._rollouts_start = self.state.global_step
 
@@ -625,7 +661,7 @@ class DistillationTrainer(Trainer):
             job = None
             if request is not None:
                 picked, rows, ids, mask = request
-                engine_model = self._rollouts.engine.model
+                engine_model = getattr(self._rollouts.engine, "model", None) or self.model
                 ids, mask, sampling = generation_request(
                     engine_model, ids, mask, **self._sampling(a.seed * 1_000_003 + first + picked[0])
                 )
@@ -721,7 +757,7 @@ class DistillationTrainer(Trainer):
             ce_weight=ce_weight,
             beta=a.beta,
             alpha=a.alpha,
-            vocab_size=a.vocab_size,
+            vocab_size=a.vocab_size if a.vocab_size is not None else self._store_vocab,
             num_items_in_batch=num_items_in_batch,
             topk_ids=inputs.get("topk_ids"),
             topk_logprobs=inputs.get("topk_logprobs"),
@@ -774,6 +810,7 @@ class DistillationTrainer(Trainer):
         "gen_seconds",
         "gen_decode_steps",
         "gen_compiles",
+        "gen_recompiles",
         "gen_lag",
         "gen_windows",
         "step_seconds",
@@ -817,6 +854,7 @@ class DistillationTrainer(Trainer):
                 logs["gen_decode_ms"] = round(1e3 * sums["gen_seconds"] / max(sums["gen_decode_steps"], 1), 3)
                 logs["gen_fraction"] = round(min(sums["gen_seconds"] / max(sums["step_seconds"], 1e-9), 1.0), 4)
                 logs["gen_compiles"] = int(sums["gen_compiles"])
+                logs["gen_recompiles"] = int(sums["gen_recompiles"])
             if sums["gen_windows"] > 0:
                 logs["gen_staleness"] = round(sums["gen_lag"] / sums["gen_windows"], 3)
             self._sums = {}
