@@ -127,6 +127,29 @@ def test_sync_every_loads_every_nth_call(server, student):
     assert counted_rows(c) == moved and c.weight_version == 2
 
 
+def test_a_lora_student_syncs_its_merged_weights(server, model_dirs):
+    """A PEFT student: the server gets the base weights with the adapters merged in (they stay unmerged here)."""
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(
+        load(model_dirs[0]), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    )
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # adapters that change the completions
+    base = {n: p.detach().clone() for n, p in lora.named_parameters() if "lora_" not in n}
+    gen = VLLMServerGenerator(lora, base_url=server[1])
+    gen.sync_weights(lora)
+    ids, mask = left_padded()
+    with_adapters = hf_greedy(lora, 10)
+    with lora.disable_adapter():
+        assert hf_greedy(lora, 10) != with_adapters
+    assert counted_rows(gen.generate(ids, mask, greedy(10))) == with_adapters
+    for n, p in lora.named_parameters():  # unmerged again (to rounding)
+        if "lora_" not in n:
+            torch.testing.assert_close(p, base[n], atol=1e-6, rtol=1e-6)
+
+
 def test_no_server_is_a_one_line_error_at_once(student):
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()

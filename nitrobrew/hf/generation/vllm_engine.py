@@ -18,10 +18,12 @@ vLLM is imported when an engine is made, never by ``import nitrobrew``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -120,27 +122,51 @@ def completions_from(
     )
 
 
+@contextlib.contextmanager
+def _adapters_merged(model: torch.nn.Module):
+    """A PEFT-wrapped student with its adapters merged into the base weights for the duration (True), or the
+    model as it is (False)."""
+    peft = model
+    while not hasattr(peft, "merge_adapter"):
+        inner = getattr(peft, "module", None) or getattr(peft, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            yield False
+            return
+        peft = inner
+    with torch.no_grad():
+        peft.merge_adapter()
+    try:
+        yield True
+    finally:
+        with torch.no_grad():
+            peft.unmerge_adapter()
+
+
 def student_weights(model: torch.nn.Module, cpu: bool = True) -> Dict[str, torch.Tensor]:
     """The student's parameters and buffers under the checkpoint names vLLM loads (transformers' names), each
     storage once (a tied head is left to the engine's tying): copies on the CPU, or (``cpu=False``, for an
-    engine in this process, which copies them into its own) the tensors where they are."""
-    m = unwrap(model)
-    names = [n for n, _ in m.named_parameters()]
-    if any(".base_layer." in n or "lora_" in n for n in names):
-        raise ValueError(
-            "vLLM weight sync of a PEFT-wrapped student is not supported: merge the adapters into the "
-            "model (merge_and_unload) or use generation_backend: hf"
-        )
-    out, seen = {}, set()
-    for name, t in m.state_dict().items():
-        if hasattr(t, "full_tensor"):  # an FSDP2 / DTensor shard: the whole tensor
-            t = t.full_tensor()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
-        if key is not None and key in seen:
-            continue
-        if key is not None:
-            seen.add(key)
-        out[name] = t.detach().to("cpu", copy=True).contiguous() if cpu else t.detach()
+    engine in this process, which copies them into its own) the tensors where they are. A PEFT student's
+    adapters are merged in (the weights vLLM gets are the ones the student computes with)."""
+    with _adapters_merged(model) as merged:
+        out, seen = {}, set()
+        for name, t in unwrap(model).state_dict().items():
+            if merged:
+                if "lora_" in name or ".original_module." in name:
+                    continue
+                name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name.replace(".base_layer.", "."))
+            elif ".base_layer." in name or "lora_" in name:
+                raise ValueError(f"cannot read the adapters of the student ({name}): merge them into the model")
+            if hasattr(t, "full_tensor"):  # an FSDP2 / DTensor shard: the whole tensor
+                t = t.full_tensor()
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
+            if key is not None and key in seen:
+                continue
+            if key is not None:
+                seen.add(key)
+            if cpu:
+                out[name] = t.detach().to("cpu", copy=True).contiguous()
+            else:  # merged weights are unmerged on leaving: a copy
+                out[name] = t.detach().clone() if merged else t.detach()
     return out
 
 
