@@ -113,12 +113,12 @@ def completions_from(
     mask = completion_mask(ids, sampling.eos_list()) * within.long()
     ids = ids.masked_fill(~within, sampling.pad_token_id)
     return Completions(
-        ids.to(device),
-        mask.to(device),
-        None if logprobs is None else logprobs.to(device),
-        weight_version,
-        seconds,
-        width,
+        ids=ids.to(device),
+        mask=mask.to(device),
+        logprobs=None if logprobs is None else logprobs.to(device),
+        weight_version=weight_version,
+        seconds=seconds,
+        decode_steps=width,
     )
 
 
