@@ -336,6 +336,29 @@ def check_sharding(deepspeed_plugin=None, fsdp_plugin=None) -> None:
         )
 
 
+class GenerationProgress:
+    """On-policy / seq_kd generation on the training bar (transformers' ProgressCallback), so that a step
+    that spends most of its time generating says so: "generating 8 completions (student) ..." while it runs, then the
+    tokens generated and tokens/s. Nothing without a bar (disable_tqdm, other processes)."""
+
+    def __init__(self, trainer: Trainer):
+        self.bar = None
+        for callback in trainer.callback_handler.callbacks:
+            if getattr(callback, "training_bar", None) is not None:
+                self.bar = callback.training_bar
+
+    def start(self, who: str, rows: int) -> None:
+        if self.bar is not None:
+            plural = "s" if rows != 1 else ""
+            self.bar.set_postfix_str(f"generating {rows} completion{plural} ({who}) ...", refresh=True)
+
+    def end(self, gen) -> None:
+        if self.bar is not None:
+            tokens = int(gen.n_generated.sum())
+            rate = tokens / gen.seconds if gen.seconds > 0 else float("inf")
+            self.bar.set_postfix_str(f"generated {tokens} tokens in {gen.seconds:.1f} s, {rate:.0f} tokens/s")
+
+
 class _SyncRollouts(TrainerCallback):
     """Asynchronous generation: the generating copy takes the student's weights after each optimizer step."""
 
@@ -408,6 +431,8 @@ class DistillationTrainer(Trainer):
         super().__init__(model=model, args=args, **kwargs)
         # the stored teacher's head, loaded once on the training device
         self.teacher_head = self.train_dataset.load_head(self.args.device) if stored else None
+        # the store's vocabulary (padded head rows excluded) is the default vocab_size of its loss
+        self._store_vocab = self.train_dataset.vocab_size if stored else None
         self._check_sharding()
         if getattr(self, "is_fsdp_enabled", False):  # a decoder wrapped apart: sharded here, before accelerate
             from .fsdp import shard_for_accelerate
@@ -477,17 +502,18 @@ class DistillationTrainer(Trainer):
     def generator_for(self, who):
         """The engine that completes prompts with ``who`` (the student, or the teacher for seq_kd), made once."""
         key = "student" if who is self.model else "teacher"
-        if key == "student" and self.generator is not None:
-            if self._synced_step != self.state.global_step:
-                self.generator.sync_weights(self.model)  # the optimizer stepped since the engine last saw it
-                self._synced_step = self.state.global_step
-            return self.generator
-        gen = self._generators.get(key)
+        gen = self.generator if key == "student" and self.generator is not None else self._generators.get(key)
         if gen is None:
-            from .generation import make_generator
+            from .generation import VLLM_BACKENDS, auto_backend, make_generator
 
-            gen = make_generator(self.args.generation_backend, who, generate_fn=self.generate_fn)
+            backend = self.args.generation_backend
+            if key == "teacher" and (backend in VLLM_BACKENDS or backend == "auto"):
+                backend = auto_backend(who, vllm=False)  # vLLM engines hold the student; the teacher's stay here
+            gen = make_generator(backend, who, generate_fn=self.generate_fn)
             self._generators[key] = gen
+        if key == "student" and self._synced_step != self.state.global_step:
+            gen.sync_weights(self.model)  # the optimizer stepped since the engine last saw the student
+            self._synced_step = self.state.global_step
         return gen
 
     def _who(self, index: int):
@@ -569,6 +595,8 @@ class DistillationTrainer(Trainer):
             if request is None:
                 continue
             picked, rows, ids, mask = request
+            shown = GenerationProgress(self)
+            shown.start("student" if who is self.model else "teacher", ids.shape[0])
             gen = on_policy_batch(
                 who,
                 ids,
@@ -576,6 +604,7 @@ class DistillationTrainer(Trainer):
                 generator=self.generator_for(who),
                 **self._sampling(self.args.seed * 1_000_003 + first + picked[0]),
             )
+            shown.end(gen)
             if self.args.generation_sleep:
                 self.generator_for(who).sleep()
             self._put_back(out, picked, rows, gen)
@@ -589,7 +618,12 @@ class DistillationTrainer(Trainer):
         from .generation.async_rollouts import AsyncRollouts
 
         a = self.args
-        if self.generator is not None:  # an engine with weights of its own (vLLM): synced like the copy below
+        if a.generation_backend == "vllm" or getattr(self.generator, "name", None) == "vllm":
+            raise ValueError(
+                "generation_async with generation_backend 'vllm' (in this process) is not supported: use "
+                "vllm-server (a server on other GPUs) or generation_async: false"
+            )
+        if self.generator is not None:  # an engine with weights of its own (a vLLM server): synced per step
             engine = self.generator
         else:
             student = unwrap(self.model)
@@ -652,16 +686,18 @@ class DistillationTrainer(Trainer):
         self._clock()  # the previous window's wall time ends here
         # Generated batches replace their sources before the count: the normalizer stays exact.
         # Which batches are generated, and how: a function of the seed and the micro-batch's index.
-        if self.args.generation_async:
-            batch_samples = self._async_window(epoch_iterator, num_batches, *args, **kwargs)
-        else:
-            batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
-            try:
+        try:
+            if self.args.generation_async:
+                batch_samples = self._async_window(epoch_iterator, num_batches, *args, **kwargs)
+            else:
+                batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
                 batch_samples = self._generate_window(batch_samples, self.state.global_step * num_batches)
-            except ConnectionError:  # a generation server went away: keep what was trained, resumable
-                if self.generator is not None:
-                    self._save_checkpoint(self.model, trial=None)
-                raise
+        except (ConnectionError, RuntimeError) as err:
+            # A generation server went away (raised here, or by the rollout thread): keep what was trained,
+            # resumable, then stop.
+            if isinstance(err, ConnectionError) or isinstance(err.__cause__, ConnectionError):
+                self._save_checkpoint(self.model, trial=None)
+            raise
         count = torch.zeros((), dtype=torch.long, device=self.args.device)
         for batch in batch_samples:
             count += (self._targets(batch) != IGNORE_INDEX).sum().to(count.device)
@@ -721,7 +757,7 @@ class DistillationTrainer(Trainer):
             ce_weight=ce_weight,
             beta=a.beta,
             alpha=a.alpha,
-            vocab_size=a.vocab_size,
+            vocab_size=a.vocab_size if a.vocab_size is not None else self._store_vocab,
             num_items_in_batch=num_items_in_batch,
             topk_ids=inputs.get("topk_ids"),
             topk_logprobs=inputs.get("topk_logprobs"),
