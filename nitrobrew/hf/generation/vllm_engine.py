@@ -251,8 +251,9 @@ class VLLMColocatedGenerator:
             ignored where ``kv_cache_memory_bytes`` is set.
         kv_cache_memory_bytes: the KV cache's size in bytes (needed on CPU: default 256 MiB there).
         sync_every: load the student's weights on every ``sync_every``-th ``sync_weights`` call.
-        sleep_between_generations: free the engine's memory after each generation (default: where vLLM has
-            a sleep mode; without one, freeing means restarting the engine at each generation).
+        sleep_between_generations: free the engine's memory after each generation (the trainer does it
+            after each window with ``generation_sleep: true``); without a sleep mode (CPU), freeing means
+            restarting the engine at each generation.
         sleep_level: vLLM's sleep level (1: weights offloaded to CPU memory, KV cache dropped; 2: both
             dropped, the weights loaded again on wake).
         max_model_len: the longest prompt + completion (default: the model's).
@@ -271,7 +272,7 @@ class VLLMColocatedGenerator:
         gpu_memory_utilization: float = 0.3,
         kv_cache_memory_bytes: Optional[int] = None,
         sync_every: int = 1,
-        sleep_between_generations: Optional[bool] = None,
+        sleep_between_generations: bool = False,
         sleep_level: int = 1,
         max_model_len: Optional[int] = None,
         enforce_eager: Optional[bool] = None,
@@ -302,9 +303,7 @@ class VLLMColocatedGenerator:
         self.sleep_mode = bool(current_platform.is_sleep_mode_available())
         if kv_cache_memory_bytes is None and not self.on_cuda:
             kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
-        self.sleep_between_generations = (
-            self.sleep_mode if sleep_between_generations is None else bool(sleep_between_generations)
-        )
+        self.sleep_between_generations = bool(sleep_between_generations)
         self.sleep_level = sleep_level
         engine_args = dict(
             tensor_parallel_size=1,
