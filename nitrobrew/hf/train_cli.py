@@ -489,17 +489,16 @@ class PadCollator:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def is_hidden_store(data_args: DataArguments) -> bool:
-    """Whether ``data`` names a hidden-state teacher store (the store is then the teacher: rows and head)."""
+def is_hidden_store(path: str) -> bool:
+    """Whether `path` is a hidden-state store: the teacher itself (its rows and head), no teacher key."""
     from ..teacher import hidden_store as hs
 
-    return os.path.isdir(data_args.data) and hs.store_format(data_args.data) == hs.FORMAT
+    return os.path.isdir(path) and hs.store_format(path) == hs.FORMAT
 
 
 def build_dataset(model_args: ModelArguments, data_args: DataArguments, args):
-    """The training dataset: a hidden-state store, a top-k store (divergence: topk) or rows of input_ids /
-    labels."""
-    if is_hidden_store(data_args):
+    """The training dataset: a hidden store, a top-k store (divergence: topk) or rows of input_ids / labels."""
+    if is_hidden_store(data_args.data):
         from ..teacher.hidden_data import HiddenDataset
 
         if data_args.packing:
@@ -515,7 +514,7 @@ def build_dataset(model_args: ModelArguments, data_args: DataArguments, args):
 
 
 def build_collator(data_args: DataArguments, args, student):
-    if is_hidden_store(data_args):
+    if is_hidden_store(data_args.data):
         from ..teacher.hidden_data import HiddenCollator
 
         return HiddenCollator()
@@ -538,8 +537,8 @@ def build(model_args: ModelArguments, data_args: DataArguments, args):
     from .trainer import DistillationTrainer
 
     check_paths(model_args, data_args)
-    if model_args.teacher is None and args.divergence != "topk" and not is_hidden_store(data_args):
-        raise ValueError(f"divergence {args.divergence!r} needs a teacher (the teacher key)")
+    if model_args.teacher is None and args.divergence != "topk" and not is_hidden_store(data_args.data):
+        raise ValueError(f"divergence {args.divergence!r} needs a teacher (the teacher key, or data: a hidden store)")
     dataset = build_dataset(model_args, data_args, args)
     student = _load_model(model_args.student, model_args.attn_implementation, model_args.student_dtype)
     if model_args.peft is not None:
