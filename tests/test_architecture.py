@@ -291,3 +291,67 @@ def test_a_new_divergence_with_a_new_parameter_changes_only_the_registry(monkeyp
         nb.topk_kl(xs, ws, ids, lp, divergence="scaled_kl", gamma=0.5, **kw),
         0.5 * nb.topk_kl(xs, ws, ids, lp, divergence="scaled_kl", **kw),
     )
+
+
+# Calls that pass more than five arguments positionally, still to convert (keywords, or the Operands /
+# LossConfig / TopKConfig bundle the values come from). TODO: hidden/ host loops and custom op, the
+# vocab-parallel forms, bench/, teacher/, demo/, hf/generation/. Counts: the test fails on a new one.
+POSITIONAL_TODO = {
+    "hidden/custom_op.py": 20,
+    "hidden/chunked.py": 19,
+    "hidden/triton_function.py": 16,
+    "hidden/vocab_parallel.py": 15,
+    "topk/vocab_parallel.py": 6,
+    "bench/attention.py": 10,
+    "bench/hidden.py": 9,
+    "bench/topk.py": 7,
+    "bench/regimes.py": 6,
+    "teacher/extract.py": 8,
+    "teacher/hidden_store.py": 3,
+    "teacher/store.py": 2,
+    "teacher/rollout.py": 1,
+    "demo/lm.py": 3,
+    "hf/generation/transformers_engine.py": 2,
+    "hf/generation/static_engine.py": 1,
+    "hf/generation/vllm_engine.py": 1,
+    "integrations/trl.py": 2,
+    "environment.py": 1,
+    "core/launch.py": 1,  # for good: the compiled kernel's launcher (a C function) takes positions only
+}
+MAX_POSITIONAL = 5
+
+
+def _host_calls(tree):
+    """Calls outside @triton.jit bodies (device code is inlined by Triton: not an interface)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.FunctionDef) and _is_jit(node):
+            continue
+        if isinstance(node, ast.Call):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _positional_ok(call: ast.Call) -> bool:
+    """Calls whose callee takes its arguments by position only: kernel launches (Triton's direct launch path
+    reads the runtime arguments by position) and autograd Functions' apply."""
+    if isinstance(call.func, ast.Subscript):
+        return True
+    name = ast.unparse(call.func)
+    last = name.rsplit(".", 1)[-1]
+    return last == "launch" or last.startswith("launch_") or last in ("apply", "save_for_backward")
+
+
+def test_calls_with_more_than_five_arguments_pass_them_by_keyword():
+    found = {}
+    for f in sorted(PKG.rglob("*.py")):
+        rel = str(f.relative_to(PKG))
+        for call in _host_calls(ast.parse(f.read_text())):
+            positional = [a for a in call.args if not isinstance(a, ast.Starred)]
+            if len(positional) > MAX_POSITIONAL and not _positional_ok(call):
+                found.setdefault(rel, []).append(f"{rel}:{call.lineno} {ast.unparse(call.func)}")
+    bad = [c for rel, calls in found.items() if len(calls) > POSITIONAL_TODO.get(rel, 0) for c in calls]
+    assert not bad, "pass arguments after the fifth by keyword:\n" + "\n".join(bad)
+    done = sorted(rel for rel in POSITIONAL_TODO if len(found.get(rel, ())) < POSITIONAL_TODO[rel])
+    assert not done, f"fewer positional calls than listed in POSITIONAL_TODO, lower the counts: {done}"

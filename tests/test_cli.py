@@ -64,3 +64,17 @@ def test_the_package_still_exports_its_losses():
     assert callable(nitrobrew.forward_kl) and callable(nitrobrew.topk_kl) and "jsd" in dir(nitrobrew)
     with pytest.raises(AttributeError):
         nitrobrew.no_such_name  # noqa: B018
+
+
+def test_readme_topk_snippet_follows_the_advice():
+    """The README's topk_kl example keeps the tail with the full normalization (without it, and without
+    a CE term, the student learns to put no mass outside the stored ids)."""
+    import os
+    import re
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    calls = re.findall(r"topk_kl\((.*?)\n\)", readme, flags=re.S)
+    assert calls
+    for call in calls:
+        if 'normalize="full"' in call and "ce_weight" not in call:
+            assert "tail=True" in call, call

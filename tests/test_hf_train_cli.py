@@ -83,7 +83,7 @@ def test_two_steps_from_a_yaml_file(files, packing, capsys):
 
 def test_overrides_and_types(files):
     path = write_config(files, "parse")
-    model_args, data_args, args = parse(str(path), ["--divergence", "reverse_kl", "--packing", "true"])
+    model_args, data_args, args = parse(str(path), ["--divergence", "reverse_kl", "--packing", "true", "--lmbda", "0"])
     assert (model_args.student, model_args.attn_implementation) == (str(files / "student"), "sdpa")
     assert data_args.packing is True and args.divergence == "reverse_kl" and args.beta == 0.3
     assert args.learning_rate == 1e-3 and args.max_steps == 2 and args.temperature_end == 1.0

@@ -206,3 +206,15 @@ def test_generation_kwargs_reach_generation_and_completions_are_logged(tmp_path)
         seen = r["prompt_ids"] + r["completion_ids"]
         assert len(set(r["completion_ids"])) == len(r["completion_ids"])
         assert not set(r["completion_ids"]) & set(r["prompt_ids"]), seen
+
+
+def test_generation_progress_shows_on_the_step_bar(tmp_path, capsys):
+    data = sequences([6, 6])
+    for row in data:
+        row["labels"] = [-100] * 3 + row["input_ids"][3:]
+    a = args(tmp_path, lmbda=1.0, max_new_tokens=4, disable_tqdm=False, max_steps=1)
+    DistillationTrainer(
+        model=student_model(), teacher_model=teacher_model(), args=a, train_dataset=data, data_collator=PadCollator()
+    ).train()
+    err = capsys.readouterr().err
+    assert "generating 1 completion (student) ..." in err and "tokens/s" in err, err[-2000:]

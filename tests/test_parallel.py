@@ -53,6 +53,7 @@ SAME_DTYPE_TOL = {
     torch.bfloat16: TOLERANCES[torch.bfloat16],
 }
 NO_WORSE = 1.5
+BF16_TRITON_GRAD = Tol(3e-2, 6e-3, 1e-5)
 ACCURACY = []  # (vocab-parallel, single-process) relative gradient errors from float64, float32 cases
 
 
@@ -115,6 +116,10 @@ def check_case(
     ref_grads = dict(zip(("xs", "ws", "bs"), torch.autograd.grad(ref64, ref_leaves, grad_outputs=up)))
     vt, gt = SAME_DTYPE_TOL[dtype]
     vr, gr = TOLERANCES[dtype]
+    if backend == "triton" and dtype == torch.bfloat16:
+        # the gradient slab is rounded to bf16 before the dX / dW GEMMs, as on one GPU
+        # (test_hidden_triton.BF16_GRAD)
+        gt = gr = BF16_TRITON_GRAD
     assert loss.dtype == sp_loss.dtype and loss.shape == sp_loss.shape, (loss.dtype, loss.shape)
     assert_close(loss, sp_loss, vt, "value vs single process")
     assert_close(loss, ref64, vr, "value vs float64 reference")
@@ -392,6 +397,21 @@ def vocab_cases(r, world, group):
                     memory_budget=500,
                     reduction="sum",
                     case_kw=dict(shape=(33,), labels="some", bias=True),
+                ),
+            ),
+            (
+                "triton: bf16 forward_kl + ce, fast plan (gradient slab over the teacher's bytes)",
+                lambda: check_case(
+                    r,
+                    group,
+                    world,
+                    "forward_kl",
+                    s0,
+                    dtype=torch.bfloat16,
+                    backend="triton",
+                    ce_weight=0.2,
+                    memory_budget=500,
+                    case_kw=dict(shape=(21,), labels="some"),
                 ),
             ),
             (

@@ -9,6 +9,7 @@ import torch
 import nitrobrew
 from nitrobrew.core.memory import TensorMemoryTracker
 from nitrobrew.core.online import Online
+from nitrobrew.core.reduction import combine_rows
 from nitrobrew.topk import reference_topk_loss, topk_kl
 from nitrobrew.topk.rowmath import log1mexp
 
@@ -373,7 +374,7 @@ def test_tail_vocab_range_pieces_merge_to_the_whole():
         sum(p.z_ids for p in parts), lp, valid, s_state, z_state, sum(p.z_label for p in parts), cfg
     )
     mask = torch.ones(N)
-    total = tc.combine_topk_rows(res, ce, mask, cfg)[0]
+    total = combine_rows(res.kd, ce, mask, cfg)[0]
     want = reference_topk_loss(
         xs, ws, ids, lp, bs=bs, tail=True, temperature=1.3, labels=labels, ce_weight=0.4, reduction="none"
     )

@@ -254,19 +254,30 @@ def attention_kl(
         # every row sees a key and counts: the reduction is a known scale, done inside the Function
         from .triton_function import triton_total
 
-        return triton_total(q_s, k_s, q_t, k_t, lse_t, spec, block_config, reduction)
-    w = row_weights(Nq, Nk, is_causal, spec.causal_offset, kpm, query_mask, B, q_s.device)
+        return triton_total(
+            q_s=q_s, k_s=k_s, q_t=q_t, k_t=k_t, lse_t=lse_t, spec=spec, cfg=block_config, reduce=reduction
+        )
+    w = row_weights(
+        Nq=Nq,
+        Nk=Nk,
+        spec_causal=is_causal,
+        causal_offset=spec.causal_offset,
+        kpm=kpm,
+        query_mask=query_mask,
+        B=B,
+        device=q_s.device,
+    )
     if B * H * Nq == 0 or Nk == 0:
         rows = torch.zeros((B, H, Nq), dtype=torch.float32, device=q_s.device)
         rows = rows + 0.0 * (q_s.sum() + k_s.sum()).float()  # keeps the graph: zero gradients
     elif impl == "triton":
         from .triton_function import attention_rows
 
-        rows = attention_rows(q_s, k_s, q_t, k_t, lse_t, kpm, spec, block_config)
+        rows = attention_rows(q_s=q_s, k_s=k_s, q_t=q_t, k_t=k_t, lse_t=lse_t, kpm=kpm, spec=spec, cfg=block_config)
     else:
         from .chunked import chunked_rows
 
-        rows = chunked_rows(q_s, k_s, q_t, k_t, lse_t, kpm, spec)
+        rows = chunked_rows(q_s=q_s, k_s=k_s, q_t=q_t, k_t=k_t, lse_t=lse_t, kpm=kpm, spec=spec)
     rows = rows * w.to(rows.dtype)[:, None, :]
     if reduction == "none":
         return rows

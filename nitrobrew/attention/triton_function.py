@@ -212,7 +212,9 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
         out["qy"] = dqy if need["qy"] else None
 
     def dk_launch(A: Side, Bs: Side, lsa, lsb, a_is_x: bool, also_b: bool):
-        BM, BN, warps, stages = resolve_config("dk", cfg, dev, max_bd, fp32, A.G > 1)
+        BM, BN, warps, stages = resolve_config(
+            kind="dk", user=cfg, device=dev, max_bd=max_bd, fp32=fp32, grouped=A.G > 1
+        )
         Hkva = A.k.shape[1]
         dka = torch.empty_like(A.k)
         dkb = torch.empty_like(Bs.k) if also_b else kl
@@ -278,12 +280,12 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
         return dka, (dkb if also_b else None)
 
     if need["kx"] and need["ky"] and X.G == Y.G:
-        out["kx"], out["ky"] = dk_launch(X, Y, lsx, lsy, True, True)
+        out["kx"], out["ky"] = dk_launch(X, Y, lsx, lsy, a_is_x=True, also_b=True)
     else:
         if need["kx"]:
-            out["kx"], _ = dk_launch(X, Y, lsx, lsy, True, False)
+            out["kx"], _ = dk_launch(X, Y, lsx, lsy, a_is_x=True, also_b=False)
         if need["ky"]:
-            out["ky"], _ = dk_launch(Y, X, lsy, lsx, False, False)
+            out["ky"], _ = dk_launch(Y, X, lsy, lsx, a_is_x=False, also_b=False)
     return out
 
 
@@ -324,7 +326,9 @@ class TritonAttentionKL(torch.autograd.Function):
             X, Y, need = T, S, dict(qx=n[2], kx=n[3], qy=n[0], ky=n[1])
         else:
             X, Y, need = S, T, dict(qx=n[0], kx=n[1], qy=n[2], ky=n[3])
-        out = triton_backward(X, Y, kpm, spec, lsx, lsy, kl, g, need, ctx.cfg, ctx.g_mult)
+        out = triton_backward(
+            X=X, Y=Y, kpm=kpm, spec=spec, lsx=lsx, lsy=lsy, kl=kl, g=g, need=need, cfg=ctx.cfg, g_mult=ctx.g_mult
+        )
         if spec.teacher_is_x:
             dq_t, dk_t, dq_s, dk_s = out["qx"], out["kx"], out["qy"], out["ky"]
         else:

@@ -76,9 +76,11 @@ def divergence_param(divergence: str, params: Mapping[str, float]) -> Tuple[str,
     defaults. Unknown keywords raise TypeError, unknown divergences and values out of range ValueError."""
     from .. import divergences as dv
 
-    unknown = sorted(set(params) - set(dv.PARAMS))
-    if unknown:
-        raise TypeError(f"unexpected keyword argument(s) {unknown}; the divergence parameters are {sorted(dv.PARAMS)}")
+    for name in params:
+        if name not in dv.PARAMS:
+            raise TypeError(
+                f"got an unexpected keyword argument {name!r} (the divergence parameters: {sorted(dv.PARAMS)})"
+            )
     entry = dv.REGISTRY.get(divergence)
     if entry is None or entry.param is None:
         return dv.canonical(divergence, 0.0)

@@ -67,12 +67,12 @@ def _head_operands(model: nn.Module, hidden: torch.Tensor, keep: torch.Tensor) -
     return Rows(rows, w, b, head.softcap)
 
 
-def _check_request(divergence: str, teacher, kd_weight: float, topk_ids, topk_logprobs) -> None:
+def _check_request(divergence: str, teacher, kd_weight: float, topk_ids, topk_logprobs, stored: bool = False) -> None:
     if divergence not in dv.REGISTRY and divergence != "topk":
         raise ValueError(f"divergence must be one of {dv.NAMES + ('topk',)}, got {divergence!r}")
     if divergence == "topk" and (topk_ids is None or topk_logprobs is None):
         raise ValueError("divergence='topk' needs topk_ids and topk_logprobs (from a top-k store)")
-    if divergence != "topk" and teacher is None and kd_weight != 0:
+    if divergence != "topk" and teacher is None and not stored and kd_weight != 0:
         raise ValueError(f"divergence={divergence!r} needs a teacher model (or kd_weight=0 for CE only)")
 
 

@@ -210,12 +210,56 @@ def parse(config_path: Optional[str], overrides: List[str]):
     if any(a in ("-h", "--help") for a in overrides):
         parser.print_help()
         raise SystemExit(0)
-    argv = []
+    argv, config = [], {}
     if config_path:
         config = load_yaml(config_path)
         check_value_shapes(config, types, config_path)
         argv = yaml_argv(config)
-    return parser.parse_args_into_dataclasses(args=argv + list(overrides))
+    argv += list(overrides)
+    if launched_processes() > 1 and not torch.cuda.is_available() and "use_cpu" not in config:
+        if "--use_cpu" not in overrides:
+            # Several processes and no GPU: data parallel over gloo, as transformers does with use_cpu
+            # (without it each process would train alone and all would write one output_dir).
+            argv += ["--use_cpu", "true"]
+    model_args, data_args, train_args = parser.parse_args_into_dataclasses(args=argv)
+    check_launch(train_args, data_args)
+    return model_args, data_args, train_args
+
+
+def launched_processes() -> int:
+    """How many processes the launcher (torchrun, accelerate launch) started: WORLD_SIZE."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def check_launch(train_args, data_args) -> None:
+    """Settings refused before anything loads: several launched processes that would not train
+    together; on-policy generation with packed rows."""
+    world = launched_processes()
+    fsdp_plugin = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
+    if fsdp_plugin and not torch.cuda.is_available():
+        raise ValueError(
+            "accelerate's FSDP plugin needs GPUs, and this machine has none (accelerate would train plain data "
+            "parallel instead): launch with torchrun --nproc_per_node N -m nitrobrew.cli train CONFIG, data "
+            "parallel over gloo, or run the FSDP2 config on GPUs"
+        )
+    if world > 1 and train_args.world_size != world:
+        raise ValueError(
+            f"launched as {world} processes, but they would train apart (each alone, writing one output_dir): "
+            f"transformers sees a world of {train_args.world_size}"
+            + (
+                " (use_cpu: false on a machine without a GPU: set use_cpu: true)"
+                if not torch.cuda.is_available()
+                else ""
+            )
+        )
+    if data_args.packing and (train_args.lmbda > 0 or train_args.seq_kd):
+        raise ValueError(
+            "packing: true with lmbda > 0 or seq_kd: generation needs one prompt per row (do not pack, or set "
+            "lmbda: 0 and seq_kd: false)"
+        )
 
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -564,6 +608,7 @@ def run(args: argparse.Namespace) -> int:
         trainer.save_model()
         trainer.save_state()  # trainer_state.json: the log history
     except (ValueError, TypeError, OSError, ImportError, KeyError, argparse.ArgumentError) as err:
-        print(f"nitrobrew train: {' '.join(str(err).split())}", file=sys.stderr)  # one line
+        if os.environ.get("RANK", "0") == "0":  # one line, from the first of several launched processes
+            print(f"nitrobrew train: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     return 0

@@ -10,7 +10,7 @@ from typing_extensions import TypedDict, Unpack
 from .. import divergences as dv
 from ..core import checks as ck
 from ..core.outputs import DistillOutput
-from ..core.reduction import reduce_rows
+from ..core.reduction import IGNORE_INDEX, reduce_rows
 from . import grad_filter as gf
 from .config import LossConfig
 from .custom_op import compiled_distill
@@ -41,7 +41,7 @@ def _validate(
     softcap_t,
 ) -> int:
     """Check everything before any kernel runs; return the vocabulary size to use."""
-    check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels)
+    check_hidden_tensors(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels)
     if vocab_size is None:
         if ws.shape[0] != wt.shape[0]:
             raise ValueError(
@@ -51,7 +51,17 @@ def _validate(
         vocab_size = ws.shape[0]
     elif not (ck.is_int(vocab_size) and 0 < vocab_size <= min(ws.shape[0], wt.shape[0])):
         raise ValueError(f"vocab_size must be an int in [1, {min(ws.shape[0], wt.shape[0])}], got {vocab_size!r}")
-    check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels, softcap_s, softcap_t)
+    check_loss_options(
+        temperature=temperature,
+        reduction=reduction,
+        chunk_V=chunk_V,
+        backend=backend,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        labels=labels,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
+    )
     ck.check_mode(mode, memory_budget)
     if ce_weight != 0:
         ck.check_ids_in_range("labels", labels, vocab_size, ignore_index)
@@ -66,7 +76,7 @@ def hidden_loss(
     *,
     divergence: str = "forward_kl",
     labels: Optional[torch.Tensor] = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     temperature: float = 1.0,
     reduction: str = "mean",
     chunk_V: Optional[int] = None,
@@ -95,7 +105,9 @@ def hidden_loss(
     if process_group is not None or any(ck.is_dtensor(t) for t in (xs, xt, ws, wt, bs, bt)):
         from ..parallel.dtensor import unwrap
 
-        xs, xt, ws, wt, bs, bt, labels, process_group = unwrap(xs, xt, ws, wt, bs, bt, labels, process_group)
+        xs, xt, ws, wt, bs, bt, labels, process_group = unwrap(
+            xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels, process_group=process_group
+        )
     if process_group is not None:  # vocab-parallel heads
         from .vocab_parallel import parallel_hidden_loss
 
@@ -128,42 +140,44 @@ def hidden_loss(
         )
     name, param = ck.divergence_param(divergence, params)
     V = _validate(
-        xs,
-        xt,
-        ws,
-        wt,
-        bs,
-        bt,
-        labels,
-        vocab_size,
-        temperature,
-        reduction,
-        chunk_V,
-        kd_weight,
-        ce_weight,
-        ignore_index,
-        backend,
-        mode,
-        memory_budget,
-        softcap_s,
-        softcap_t,
+        xs=xs,
+        xt=xt,
+        ws=ws,
+        wt=wt,
+        bs=bs,
+        bt=bt,
+        labels=labels,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        reduction=reduction,
+        chunk_V=chunk_V,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        ignore_index=ignore_index,
+        backend=backend,
+        mode=mode,
+        memory_budget=memory_budget,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
     )
     gf.check_grad_filter(grad_filter)
     impl = ck.resolve_backend(backend, xs.device)
 
     lead = xs.shape[:-1]
-    x_s, x_t, ws, wt, bs, bt, ce_labels, mask = prepare_rows(xs, xt, ws, wt, bs, bt, labels, ignore_index, ce_weight, V)
+    x_s, x_t, ws, wt, bs, bt, ce_labels, mask = prepare_rows(
+        xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels, ignore_index=ignore_index, ce_weight=ce_weight, used=V
+    )
     cfg = LossConfig.build(
-        name,
-        param,
-        temperature,
-        kd_weight,
-        ce_weight,
-        scale_t2,
-        chunk_V,
-        gf.resolve_eps(grad_filter, xs.dtype),
-        softcap_s,
-        softcap_t,
+        divergence=name,
+        param=param,
+        temperature=temperature,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        scale_t2=scale_t2,
+        chunk_V=chunk_V,
+        filter_eps=gf.resolve_eps(grad_filter, xs.dtype),
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
     )
     # float64 always takes the PyTorch path; so does an empty batch (nothing to launch: loss 0, zero grads)
     use_triton = impl == "triton" and xs.dtype != torch.float64 and x_s.shape[0] > 0
@@ -172,29 +186,42 @@ def hidden_loss(
     if torch.compiler.is_compiling():
         # one registered op with a registered backward: the traced step keeps a single graph
         out = compiled_distill(
-            x_s,
-            x_t,
-            ws,
-            wt,
-            bs,
-            bt,
-            ce_labels,
-            mask,
-            cfg,
-            "triton" if use_triton else "torch",
-            reduction,
-            mode,
-            memory_budget,
+            xs=x_s,
+            xt=x_t,
+            ws=ws,
+            wt=wt,
+            bs=bs,
+            bt=bt,
+            labels=ce_labels,
+            mask=mask,
+            cfg=cfg,
+            impl="triton" if use_triton else "torch",
+            reduction=reduction,
+            mode=mode,
+            memory_budget=memory_budget,
         )
     elif use_triton:
         # the Triton path reduces inside its autograd Function (it forms gradients in the forward)
         from .triton_function import triton_distill
 
-        out = triton_distill(x_s, x_t, ws, wt, bs, bt, ce_labels, mask, cfg, reduction, mode, memory_budget)
+        out = triton_distill(
+            xs=x_s,
+            xt=x_t,
+            ws=ws,
+            wt=wt,
+            bs=bs,
+            bt=bt,
+            labels=ce_labels,
+            mask=mask,
+            cfg=cfg,
+            reduction=reduction,
+            mode=mode,
+            memory_budget=memory_budget,
+        )
     else:
         from .chunked import chunked_rows
 
-        rows = chunked_rows(x_s, x_t, ws, wt, bs, bt, ce_labels, mask, cfg)
+        rows = chunked_rows(xs=x_s, xt=x_t, ws=ws, wt=wt, bs=bs, bt=bt, labels=ce_labels, mask=mask, cfg=cfg)
         out = tuple(reduce_rows(r, mask, reduction, lead) for r in rows)
     total, kd, ce = (r.reshape(lead) for r in out) if reduction == "none" else out
     if return_parts:
@@ -228,8 +255,9 @@ _COMMON_DOC = """
         grad_filter: True (threshold finfo(dtype).eps / 2, 2^-8 for bf16) or a threshold in
             (0, 1): vocab entries whose logit gradient is below threshold x its row's largest
             entry, in every row of a block, skip the dX/dW products (those entries are dropped;
-            faster on peaked distributions in the fast mode). One host sync per slab, so not
-            inside a CUDA graph capture. Default False: exact gradients.
+            faster on peaked distributions in the fast mode). The Triton path needs no host sync;
+            the PyTorch path syncs once per slab, so not inside a CUDA graph capture there.
+            Default False: exact gradients.
         return_parts: return ``DistillOutput(loss, kd, ce)`` instead of the loss alone: ``kd``
             is the divergence and ``ce`` the cross-entropy, each reduced like the loss and
             without weights (detached), so loss = kd_weight * [T^2] * kd + ce_weight * ce.
@@ -286,9 +314,9 @@ OPTION_NAMES = frozenset(HiddenOptions.__annotations__)
 
 def _check_options(fn: str, options: Mapping[str, Any]) -> None:
     # hidden_loss takes every divergence's parameter by keyword; a named loss takes its own only
-    unknown = sorted(set(options) - OPTION_NAMES)
-    if unknown:
-        raise TypeError(f"{fn}() got unexpected keyword argument(s) {unknown}")
+    for name in options:
+        if name not in OPTION_NAMES:
+            raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
 
 
 # The six losses, written out (one docstring body, from the registry). Options are keyword-only.

@@ -25,7 +25,7 @@ from .. import divergences as dv
 from ..core import checks as ck
 from ..core.ops import compute_dtype, grad_needed
 from ..core.outputs import DistillOutput
-from ..core.reduction import combine_rows, reduce_rows, reduction_scale, row_scales
+from ..core.reduction import IGNORE_INDEX, combine_rows, reduce_rows, reduction_scale, row_scales
 from ..parallel.comm import (
     all_reduce,
     check_label_range,
@@ -221,6 +221,14 @@ def fused_forward(
     return rows, (dx, None if dw is None else dw.to(ws.dtype), None if db is None else db.to(bs.dtype))
 
 
+def _is_one(grad: torch.Tensor) -> bool:
+    """The upstream gradient is exactly 1 (loss.backward()): no pass over the gradients. Reading it
+    syncs, so under graph capture or compilation the multiply is always done."""
+    if torch.compiler.is_compiling() or (grad.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    return bool(grad == 1)
+
+
 def _cat_rows(stats: List[RowStats]):
     kd = torch.cat([s.kd for s in stats])
     ce = None if stats[0].ce is None else torch.cat([s.ce for s in stats])
@@ -262,12 +270,15 @@ class VocabParallelFused(torch.autograd.Function):
         ctx.grads = None
         need = ctx.needs_input_grad
         g = grad_total.float()
+        one = _is_one(g)
         if need[0] and dx is not None:
-            dx = all_reduce(dx, "sum", ctx.group, "bwd_dx").mul_(g).to(ctx.x_dtype)
+            dx = all_reduce(dx, "sum", ctx.group, "bwd_dx")
+            dx = (dx if one else dx.mul_(g)).to(ctx.x_dtype)
         else:
             dx = None
-        dw = dw * g.to(dw.dtype) if need[2] and dw is not None else None
-        db = db * g.to(db.dtype) if need[4] and db is not None else None
+        # In place: the buffers are this call's own (a copy of dW would add [V_r, Ds] to the peak).
+        dw = (dw if one else dw.mul_(g.to(dw.dtype))) if need[2] and dw is not None else None
+        db = (db if one else db.mul_(g.to(db.dtype))) if need[4] and db is not None else None
         return dx, None, dw, None, db, None, None, None, None, None, None, None
 
 
@@ -417,7 +428,7 @@ def parallel_hidden_loss(
     process_group=None,
     divergence="forward_kl",
     labels=None,
-    ignore_index=-100,
+    ignore_index=IGNORE_INDEX,
     temperature=1.0,
     reduction="mean",
     chunk_V=None,

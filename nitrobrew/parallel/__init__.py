@@ -6,9 +6,10 @@ DTensor head sharded Shard(0) on the vocabulary) and ``nitrobrew.topk.vocab_para
 (``topk_kl(normalize="full", process_group=...)``).
 
 - ``global_token_count`` / ``data_parallel_loss`` / ``global_mean``: DDP and FSDP normalization.
-- ``count_comm()`` counts the bytes the collectives send (``hidden.comm_bytes`` / ``topk.topk_comm_bytes``
-  predict them); ``time_phases()`` times the phases of a call on this rank (local statistics, exchange,
-  gradient pass, dX all-reduce).
+- ``count_comm()`` counts the bytes the collectives send (``hidden.vocab_parallel.comm_bytes`` /
+  ``topk.vocab_parallel.topk_comm_bytes`` predict them; the old names here are deprecated re-exports);
+  ``time_phases()`` times the phases of a call on this rank (local statistics, exchange, gradient pass,
+  dX all-reduce).
 
 docs/parallel.md is the user guide.
 """

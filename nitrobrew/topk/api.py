@@ -8,7 +8,7 @@ import torch
 
 from ..core import checks as ck
 from ..core.outputs import DistillOutput
-from ..core.reduction import reduce_rows, row_weights
+from ..core.reduction import IGNORE_INDEX, reduce_rows, row_weights
 from .rowmath import TopKConfig
 from .validation import safe_ids, validate
 
@@ -26,7 +26,7 @@ def topk_kl(
     divergence: str = "forward_kl",
     tail: bool = False,
     labels: Optional[torch.Tensor] = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     temperature: float = 1.0,
     teacher_temperature: Optional[float] = None,
     reduction: str = "mean",
@@ -95,7 +95,9 @@ def topk_kl(
     if process_group is not None or any(ck.is_dtensor(t) for t in (xs, ws, bs, topk_ids, topk_logprobs)):
         from ..parallel.dtensor import unwrap
 
-        xs, _, ws, _, bs, _, labels, process_group = unwrap(xs, None, ws, None, bs, None, labels, process_group)
+        xs, _, ws, _, bs, _, labels, process_group = unwrap(
+            xs=xs, xt=None, ws=ws, wt=None, bs=bs, bt=None, labels=labels, process_group=process_group
+        )
         topk_ids, topk_logprobs = ck.local_tensor(topk_ids), ck.local_tensor(topk_logprobs)
     if process_group is not None:  # a vocab-parallel head
         from .vocab_parallel import parallel_topk_kl
@@ -126,23 +128,23 @@ def topk_kl(
         )
     name, param = ck.divergence_param(divergence, params)
     check_stored = validate(
-        xs,
-        ws,
-        topk_ids,
-        topk_logprobs,
-        bs,
-        labels,
-        normalize,
-        divergence,
-        tail,
-        temperature,
-        teacher_temperature,
-        reduction,
-        chunk_V,
-        kd_weight,
-        ce_weight,
-        ignore_index,
-        backend,
+        xs=xs,
+        ws=ws,
+        ids=topk_ids,
+        lp=topk_logprobs,
+        bs=bs,
+        labels=labels,
+        normalize=normalize,
+        divergence=divergence,
+        tail=tail,
+        temperature=temperature,
+        teacher_temperature=teacher_temperature,
+        reduction=reduction,
+        chunk_V=chunk_V,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        ignore_index=ignore_index,
+        backend=backend,
         mode=mode,
         memory_budget=memory_budget,
         softcap_s=softcap_s,
@@ -189,7 +191,14 @@ def _flat_rows(xs, topk_ids, topk_logprobs, labels, *, ignore_index: int, with_c
     ce_labels = None
     if with_ce and flat_labels is not None:  # labels are checked present for ce_weight != 0
         ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1)).long()
-    return _Rows(x, topk_ids.reshape(-1, K), topk_logprobs.reshape(-1, K), mask, ce_labels, xs.shape[:-1])
+    return _Rows(
+        x=x,
+        ids=topk_ids.reshape(-1, K),
+        lp=topk_logprobs.reshape(-1, K),
+        mask=mask,
+        ce_labels=ce_labels,
+        lead=xs.shape[:-1],
+    )
 
 
 def _dispatch(
@@ -216,18 +225,31 @@ def _dispatch(
         # first kernel (their sync then idles the device for the launch alone)
         from .triton_support import support_topk
 
-        return support_topk(x, ws, bs, rows.ids, lp, mask, cfg, reduction, check)
+        return support_topk(
+            xs=x, ws=ws, bs=bs, ids=rows.ids, lp=lp, mask=mask, cfg=cfg, reduction=reduction, check=check
+        )
     check()
     ids = safe_ids(rows.ids, lp)
     if fused and mode != "constant_memory":
         # the fast mode reduces inside its autograd Function (it forms gradients in the forward)
         from .triton_fast import fast_topk
 
-        return fast_topk(x, ws, bs, ids, lp, rows.ce_labels, mask, cfg, reduction, memory_budget)
+        return fast_topk(
+            xs=x,
+            ws=ws,
+            bs=bs,
+            ids=ids,
+            lp=lp,
+            labels=rows.ce_labels,
+            mask=mask,
+            cfg=cfg,
+            reduction=reduction,
+            memory_budget=memory_budget,
+        )
     if fused:
         from .triton_cm import constant_memory_rows as rows_fn
     else:
         from .chunked import chunked_rows as rows_fn
-    per_row = rows_fn(x, ws, bs, ids, lp, rows.ce_labels, mask, cfg)
+    per_row = rows_fn(xs=x, ws=ws, bs=bs, ids=ids, lp=lp, labels=rows.ce_labels, mask=mask, cfg=cfg)
     total, kd, ce = (reduce_rows(r, mask, reduction, rows.lead) for r in per_row)
     return total, kd, ce

@@ -29,11 +29,11 @@ import torch
 from ..core import checks as ck
 from ..core.online import Online, spans
 from ..core.ops import linear_logits, softcap_, softcap_grad_
-from ..core.reduction import reduce_rows, reduction_scale, row_scales, row_upstream
+from ..core.reduction import PartsFunction, combine_rows, reduce_rows, reduction_scale, row_scales, row_upstream
 from ..core.slabs import accumulate_dw, alloc_grads, finish_grads, keep_for_backward, take_precomputed_grads
 from ..core.tl_utils import NUM_WARPS, row_block
 from . import kernels_fast as kf
-from .chunked import combine_topk_rows, finish
+from .chunked import finish
 from .rowmath import RowResult, TopKConfig, full_lse
 
 F32 = torch.float32
@@ -116,7 +116,9 @@ def block_forward(z, ids, lp, valid, labels, cfg: TopKConfig) -> BlockRows:
     lse_rest_s = rest[:, 0]
     s_state = Online(lse_rest_s if cfg.tail else full_lse(s_ids, valid, lse_rest_s), ones)
     z_state = Online(full_lse(z_ids, valid, rest[:, 1]), ones) if cfg.with_ce and cfg.temperature != 1.0 else None
-    res, lse_s, lse_z, ce = finish(z_ids.reshape(-1), lp.to(F32), valid, s_state, z_state, z_label, cfg)
+    res, lse_s, lse_z, ce = finish(
+        z_ids=z_ids.reshape(-1), lp=lp.to(F32), valid=valid, s_state=s_state, z_state=z_state, z_label=z_label, cfg=cfg
+    )
     return BlockRows(z_ids, res, lse_s, lse_z, ce)
 
 
@@ -201,7 +203,7 @@ def _slice_rows(blk: BlockRows, r0: int, r1: int) -> BlockRows:
     return BlockRows(blk.z_ids[r0:r1], res, blk.lse_s[r0:r1], sl(blk.lse_z), sl(blk.ce))
 
 
-class FastTopK(torch.autograd.Function):
+class FastTopK(PartsFunction):
     """Reduced (total, kd, ce) of normalize="full"; gradients to xs, ws, bs."""
 
     @staticmethod
@@ -209,71 +211,62 @@ class FastTopK(torch.autograd.Function):
         n = xs.shape[0]
         valid = torch.isfinite(lp)
         precompute = any(need) and plan.reduction != "none"
-        grads = alloc_grads(xs, ws, bs, plan.dw_fp32, need[0], need[1] or need[2]) if precompute else (None,) * 3
+        grads = (
+            alloc_grads(xs=xs, ws=ws, bs=bs, dw_fp32=plan.dw_fp32, need_x=need[0], need_w=need[1] or need[2])
+            if precompute
+            else (None,) * 3
+        )
         red = reduction_scale(mask, plan.reduction) if precompute else None
         blocks = []
         for r0, r1 in spans(n, plan.row_chunk):
             z = softcap_(linear_logits(xs[r0:r1], ws, bs, F32), cfg.softcap_s)
             lab = None if labels is None else labels[r0:r1]
-            blk = block_forward(z, ids[r0:r1], lp[r0:r1], valid[r0:r1], lab, cfg)
+            blk = block_forward(z=z, ids=ids[r0:r1], lp=lp[r0:r1], valid=valid[r0:r1], labels=lab, cfg=cfg)
             blocks.append(blk)
             if precompute:
                 dx = None if grads[0] is None else grads[0][r0:r1]
                 block_backward(
-                    z,
-                    xs[r0:r1],
-                    ws,
-                    bs,
-                    ids[r0:r1],
-                    valid[r0:r1],
-                    lab,
-                    mask[r0:r1],
-                    red.expand(r1 - r0),
-                    blk,
-                    cfg,
-                    dx,
-                    grads[1],
-                    grads[2],
-                    r0 == 0,
+                    z=z,
+                    xs=xs[r0:r1],
+                    ws=ws,
+                    bs=bs,
+                    ids=ids[r0:r1],
+                    valid=valid[r0:r1],
+                    labels=lab,
+                    mask=mask[r0:r1],
+                    grad_rows=red.expand(r1 - r0),
+                    blk=blk,
+                    cfg=cfg,
+                    dx_out=dx,
+                    dw=grads[1],
+                    db=grads[2],
+                    first=r0 == 0,
                 )
             del z
         rows = _cat_rows(blocks) if blocks else None
         if rows is None:
             per_row = (torch.zeros(0, dtype=F32, device=xs.device),) * 3
         else:
-            per_row = combine_topk_rows(rows.res, rows.ce, mask, cfg)
+            per_row = combine_rows(rows.res.kd, rows.ce, mask, cfg)
         out = tuple(reduce_rows(r, mask, plan.reduction, (n,)) for r in per_row)
         keep_for_backward(
-            ctx,
-            cfg,
-            plan,
-            finish_grads(*grads, ws, bs) if precompute else None,
-            rows,
-            (xs, ws, bs, ids, lp, labels, mask),
+            ctx=ctx,
+            cfg=cfg,
+            plan=plan,
+            grads=finish_grads(*grads, ws, bs) if precompute else None,
+            state=rows,
+            saved=(xs, ws, bs, ids, lp, labels, mask),
         )
-        ctx.mark_non_differentiable(out[1], out[2])
-        return out
+        return FastTopK.parts(ctx, *out)
 
     @staticmethod
     @ck.no_double_backward
     def backward(ctx, grad_total, _gkd, _gce):
-        need = ctx.needs_input_grad
         if ctx.precompute:
             dx, dw, db = take_precomputed_grads(ctx, grad_total)
         else:
             dx, dw, db = _recomputed_grads(ctx, grad_total)
-        return (
-            dx if need[0] else None,
-            dw if need[1] else None,
-            db if need[2] else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        return FastTopK.input_grads(ctx, dx, dw, db)
 
 
 def _recomputed_grads(ctx, grad_total):
@@ -282,27 +275,27 @@ def _recomputed_grads(ctx, grad_total):
     n = xs.shape[0]
     upstream = row_upstream(grad_total, mask, plan.reduction, n)
     need = ctx.needs_input_grad
-    dx, dw, db = alloc_grads(xs, ws, bs, plan.dw_fp32, need[0], need[1] or need[2])
+    dx, dw, db = alloc_grads(xs=xs, ws=ws, bs=bs, dw_fp32=plan.dw_fp32, need_x=need[0], need_w=need[1] or need[2])
     valid = torch.isfinite(lp)
     for r0, r1 in spans(n, plan.row_chunk):
         z = softcap_(linear_logits(xs[r0:r1], ws, bs, F32), cfg.softcap_s)
         exclude_ids(z, ids[r0:r1], valid[r0:r1])
         block_backward(
-            z,
-            xs[r0:r1],
-            ws,
-            bs,
-            ids[r0:r1],
-            valid[r0:r1],
-            None if labels is None else labels[r0:r1],
-            mask[r0:r1],
-            upstream[r0:r1],
-            _slice_rows(rows, r0, r1),
-            cfg,
-            None if dx is None else dx[r0:r1],
-            dw,
-            db,
-            r0 == 0,
+            z=z,
+            xs=xs[r0:r1],
+            ws=ws,
+            bs=bs,
+            ids=ids[r0:r1],
+            valid=valid[r0:r1],
+            labels=None if labels is None else labels[r0:r1],
+            mask=mask[r0:r1],
+            grad_rows=upstream[r0:r1],
+            blk=_slice_rows(rows, r0, r1),
+            cfg=cfg,
+            dx_out=None if dx is None else dx[r0:r1],
+            dw=dw,
+            db=db,
+            first=r0 == 0,
         )
         del z
     return finish_grads(dx, dw, db, ws, bs)
@@ -310,7 +303,9 @@ def _recomputed_grads(ctx, grad_total):
 
 def fast_topk(xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig, reduction: str, memory_budget: Optional[int] = None):
     """Reduced (total, kd, ce) over flattened rows (normalize="full"; reduction "none" gives [N])."""
-    plan = make_fast_plan(xs.shape[0], ws.shape[0], ws.shape[1], xs.dtype, memory_budget, reduction)
+    plan = make_fast_plan(
+        n=xs.shape[0], v=ws.shape[0], d=ws.shape[1], dtype=xs.dtype, memory_budget=memory_budget, reduction=reduction
+    )
     grad_on = torch.is_grad_enabled()
     need = tuple(grad_on and t is not None and t.requires_grad for t in (xs, ws, bs))
     xs, ws = xs.contiguous(), ws.contiguous()

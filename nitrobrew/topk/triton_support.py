@@ -41,6 +41,7 @@ import torch
 from .. import divergences as dv
 from ..core import checks as ck
 from ..core.launch import cdiv, next_pow2
+from ..core.reduction import PartsFunction
 from ..core.tl_utils import math_args
 from . import kernels_support as ks
 from .rowmath import TopKConfig
@@ -339,12 +340,14 @@ def support_dw(xs, key, coef, scale, V, bs, counts=None):
     return dw, db
 
 
-class SupportTopK(torch.autograd.Function):
+class SupportTopK(PartsFunction):
     """Reduced (total, kd, ce) of normalize="topk" (ce is 0: the hard-label CE needs normalize="full")."""
 
     @staticmethod
     def forward(ctx, xs, ws, bs, ids, lp, mask, cfg: TopKConfig, reduction: str, check):
-        kd_rows, coef, key, counts = support_forward(xs, ws, bs, ids, lp, mask, cfg, check)
+        kd_rows, coef, key, counts = support_forward(
+            xs=xs, ws=ws, bs=bs, ids=ids, lp=lp, mask=mask, cfg=cfg, check=check
+        )
         if reduction == "none":
             kd, unit = kd_rows, None
             total, ce = kd_rows * cfg.kd_weight, torch.zeros_like(kd_rows)
@@ -352,8 +355,7 @@ class SupportTopK(torch.autograd.Function):
             total, kd, ce, unit = scalar_reduction(kd_rows, mask, reduction, cfg.kd_weight)
         ctx.save_for_backward(xs, ws, bs, coef, key, counts, unit)
         ctx.cfg = cfg
-        ctx.mark_non_differentiable(kd, ce)
-        return total, kd, ce
+        return SupportTopK.parts(ctx, total, kd, ce)
 
     @staticmethod
     @ck.no_double_backward
@@ -365,19 +367,9 @@ class SupportTopK(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = support_dx(ws, key, coef, scale, xs.dtype)
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            dw, db = support_dw(xs, key, coef, scale, ws.shape[0], bs, counts)
-        return (
-            dx,
-            dw if ctx.needs_input_grad[1] else None,
-            db if ctx.needs_input_grad[2] else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        if SupportTopK.head_needed(ctx):
+            dw, db = support_dw(xs=xs, key=key, coef=coef, scale=scale, V=ws.shape[0], bs=bs, counts=counts)
+        return SupportTopK.input_grads(ctx, dx, dw, db)
 
 
 def support_topk(xs, ws, bs, ids, lp, mask, cfg: TopKConfig, reduction: str, check=None):

@@ -19,7 +19,7 @@ from ..core import checks as ck
 from ..core.online import auto_chunk_v
 from ..core.ops import compute_dtype
 from ..core.outputs import DistillOutput
-from ..core.reduction import reduce_rows, row_weights
+from ..core.reduction import IGNORE_INDEX, reduce_rows, row_weights
 from ..parallel.comm import (
     all_reduce,
     check_label_range,
@@ -58,7 +58,8 @@ class VocabParallelTopK(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, ws, bs, ids, lp, labels, mask, cfg, group, lo: int):
-        from .chunked import Entries, combine_topk_rows, finish, vocab_pass
+        from ..core.reduction import combine_rows
+        from .chunked import Entries, finish, vocab_pass
 
         acc = compute_dtype(xs.dtype)
         N, K = lp.shape
@@ -71,7 +72,7 @@ class VocabParallelTopK(torch.autograd.Function):
         z_label = extra[0] if cfg.with_ce else st.z_label
         z_ids = extra[-1]
         res, lse_s, lse_z, ce = finish(z_ids, lp.to(acc), valid, st.s, st.z, z_label, cfg)
-        total, kd, ce_rows = combine_topk_rows(res, ce, mask, cfg)
+        total, kd, ce_rows = combine_rows(res.kd, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, labels, mask)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.entries, ctx.cfg = res, lse_s, lse_z, entries, cfg
         ctx.group, ctx.lo, ctx.chunk = group, lo, chunk
@@ -147,7 +148,7 @@ def parallel_topk_kl(
     divergence="forward_kl",
     tail=False,
     labels=None,
-    ignore_index=-100,
+    ignore_index=IGNORE_INDEX,
     temperature=1.0,
     teacher_temperature=None,
     reduction="mean",

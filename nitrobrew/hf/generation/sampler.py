@@ -5,8 +5,8 @@ At a 152k vocabulary a full sort per step costs more than the step's matrix prod
   exact draw from p with one pass and no cumulative sum;
 - top_k: ``torch.topk`` (a partial selection), then the draw among the k;
 - top_p: the nucleus is searched within the top ``NUCLEUS_CANDIDATES`` tokens (a partial selection, then a
-  sort of those few); a row whose candidates do not hold ``top_p`` of the mass falls back to a full sort
-  (exact in every case: the fallback is taken, not assumed away);
+  sort of those few); only the rows whose candidates do not hold ``top_p`` of the mass (flat rows) are sorted
+  in full (exact in every case: the fallback is taken, not assumed away);
 - min_p: a threshold relative to the row's maximum, one pass.
 """
 
@@ -43,15 +43,19 @@ def processed_logits(logits: torch.Tensor, s: Sampling) -> Tuple[torch.Tensor, O
             C = min(V, NUCLEUS_CANDIDATES)
             top, top_ids = torch.topk(x, C, dim=-1)
             lse = torch.logsumexp(x, -1, keepdim=True)
-            # Does the candidate set hold top_p of the mass in every row? (one sync; a full sort otherwise)
-            covered = bool((torch.logsumexp(top, -1, keepdim=True) - lse >= math.log(s.top_p)).all())
-            if covered:
-                keep = _nucleus_keep_full(top, lse, s.top_p)  # probabilities under the whole row
+            # Does the candidate set hold top_p of the mass? (one sync; the rows where it does not are sorted)
+            covered = torch.logsumexp(top, -1) - lse[:, 0] >= math.log(s.top_p)
+            keep = _nucleus_keep_full(top, lse, s.top_p)
+            if bool(covered.all()):
                 x, cand = top.masked_fill(~keep, float("-inf")), top_ids
             else:
-                srt, order = torch.sort(x, dim=-1, descending=True)
-                keep = _nucleus_keep(srt, s.top_p)
-                x = torch.full_like(x, float("-inf")).scatter(-1, order, srt.masked_fill(~keep, float("-inf")))
+                out = torch.full_like(x, float("-inf"))
+                out.scatter_(-1, top_ids, top.masked_fill(~(keep & covered[:, None]), float("-inf")))
+                rows = (~covered).nonzero()[:, 0]
+                srt, order = torch.sort(x[rows], dim=-1, descending=True)
+                flat = srt.masked_fill(~_nucleus_keep(srt, s.top_p), float("-inf"))
+                out[rows] = torch.full_like(srt, float("-inf")).scatter(-1, order, flat)
+                x = out
         else:
             x = x.masked_fill(~_nucleus_keep(x, s.top_p), float("-inf"))
     if s.min_p > 0:

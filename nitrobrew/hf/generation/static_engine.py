@@ -60,6 +60,7 @@ class StaticCacheGenerator(_LiveModel):
         prompt_bucket: prompts are padded on the left to a multiple of this.
         cache_bucket: the cache's length (prompt bucket + max_new_tokens) is rounded up to a multiple of this.
         check_every: decode steps between the host syncs that stop the loop once every row has ended.
+        max_caches: KV caches kept between calls (the most recently used buckets).
     """
 
     name = "static"
@@ -77,8 +78,12 @@ class StaticCacheGenerator(_LiveModel):
         prompt_bucket: int = 64,
         cache_bucket: int = 256,
         check_every: int = 16,
+        max_caches: int = 2,
     ):
-        for name, v in (("prompt_bucket", prompt_bucket), ("cache_bucket", cache_bucket), ("check_every", check_every)):
+        sizes = dict(
+            prompt_bucket=prompt_bucket, cache_bucket=cache_bucket, check_every=check_every, max_caches=max_caches
+        )
+        for name, v in sizes.items():
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.model = model
@@ -91,6 +96,7 @@ class StaticCacheGenerator(_LiveModel):
             else ("reduce-overhead" if device.type == "cuda" else None)
         )
         self.prompt_bucket, self.cache_bucket, self.check_every = prompt_bucket, cache_bucket, check_every
+        self.max_caches = max_caches
         self._caches: Dict[Tuple[int, int], object] = {}
         self._warm: set = set()
         self._step = None
@@ -110,8 +116,10 @@ class StaticCacheGenerator(_LiveModel):
     # -- the pieces -------------------------------------------------------------------------------
     def _cache(self, m, batch: int, length: int):
         key = (batch, length)
-        cache = self._caches.get(key)
+        cache = self._caches.pop(key, None)
         if cache is None:
+            while len(self._caches) >= self.max_caches:  # the least recently used bucket's memory goes first
+                self._caches.pop(next(iter(self._caches)))
             from transformers import StaticCache
 
             try:  # transformers >= 4.56: allocated at the first update, at its batch
@@ -121,9 +129,9 @@ class StaticCacheGenerator(_LiveModel):
                 cache = StaticCache(
                     config=m.config, max_batch_size=batch, max_cache_len=length, device=p.device, dtype=p.dtype
                 )
-            self._caches[key] = cache
         else:
             cache.reset()
+        self._caches[key] = cache  # most recently used last
         return cache
 
     def _decode_fn(self, m):
@@ -132,6 +140,11 @@ class StaticCacheGenerator(_LiveModel):
         if self._step is None:
             from transformers.generation.configuration_utils import CompileConfig
 
+            # One graph per (batch, cache length) bucket, all of the same code object: room for more of them
+            # than dynamo's default of 8 before it falls back to eager.
+            for limit in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, limit):
+                    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
             cfg = CompileConfig(fullgraph=False, dynamic=False, backend=self.compile_backend, mode=self.compile_mode)
             self._step = m.get_compiled_call(cfg)
         return self._step
@@ -168,7 +181,7 @@ class StaticCacheGenerator(_LiveModel):
         m.eval()
         graphs0 = compiled_graphs()
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()  # this stream: training may run beside it
         rng = None
         if sampling.seed is not None and not sampling.greedy:
             rng = torch.Generator(device=device).manual_seed(int(sampling.seed))
@@ -220,22 +233,23 @@ class StaticCacheGenerator(_LiveModel):
         finally:
             m.train(was_training)
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()  # this stream: training may run beside it
         seconds = time.perf_counter() - t0
         new_graphs = compiled_graphs() - graphs0
+        again = new_graphs if (Bb, L) in self._warm else 0  # a bucket compiled before: recompiled
         self.compiles += new_graphs
-        if (Bb, L) in self._warm:
-            self.recompiles += new_graphs
+        self.recompiles += again
         self._warm.add((Bb, L))
         ids_out = out_ids[:B, :steps]
         return Completions(
-            ids_out,
-            completion_mask(ids_out, eos),
-            out_lp[:B, :steps],
-            self.weight_version,
-            seconds,
-            steps,
+            ids=ids_out,
+            mask=completion_mask(ids_out, eos),
+            logprobs=out_lp[:B, :steps],
+            weight_version=self.weight_version,
+            seconds=seconds,
+            decode_steps=steps,
             compiles=new_graphs,
+            recompiles=again,
         )
 
 
