@@ -134,7 +134,7 @@ def teacher_rows(
     return Rows(x, w, b, t.softcap)
 
 
-def check_stored_teacher(teacher, hidden, scale, head, input_ids: torch.Tensor, divergence: str) -> bool:
+def check_stored_teacher(teacher, hidden, scale, head, *, input_ids: torch.Tensor, divergence: str) -> bool:
     """Whether the batch carries a stored teacher (``teacher_hidden``); ValueError if it is malformed."""
     if hidden is None:
         if scale is not None or head is not None:
