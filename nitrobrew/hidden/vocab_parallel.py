@@ -42,7 +42,7 @@ from ..parallel.comm import (
 )
 from ..parallel.dtensor import unwrap
 from . import grad_filter as gf
-from .chunked import RowStats, TorchLocal, finish_stats
+from .chunked import RowStats, TorchLocal, finish_stats, row_norm
 from .config import LossConfig, Operands
 from .validation import check_hidden_tensors, check_loss_options, prepare_rows
 
@@ -88,16 +88,15 @@ def parallel_stats(ops: Operands, labels, cfg: LossConfig, local, group) -> RowS
     """RowStats over the global vocabulary from this rank's block [0, ws.shape[0]) (labels local ids)."""
     fp = local.first_pass(ops, labels, cfg)
     states = [fp.s, fp.t] + ([fp.z] if fp.z is not None else [])
-    pairs = [(fp.s, fp.t), (fp.t, fp.s)] if cfg.divergence in dv.ONE_PASS else []
+    pairs = [(fp.s, fp.t), (fp.t, fp.s)]  # every divergence keeps the centred sums on one side
     if cfg.with_ce:
         (fp.z_label,) = merge_online(states, group, extra=[fp.z_label], kl_pairs=pairs)
     else:
         merge_online(states, group, kl_pairs=pairs)
     sums = None
     if cfg.divergence not in dv.ONE_PASS:
-        phi, u = local.second_pass(ops, cfg, fp.s.lse(), fp.t.lse())
-        both = all_reduce(torch.stack([phi, u]), "sum", group, "fwd_second_pass")
-        sums = (both[0], both[1])
+        norm = row_norm(fp, False)[0]
+        sums = all_reduce(torch.stack(local.second_pass(ops, cfg, norm)), "sum", group, "fwd_second_pass")
     return finish_stats(fp, cfg, sums)
 
 
@@ -374,8 +373,9 @@ def comm_bytes(
     e = 8 for float64 inputs, else 4 (statistics are fp32). N rows, Ds the student hidden size.
       layout    8 * 10 * world               (int64 shard sizes + checks, before any kernel)
       fwd_max   e * N * (2 + c)               c = 1 if CE is on and T != 1 (a T=1 student lse)
-      fwd_sum   e * N * (2 + c + 3a + ce)     a = 1 for forward_kl/reverse_kl (a, r, b), ce = 1 if CE is on
-      fwd_2nd   e * N * 2                     jsd, tvd, skew_kl, skew_reverse_kl only
+      fwd_sum   e * N * (2 (2 + c) + 3a + ce) each side's tail share and max count; a = 1 for
+                                              forward_kl/reverse_kl (a, r, b), ce = 1 if CE is on
+      fwd_2nd   e * N * 3                     jsd, tvd, skew_kl, skew_reverse_kl only
       bwd_dx    e * N * Ds                    when xs requires grad
     Independent of the vocabulary size V. A ring all-reduce puts ~2 (world-1)/world of that on each link.
     """
@@ -386,10 +386,10 @@ def comm_bytes(
     out = {
         "layout": 8 * 10 * world,
         "fwd_max": e * n_rows * (2 + c),
-        "fwd_sum": e * n_rows * (2 + c + 3 * a + (1 if with_ce else 0)),
+        "fwd_sum": e * n_rows * (2 * (2 + c) + 3 * a + (1 if with_ce else 0)),
     }
     if name not in dv.ONE_PASS:
-        out["fwd_second_pass"] = e * n_rows * 2
+        out["fwd_second_pass"] = e * n_rows * 3
     if backward and x_requires_grad:
         out["bwd_dx"] = e * n_rows * d_student
     out["total"] = sum(out.values())

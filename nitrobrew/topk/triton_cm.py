@@ -296,13 +296,13 @@ class TritonTopK(torch.autograd.Function):
         lse_s, lse_z = lse_range(
             xs, ws, bs, cfg.temperature, cfg.with_ce and cfg.temperature != 1.0, outside=row_ids if cfg.tail else None
         )
-        ones = torch.ones_like(lse_s)
+        zero = torch.zeros_like(lse_s)  # Online's tail: l = 1 (the state is the lse itself)
         res, lse_s, lse_z, ce = finish(
             z[:, :K].reshape(-1),
             lpc,
             valid,
-            Online(lse_s, ones),
-            None if lse_z is None else Online(lse_z, ones),
+            Online(lse_s, zero),
+            None if lse_z is None else Online(lse_z, zero),
             z[:, K] if cfg.with_ce else None,
             cfg,
         )
