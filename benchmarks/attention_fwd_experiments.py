@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import nitrobrew as nb
-from nitrobrew.attention import kernels_fwd, triton_function
+from nitrobrew.attention import kernels_fwd
 from nitrobrew.bench.common import time_ms
 
 DEV = torch.device("cuda")
@@ -66,7 +66,7 @@ def load_variant(name, edits):
     mod = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = mod
     spec.loader.exec_module(mod)
-    return mod.attn_kl_fwd_kernel
+    return mod.attention_fwd_kernel
 
 
 def median_ms(fn, reps=20):
@@ -79,7 +79,7 @@ print(
     "| KL fwd+bwd ms | SDPA fwd+bwd ms | ratio | max |KL - baseline| |"
 )
 print("|---|---|---|---|---|---|---|---|---|---|")
-original = triton_function.attn_kl_fwd_kernel
+original = kernels_fwd.attention_fwd_kernel
 
 
 def teacher_lse(qt, kt):
@@ -119,7 +119,7 @@ for N in (4096, 8192):
     )
     for name, edits in VARIANTS.items():
         try:
-            triton_function.attn_kl_fwd_kernel = original if not edits else load_variant(name, edits)
+            kernels_fwd.attention_fwd_kernel = original if not edits else load_variant(name, edits)
             for cfg in CONFIGS if name == "baseline" else CONFIGS[:1]:
                 bc = {"fwd": cfg}
                 with torch.no_grad():
@@ -141,4 +141,4 @@ for N in (4096, 8192):
         except Exception as err:  # a variant the compiler refuses is a result too
             print(f"| {N} | {name} | - | failed: {type(err).__name__}: {str(err).splitlines()[0][:120]} |", flush=True)
         finally:
-            triton_function.attn_kl_fwd_kernel = original
+            kernels_fwd.attention_fwd_kernel = original

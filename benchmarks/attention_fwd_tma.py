@@ -1,7 +1,7 @@
 """An experimental forward of attention_kl through TMA tensor descriptors, against the library's
 pointer forward and SDPA's default backend (one H100, one process).
 
-The kernel below is the library's forward (attn_kl_fwd_kernel) with the query and key tiles read
+The kernel below is the library's forward (attention_fwd_kernel) with the query and key tiles read
 through TMA descriptors made in the kernel, one per head (any strides; rows past Nq or Nk read as
 zeros), the structure of Triton's fused-attention tutorial for Hopper. It shares the library's
 per-block step, initial state and row outputs, so it computes the same, op for op. Switches of its
@@ -31,7 +31,7 @@ import triton.language as tl
 import nitrobrew as nb
 from nitrobrew.attention import triton_function
 from nitrobrew.attention.common import AttnSpec
-from nitrobrew.attention.kernels_fwd import LOG2E, _init_state, _online_step, _store_rows, attn_kl_fwd_kernel
+from nitrobrew.attention.kernels_fwd import LOG2E, _init_state, _online_step, _store_rows, attention_fwd_kernel
 from nitrobrew.attention.kernels_tiles import dot, flat_rows, hide_invisible, key_ranges, program_block, scores
 from nitrobrew.attention.triton_function import Side
 from nitrobrew.bench.common import time_ms
@@ -394,11 +394,11 @@ def main():
         "| config | " + " | ".join(f"N={N}" for N in Ns) + " | max abs diff KL vs pointer (N=2048) | regs/spills |\n"
         "|---|" + "---|" * (len(Ns) + 2)
     )
-    before = compiled(attn_kl_fwd_kernel)
+    before = compiled(attention_fwd_kernel)
     old = [fwd_ms(*data[N][:4], OLD) for N in Ns]
     print(
         "| pointer forward (128, 64, 8, 3) | " + " | ".join(f"{t:.3f}" for t in old) + f" | - | "
-        f"{regs(attn_kl_fwd_kernel, before)} |",
+        f"{regs(attention_fwd_kernel, before)} |",
         flush=True,
     )
     ref = nb.attention_kl(*data[2048][:4], is_causal=True, reduction="none", block_config=OLD)

@@ -21,9 +21,15 @@ the P ranks (uneven blocks when V % P != 0), fwd+bwd (gradients to xs and the st
   comm only             the collectives of one vocab-parallel call alone (same sizes), to show
                         how much of the vocab-parallel time is communication
 
+Per-rank phases of the vocab-parallel call (nitrobrew.parallel.time_phases, CUDA events on each
+rank, median over --reps): local stats (logit GEMMs + row-statistics kernels), exchange (the
+forward's collectives, waiting for the slower rank included), gradient pass (gradient slabs, dX and
+dW GEMMs), dX all-reduce, and the whole step.
+
 Columns: ms = median fwd+bwd time (CUDA events after warm-up; the max over ranks); peak MiB =
 peak allocated memory during one fwd+bwd above what was allocated before (max over ranks);
-speedup = single GPU torch ms / this ms (ideal for vocab-parallel: P); rel err = the largest of
+speedup = single GPU torch ms / this ms (ideal for vocab-parallel: P); vs auto = single GPU auto
+ms / this ms (the single-GPU Triton path: the target for vocab-parallel is >= 0.9 P); rel err = the largest of
 |L - L_1| / |L_1|, ||dX - dX_1|| / ||dX_1||, ||dW_r - dW_1[r]|| / ||dW_1[r]|| against the
 single-GPU torch path on the same inputs (bf16 gradients: ~4e-3 is the rounding of the output);
 bytes/call = payload bytes one rank hands to collectives in one fwd+bwd (nitrobrew.parallel.
@@ -62,16 +68,17 @@ import nitrobrew as nb  # noqa: E402
 from nitrobrew import divergences as dv  # noqa: E402
 from nitrobrew.bench.common import Row, environment, is_oom, rel_err, write_csv  # noqa: E402
 from nitrobrew.hidden.vocab_parallel import comm_bytes  # noqa: E402
-from nitrobrew.parallel import count_comm  # noqa: E402
+from nitrobrew.parallel import count_comm, time_phases  # noqa: E402
 from nitrobrew.parallel.comm import _record as record_bytes  # noqa: E402
 
 MAX_REL_ERR = 2e-2  # vocab-parallel vs single GPU (bf16 gradients round at ~4e-3)
+PHASES = ("local stats", "exchange", "gradient pass", "dX all-reduce")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="directory for distributed_nccl.csv and distributed_nccl.md")
-    p.add_argument("--tokens", default="1024,4096,8192,16384", help="comma-separated N (rows)")
+    p.add_argument("--tokens", default="4096,8192,16384", help="comma-separated N (rows)")
     p.add_argument("--vocab", type=int, default=152064)
     p.add_argument("--ds", type=int, default=3584, help="student hidden size")
     p.add_argument("--dt", type=int, default=5120, help="teacher hidden size")
@@ -240,7 +247,7 @@ def main(argv=None) -> int:
     ws_loc = ws_full.detach()[block].clone().requires_grad_()
     wt_loc = wt_full[block].clone()
 
-    rows, failures = [], []
+    rows, failures, phase_rows = [], [], []
     for N in tokens:
         xs = torch.randn(N, Ds, device=device, generator=gen).to(dtype).requires_grad_()
         xt = torch.randn(N, Dt, device=device, generator=gen).to(dtype)
@@ -325,6 +332,9 @@ def main(argv=None) -> int:
                 rows.append(
                     Row("vocab-parallel", m, dict(size), ms=ms, peak_mib=mib, rel_err=err, note=note, extra=extra)
                 )
+                if m == "vocab-parallel":
+                    for r, ph in enumerate(phase_ms(step, device, args.reps)):
+                        phase_rows.append((N, div, r, ph))
             comm_ms = timed(
                 lambda: _replay_collectives(N, Ds, name, args.ce_weight != 0, T, group, device),
                 device,
@@ -341,9 +351,12 @@ def main(argv=None) -> int:
                 )
             )
             base = next((r.ms for r in rows[::-1] if r.method == "single GPU torch" and r.size == size), None)
+            auto = next((r.ms for r in rows[::-1] if r.method == "single GPU auto" and r.size == size), None)
             for r in rows:
                 if r.size == size and r.ms and base and r.method != "comm only":
                     r.extra["speedup"] = base / r.ms
+                if r.size == size and r.ms and auto and r.method != "comm only":
+                    r.extra["vs_auto"] = auto / r.ms
             if rank == 0:
                 print(f"N={N} {div} done", flush=True)
         del xs, xt, labels
@@ -352,15 +365,52 @@ def main(argv=None) -> int:
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         text = _table(rows)
-        print(text)
+        phases = _phase_table(phase_rows)
+        print(text + "\n\n" + phases)
         write_csv(os.path.join(args.out, "distributed_nccl.csv"), rows, env)
-        _markdown(os.path.join(args.out, "distributed_nccl.md"), text, env, args, failures)
+        _markdown(os.path.join(args.out, "distributed_nccl.md"), text, env, args, failures, phases)
         if failures:
             print("FAILURES:\n" + "\n".join(failures), flush=True)
     ok = reduce_max(len(failures), device) == 0
     _barrier(device)
     dist.destroy_process_group()
     return 0 if ok else 1
+
+
+def phase_ms(step, device, reps):
+    """Per-rank median ms of each phase (and of the whole step) over reps: [world][len(PHASES) + 1]."""
+    runs = []
+    for _ in range(reps):
+        _barrier(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t0 = time.perf_counter()
+        with time_phases() as pt:
+            step()
+        if device.type == "cuda":
+            b.record()
+            torch.cuda.synchronize()
+            whole = a.elapsed_time(b)
+        else:
+            whole = (time.perf_counter() - t0) * 1e3
+        ms = pt.ms()
+        runs.append([ms.get(n, 0.0) for n in PHASES] + [whole])
+    med = [sorted(col)[len(col) // 2] for col in zip(*runs)]
+    mine = torch.tensor(med, dtype=torch.float64, device=device)
+    parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    return [p.tolist() for p in parts]
+
+
+def _phase_table(phase_rows):
+    head = ["N", "div", "rank", *PHASES, "sum of phases", "step"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for N, div, r, ph in phase_rows:
+        vals = [f"{v:.2f}" for v in ph[:-1]] + [f"{sum(ph[:-1]):.2f}", f"{ph[-1]:.2f}"]
+        lines.append("| " + " | ".join([str(N), div, str(r), *vals]) + " |")
+    return "\n".join(lines)
 
 
 def _replay_collectives(N, Ds, name, with_ce, T, group, device):
@@ -378,7 +428,19 @@ def _replay_collectives(N, Ds, name, with_ce, T, group, device):
 
 
 def _table(rows):
-    head = ["N", "div", "method", "ms", "speedup", "peak MiB", "rel err", "bytes/call", "bytes/token", "note"]
+    head = [
+        "N",
+        "div",
+        "method",
+        "ms",
+        "speedup",
+        "vs auto",
+        "peak MiB",
+        "rel err",
+        "bytes/call",
+        "bytes/token",
+        "note",
+    ]
     body = []
     for r in rows:
         body.append(
@@ -388,6 +450,7 @@ def _table(rows):
                 r.method,
                 "-" if r.ms is None else f"{r.ms:.2f}",
                 f"{r.extra['speedup']:.2f}x" if "speedup" in r.extra else "-",
+                f"{r.extra['vs_auto']:.2f}x" if "vs_auto" in r.extra else "-",
                 "-" if r.peak_mib is None else f"{r.peak_mib:.0f}",
                 "-" if r.rel_err is None else f"{r.rel_err:.1e}",
                 _fmt_bytes(r.extra.get("bytes_per_call")),
@@ -410,7 +473,7 @@ def _fmt_bytes(b):
     return f"{b:.0f} B"
 
 
-def _markdown(path, table, env, args, failures):
+def _markdown(path, table, env, args, failures, phases=""):
     with open(path, "w") as f:
         f.write("# Vocab-parallel hidden-state losses over NCCL\n\n")
         f.write(
@@ -426,6 +489,13 @@ def _markdown(path, table, env, args, failures):
             "(nitrobrew.parallel.count_comm; equals nitrobrew.hidden.vocab_parallel.comm_bytes).\n\n"
         )
         f.write(table + "\n")
+        if phases:
+            f.write(
+                "\n## Per-rank phases of the vocab-parallel call (ms, CUDA events, median)\n\n"
+                "local stats: logit GEMMs + row-statistics kernels; exchange: the forward's collectives "
+                "(waiting for the slower rank included); gradient pass: gradient slabs + dX / dW GEMMs; "
+                "dX all-reduce: the backward's one collective; step: the whole fwd+bwd.\n\n" + phases + "\n"
+            )
         if failures:
             f.write("\n## Failures\n\n```\n" + "\n".join(failures) + "\n```\n")
 

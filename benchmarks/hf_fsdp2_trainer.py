@@ -1,10 +1,10 @@
 """DistillationTrainer under accelerate's FSDP2 plugin on 2 GPUs: one SGD step == one process.
 
-accelerate has no FSDP on CPU, so the CPU tests drive fully_shard directly; this runs the real
-plugin path (Trainer -> accelerate -> fully_shard) on GPUs, teacher replicated and teacher
-sharded, and with the decoder wrapped apart from the head (the head stays sharded: the
-vocab-parallel layout), and compares the parameter change of one SGD step (lr 1: minus the gradient) with
-the gradient of one process on the whole batch.
+The real plugin path (Trainer -> accelerate -> fully_shard) on GPUs over NCCL (tests/
+test_hf_fsdp_accelerate.py runs the same path on CPU over gloo): root-wrapped with the teacher
+replicated and sharded, and with the decoder wrapped apart from the head (the head stays sharded:
+the vocab-parallel layout) with the teacher replicated and sharded; compares the parameter change
+of one SGD step (lr 1: minus the gradient) with the gradient of one process on the whole batch.
 
     torchrun --nproc_per_node 2 benchmarks/hf_fsdp2_trainer.py OUT.md
 
@@ -73,10 +73,11 @@ def collate(items):
 
 
 def one(variant, out_dir):
-    wrap = ["LlamaDecoderLayer", "LlamaModel"] if variant.startswith("head sharded") else ["LlamaDecoderLayer"]
+    apart = variant.startswith("head sharded")
+    wrap = ["LlamaDecoderLayer", "LlamaModel"] if apart else ["LlamaDecoderLayer"]
     student, teacher = models()
     ref = copy.deepcopy(student)
-    if variant == "teacher sharded":
+    if variant.endswith("teacher sharded"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -121,16 +122,21 @@ def one(variant, out_dir):
     for n, q in ref.named_parameters():
         g = before[n] - after[n]
         worst = max(worst, float((g - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)))
-    if variant.startswith("head sharded"):
+    if apart:
         assert type(trainer.model.lm_head.weight).__name__ == "DTensor"
-    return worst, type(trainer.model).__name__
+    return worst, type(trainer.model).__name__ + (" (decoder apart)" if apart else "")
 
 
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else "hf_fsdp2_trainer.md"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for variant in ("teacher replicated", "teacher sharded", "head sharded (vocab-parallel)"):
+        for variant in (
+            "root-wrapped, teacher replicated",
+            "root-wrapped, teacher sharded",
+            "head sharded apart, teacher replicated",
+            "head sharded apart, teacher sharded",
+        ):
             worst, cls = one(variant, os.path.join(tmp, variant.replace(" ", "_")))
             rows.append((variant, cls, worst))
     if int(os.environ.get("RANK", "0")) == 0:

@@ -68,13 +68,13 @@ def main(path):
     for name, kw, acc in cases:
         t0 = time.time()
         try:
-            td.GRAD_ACCUM = acc
             ts = [xs.detach().requires_grad_(), ws.detach().requires_grad_()]
             has_b = kw.get("bs") is not None
             if has_b:
                 ts.append(bs.detach().requires_grad_())
                 kw = dict(kw, bs=ts[2])
-            out = topk_kl(ts[0], ts[1], ids, lp, backend="triton", **kw)
+            with td.grad_accumulation(acc):
+                out = topk_kl(ts[0], ts[1], ids, lp, backend="triton", **kw)
             up = torch.randn_like(out) if out.dim() else torch.ones_like(out)
             g = torch.autograd.grad(out, ts, up)
             r = [t.detach().double().requires_grad_() for t in ts]
@@ -90,8 +90,6 @@ def main(path):
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {time.time() - t0:.1f} |")
         except Exception as err:  # report and go on
             lines.append(f"| {name} | error: {type(err).__name__}: {str(err)[:200]} | | | | |")
-        finally:
-            td.GRAD_ACCUM = "fp32"
         print(lines[-1], flush=True)
     text = (
         f"GPU check ({torch.cuda.get_device_name()}, torch {torch.__version__}), bf16 inputs, "

@@ -1,37 +1,41 @@
 """nitrobrew: exact, fast, memory-lean knowledge-distillation losses for LLMs."""
 
-from .hidden import (
-    DistillLoss,
-    DistillOutput,
-    ForwardKLLoss,
-    JSDLoss,
-    ReverseKLLoss,
-    SkewKLLoss,
-    SkewReverseKLLoss,
-    TVDLoss,
-    forward_kl,
-    hidden_loss,
-    jsd,
-    reverse_kl,
-    skew_kl,
-    skew_reverse_kl,
-    tvd,
-)
-
 __version__ = "0.1.0"
+
+# name -> the module that defines it. Loaded on first use: `import nitrobrew` (and the console
+# script's --version / --help) does not import torch until a loss is asked for.
+_HIDDEN = (
+    "DistillLoss",
+    "DistillOutput",
+    "ForwardKLLoss",
+    "JSDLoss",
+    "ReverseKLLoss",
+    "SkewKLLoss",
+    "SkewReverseKLLoss",
+    "TVDLoss",
+    "forward_kl",
+    "hidden_loss",
+    "jsd",
+    "reverse_kl",
+    "skew_kl",
+    "skew_reverse_kl",
+    "tvd",
+)
+_LAZY = {**{name: "hidden" for name in _HIDDEN}, "attention_kl": "attention", "topk_kl": "topk"}
 
 
 def __getattr__(name):
-    # Families that import optional pieces load on first use.
-    if name == "attention_kl":
-        from .attention import attention_kl
+    if name in _LAZY:
+        import importlib
 
-        return attention_kl
-    if name == "topk_kl":
-        from .topk import topk_kl
-
-        return topk_kl
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'nitrobrew' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])
 
 
 __all__ = [

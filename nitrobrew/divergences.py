@@ -27,35 +27,82 @@ Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
+class Param:
+    """A divergence's parameter: the keyword users pass, its closed range and its default. Every signature
+    that takes it (``jsd(beta=...)``, ``hidden_loss(**params)``, ``distill_loss``) reads them from here."""
+
+    name: str
+    default: float
+    low: float
+    high: float
+    help: str  # one line for argument parsers and docstrings
+
+
+PARAMS: Dict[str, Param] = {
+    p.name: p
+    for p in (
+        Param(name="beta", default=0.5, low=0.0, high=1.0, help="jsd mixture weight (0 = forward_kl, 1 = reverse_kl)"),
+        Param(name="alpha", default=0.1, low=0.0, high=1.0, help="skew_kl / skew_reverse_kl mixture weight"),
+    )
+}
+
+
+def default(param: str) -> float:
+    """The default of a divergence parameter, by its keyword."""
+    return PARAMS[param].default
+
+
+@dataclass(frozen=True)
 class Divergence:
     """One entry of the registry: everything else (checks, kernel ids, the HF arguments, the bench and
     the tests' lists) derives from it."""
 
     name: str
     kernel_id: int  # DIVERGENCE constexpr of the Triton kernels (core.tl_utils)
-    param: Optional[str]  # the option carrying its parameter ("beta", "alpha") or None
-    default: Optional[float]  # that option's documented default
+    param: Optional[str]  # the keyword of its parameter (a key of PARAMS) or None
     one_pass: bool  # value and sum_k u_k from the online recurrence alone (docs/design.md §2.3)
     summary: str  # one line for docstrings
+
+    @property
+    def default(self) -> Optional[float]:
+        """Its parameter's default (None without a parameter)."""
+        return None if self.param is None else PARAMS[self.param].default
 
 
 REGISTRY: Dict[str, Divergence] = {
     d.name: d
     for d in (
-        Divergence("forward_kl", 0, None, None, True, "KL(teacher || student): mean-seeking."),
-        Divergence("reverse_kl", 1, None, None, True, "KL(student || teacher): mode-seeking."),
         Divergence(
-            "jsd",
-            2,
-            "beta",
-            0.5,
-            False,
-            "Generalized Jensen-Shannon divergence beta KL(p||M) + (1 - beta) KL(q||M), M = beta p + "
+            name="forward_kl", kernel_id=0, param=None, one_pass=True, summary="KL(teacher || student): mean-seeking."
+        ),
+        Divergence(
+            name="reverse_kl", kernel_id=1, param=None, one_pass=True, summary="KL(student || teacher): mode-seeking."
+        ),
+        Divergence(
+            name="jsd",
+            kernel_id=2,
+            param="beta",
+            one_pass=False,
+            summary="Generalized Jensen-Shannon divergence beta KL(p||M) + (1 - beta) KL(q||M), M = beta p + "
             "(1 - beta) q; beta=0 is exactly forward_kl, beta=1 reverse_kl.",
         ),
-        Divergence("skew_kl", 3, "alpha", 0.1, False, "Skew KL: KL(p || alpha p + (1 - alpha) q)."),
-        Divergence("skew_reverse_kl", 4, "alpha", 0.1, False, "Skew reverse KL: KL(q || alpha q + (1 - alpha) p)."),
-        Divergence("tvd", 5, None, None, False, "Total variation distance 1/2 sum |p - q|."),
+        Divergence(
+            name="skew_kl",
+            kernel_id=3,
+            param="alpha",
+            one_pass=False,
+            summary="Skew KL: KL(p || alpha p + (1 - alpha) q).",
+        ),
+        Divergence(
+            name="skew_reverse_kl",
+            kernel_id=4,
+            param="alpha",
+            one_pass=False,
+            summary="Skew reverse KL: KL(q || alpha q + (1 - alpha) p).",
+        ),
+        Divergence(
+            name="tvd", kernel_id=5, param=None, one_pass=False, summary="Total variation distance 1/2 sum |p - q|."
+        ),
     )
 }
 NAMES: Tuple[str, ...] = tuple(REGISTRY)

@@ -115,8 +115,8 @@ def plain_loop(rank, shard_teacher, apart=False, teacher_apart=False):
 
 
 def trainer_loss(rank, tmp, apart=False):
-    """DistillationTrainer.compute_loss on a fully_shard-ed student (accelerate has no FSDP on CPU: its
-    FSDP2 plugin is exercised by benchmarks/hf_fsdp2_trainer.py on GPUs)."""
+    """DistillationTrainer.compute_loss on a fully_shard-ed student (accelerate's FSDP2 plugin path:
+    test_hf_fsdp_accelerate.py, and benchmarks/hf_fsdp2_trainer.py on GPUs)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from nitrobrew.hf import DistillationArguments, DistillationTrainer, distill_loss

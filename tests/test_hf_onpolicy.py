@@ -124,6 +124,29 @@ def test_errors():
         on_policy_batch(student(), ids, mask, max_new_tokens=2, generate_fn=lambda p, m, **o: p[:, :3])
 
 
+def test_arguments_are_checked_at_the_call():
+    """A bool for max_new_tokens, float completions, ids outside the vocabulary: refused naming the argument."""
+    ids, mask = prompts()
+    called = []
+
+    def fixed(p, m, **o):
+        called.append(1)
+        return torch.full((p.shape[0], 2), 5)
+
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        on_policy_batch(student(), ids, mask, max_new_tokens=True, generate_fn=fixed)
+    assert not called  # refused before generating
+    with pytest.raises(TypeError, match="generate_fn.*integers"):
+        on_policy_batch(student(), ids, mask, max_new_tokens=2, generate_fn=lambda p, m, **o: torch.full((4, 2), 5.0))
+    for bad in (V, V + 7, -1):
+        with pytest.raises(ValueError, match="generate_fn.*outside the vocabulary"):
+            on_policy_batch(
+                student(), ids, mask, max_new_tokens=2, generate_fn=lambda p, m, bad=bad, **o: torch.full((4, 2), bad)
+            )
+    b = on_policy_batch(student(), ids, mask, max_new_tokens=2, generate_fn=lambda p, m, **o: torch.full((4, 2), V - 1))
+    assert int(b.n_generated.sum()) == 8
+
+
 # ------------------------------------------------------------------------------------------- trainer
 
 
@@ -227,3 +250,171 @@ def test_prompts_are_needed(tmp_path):
     )
     with pytest.raises(ValueError, match="need prompts"):
         trainer.train()
+
+
+def window_data(n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for i in range(n):
+        p = 3 + i % 3
+        ids = torch.randint(4, V, (p + 2,), generator=g).tolist()
+        items.append({"input_ids": ids, "labels": [IGNORE_INDEX] * p + ids[p:]})
+    return items
+
+
+def test_one_generation_per_window(tmp_path):
+    """Gradient accumulation of 2: both micro-batches' prompts go to the engine in one call, each prompt
+    num_generations times, and come back split into their micro-batches."""
+    calls = []
+
+    def generator(p, m, **options):
+        calls.append(p.clone())
+        completion = torch.full((p.shape[0], options["max_new_tokens"]), 9)
+        completion[::2, 1] = EOS  # every other completion stops after 2 tokens
+        return completion
+
+    trainer = DistillationTrainer(
+        model=student(seed=11),
+        teacher_model=teacher_model(seed=12),
+        generate_fn=generator,
+        args=args(
+            tmp_path,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=1,
+            lmbda=1.0,
+            max_new_tokens=3,
+            num_generations=2,
+        ),
+        train_dataset=window_data(),
+        data_collator=collate,
+    )
+    seen = []
+    compute = trainer.compute_loss
+
+    def spy(model, inputs, *a, **k):
+        seen.append(inputs["labels"].clone())
+        return compute(model, inputs, *a, **k)
+
+    trainer.compute_loss = spy
+    trainer.train()
+    assert len(calls) == 1 and calls[0].shape[0] == 8  # 2 micro-batches x 2 prompts x 2 generations
+    assert [s.shape[0] for s in seen] == [4, 4]
+    counted = sum(int((s != IGNORE_INDEX).sum()) for s in seen)
+    assert counted == 4 * 2 + 4 * 3  # 8 completions: half stop at their EOS (2 tokens), half run 3
+    log = [h for h in trainer.state.log_history if "gen_tokens" in h][0]
+    assert log["gen_tokens"] == counted and log["gen_len"] == counted / 8
+    assert 0 <= log["gen_fraction"] <= 1 and log["gen_decode_ms"] >= 0 and log["gen_compiles"] == 0
+
+
+def test_static_backend_trains_like_the_dynamic_cache(tmp_path):
+    """generation_backend static and hf: the same greedy completions, the same update."""
+    teacher = teacher_model(seed=13)
+    got = {}
+    for backend in ("hf", "static"):
+        got[backend], trainer = train_once(
+            tmp_path / backend,
+            student(seed=14),
+            teacher,
+            lmbda=1.0,
+            max_new_tokens=4,
+            generation_temperature=0.0,
+            generation_backend=backend,
+        )
+        assert trainer.generator_for(trainer.model).name == backend
+    for n in got["hf"]:
+        torch.testing.assert_close(got["static"][n], got["hf"][n], rtol=0, atol=0, msg=n)
+
+
+def test_generation_arguments_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="generation_backend"):
+        args(tmp_path, generation_backend="fast")
+    with pytest.raises(ValueError, match="num_generations"):
+        args(tmp_path, num_generations=0)
+
+
+def async_run(tmp_path, **kw):
+    calls = []
+    trainer = DistillationTrainer(
+        model=student(seed=15),
+        teacher_model=teacher_model(seed=16),
+        args=args(
+            tmp_path,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=3,
+            learning_rate=0.5,
+            lmbda=1.0,
+            max_new_tokens=4,
+            generation_temperature=1.0,
+            generation_backend="static",
+            **kw,
+        ),
+        train_dataset=window_data(12),
+        data_collator=collate,
+    )
+    compute = trainer.compute_loss
+
+    def spy(model, inputs, *a, **k):
+        calls.append(inputs["input_ids"].clone())
+        return compute(model, inputs, *a, **k)
+
+    trainer.compute_loss = spy
+    trainer.train()
+    return calls, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer
+
+
+def test_async_generation_with_staleness_0_is_the_synchronous_run(tmp_path):
+    sync_batches, sync_weights, _ = async_run(tmp_path / "sync")
+    a_batches, a_weights, trainer = async_run(tmp_path / "async", generation_async=True, max_staleness=0)
+    assert len(a_batches) == len(sync_batches) == 6
+    assert all(torch.equal(x, y) for x, y in zip(a_batches, sync_batches))
+    for n in sync_weights:
+        torch.testing.assert_close(a_weights[n], sync_weights[n], rtol=0, atol=0, msg=n)
+    assert trainer._rollouts is None  # closed at the end of training
+
+
+def test_async_generation_staleness_1_is_deterministic(tmp_path):
+    sync_batches, _, _ = async_run(tmp_path / "sync")
+    a, wa, trainer = async_run(tmp_path / "a", generation_async=True, max_staleness=1)
+    b, wb, _ = async_run(tmp_path / "b", generation_async=True, max_staleness=1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and all(torch.equal(wa[n], wb[n]) for n in wa)
+    # Windows 0 and 1 come from the initial weights: window 0 as in the synchronous run, window 1 not.
+    assert torch.equal(a[0], sync_batches[0]) and not all(torch.equal(x, y) for x, y in zip(a[2:4], sync_batches[2:4]))
+    lags = [h["gen_staleness"] for h in trainer.state.log_history if "gen_staleness" in h]
+    assert lags == [0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--generation_backend", "hf"],
+        ["--generation_backend", "static", "--num_generations", "2"],
+        ["--generation_backend", "auto", "--generation_async", "true", "--max_staleness", "1"],
+    ],
+)
+def test_nitrobrew_train_on_policy_with_each_backend(tmp_path, extra):
+    """`nitrobrew train` with an on-policy config runs with each in-process engine and logs generation."""
+    import json
+
+    pytest.importorskip("yaml")
+    pytest.importorskip("datasets")
+    from nitrobrew.cli import main
+    from test_hf_train_cli import write_config
+    from test_hf_trainer import student_model
+
+    student_model().save_pretrained(tmp_path / "student")
+    teacher_model().save_pretrained(tmp_path / "teacher")
+    g = torch.Generator().manual_seed(0)
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for n in (6, 9, 5, 7):
+            ids = torch.randint(4, V, (n,), generator=g).tolist()
+            f.write(json.dumps({"input_ids": ids, "labels": [-100, -100] + ids[2:]}) + "\n")
+    path = write_config(tmp_path, "run")
+    assert main(["train", str(path), "--lmbda", "1", *extra]) == 0
+    history = [h for h in json.load(open(tmp_path / "run" / "trainer_state.json"))["log_history"] if "loss" in h]
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        assert h["gen_tokens"] > 0 and h["gen_decode_ms"] > 0 and 0 < h["gen_fraction"] <= 1
+    if "--generation_async" in extra:
+        assert [h["gen_staleness"] for h in history] == [0.0, 1.0]

@@ -83,7 +83,7 @@ def test_two_steps_from_a_yaml_file(files, packing, capsys):
 
 def test_overrides_and_types(files):
     path = write_config(files, "parse")
-    model_args, data_args, args = parse(str(path), ["--divergence", "reverse_kl", "--packing", "true"])
+    model_args, data_args, args = parse(str(path), ["--divergence", "reverse_kl", "--packing", "true", "--lmbda", "0"])
     assert (model_args.student, model_args.attn_implementation) == (str(files / "student"), "sdpa")
     assert data_args.packing is True and args.divergence == "reverse_kl" and args.beta == 0.3
     assert args.learning_rate == 1e-3 and args.max_steps == 2 and args.temperature_end == 1.0
@@ -171,3 +171,36 @@ def test_text_data_with_prompts(tmp_path):
     with pytest.raises(ValueError, match="text_field needs a tokenizer: none loads from") as err:
         load_data(DataArguments(data=str(tmp_path / "chat.jsonl"), text_field="text"), str(tmp_path / "no_tok"))
     assert "\n" not in str(err.value)
+
+
+def test_config_mistakes_are_one_line_and_write_nothing(files, tmp_path, capsys):
+    """Each bad config: exit 2, one line naming the key or file, no output_dir."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    base = f"output_dir: {tmp_path / 'out'}\nreport_to: none\nuse_cpu: true\n"
+    models = f"student: {files / 'student'}\nteacher: {files / 'teacher'}\n"
+    cases = {
+        "no_student_or_data": (base, "missing student, data"),
+        "missing_student_dir": (
+            base + f"student: {tmp_path / 'nonexistent' / 'student'}\nteacher: {files / 'teacher'}\n"
+            f"data: {files / 'data.jsonl'}\n",
+            "student: no such model directory",
+        ),
+        "missing_data_file": (base + models + f"data: {tmp_path / 'none.jsonl'}\n", "data: no such file"),
+        "list_for_a_float": (base + models + f"data: {files / 'data.jsonl'}\nbeta: [1, 2]\n", "beta takes one value"),
+        "empty_data": (base + models + f"data: {tmp_path / 'empty.jsonl'}\n", "is empty"),
+        "blank_data": (base + models + f"data: {tmp_path / 'blank.jsonl'}\n", "is empty"),
+        "negative_max_length": (base + models + f"data: {files / 'data.jsonl'}\nmax_length: -3\n", "max_length must"),
+        "zero_max_length": (base + models + f"data: {files / 'data.jsonl'}\nmax_length: 0\n", "max_length must"),
+        "duplicate_key": (
+            base + models + f"data: {files / 'data.jsonl'}\nbeta: 0.2\nbeta: 0.7\n",
+            "key 'beta' is given twice (line",
+        ),
+    }
+    for name, (text, says) in cases.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        assert main(["train", str(path)]) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("nitrobrew train: ") and says in err[0], (name, err)
+        assert not (tmp_path / "out").exists(), name

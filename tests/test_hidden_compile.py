@@ -27,6 +27,9 @@ CASES = {
     "jsd_sum_T": dict(divergence="jsd", beta=0.3, reduction="sum", temperature=2.0),
     "tvd_small_budget": dict(divergence="tvd", memory_budget=8 * V * 5, with_labels=True),
     "grad_filter": dict(grad_filter=0.05, memory_budget=8 * V * 5, with_labels=True, ce_weight=0.5),
+    # the named losses forward their options (HiddenOptions) to hidden_loss inside the one graph
+    "named_jsd": dict(loss="jsd", beta=0.3, with_labels=True, ce_weight=0.2, reduction="sum"),
+    "named_forward_kl": dict(loss="forward_kl", with_bias=True, chunk_V=64),
 }
 
 
@@ -52,10 +55,10 @@ def _step_and_params(impl, case):
         opts["labels"] = labels
     if with_bias:
         opts["bs"] = bs
-    opts.setdefault("divergence", "forward_kl")
+    loss_fn = getattr(nb, opts.pop("loss")) if "loss" in opts else nb.hidden_loss
 
     def step():
-        loss = nb.hidden_loss(lin(h), xt, ws, wt, backend=impl, **opts)
+        loss = loss_fn(lin(h), xt, ws, wt, backend=impl, **opts)
         return loss.sum() if loss.dim() else loss
 
     params = [lin.weight, lin.bias, ws] + ([bs] if with_bias else [])
@@ -154,14 +157,15 @@ def test_opcheck(impl, reduction):
 
 @pytest.mark.parametrize("name", sorted(nb.hidden.api.LOSSES))
 def test_named_losses_pass_every_argument_on(monkeypatch, name):
-    """The six functions write their keywords out (torch.compile on torch 2.11 cannot trace locals()):
-    each must hand every one of its parameters to hidden_loss, under its own name."""
+    """Each of the six functions hands every one of its parameters (its own and the shared HiddenOptions)
+    to hidden_loss, under its own name."""
     import inspect
 
     from nitrobrew.hidden import api
 
     fn = api.LOSSES[name]
-    params = list(inspect.signature(fn).parameters)
+    own = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    params = own + sorted(api.OPTION_NAMES)
     got = {}
     monkeypatch.setattr(api, "hidden_loss", lambda **kw: got.update(kw))
     sent = {p: object() for p in params}

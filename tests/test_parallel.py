@@ -53,6 +53,7 @@ SAME_DTYPE_TOL = {
     torch.bfloat16: TOLERANCES[torch.bfloat16],
 }
 NO_WORSE = 1.5
+BF16_TRITON_GRAD = Tol(3e-2, 6e-3, 1e-5)
 ACCURACY = []  # (vocab-parallel, single-process) relative gradient errors from float64, float32 cases
 
 
@@ -115,6 +116,10 @@ def check_case(
     ref_grads = dict(zip(("xs", "ws", "bs"), torch.autograd.grad(ref64, ref_leaves, grad_outputs=up)))
     vt, gt = SAME_DTYPE_TOL[dtype]
     vr, gr = TOLERANCES[dtype]
+    if backend == "triton" and dtype == torch.bfloat16:
+        # the gradient slab is rounded to bf16 before the dX / dW GEMMs, as on one GPU
+        # (test_hidden_triton.BF16_GRAD)
+        gt = gr = BF16_TRITON_GRAD
     assert loss.dtype == sp_loss.dtype and loss.shape == sp_loss.shape, (loss.dtype, loss.shape)
     assert_close(loss, sp_loss, vt, "value vs single process")
     assert_close(loss, ref64, vr, "value vs float64 reference")
@@ -378,6 +383,36 @@ def vocab_cases(r, world, group):
             (
                 "triton: softcapped forward_kl",
                 lambda: check_case(r, group, world, "forward_kl", s0, backend="triton", softcap_s=6.0, softcap_t=4.0),
+            ),
+            (
+                "triton: jsd + ce, fast plan in blocks of rows (gradient formed in the forward)",
+                lambda: check_case(
+                    r,
+                    group,
+                    world,
+                    "jsd",
+                    s1,
+                    backend="triton",
+                    ce_weight=0.3,
+                    memory_budget=500,
+                    reduction="sum",
+                    case_kw=dict(shape=(33,), labels="some", bias=True),
+                ),
+            ),
+            (
+                "triton: bf16 forward_kl + ce, fast plan (gradient slab over the teacher's bytes)",
+                lambda: check_case(
+                    r,
+                    group,
+                    world,
+                    "forward_kl",
+                    s0,
+                    dtype=torch.bfloat16,
+                    backend="triton",
+                    ce_weight=0.2,
+                    memory_budget=500,
+                    case_kw=dict(shape=(21,), labels="some"),
+                ),
             ),
             (
                 "triton: jsd, constant-memory plan",
@@ -849,10 +884,10 @@ def test_vocab_parallel_over_gloo(world):
 
 def test_comm_bytes_formula_is_independent_of_vocab():
     a = comm_bytes(4096, 3584, divergence="jsd", with_ce=True, temperature=2.0)
-    assert a["fwd_max"] == 4 * 4096 * 3 and a["fwd_sum"] == 4 * 4096 * 7 and a["fwd_second_pass"] == 4 * 4096 * 3
+    assert a["fwd_max"] == 4 * 4096 * 3 and a["fwd_sum"] == 4 * 4096 * 10 and a["fwd_second_pass"] == 4 * 4096 * 4
     assert a["bwd_dx"] == 4 * 4096 * 3584 and a["layout"] == 160
     b = comm_bytes(4096, 3584, divergence="forward_kl")
-    assert b["total"] == 160 + 4 * 4096 * (2 + 7) + 4 * 4096 * 3584
+    assert b["total"] == 160 + 4 * 4096 * (2 + 1 + 7) + 4 * 4096 * 3584
     assert comm_bytes(10, 4, divergence="jsd", param=0.0) == comm_bytes(10, 4, divergence="forward_kl")
     assert comm_bytes(10, 4, dtype=torch.float64)["fwd_max"] == 8 * 10 * 2
 

@@ -11,6 +11,7 @@ if not ck.triton_available() or not ck.interpreter_enabled():
     pytest.skip("needs triton with TRITON_INTERPRET=1 (make test sets it)", allow_module_level=True)
 
 from nitrobrew.core.online import Online  # noqa: E402
+from nitrobrew.core.reduction import combine_rows  # noqa: E402
 from nitrobrew.topk import chunked as tc  # noqa: E402
 from nitrobrew.topk import reference_topk_loss, topk_kl  # noqa: E402
 from nitrobrew.topk import triton_cm as td  # noqa: E402
@@ -81,16 +82,16 @@ def test_triton_matches_reference(case):
         assert _rel(a, b) < 1e-4
 
 
-def test_triton_native_accumulation_and_no_head_grad(monkeypatch):
+def test_triton_native_accumulation_and_no_head_grad():
     xs, ws, bs, ids, lp, labels = make(seed=1)
     ref = reference_topk_loss(xs, ws, ids, lp)
     gx_ref, gw_ref = torch.autograd.grad(ref, [xs, ws])
-    monkeypatch.setattr(td, "GRAD_ACCUM", "native")
-    out = topk_kl(xs, ws, ids, lp, backend="triton")
+    with td.grad_accumulation("native"):  # read by the forward, kept for its backward
+        out = topk_kl(xs, ws, ids, lp, backend="triton", mode="constant_memory")
+        out_no_head = topk_kl(xs, ws.detach(), ids, lp, backend="triton", mode="constant_memory")
     gx, gw = torch.autograd.grad(out, [xs, ws])
     assert _rel(gx, gx_ref) < 1e-4 and _rel(gw, gw_ref) < 1e-4
-    out = topk_kl(xs, ws.detach(), ids, lp, backend="triton")
-    (gx2,) = torch.autograd.grad(out, [xs])
+    (gx2,) = torch.autograd.grad(out_no_head, [xs])
     assert _rel(gx2, gx_ref) < 1e-4
 
 
@@ -151,7 +152,7 @@ def _triton_pieces(xs, ws, bs, ids, lp, labels, cfg):
         z[:, :K].reshape(-1), lp, valid, Online(lse[0], ones), Online(lse[1], ones), z[:, K], cfg
     )
     mask = ones
-    total = tc.combine_topk_rows(res, ce, mask, cfg)[0]
+    total = combine_rows(res.kd, ce, mask, cfg)[0]
     up = torch.rand(n, generator=torch.Generator().manual_seed(7))
     coef, dense, ce_scale = tc.row_coefficients(up, mask, res, cfg)
     grads = td.full_backward_range(x, w, b, lse_s, lse_z, dense, ce_scale, labels, row_ids, coef, cfg.temperature)

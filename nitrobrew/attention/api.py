@@ -254,8 +254,19 @@ def attention_kl(
         # every row sees a key and counts: the reduction is a known scale, done inside the Function
         from .triton_function import triton_total
 
-        return triton_total(q_s, k_s, q_t, k_t, lse_t, spec, block_config, reduction)
-    w = row_weights(Nq, Nk, is_causal, spec.causal_offset, kpm, query_mask, B, q_s.device)
+        return triton_total(
+            q_s=q_s, k_s=k_s, q_t=q_t, k_t=k_t, lse_t=lse_t, spec=spec, cfg=block_config, reduce=reduction
+        )
+    w = row_weights(
+        Nq=Nq,
+        Nk=Nk,
+        spec_causal=is_causal,
+        causal_offset=spec.causal_offset,
+        kpm=kpm,
+        query_mask=query_mask,
+        B=B,
+        device=q_s.device,
+    )
     if kpm is not None or query_mask is not None or (is_causal and spec.causal_offset < 0):
         # query rows that do not count are zeroed before any product: a NaN there would reach dk (and
         # the key projection) through 0 * NaN in dS^T Q even though the row's weight is 0
@@ -268,11 +279,11 @@ def attention_kl(
     elif impl == "triton":
         from .triton_function import attention_rows
 
-        rows = attention_rows(q_s, k_s, q_t, k_t, lse_t, kpm, spec, block_config)
+        rows = attention_rows(q_s=q_s, k_s=k_s, q_t=q_t, k_t=k_t, lse_t=lse_t, kpm=kpm, spec=spec, cfg=block_config)
     else:
         from .chunked import chunked_rows
 
-        rows = chunked_rows(q_s, k_s, q_t, k_t, lse_t, kpm, spec)
+        rows = chunked_rows(q_s=q_s, k_s=k_s, q_t=q_t, k_t=k_t, lse_t=lse_t, kpm=kpm, spec=spec)
     rows = rows * w.to(rows.dtype)[:, None, :]
     if reduction == "none":
         return rows

@@ -122,7 +122,17 @@ def head_lse(side: _Side, spec: AttnSpec, kpm: Optional[Tensor], chunk: int) -> 
     l = torch.zeros_like(m)
     for r0, c0, c1 in key_chunks(spec, Nq, Nk, chunk):
         s = side.scores(r0, c0, c1)
-        vis = visible(Nq, Nk, spec.is_causal, spec.causal_offset, kpm, s.device, r0, c0, c1)
+        vis = visible(
+            Nq=Nq,
+            Nk=Nk,
+            is_causal=spec.is_causal,
+            causal_offset=spec.causal_offset,
+            kpm=kpm,
+            device=s.device,
+            r0=r0,
+            c0=c0,
+            c1=c1,
+        )
         if vis is not None:
             s = s.masked_fill(~vis, float("-inf"))
         mo = m[:, :, r0:]
@@ -149,7 +159,17 @@ def forward_stats(X, Y, spec: AttnSpec, kpm, Nq: int, Nk: int, chunk: int, lse_x
     ly, c = torch.zeros_like(lx), torch.zeros_like(lx)
     for r0, c0, c1 in key_chunks(spec, Nq, Nk, chunk):
         sx, sy = X.scores(r0, c0, c1), Y.scores(r0, c0, c1)
-        vis = visible(Nq, Nk, spec.is_causal, spec.causal_offset, kpm, dev, r0, c0, c1)
+        vis = visible(
+            Nq=Nq,
+            Nk=Nk,
+            is_causal=spec.is_causal,
+            causal_offset=spec.causal_offset,
+            kpm=kpm,
+            device=dev,
+            r0=r0,
+            c0=c0,
+            c1=c1,
+        )
         sxm = sx if vis is None else sx.masked_fill(~vis, float("-inf"))
         sym = sy if vis is None else sy.masked_fill(~vis, float("-inf"))
         mxo, myo = mx[:, :, r0:], my[:, :, r0:]
@@ -209,7 +229,7 @@ class ChunkedAttentionKL(torch.autograd.Function):
             ctx.lse_heads = lse_heads
         X, Y = (T, S) if spec.teacher_is_x else (S, T)
         lse_x, lse_y = (lse_fixed, None) if spec.teacher_is_x else (None, lse_fixed)
-        kl, lsx, lsy = forward_stats(X, Y, spec, kpm, Nq, Nk, chunk, lse_x, lse_y)
+        kl, lsx, lsy = forward_stats(X=X, Y=Y, spec=spec, kpm=kpm, Nq=Nq, Nk=Nk, chunk=chunk, lse_x=lse_x, lse_y=lse_y)
         ctx.save_for_backward(q_s, k_s, q_t, k_t, kpm, lsx, lsy, kl)
         ctx.spec, ctx.chunk, ctx.acc = spec, chunk, acc
         return kl.to(torch.float64 if acc == torch.float64 else torch.float32)
@@ -238,15 +258,33 @@ class ChunkedAttentionKL(torch.autograd.Function):
         g = grad_rows.to(acc)
         for r0, c0, c1 in key_chunks(spec, Nq, Nk, chunk):
             sx, sy = X.scores(r0, c0, c1), Y.scores(r0, c0, c1)
-            vis = visible(Nq, Nk, spec.is_causal, spec.causal_offset, kpm, q_s.device, r0, c0, c1)
+            vis = visible(
+                Nq=Nq,
+                Nk=Nk,
+                is_causal=spec.is_causal,
+                causal_offset=spec.causal_offset,
+                kpm=kpm,
+                device=q_s.device,
+                r0=r0,
+                c0=c0,
+                c1=c1,
+            )
             dsx, dsy = score_grads(
-                sx, sy, vis, lsx[:, :, r0:], lsy[:, :, r0:], kl[:, :, r0:], g[:, :, r0:], need_x, need_y
+                sx=sx,
+                sy=sy,
+                vis=vis,
+                lse_x=lsx[:, :, r0:],
+                lse_y=lsy[:, :, r0:],
+                kl=kl[:, :, r0:],
+                g=g[:, :, r0:],
+                need_x=need_x,
+                need_y=need_y,
             )
             ds_s, ds_t = (dsy, dsx) if spec.teacher_is_x else (dsx, dsy)
             if need_s:
-                S.add_grads(ds_s, r0, c0, c1, dq_s, dk_s)
+                S.add_grads(ds_s, r0=r0, c0=c0, c1=c1, dq=dq_s, dk=dk_s)
             if teacher_grads:
-                T.add_grads(ds_t, r0, c0, c1, dq_t, dk_t)
+                T.add_grads(ds_t, r0=r0, c0=c0, c1=c1, dq=dq_t, dk=dk_t)
         return (
             None if dq_s is None else dq_s.to(q_s.dtype),
             dk_s,

@@ -110,7 +110,7 @@ def row_weights(
     Nq: int, Nk: int, spec_causal: bool, causal_offset: int, kpm, query_mask, B: int, device
 ) -> torch.Tensor:
     """float32 [B, Nq]: 1 for rows that count (some visible key, and kept by query_mask)."""
-    w = rows_with_keys(Nq, Nk, spec_causal, causal_offset, kpm, B, device)
+    w = rows_with_keys(Nq=Nq, Nk=Nk, is_causal=spec_causal, causal_offset=causal_offset, kpm=kpm, B=B, device=device)
     if query_mask is not None:
         w = w & query_mask
     return w.to(torch.float32)

@@ -12,9 +12,9 @@ with X = 2^{x - lse_x}, Y = 2^{y - lse_y}. Direction "forward" has x = teacher, 
 dk = scale * dS^T q.
 
 Two kernels, no atomics and no fp32 scratch beyond registers:
-- ``attn_kl_bwd_dq_kernel``: program = (query block, batch*head); loops over key blocks and
+- ``attention_bwd_dq_kernel``: program = (query block, batch*head); loops over key blocks and
   accumulates dq for the sides that need it (both sides share the query head).
-- ``attn_kl_bwd_dk_kernel``: program = (key block, batch*kv head of side A); loops over the
+- ``attention_bwd_dk_kernel``: program = (key block, batch*kv head of side A); loops over the
   query heads that share that kv head (grouped-query attention) and over query blocks, and
   accumulates dk_A in registers. The other side's dk is accumulated in the same pass when its
   kv grouping is the same (ALSO_B); otherwise it gets its own launch with the roles swapped.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..core.launch import launch
 from .kernels_tiles import (
     centred_diff,
     dot,
@@ -159,7 +160,7 @@ def _dq_tile(
 
 
 @triton.jit
-def attn_kl_bwd_dq_kernel(
+def attention_bwd_dq_kernel(
     QX,
     KX,
     QY,
@@ -519,7 +520,7 @@ def _dk_head(
 
 
 @triton.jit
-def attn_kl_bwd_dk_kernel(
+def attention_bwd_dk_kernel(
     QA,
     KA,
     QB,
@@ -707,3 +708,13 @@ def attn_kl_bwd_dk_kernel(
     store_tile(DKA + b64 * s_dka_b + kvh.to(tl.int64) * s_dka_h, offs_n, offs_da, s_dka_n, Nk, DA, dka, out_scale_a)
     if ALSO_B:
         store_tile(DKB + b64 * s_dkb_b + kvh.to(tl.int64) * s_dkb_h, offs_n, offs_db, s_dkb_n, Nk, DB, dkb, out_scale_b)
+
+
+def launch_bwd_dq(grid, *args, **constexprs) -> None:
+    """``attention_bwd_dq_kernel[grid](*args, **constexprs)`` through ``core.launch``."""
+    launch(attention_bwd_dq_kernel, grid, *args, **constexprs)
+
+
+def launch_bwd_dk(grid, *args, **constexprs) -> None:
+    """``attention_bwd_dk_kernel[grid](*args, **constexprs)`` through ``core.launch``."""
+    launch(attention_bwd_dk_kernel, grid, *args, **constexprs)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..core.launch import next_pow2
+from ..core.launch import launch, next_pow2
 from .kernels_tiles import (
     centred_diff,
     exp2_pair,
@@ -170,7 +170,7 @@ def _store_rows(mx, my, lx, ly, c, row, row_ok, KL_OUT, LSEX_OUT, LSEY_OUT):
 
 
 @triton.jit
-def attn_kl_fwd_kernel(
+def attention_fwd_kernel(
     QX,
     KX,
     QY,
@@ -302,3 +302,8 @@ def attn_kl_fwd_kernel(
 
 def next_pow2_dim(d: int) -> int:
     return max(16, next_pow2(d))
+
+
+def launch_fwd(grid, *args, **constexprs) -> None:
+    """``attention_fwd_kernel[grid](*args, **constexprs)`` through ``core.launch``."""
+    launch(attention_fwd_kernel, grid, *args, **constexprs)

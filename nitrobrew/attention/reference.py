@@ -44,7 +44,7 @@ def reference_rows(
     b = _scores(q_s, k_s, ss, dtype)
     a = _scores(q_t, k_t, st, dtype)
     kpm = key_mask(key_padding_mask, kv_lengths, B, Nk, q_s.device)
-    vis = visible(Nq, Nk, is_causal, causal_offset, kpm, q_s.device)
+    vis = visible(Nq=Nq, Nk=Nk, is_causal=is_causal, causal_offset=causal_offset, kpm=kpm, device=q_s.device)
     if vis is not None:
         # A huge finite fill (not -inf): exp gives exactly 0, and no inf - inf reaches autograd.
         fill = torch.finfo(dtype).min / 4
@@ -101,7 +101,16 @@ def reference_attention_kl(
     )
     B, H, Nq = rows.shape
     kpm = key_mask(key_padding_mask, kv_lengths, B, k_s.shape[2], q_s.device)
-    w = row_weights(Nq, k_s.shape[2], is_causal, causal_offset, kpm, query_mask, B, q_s.device).to(dtype)
+    w = row_weights(
+        Nq=Nq,
+        Nk=k_s.shape[2],
+        spec_causal=is_causal,
+        causal_offset=causal_offset,
+        kpm=kpm,
+        query_mask=query_mask,
+        B=B,
+        device=q_s.device,
+    ).to(dtype)
     rows = rows * w[:, None, :]
     if reduction == "none":
         return rows

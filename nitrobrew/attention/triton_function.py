@@ -8,10 +8,10 @@ import torch
 
 from ..core import checks as ck
 from ..core.checks import interpreter_enabled
-from ..core.launch import cdiv, launch
+from ..core.launch import cdiv
 from .common import AttnSpec
-from .kernels_bwd import attn_kl_bwd_dk_kernel, attn_kl_bwd_dq_kernel
-from .kernels_fwd import DEFAULT_CONFIGS, LOG2E, attn_kl_fwd_kernel, next_pow2_dim
+from .kernels_bwd import launch_bwd_dk, launch_bwd_dq
+from .kernels_fwd import DEFAULT_CONFIGS, LOG2E, launch_fwd, next_pow2_dim
 
 
 class Side:
@@ -79,8 +79,7 @@ def triton_forward(X: Side, Y: Side, kpm, spec: AttnSpec, lse_x=None, lse_y=None
     lx_in, x_fixed = fixed(lse_x)
     ly_in, y_fixed = fixed(lse_y)
     grid = (cdiv(Nq, BM), B * H)
-    launch(
-        attn_kl_fwd_kernel,
+    launch_fwd(
         grid,
         X.q,
         X.k,
@@ -153,8 +152,7 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
         dqy = torch.empty_like(Y.q) if need["qy"] else kl
         sx3 = dqx.stride()[:3] if need["qx"] else (0, 0, 0)
         sy3 = dqy.stride()[:3] if need["qy"] else (0, 0, 0)
-        launch(
-            attn_kl_bwd_dq_kernel,
+        launch_bwd_dq(
             (cdiv(Nq, BM), B * H),
             X.q,
             X.k,
@@ -214,13 +212,14 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
         out["qy"] = dqy if need["qy"] else None
 
     def dk_launch(A: Side, Bs: Side, lsa, lsb, a_is_x: bool, also_b: bool):
-        BM, BN, warps, stages = resolve_config("dk", cfg, dev, max_bd, fp32, A.G > 1)
+        BM, BN, warps, stages = resolve_config(
+            kind="dk", user=cfg, device=dev, max_bd=max_bd, fp32=fp32, grouped=A.G > 1
+        )
         Hkva = A.k.shape[1]
         dka = torch.empty_like(A.k)
         dkb = torch.empty_like(Bs.k) if also_b else kl
         sb3 = dkb.stride()[:3] if also_b else (0, 0, 0)
-        launch(
-            attn_kl_bwd_dk_kernel,
+        launch_bwd_dk(
             (cdiv(Nk, BN), B * Hkva),
             A.q,
             A.k,
@@ -281,12 +280,12 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
         return dka, (dkb if also_b else None)
 
     if need["kx"] and need["ky"] and X.G == Y.G:
-        out["kx"], out["ky"] = dk_launch(X, Y, lsx, lsy, True, True)
+        out["kx"], out["ky"] = dk_launch(X, Y, lsx, lsy, a_is_x=True, also_b=True)
     else:
         if need["kx"]:
-            out["kx"], _ = dk_launch(X, Y, lsx, lsy, True, False)
+            out["kx"], _ = dk_launch(X, Y, lsx, lsy, a_is_x=True, also_b=False)
         if need["ky"]:
-            out["ky"], _ = dk_launch(Y, X, lsy, lsx, False, False)
+            out["ky"], _ = dk_launch(Y, X, lsy, lsx, a_is_x=False, also_b=False)
     return out
 
 
@@ -327,7 +326,9 @@ class TritonAttentionKL(torch.autograd.Function):
             X, Y, need = T, S, dict(qx=n[2], kx=n[3], qy=n[0], ky=n[1])
         else:
             X, Y, need = S, T, dict(qx=n[0], kx=n[1], qy=n[2], ky=n[3])
-        out = triton_backward(X, Y, kpm, spec, lsx, lsy, kl, g, need, ctx.cfg, ctx.g_mult)
+        out = triton_backward(
+            X=X, Y=Y, kpm=kpm, spec=spec, lsx=lsx, lsy=lsy, kl=kl, g=g, need=need, cfg=ctx.cfg, g_mult=ctx.g_mult
+        )
         if spec.teacher_is_x:
             dq_t, dk_t, dq_s, dk_s = out["qx"], out["kx"], out["qy"], out["ky"]
         else:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Optional, Sequence, Tuple
+from typing import Any, Mapping, Optional, Sequence, Tuple, TypeVar, cast
 
 import torch
 
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("auto", "torch", "triton")
 MODES = ("fast", "constant_memory")
+T = TypeVar("T")
 
 
 def is_int(value) -> bool:
@@ -52,6 +53,11 @@ def is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+def local_tensor(t: T) -> T:
+    """t's local shard if t is a DTensor, else t itself (None included)."""
+    return cast(Any, t).to_local() if is_dtensor(t) else t
+
+
 def check_softcap(name: str, cap) -> None:
     if cap is not None and not (is_number(cap) and math.isfinite(cap) and cap > 0):
         raise ValueError(
@@ -64,17 +70,24 @@ def check_unit_interval(name: str, value: float) -> None:
         raise ValueError(f"{name} must be in [0, 1], got {value!r}")
 
 
-def divergence_param(divergence: str, beta: float, alpha: float) -> Tuple[str, float]:
-    """The canonical (divergence, parameter) of the public options: the registry names the option
-    that carries each divergence's parameter (beta for jsd, alpha for the skews), checked to lie in
-    [0, 1]; unknown names raise."""
+def divergence_param(divergence: str, params: Mapping[str, float]) -> Tuple[str, float]:
+    """The canonical (divergence, parameter) of the public options. ``params``: the divergence parameters
+    given by keyword (``beta=...``); the registry (``divergences.PARAMS``) names them, their ranges and
+    defaults. Unknown keywords raise TypeError, unknown divergences and values out of range ValueError."""
     from .. import divergences as dv
 
+    for name in params:
+        if name not in dv.PARAMS:
+            raise TypeError(
+                f"got an unexpected keyword argument {name!r} (the divergence parameters: {sorted(dv.PARAMS)})"
+            )
     entry = dv.REGISTRY.get(divergence)
     if entry is None or entry.param is None:
         return dv.canonical(divergence, 0.0)
-    value = {"beta": beta, "alpha": alpha}[entry.param]
-    check_unit_interval(entry.param, value)
+    spec = dv.PARAMS[entry.param]
+    value = params.get(spec.name, spec.default)
+    if not (is_number(value) and spec.low <= value <= spec.high):
+        raise ValueError(f"{spec.name} must be in [{spec.low:g}, {spec.high:g}], got {value!r}")
     return dv.canonical(divergence, value)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from typing import Callable
+from typing import Callable, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,7 +23,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.largest = 0
-        self.largest_shape = ()
+        self.largest_shape: Tuple[int, ...] = ()
         self._seen = set()
 
     def _track(self, t: torch.Tensor) -> None:

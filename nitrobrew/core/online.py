@@ -161,7 +161,7 @@ def spans(n: int, size: int) -> Iterator[Tuple[int, int]]:
         yield lo, min(lo + size, n)
 
 
-def auto_chunk_v(n_rows: int, vocab: int, budget_elems: int = 1 << 24) -> int:
+def auto_chunk_v(n_rows: int, vocab: int, budget_elems: int = 1 << 24, device=None) -> int:
     """A power-of-two vocab chunk with rows * chunk near `budget_elems` (64 MiB of fp32)."""
     chunk = 256
     while chunk * 2 * max(n_rows, 1) <= budget_elems and chunk < vocab:

@@ -11,6 +11,8 @@ from typing import Optional, Tuple
 import torch
 
 Tensor = torch.Tensor
+# The label of a row that does not count (PyTorch's cross_entropy and the HF collators use it too).
+IGNORE_INDEX = -100
 
 
 def row_weights(labels: Optional[torch.Tensor], ignore_index: int, n_rows: int, device: torch.device) -> torch.Tensor:
@@ -59,3 +61,31 @@ def combine_rows(kd: Tensor, ce: Optional[Tensor], mask: Tensor, cfg) -> Tuple[T
     kd = torch.where(mask > 0, kd, torch.zeros_like(kd))
     ce = torch.zeros_like(kd) if ce is None else torch.where(mask > 0, ce, torch.zeros_like(ce))
     return cfg.kd_weight * kd + cfg.ce_weight * ce, kd, ce
+
+
+class PartsFunction(torch.autograd.Function):
+    """Base of the autograd Functions with a (total, kd, ce) output: total carries the gradient; kd and ce
+    (the unweighted divergence and cross-entropy, reported) do not. STUDENT_INPUTS: the positions of the
+    student's hidden rows, head weight and head bias among the forward's inputs; the rest get no gradient.
+    A subclass ends its forward with ``parts`` and its backward with ``input_grads``."""
+
+    STUDENT_INPUTS: Tuple[int, int, int] = (0, 1, 2)
+
+    @staticmethod
+    def parts(ctx, total: Tensor, kd: Tensor, ce: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        ctx.mark_non_differentiable(kd, ce)
+        return total, kd, ce
+
+    @classmethod
+    def head_needed(cls, ctx) -> bool:
+        """Whether the backward must form the head's gradient (of the weight or the bias)."""
+        _, w, b = cls.STUDENT_INPUTS
+        return bool(ctx.needs_input_grad[w] or ctx.needs_input_grad[b])
+
+    @classmethod
+    def input_grads(cls, ctx, dx: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor]) -> tuple:
+        """The backward's return: dx, dw, db at the student's inputs that need them, None elsewhere."""
+        grads: list = [None] * len(ctx.needs_input_grad)
+        for i, g in zip(cls.STUDENT_INPUTS, (dx, dw, db)):
+            grads[i] = g if ctx.needs_input_grad[i] else None
+        return tuple(grads)

@@ -10,6 +10,7 @@ nitrobrew demo toy                 # mode-seeking vs mean-seeking, and the rank 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -21,6 +22,7 @@ from .lm import METHODS, PRESETS, DemoConfig
 
 _SKIP = ("methods",)
 _ZERO_OK = ("warmup", "seed")  # sizes that may be 0; every other size must be > 0
+_AT_LEAST = {"seq_len": 2}  # a sequence of one token has no next token to predict
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,14 +56,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if f.name in _SKIP:
             continue
         kind = type(f.default)
-        check = _boolean if kind is bool else _number(kind, zero_ok=f.name in _ZERO_OK)
+        check = _boolean if kind is bool else _number(kind, zero_ok=f.name in _ZERO_OK, at_least=_AT_LEAST.get(f.name))
         sizes.add_argument(
             "--" + f.name.replace("_", "-"), type=check, default=None, dest=f.name, metavar=kind.__name__.upper()
         )
 
 
-def _number(kind, zero_ok: bool):
-    """argparse type: a finite number of `kind`, > 0 (>= 0 for the fields where 0 means none)."""
+def _number(kind, zero_ok: bool, at_least=None):
+    """argparse type: a finite number of `kind`, > 0 (>= 0 for the fields where 0 means none; >=
+    `at_least` where given)."""
 
     def parse(text: str):
         try:
@@ -70,6 +73,8 @@ def _number(kind, zero_ok: bool):
             raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
         if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
             raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero_ok else '> 0'}, got {text!r}")
+        if at_least is not None and value < at_least:
+            raise argparse.ArgumentTypeError(f"must be >= {at_least}, got {text!r}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
@@ -83,6 +88,21 @@ def _boolean(text: str) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _saved_config_problem(out: str):
+    """Why OUT/config.json cannot be resumed from (None when it can, or when there is none)."""
+    path = os.path.join(out, "config.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        return f"{path} is not a readable JSON file ({' '.join(str(err).split())}): remove it, or use another --out"
+    if not isinstance(saved, dict):
+        return f"{path} holds a {type(saved).__name__}, not the run's settings: remove it, or use another --out"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,6 +136,10 @@ def run(args: argparse.Namespace) -> int:
         overrides["methods"] = methods
     cfg = config_from(args.preset, **overrides)
     out = args.out or "runs/demo"
+    problem = _saved_config_problem(out) if args.resume else None
+    if problem:
+        print(f"nitrobrew demo: --resume: {problem}", file=sys.stderr)
+        return 2
     try:
         run_demo(cfg, out, device=args.device, resume=args.resume, progress=not args.quiet, plot=not args.no_plot)
     except KeyboardInterrupt:

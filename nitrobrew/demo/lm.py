@@ -9,7 +9,9 @@
    (``nitrobrew.hf.distill_loss``), forward KL from the stored top-k, and two on-policy
    students: each batch's first ``prompt_len`` tokens are completed by the student itself
    (``nitrobrew.hf.on_policy_batch``) and the teacher scores the student's own tokens (reverse
-   KL, and JSD as in GKD).
+   KL, and JSD as in GKD); and two offline on-policy students: the initial student's completions
+   are written once (``nitrobrew rollout``), the teacher scores them once into a hidden store and
+   a top-k store (``nitrobrew teacher-extract``), and the students train from the stores alone.
 5. Report held-out perplexity, KL to the source, accuracy, peak memory and time, as a markdown
    table, a JSON file and a PNG of the curves.
 
@@ -37,7 +39,17 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .progress import Progress
 from .source import HMMSource
 
-METHODS = ("hard_labels", "forward_kl", "reverse_kl", "jsd", "topk", "on_policy_reverse_kl", "on_policy_jsd")
+METHODS = (
+    "hard_labels",
+    "forward_kl",
+    "reverse_kl",
+    "jsd",
+    "topk",
+    "on_policy_reverse_kl",
+    "on_policy_jsd",
+    "offline_hidden_reverse_kl",
+    "offline_topk",
+)
 LABELS = {
     "hard_labels": "hard labels (CE)",
     "forward_kl": "forward KL",
@@ -46,7 +58,11 @@ LABELS = {
     "topk": "top-k store, forward KL",
     "on_policy_reverse_kl": "on-policy, reverse KL on student samples",
     "on_policy_jsd": "on-policy, JSD (beta 0.5) on student samples",
+    "offline_hidden_reverse_kl": "offline on-policy, reverse KL from a hidden store",
+    "offline_topk": "offline on-policy, forward KL from a top-k store",
 }
+# Students trained from stores of the teacher's scores on rollouts of the initial student.
+OFFLINE = ("offline_hidden_reverse_kl", "offline_topk")
 ON_POLICY = {"on_policy_reverse_kl": "reverse_kl", "on_policy_jsd": "jsd"}
 # Settings that may change between a run and its --resume (they add or drop whole stages).
 RESUMABLE_CHANGES = ("methods",)
@@ -351,6 +367,76 @@ def extract_store(runner: Runner, teacher, data: Data) -> str:
     return path
 
 
+def offline_stores(runner: Runner, teacher, student, data: Data) -> Dict:
+    """Offline on-policy data: the initial student completes every training sequence's first
+    ``prompt_len`` tokens once (``nitrobrew rollout``'s writer), then the teacher scores the completions
+    into a hidden store (bf16 rows) and a top-k store. All resumable; returns paths and figures."""
+    from ..hf.generation import Sampling
+    from ..teacher.extract import extract_hidden, extract_topk, teacher_from_hf
+    from ..teacher.rollout import generate_rollouts, read_rollouts
+
+    cfg = runner.cfg
+    paths = {k: os.path.join(runner.out, k) for k in ("rollouts", "hidden_store", "rollout_topk_store")}
+    if not runner.resume:
+        for path in paths.values():
+            shutil.rmtree(path, ignore_errors=True)
+    t0 = time.perf_counter()
+    prompts = data.train[:, : cfg.prompt_len].tolist()
+    if runner.progress:
+        print(f"rolling out the initial student on {len(prompts)} prompts into {paths['rollouts']}")
+    generate_rollouts(
+        student,
+        prompts,
+        paths["rollouts"],
+        sampling=Sampling(max_new_tokens=cfg.seq_len - cfg.prompt_len, temperature=1.0, pad_token_id=0),
+        seed=cfg.seed,
+        batch_size=256,
+        sequences_per_shard=max(len(prompts) // 4, 1),
+        model_name="nitrobrew-demo-student (initial)",
+        resume=runner.resume,
+    )
+    t_roll = time.perf_counter() - t0
+    seqs, plen, _ = read_rollouts(paths["rollouts"])
+    wrapped = teacher_from_hf(teacher, name="nitrobrew-demo-teacher", logit_transforms=True)
+    t0 = time.perf_counter()
+    hidden = extract_hidden(
+        wrapped,
+        seqs,
+        paths["hidden_store"],
+        hidden_dtype="bfloat16",
+        prompt_lengths=plen,
+        sequences_per_shard=max(len(seqs) // 4, 1),
+        source={"rollouts": paths["rollouts"]},
+        resume=runner.resume,
+    )
+    topk = extract_topk(
+        wrapped,
+        seqs,
+        paths["rollout_topk_store"],
+        k=cfg.topk,
+        temperature=cfg.temperature,
+        sequences_per_shard=max(len(seqs) // 4, 1),
+        source={"rollouts": paths["rollouts"]},
+        resume=runner.resume,
+    )
+    t_extract = time.perf_counter() - t0
+    # bytes per counted position: the top-k store also holds the prompt's rows, which are not counted
+    counted = sum(len(s) - p for s, p in zip(seqs, plen))
+    out = {
+        "paths": paths,
+        "rollout_seconds": t_roll,
+        "extract_seconds": t_extract,
+        "hidden_bytes": sum(s["bytes"] for s in hidden["shards"]) / max(counted, 1),
+        "topk_bytes": sum(s["bytes"] for s in topk["shards"]) / max(counted, 1),
+    }
+    if runner.progress:
+        print(
+            f"  rollouts in {t_roll:.1f} s, stores in {t_extract:.1f} s: hidden {out['hidden_bytes']:.0f} "
+            f"bytes/position, top-k {out['topk_bytes']:.0f} bytes/position"
+        )
+    return out
+
+
 def run_demo(
     cfg: DemoConfig,
     out: str,
@@ -363,14 +449,16 @@ def run_demo(
     """The whole demo; returns the results (also written to OUT/results.json)."""
     require_transformers()
     from ..hf import distill_loss, on_policy_batch
+    from ..hf.generation import make_generator
 
     dev = torch.device(device)
     methods = list(cfg.methods)
-    if any(m in ON_POLICY for m in methods) and not 0 < cfg.prompt_len < cfg.seq_len:
+    if any(m in ON_POLICY or m in OFFLINE for m in methods) and not 0 < cfg.prompt_len < cfg.seq_len:
         raise SystemExit(f"--prompt-len must be between 1 and seq_len - 1 ({cfg.seq_len - 1}), got {cfg.prompt_len}")
-    if "topk" in methods and not topk_available():
-        print("nitrobrew.topk is not available in this build: skipping the top-k student")
-        methods.remove("topk")
+    for name in ("topk",) + OFFLINE:
+        if name in methods and not topk_available():
+            print(f"the teacher stores are not available in this build: skipping the {name} student")
+            methods.remove(name)
     os.makedirs(out, exist_ok=True)
     _check_or_save_config(cfg, out, resume)
     runner = Runner(cfg, out, dev, resume, progress, stop_after)
@@ -406,11 +494,25 @@ def run_demo(
 
         store = TopKDataset(extract_store(runner, teacher, data))
         collate = TopKCollator()
+    offline = None
+    if any(m in OFFLINE for m in methods):
+        from ..teacher.data import TopKCollator, TopKDataset
+        from ..teacher.hidden_data import HiddenCollator, HiddenDataset
+
+        initial = make_model(cfg, cfg.student_hidden, cfg.student_layers, cfg.seed + 20, dev)  # the students' start
+        offline = offline_stores(runner, teacher, initial, data)
+        del initial
+        hidden_store = HiddenDataset(offline["paths"]["hidden_store"])
+        hidden_head = hidden_store.load_head(dev)  # once, on the device: no teacher model in these students' loop
+        rollout_topk = TopKDataset(offline["paths"]["rollout_topk_store"])
+        collate_hidden, collate_topk = HiddenCollator(), TopKCollator()
 
     for method in methods:
         student = make_model(cfg, cfg.student_hidden, cfg.student_layers, cfg.seed + 20, dev)
+        # The fast engine where it applies (the static cache on CUDA), the dynamic cache elsewhere.
+        engine = make_generator("auto", student) if method in ON_POLICY else None
 
-        def loss_fn(idx, step, method=method, student=student):
+        def loss_fn(idx, step, method=method, student=student, engine=engine):
             if method == "hard_labels":
                 return distill_loss(student, None, train_dev[idx], kd_weight=0.0, ce_weight=1.0).loss
             if method == "topk":
@@ -428,6 +530,36 @@ def run_demo(
                     temperature=cfg.temperature,
                     teacher_temperature=store.temperature,
                 ).loss
+            if method == "offline_hidden_reverse_kl":
+                b = collate_hidden([hidden_store[int(i)] for i in idx])
+                return distill_loss(
+                    student,
+                    None,
+                    b["input_ids"].to(dev),
+                    b["attention_mask"].to(dev),
+                    targets=b["labels"].to(dev),
+                    teacher_hidden=b["teacher_hidden"].to(dev),
+                    teacher_head=hidden_head,
+                    divergence="reverse_kl",
+                    temperature=cfg.temperature,
+                ).loss
+            if method == "offline_topk":
+                b = collate_topk([rollout_topk[int(i)] for i in idx])
+                targets = b["labels"].clone()
+                targets[:, : cfg.prompt_len - 1] = -100  # the prompt's positions do not count
+                return distill_loss(
+                    student,
+                    None,
+                    b["input_ids"].to(dev),
+                    b["attention_mask"].to(dev),
+                    targets=targets.to(dev),
+                    divergence="topk",
+                    topk_ids=b["topk_ids"].to(dev),
+                    topk_logprobs=b["topk_logprobs"].to(dev),
+                    topk_tail=cfg.topk_tail,
+                    temperature=cfg.temperature,
+                    teacher_temperature=rollout_topk.temperature,
+                ).loss
             if method in ON_POLICY:
                 # The student completes each sequence's first prompt_len tokens (seeded by the step:
                 # --resume generates the same samples), the teacher scores the student's own tokens.
@@ -440,6 +572,7 @@ def run_demo(
                     eos_token_id=None,
                     pad_token_id=0,
                     seed=cfg.seed * 1_000_003 + step,
+                    generator=engine,
                 )
                 out = distill_loss(
                     student,
@@ -484,6 +617,12 @@ def run_demo(
             "params": params[name],
             "curve": rec["curve"],
         }
+        if name in OFFLINE and offline is not None:
+            results["runs"][name]["store_bytes_per_position"] = offline[
+                "hidden_bytes" if name == "offline_hidden_reverse_kl" else "topk_bytes"
+            ]
+            results["runs"][name]["rollout_seconds"] = offline["rollout_seconds"]
+            results["runs"][name]["extract_seconds"] = offline["extract_seconds"]
     from .report import write_report
 
     write_report(results, out, plot=plot)

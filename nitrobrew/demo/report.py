@@ -17,7 +17,11 @@ NAMES = {
     "topk": "student: top-k store, forward KL",
     "on_policy_reverse_kl": "student: on-policy, reverse KL on student samples",
     "on_policy_jsd": "student: on-policy, JSD (beta 0.5) on student samples",
+    "offline_hidden_reverse_kl": "student: offline on-policy, reverse KL from a hidden store",
+    "offline_topk": "student: offline on-policy, forward KL from a top-k store",
 }
+
+STORES = {"offline_hidden_reverse_kl": "hidden store (bf16 rows)", "offline_topk": "top-k store"}
 
 
 def _fmt(value: Optional[float], spec: str) -> str:
@@ -43,6 +47,19 @@ def table(results: Dict) -> str:
             f"| {r['acc']:.3f} | {_fmt(r['peak_mib'], '.1f')} | {r['train_seconds']:.1f} "
             f"| {_fmt(r.get('gen_seconds'), '.1f')} |"
         )
+    stored = [(n, r) for n, r in runs.items() if r.get("store_bytes_per_position") is not None]
+    if stored:
+        first = stored[0][1]
+        lines += [
+            "",
+            "Offline on-policy students: the initial student completed each training sequence's prompt once "
+            f"({first['rollout_seconds']:.1f} s), the teacher scored the completions once into the stores "
+            f"({first['extract_seconds']:.1f} s for both); the students train from the stores without the teacher "
+            "(stale samples: they are the initial student's, not the current one's). Store size per counted "
+            "position: "
+            + ", ".join(f"{STORES.get(n, n)} {r['store_bytes_per_position']:.0f} bytes" for n, r in stored)
+            + f" (top-k: K={cfg['topk']} ids and log-probs; its prompt rows are stored, not counted).",
+        ]
     env = results["environment"]
     lines += [
         "",

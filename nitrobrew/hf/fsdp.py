@@ -12,16 +12,20 @@ the rows' gradient, complete on every rank after the loss, is scaled by the worl
 way back to this rank's rows, because FSDP averages the decoder's gradients over ranks. The
 loss value is 1/world of the loss over all ranks' rows, so that the usual ``loss * world``
 (what the trainer does with a global token count) gives exact gradients in both layouts.
+
+Under accelerate's FSDP2 plugin with the decoder in the wrap list, ``shard_for_accelerate`` builds
+the units before accelerate does (accelerate's own order fails on that layout).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.checks import is_dtensor, local_tensor
 from .wrapping import decoder, is_fsdp2, unwrap
 
 
@@ -33,10 +37,6 @@ class Layout(NamedTuple):
     rank: int
     offset: int
     rows: int
-
-
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor"
 
 
 def head_is_sharded_apart(model: nn.Module) -> bool:
@@ -52,7 +52,7 @@ def head_is_sharded_apart(model: nn.Module) -> bool:
     out = m.get_output_embeddings() if callable(getattr(m, "get_output_embeddings", None)) else None
     w = getattr(out, "weight", None)
     tied = w is not None and w is getattr(m.get_input_embeddings(), "weight", None)
-    return is_fsdp2(dec) and dec is not m and not tied and _is_dtensor(w)
+    return is_fsdp2(dec) and dec is not m and not tied and is_dtensor(w)
 
 
 def layout(weight) -> Layout:
@@ -109,7 +109,7 @@ def head_block(weight: torch.Tensor, bias: Optional[torch.Tensor], lay: Layout):
     def block(t):
         if t is None:
             return None
-        if _is_dtensor(t):
+        if is_dtensor(t):
             if any(p.is_shard() for p in t.placements):
                 theirs = layout(t)
                 if (theirs.offset, theirs.rows) != (lay.offset, lay.rows):
@@ -122,3 +122,124 @@ def head_block(weight: torch.Tensor, bias: Optional[torch.Tensor], lay: Layout):
         return t[lay.offset : lay.offset + lay.rows]
 
     return block(weight), block(bias)
+
+
+def shard_student(
+    xs: torch.Tensor, labels: torch.Tensor, ws: torch.Tensor, bs: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Layout]:
+    """A student head sharded apart: (all ranks' rows, their labels, this rank's block of the head and bias,
+    the layout). The rows' gradient comes back scaled by the world size (FSDP averages the decoder's)."""
+    lay = layout(ws)
+    xs = gather_rows(xs, lay.group, scale=lay.world)
+    labels = gather_rows(labels, lay.group)
+    return xs, labels, local_tensor(ws), local_tensor(bs), lay
+
+
+def match_teacher(
+    xt: torch.Tensor,
+    wt: torch.Tensor,
+    bt: Optional[torch.Tensor],
+    *,
+    student_layout: Optional[Layout],
+    teacher_apart: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The teacher's rows and head laid out like the student's: with a student head sharded apart, all ranks'
+    teacher rows and this rank's block of the teacher's head; with only the teacher's head kept sharded, the
+    teacher's head gathered whole."""
+    if student_layout is not None:
+        w, b = head_block(wt, bt, student_layout)
+        return gather_rows(xt, student_layout.group), w, b
+    if teacher_apart:
+        return xt, wt.full_tensor(), None if bt is None else bt.full_tensor()  # type: ignore[attr-defined]
+    return xt, wt, bt
+
+
+def over_ranks(parts: Any, n_tokens: torch.Tensor, lay: Layout) -> Tuple[Any, torch.Tensor]:
+    """A loss over all ranks' rows (a head sharded apart): (its parts as 1/world of it, the positions counted
+    on all ranks), so that the usual ``loss * world`` of the trainer gives exact gradients."""
+    n_all = n_tokens.clone()
+    dist.all_reduce(n_all, group=lay.group)
+    return parts._replace(**{k: getattr(parts, k) / lay.world for k in ("loss", "kd", "ce")}), n_all
+
+
+def _accelerate_fsdp2_kwargs(accelerator, plugin, model) -> dict:
+    """The fully_shard arguments accelerate's fsdp2_prepare_model passes (mesh, precision, offload)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    kwargs = {
+        "reshard_after_forward": plugin.reshard_after_forward,
+        "offload_policy": plugin.cpu_offload,
+        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None,
+    }
+    if getattr(plugin, "ignored_modules", None) is not None:
+        from accelerate.utils.fsdp_utils import get_parameters_from_modules
+
+        kwargs["ignored_params"] = get_parameters_from_modules(plugin.ignored_modules, model, accelerator.device)
+    return kwargs
+
+
+def shard_for_accelerate(accelerator, model: nn.Module) -> nn.Module:
+    """Shard a student whose wrap policy names its decoder (the head sharded apart) before accelerate does.
+
+    accelerate's ``fsdp2_prepare_model`` shards the policy's modules bottom-up and only then carves the
+    input embeddings and the final norm into units of their own: when the decoder (which holds both)
+    is already a unit, their parameters are DTensors and ``fully_shard`` fails on them (an invariant
+    error in ``DeviceMesh._concatenate``). Here the same units are built in an order that works: the
+    layers, the input embeddings, the decoder (with its final norm), then the root (with the head,
+    which the vocab-parallel loss never gathers); accelerate then finds an FSDP2 model and keeps
+    it. With a tied head the decoder cannot be a unit apart from it: the decoder is not wrapped
+    (the root-wrapped layout), with a warning. Any other policy: the model is returned untouched.
+    """
+    state = getattr(accelerator, "state", None)
+    plugin = getattr(state, "fsdp_plugin", None)
+    if plugin is None or getattr(plugin, "fsdp_version", 1) != 2 or is_fsdp2(model):
+        return model
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from accelerate.utils.other import get_module_children_bottom_up
+    from torch.distributed.fsdp import fully_shard
+
+    plugin.set_auto_wrap_policy(model)
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    embed = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    if policy is None or embed is None:
+        return model
+    chosen = [m for m in get_module_children_bottom_up(model)[:-1] if policy(m)]
+    holders = {id(m) for m in chosen if m is not embed and any(sub is embed for sub in m.modules())}
+    if not holders:
+        return model  # accelerate's own order works
+    if getattr(plugin, "cpu_ram_efficient_loading", False):
+        raise ValueError(
+            "cpu_ram_efficient_loading with the decoder wrapped apart from the head is not supported: "
+            "load the model on every rank (cpu_ram_efficient_loading: false)"
+        )
+    if getattr(plugin, "activation_checkpointing", False):
+        raise ValueError(
+            "fsdp_config activation_checkpointing with the decoder wrapped apart from the head is not "
+            "supported: use gradient_checkpointing=True instead"
+        )
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    tied = head is not None and getattr(head, "weight", None) is getattr(embed, "weight", None)
+    if tied:
+        import warnings
+
+        warnings.warn(
+            "the student's head is tied to its input embeddings: it cannot be sharded apart from the "
+            "decoder, so the decoder is not wrapped (the head is gathered with the root)",
+            stacklevel=2,
+        )
+        chosen = [m for m in chosen if id(m) not in holders]
+    kwargs = _accelerate_fsdp2_kwargs(accelerator, plugin, model)
+    # As accelerate: trainable parameters in fp32 under mixed precision (the policy casts for compute).
+    if getattr(accelerator, "mixed_precision", "no") != "no":
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.to(torch.float32)
+    for m in chosen:
+        if id(m) in holders and not tied and not is_fsdp2(embed):
+            fully_shard(embed, **kwargs)
+        fully_shard(m, **kwargs)
+    # The root's leftovers (the head) are never gathered by the loss; torch's default for the root.
+    fully_shard(model, **{k: v for k, v in kwargs.items() if k != "reshard_after_forward"})
+    return model

@@ -17,6 +17,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
+from ..core.checks import is_dtensor
 from .wrapping import IGNORE_INDEX, decoder, is_fsdp2, is_wrapped, unwrap
 
 __all__ = [
@@ -95,11 +96,7 @@ def lm_head(model: nn.Module) -> LMHead:
             "the LM head's weight is empty here (parameters partitioned, e.g. DeepSpeed ZeRO-3 or "
             "FSDP version 1): use FSDP2 (fully_shard) or ZeRO-2"
         )
-    if (
-        type(linear.weight).__name__ == "DTensor"
-        and is_fsdp2(m)
-        and any(p.is_shard() for p in linear.weight.placements)
-    ):
+    if is_dtensor(linear.weight) and is_fsdp2(m) and any(p.is_shard() for p in linear.weight.placements):
         from .fsdp import head_is_sharded_apart
 
         if not head_is_sharded_apart(m):

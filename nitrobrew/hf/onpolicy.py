@@ -36,6 +36,8 @@ class GeneratedBatch(NamedTuple):
     logprobs: Optional[torch.Tensor] = None
     weight_version: int = 0
     decode_steps: int = 0
+    compiles: int = 0
+    recompiles: int = 0
 
 
 def left_pad(ids: torch.Tensor, mask: Optional[torch.Tensor], pad: int):
@@ -57,6 +59,32 @@ def _rng(seed: Optional[int], device: torch.device):
         return contextlib.nullcontext()
     devices = [device] if device.type == "cuda" else []
     return torch.random.fork_rng(devices=devices)
+
+
+def generation_request(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: Optional[torch.Tensor],
+    *,
+    eos_token_id=None,
+    pad_token_id: Optional[int] = None,
+    **sampling,
+):
+    """(left-padded prompt ids, their mask, ``Sampling``) on ``model``'s device; EOS and pad ids default to the
+    model's generation config (the pad id to the EOS id, then 0)."""
+    m = unwrap(model)
+    gen_config = getattr(m, "generation_config", None)
+    if eos_token_id is None:
+        eos_token_id = getattr(gen_config, "eos_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = getattr(gen_config, "pad_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = eos_token_id[0] if isinstance(eos_token_id, (list, tuple)) else eos_token_id
+    pad = 0 if pad_token_id is None else int(pad_token_id)
+    s = Sampling(eos_token_id=eos_token_id, pad_token_id=pad, **sampling)  # checked before any work
+    device = next(m.parameters()).device
+    ids, mask = left_pad(prompt_ids.to(device), None if prompt_mask is None else prompt_mask.to(device), pad)
+    return ids, mask, s
 
 
 @torch.no_grad()
@@ -101,23 +129,19 @@ def on_policy_batch(
     m = unwrap(model)
     from .fsdp import head_is_sharded_apart
 
-    if generate_fn is None and generator is None and head_is_sharded_apart(m):
+    in_process = generator is None or (
+        generator.name in ("hf", "static") and unwrap(getattr(generator, "model", None)) is m
+    )
+    if generate_fn is None and in_process and head_is_sharded_apart(m):
         raise ValueError(
             "generation with an FSDP2 head sharded apart from the decoder would gather it through the "
             "root's forward, breaking the vocab-parallel layout: pass generate_fn (an external "
             "generator), or shard the decoder and the head in one unit"
         )
-    gen_config = getattr(m, "generation_config", None)
-    if eos_token_id is None:
-        eos_token_id = getattr(gen_config, "eos_token_id", None)
-    if pad_token_id is None:
-        pad_token_id = getattr(gen_config, "pad_token_id", None)
-    if pad_token_id is None:
-        pad_token_id = eos_token_id[0] if isinstance(eos_token_id, (list, tuple)) else eos_token_id
-    pad = 0 if pad_token_id is None else int(pad_token_id)
-    device = next(m.parameters()).device
-    ids, mask = left_pad(prompt_ids.to(device), None if prompt_mask is None else prompt_mask.to(device), pad)
-    sampling = Sampling(
+    ids, mask, sampling = generation_request(
+        m,
+        prompt_ids,
+        prompt_mask,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -125,17 +149,27 @@ def on_policy_batch(
         min_p=min_p,
         repetition_penalty=repetition_penalty,
         eos_token_id=eos_token_id,
-        pad_token_id=pad,
+        pad_token_id=pad_token_id,
         seed=seed,
     )
+    device, pad = ids.device, sampling.pad_token_id
     if generator is None:
         from .generation import CallableGenerator, DynamicCacheGenerator
 
         generator = CallableGenerator(generate_fn, model) if generate_fn is not None else DynamicCacheGenerator(model)
-    with _rng(seed, device):
-        if seed is not None:
-            torch.manual_seed(seed)
+    if getattr(generator, "seeds_itself", False):
         gen = generator.generate(ids, mask, sampling)
+    else:
+        with _rng(seed, device):
+            if seed is not None:
+                torch.manual_seed(seed)
+            gen = generator.generate(ids, mask, sampling)
+    return assemble(ids, mask, gen, pad)
+
+
+def assemble(ids: torch.Tensor, mask: torch.Tensor, gen, pad: int) -> GeneratedBatch:
+    """The training batch of left-padded prompts ``ids`` / ``mask`` and an engine's ``Completions``."""
+    device = ids.device
     completion = gen.ids.to(device)
     cmask = gen.mask.to(device).long()
     labels = torch.cat([torch.full_like(ids, IGNORE_INDEX), completion.masked_fill(cmask == 0, IGNORE_INDEX)], 1)
@@ -160,6 +194,8 @@ def on_policy_batch(
         logprobs=logprobs,
         weight_version=gen.weight_version,
         decode_steps=gen.decode_steps,
+        compiles=getattr(gen, "compiles", 0),
+        recompiles=getattr(gen, "recompiles", 0),
     )
 
 

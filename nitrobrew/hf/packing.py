@@ -27,11 +27,38 @@ VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
+def check_position_ids(position_ids: torch.Tensor, shape) -> torch.Tensor:
+    """``position_ids`` ([N], [1, N] or [B, N]) broadcast to ``shape`` ([B, N]), or a ValueError
+    naming them (a raw shape error from deep inside otherwise)."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dtype.is_floating_point:
+        raise TypeError(f"position_ids must be an integer tensor, got {getattr(position_ids, 'dtype', position_ids)!r}")
+    shape = tuple(shape)
+    if position_ids.dim() == 1:
+        position_ids = position_ids[None]
+    if position_ids.dim() != 2 or position_ids.shape[-1] != shape[-1] or position_ids.shape[0] not in (1, shape[0]):
+        raise ValueError(
+            f"position_ids {tuple(position_ids.shape)} must have the shape of input_ids {shape} (or [1, N])"
+        )
+    return position_ids.expand(shape)
+
+
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """[B, N] index of the document each position belongs to: a new one wherever the position
-    ids do not go up by exactly one."""
+    """[B, N] index of the document each position belongs to: a new one wherever the position ids
+    restart (go to 0) or jump forward; within a document they go up by exactly one. Position ids
+    that go back (or repeat) without restarting at 0 are an error: read as document breaks, they
+    would silently cut one document in two."""
+    step = position_ids[..., 1:] - position_ids[..., :-1]
+    back = (step <= 0) & (position_ids[..., 1:] != 0)
+    if bool(back.any()):
+        b, i = (int(v) for v in back.nonzero()[0])
+        b_at = f"row {b}, " if position_ids.dim() > 1 else ""
+        raise ValueError(
+            f"position_ids go from {int(position_ids[..., i].flatten()[b])} to "
+            f"{int(position_ids[..., i + 1].flatten()[b])} at {b_at}column {i + 1}: within a document they go "
+            "up by one, and a new document starts at 0"
+        )
     starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[..., 1:] = position_ids[..., 1:] - position_ids[..., :-1] != 1
+    starts[..., 1:] = step != 1
     return starts.long().cumsum(-1)
 
 
@@ -45,7 +72,7 @@ def document_targets(target: torch.Tensor, position_ids: Optional[torch.Tensor])
     next) set to IGNORE_INDEX."""
     if position_ids is None:
         return target
-    docs = document_ids(position_ids.expand_as(target))
+    docs = document_ids(check_position_ids(position_ids, target.shape))
     cross = torch.zeros_like(target, dtype=torch.bool)
     cross[..., :-1] = docs[..., 1:] != docs[..., :-1]
     return target.masked_fill(cross, IGNORE_INDEX)
@@ -78,6 +105,11 @@ def model_inputs(
     **varlen,
 ) -> Dict[str, torch.Tensor]:
     """The keyword arguments (besides input_ids) that make ``model`` attend within documents."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
+        raise ValueError(
+            f"input_ids must be a [B, N] tensor with B, N >= 1, got {tuple(getattr(input_ids, 'shape', ()))}"
+            f"{'' if isinstance(input_ids, torch.Tensor) else ' (' + type(input_ids).__name__ + ')'}"
+        )
     unknown = sorted(set(varlen) - set(VARLEN_KEYS))
     if unknown:
         raise ValueError(f"unknown model inputs {unknown}: nitrobrew.hf passes position_ids and {VARLEN_KEYS}")
@@ -89,13 +121,7 @@ def model_inputs(
                 "collator made (DataCollatorWithFlattening(return_position_ids=True))"
             )
         return {"attention_mask": attention_mask}
-    if position_ids.dim() == 1:
-        position_ids = position_ids[None]
-    position_ids = position_ids.expand(input_ids.shape[0], -1)
-    if tuple(position_ids.shape) != tuple(input_ids.shape):
-        raise ValueError(
-            f"position_ids {tuple(position_ids.shape)} must have the shape of input_ids {tuple(input_ids.shape)}"
-        )
+    position_ids = check_position_ids(position_ids, input_ids.shape)
     impl = attention_implementation(model)
     if not is_packed(position_ids):
         return {"attention_mask": attention_mask, "position_ids": position_ids, **varlen}

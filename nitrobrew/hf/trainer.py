@@ -11,22 +11,26 @@ from __future__ import annotations
 
 import inspect
 import math
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from .. import divergences as dv
 from ..core import checks as ck
 from .loss import DIVERGENCES, distill_loss
 from .model import IGNORE_INDEX, check_head, is_fsdp2, is_wrapped, labels_from_inputs, shift_labels, unwrap
-from .onpolicy import on_policy_batch, prompts_of
+from .onpolicy import assemble, generation_request, on_policy_batch, prompts_of
 from .packing import VARLEN_KEYS, document_targets, is_packed
 from .schedules import SCHEDULES, scheduled
 
 _PASSES_NUM_ITEMS = "num_items_in_batch" in inspect.signature(Trainer.compute_loss).parameters
+# on_policy_batch's sampling settings beyond temperature, top_p and top_k
+GENERATION_KWARGS = ("min_p", "repetition_penalty")
 
 
 @dataclass
@@ -37,16 +41,27 @@ class DistillationArguments(TrainingArguments):
     over counted positions and divided by their number in the accumulation window.
     """
 
-    divergence: str = field(
-        default="forward_kl",
-        metadata={"help": "forward_kl, reverse_kl, jsd, tvd, skew_kl, skew_reverse_kl, or topk (stored dataset)"},
+    divergence: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "forward_kl, reverse_kl, jsd, tvd, skew_kl, skew_reverse_kl, or topk (stored dataset); default "
+            "forward_kl, or with beta given TRL's rule: jsd(beta), forward_kl at beta 0, reverse_kl at beta 1"
+        },
     )
-    temperature: float = field(default=1.0, metadata={"help": "logits / T in the divergence"})
+    temperature: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "logits / T in the divergence (default 1; the loss temperature, not the sampling temperature "
+            "of TRL's GKDConfig: that is generation_temperature)"
+        },
+    )
     scale_t2: bool = field(default=False, metadata={"help": "multiply the divergence by T^2 (Hinton)"})
     kd_weight: float = field(default=1.0, metadata={"help": "weight of the divergence"})
     ce_weight: float = field(default=0.0, metadata={"help": "weight of the hard-label CE (default 0: none)"})
-    beta: float = field(default=0.5, metadata={"help": "jsd mixture weight (0 = forward_kl, 1 = reverse_kl)"})
-    alpha: float = field(default=0.1, metadata={"help": "skew_kl / skew_reverse_kl mixture weight"})
+    beta: Optional[float] = field(
+        default=None, metadata={"help": dv.PARAMS["beta"].help + "; given without divergence: TRL's rule"}
+    )
+    alpha: float = field(default=dv.default("alpha"), metadata={"help": dv.PARAMS["alpha"].help})
     vocab_size: Optional[int] = field(
         default=None, metadata={"help": "compare the first N vocab entries (padded heads)"}
     )
@@ -80,9 +95,60 @@ class DistillationArguments(TrainingArguments):
         },
     )
     max_new_tokens: int = field(default=128, metadata={"help": "tokens generated per prompt"})
-    generation_temperature: float = field(default=0.9, metadata={"help": "sampling temperature (0: greedy)"})
+    generation_temperature: Optional[float] = field(
+        default=None, metadata={"help": "sampling temperature (default 0.9; 0: greedy)"}
+    )
+    generation_kwargs: Optional[Union[dict, str]] = field(
+        default=None,
+        metadata={"help": f"more sampling settings for on-policy / seq_kd generation: {', '.join(GENERATION_KWARGS)}"},
+    )
+    log_completions: bool = field(
+        default=False,
+        metadata={"help": "at each logging step, append a generated completion to OUTPUT_DIR/completions.jsonl"},
+    )
+    disable_dropout: bool = field(
+        default=True, metadata={"help": "set the student's and teacher's dropout modules to p = 0 (as TRL)"}
+    )
+    teacher_model_init_kwargs: Optional[Union[dict, str]] = field(
+        default=None,
+        metadata={"help": "from_pretrained keyword arguments for a teacher given by name (dtype: 'bfloat16', ...)"},
+    )
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (1: off)"})
     top_k: int = field(default=0, metadata={"help": "top-k sampling (0: off)"})
+    generation_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "engine of on-policy / seq_kd generation: auto (static on CUDA, else hf), static (static "
+            "KV cache, compiled decode), hf (dynamic cache), or one registered in nitrobrew.hf.generation"
+        },
+    )
+    num_generations: int = field(
+        default=1, metadata={"help": "completions per prompt (a micro-batch of b prompts trains on b * this rows)"}
+    )
+    generation_sleep: bool = field(
+        default=False,
+        metadata={
+            "help": "free the engine's memory (the static engine's KV caches) after each window's generation, "
+            "at the cost of allocating it again (and re-recording CUDA graphs) at the next"
+        },
+    )
+    generation_async: bool = field(
+        default=False,
+        metadata={
+            "help": "generate the student's completions of the next windows in a background thread, with a "
+            "copy of the student synced after each optimizer step, while this window trains"
+        },
+    )
+    generation_device: Optional[str] = field(
+        default=None, metadata={"help": "device of the generating copy (e.g. cuda:1; default: the training device)"}
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata={
+            "help": "asynchronous generation: optimizer steps the generating weights may lag (0: synchronous); "
+            "keep 1 for reverse_kl"
+        },
+    )
     # Schedules over training (constant, linear or cosine from the value to its *_end).
     temperature_schedule: str = field(default="constant", metadata={"help": "constant, linear or cosine"})
     temperature_end: Optional[float] = field(default=None, metadata={"help": "temperature at the last step"})
@@ -97,6 +163,7 @@ class DistillationArguments(TrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        self._resolve_trl_defaults()
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
         ck.check_temperature(self.temperature)
@@ -129,6 +196,18 @@ class DistillationArguments(TrainingArguments):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        from .generation import BACKENDS
+
+        if self.generation_backend not in BACKENDS:
+            raise ValueError(
+                f"generation_backend must be one of {', '.join(BACKENDS)}, got {self.generation_backend!r}"
+            )
+        if (
+            isinstance(self.num_generations, bool)
+            or not isinstance(self.num_generations, int)
+            or self.num_generations < 1
+        ):
+            raise ValueError(f"num_generations must be an int >= 1, got {self.num_generations!r}")
         if self.divergence == "topk" and (self.lmbda > 0 or self.seq_kd):
             raise ValueError(
                 "divergence='topk' scores the stored dataset's tokens only: on-policy (lmbda > 0) "
@@ -145,16 +224,99 @@ class DistillationArguments(TrainingArguments):
         ck.check_chunk("chunk_v", self.chunk_v)
         if self.topk_tail is None:  # the tail needs the full normalization
             self.topk_tail = self.topk_normalize == "full"
+        self.generation_kwargs = _mapping("generation_kwargs", self.generation_kwargs)
+        unknown = sorted(set(self.generation_kwargs) - set(GENERATION_KWARGS))
+        if unknown:
+            raise ValueError(
+                f"generation_kwargs: unknown {unknown}; it takes {', '.join(GENERATION_KWARGS)} (temperature, top_p, "
+                "top_k and max_new_tokens are keys of their own: generation_temperature, top_p, top_k, max_new_tokens)"
+            )
+        self.teacher_model_init_kwargs = _mapping("teacher_model_init_kwargs", self.teacher_model_init_kwargs)
+        if self.ce_weight > 0 and self.lmbda > 0:
+            warnings.warn(
+                f"ce_weight={self.ce_weight} with lmbda={self.lmbda}: on on-policy batches the CE term trains the "
+                "student on its own samples (labels are its completions), not on the data",
+                stacklevel=2,
+            )
+
+    def _resolve_trl_defaults(self) -> None:
+        """Unset keys take their defaults here, where what was given is still known (TRL's habits)."""
+        given = {name: getattr(self, name) is not None for name in ("divergence", "beta", "temperature")}
+        if self.beta is not None:
+            ck.check_unit_interval("beta", self.beta)
+        if self.divergence is None:
+            # TRL's GKD rule: beta picks the generalized JSD, whose endpoints are the two KLs.
+            beta = self.beta
+            self.divergence = "forward_kl" if beta is None or beta == 0 else "reverse_kl" if beta == 1 else "jsd"
+        elif given["beta"] and self.divergence in DIVERGENCES and self.divergence != "jsd":
+            warnings.warn(
+                f"beta={self.beta} is used by divergence='jsd' only; divergence={self.divergence!r} ignores it",
+                stacklevel=3,
+            )
+        self.beta = dv.default("beta") if self.beta is None else self.beta
+        self.temperature = 1.0 if self.temperature is None else self.temperature
+        if given["temperature"] and self.generation_temperature is None and (self.lmbda > 0 or self.seq_kd):
+            warnings.warn(
+                f"temperature={self.temperature} is the loss temperature here; generation samples at "
+                "generation_temperature (default 0.9), which is what GKDConfig's temperature means: set "
+                "generation_temperature to choose it",
+                stacklevel=3,
+            )
+        self.generation_temperature = 0.9 if self.generation_temperature is None else self.generation_temperature
 
 
-def _load_teacher(teacher: Union[str, nn.Module], bf16: bool) -> nn.Module:
+def _mapping(name: str, value) -> dict:
+    """A mapping given as a dict or (from the command line) as JSON text."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError(f"{name} must be a mapping (JSON text on the command line), got {value!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a mapping, got {value!r}")
+    return dict(value)
+
+
+_DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_init_kwargs(kwargs: Optional[dict], name: str = "teacher_model_init_kwargs") -> dict:
+    """from_pretrained keyword arguments, with a dtype named by text ('bfloat16') as a torch dtype and
+    under the key this transformers version reads (dtype, formerly torch_dtype)."""
+    import transformers
+    from packaging.version import Version
+
+    kwargs = dict(kwargs or {})
+    key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    if "dtype" in kwargs and "torch_dtype" in kwargs:
+        raise ValueError(f"{name}: give dtype or torch_dtype, not both")
+    dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
+    if isinstance(dtype, str):
+        if dtype.removeprefix("torch.") not in _DTYPES:
+            raise ValueError(f"{name}: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        dtype = _DTYPES[dtype.removeprefix("torch.")]
+    if dtype is not None:
+        kwargs[key] = dtype
+    return kwargs
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """p = 0 in every dropout module (TRL's disable_dropout_in_model)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def _load_teacher(teacher: Union[str, nn.Module], bf16: bool, init_kwargs: Optional[dict] = None) -> nn.Module:
     if isinstance(teacher, str):
-        import transformers
-        from packaging.version import Version
         from transformers import AutoModelForCausalLM
 
-        key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-        return AutoModelForCausalLM.from_pretrained(teacher, **{key: torch.bfloat16 if bf16 else "auto"})
+        kwargs = model_init_kwargs({"dtype": "bfloat16" if bf16 else "auto", **(init_kwargs or {})})
+        return AutoModelForCausalLM.from_pretrained(teacher, **kwargs)
     if not isinstance(teacher, nn.Module):
         raise TypeError(f"teacher_model must be a model or a path / hub name, got {type(teacher).__name__}")
     return teacher.to(torch.bfloat16) if bf16 else teacher
@@ -174,6 +336,45 @@ def check_sharding(deepspeed_plugin=None, fsdp_plugin=None) -> None:
         )
 
 
+class GenerationProgress:
+    """On-policy / seq_kd generation on the training bar (transformers' ProgressCallback), so that a step
+    that spends most of its time generating says so: "generating 8 completions (student) ..." while it runs, then the
+    tokens generated and tokens/s. Nothing without a bar (disable_tqdm, other processes)."""
+
+    def __init__(self, trainer: Trainer):
+        self.bar = None
+        for callback in trainer.callback_handler.callbacks:
+            if getattr(callback, "training_bar", None) is not None:
+                self.bar = callback.training_bar
+
+    def start(self, who: str, rows: int) -> None:
+        if self.bar is not None:
+            plural = "s" if rows != 1 else ""
+            self.bar.set_postfix_str(f"generating {rows} completion{plural} ({who}) ...", refresh=True)
+
+    def end(self, gen) -> None:
+        if self.bar is not None:
+            tokens = int(gen.n_generated.sum())
+            rate = tokens / gen.seconds if gen.seconds > 0 else float("inf")
+            self.bar.set_postfix_str(f"generated {tokens} tokens in {gen.seconds:.1f} s, {rate:.0f} tokens/s")
+
+
+class _SyncRollouts(TrainerCallback):
+    """Asynchronous generation: the generating copy takes the student's weights after each optimizer step."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer._rollouts is not None:
+            self.trainer._rollouts.sync_weights(self.trainer.model)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.trainer._rollouts is not None:
+            self.trainer._rollouts.close()
+            self.trainer._rollouts = None
+
+
 class DistillationTrainer(Trainer):
     """Trainer whose loss distills ``teacher_model`` into ``model``.
 
@@ -187,6 +388,9 @@ class DistillationTrainer(Trainer):
         args: ``DistillationArguments``.
         generate_fn: an external generator for on-policy / seq_kd batches (see
             ``nitrobrew.hf.onpolicy.GenerateFn``); default: ``generate`` of the unwrapped model.
+        generator: an engine of ``nitrobrew.hf.generation`` (e.g. ``make_generator("vllm", model)``) for the
+            student's completions; it gets the student's weights (``sync_weights``) after optimizer steps. If
+            it loses its server, a checkpoint is saved before the error is raised (resume from it).
         Everything else as for ``transformers.Trainer``. Batches need ``input_ids`` and
         optionally ``attention_mask``, ``labels`` (per token, -100 = ignored; default: the
         input ids with -100 at padding), ``position_ids`` and flash-attention varlen kwargs
@@ -195,28 +399,71 @@ class DistillationTrainer(Trainer):
 
     Logs ``kd_loss`` and ``ce_loss`` (the two terms, normalized like the loss), the scheduled
     ``temperature`` / ``kd_weight`` / ``ce_weight``, and with generation ``gen_len`` (counted
-    tokens per completion) and ``gen_seconds`` (generation time per optimizer step).
+    tokens per completion), ``gen_tokens`` (counted tokens generated per optimizer step),
+    ``gen_seconds`` (generation time per optimizer step), ``gen_decode_ms`` (per decode step),
+    ``gen_fraction`` (the share of the steps' wall time spent generating), ``gen_compiles`` (graphs
+    the engine compiled) and ``gen_recompiles`` (of those, for shapes it had compiled before: none
+    expected).
     """
 
     def __init__(
-        self, model=None, teacher_model=None, args: Optional[DistillationArguments] = None, generate_fn=None, **kwargs
+        self,
+        model=None,
+        teacher_model=None,
+        args: Optional[DistillationArguments] = None,
+        generate_fn=None,
+        generator=None,
+        **kwargs,
     ):
         if not isinstance(args, DistillationArguments):
             raise TypeError("DistillationTrainer needs args=DistillationArguments(...)")
-        if teacher_model is None and args.divergence != "topk":
-            raise ValueError(f"divergence={args.divergence!r} needs a teacher_model")
+        # A hidden store (nitrobrew.teacher.hidden_data.HiddenDataset) is the teacher: its rows and its head.
+        stored = hasattr(kwargs.get("train_dataset"), "load_head")
+        if teacher_model is None and args.divergence != "topk" and not stored:
+            raise ValueError(
+                f"divergence={args.divergence!r} needs a teacher_model (or a hidden store as train_dataset)"
+            )
+        if stored and (teacher_model is not None or args.divergence == "topk" or args.lmbda > 0 or args.seq_kd):
+            raise ValueError(
+                "a hidden store is the teacher: no teacher_model, a hidden-state divergence, and no live generation "
+                "(lmbda = 0, seq_kd = False: write rollouts with `nitrobrew rollout` and extract them instead)"
+            )
         super().__init__(model=model, args=args, **kwargs)
+        # the stored teacher's head, loaded once on the training device
+        self.teacher_head = self.train_dataset.load_head(self.args.device) if stored else None
+        # the store's vocabulary (padded head rows excluded) is the default vocab_size of its loss
+        self._store_vocab = self.train_dataset.vocab_size if stored else None
         self._check_sharding()
+        if getattr(self, "is_fsdp_enabled", False):  # a decoder wrapped apart: sharded here, before accelerate
+            from .fsdp import shard_for_accelerate
+
+            self.model = self.model_wrapped = shard_for_accelerate(self.accelerator, self.model)
+        from ..parallel.watchdog import trainer_callback
+
+        watchdog = trainer_callback()  # a lost rank stops the others (NITROBREW_RANK_TIMEOUT, 0: off)
+        if watchdog is not None:
+            self.add_callback(watchdog)
         self.teacher = None
         if teacher_model is not None:
-            teacher = _load_teacher(teacher_model, args.teacher_bf16)
+            teacher = _load_teacher(teacher_model, args.teacher_bf16, args.teacher_model_init_kwargs)
             teacher.requires_grad_(False)
             teacher.eval()
             # Placed by the user otherwise (a device map, or a teacher sharded with fully_shard).
             if getattr(teacher, "hf_device_map", None) is None and not is_fsdp2(teacher):
                 teacher.to(self.args.device)
             self.teacher = teacher
+        if args.disable_dropout:
+            for who in (self.model, self.teacher):
+                if who is not None:
+                    disable_dropout(who)
+        self._last_generation = None  # for log_completions
         self.generate_fn = generate_fn
+        self.generator = generator  # the student's engine, if given (e.g. vLLM), synced per optimizer step
+        self._synced_step = 0
+        self._generators = {}
+        self._window_start = None
+        self._rollouts, self._rollouts_epoch, self._ahead = None, None, []
+        self.add_callback(_SyncRollouts(self))
         # Older Trainers only pass num_items_in_batch (and skip their 1/GA scaling) for models
         # that "accept loss kwargs"; our compute_loss does.
         self.model_accepts_loss_kwargs = True
@@ -252,46 +499,205 @@ class DistillationTrainer(Trainer):
         )
 
     # -- on-policy / sequence-level batches -------------------------------------------------------
-    def _generate(self, batch, index: int):
-        """The batch, or its prompts completed by the teacher (seq_kd) and / or the student (lmbda)."""
+    def generator_for(self, who):
+        """The engine that completes prompts with ``who`` (the student, or the teacher for seq_kd), made once."""
+        key = "student" if who is self.model else "teacher"
+        gen = self.generator if key == "student" and self.generator is not None else self._generators.get(key)
+        if gen is None:
+            from .generation import VLLM_BACKENDS, auto_backend, make_generator
+
+            backend = self.args.generation_backend
+            if key == "teacher" and (backend in VLLM_BACKENDS or backend == "auto"):
+                backend = auto_backend(who, vllm=False)  # vLLM engines hold the student; the teacher's stay here
+            gen = make_generator(backend, who, generate_fn=self.generate_fn)
+            self._generators[key] = gen
+        if key == "student" and self._synced_step != self.state.global_step:
+            gen.sync_weights(self.model)  # the optimizer stepped since the engine last saw the student
+            self._synced_step = self.state.global_step
+        return gen
+
+    def _who(self, index: int):
+        """Which model completes micro-batch ``index``: the student (on-policy), the teacher (seq_kd) or none."""
         a = self.args
         if not (a.seq_kd or a.lmbda > 0):
-            return batch
+            return None
         # Drawn from the seed and the micro-batch index: reproducible, and the global RNG is untouched.
         draw = float(torch.rand((), generator=torch.Generator().manual_seed(a.seed * 1_000_003 + index)))
         # On-policy wins over seq_kd (as in TRL, where the student's completions replace the teacher's).
-        who = self.model if draw < a.lmbda else self.teacher if a.seq_kd else None
-        if who is None:
-            return batch
-        if is_packed(batch.get("position_ids")):
-            raise ValueError(
-                "on-policy / seq_kd with packed batches: generation needs one prompt per row "
-                "(do not pack, or set lmbda=0 and seq_kd=False)"
-            )
-        prompts, mask = prompts_of(batch)
-        gen = on_policy_batch(
-            who,
-            prompts,
-            mask,
+        return self.model if draw < a.lmbda else self.teacher if a.seq_kd else None
+
+    def _window_prompts(self, batches, first: int, who):
+        """(micro-batch indices, rows each, prompt ids, prompt mask) of what ``who`` completes in the window
+        (each prompt ``num_generations`` times), or None."""
+        a = self.args
+        picked = [i for i in range(len(batches)) if (w := self._who(first + i)) is not None and w is who]
+        if not picked:
+            return None
+        prompts, masks = [], []
+        for i in picked:
+            if is_packed(batches[i].get("position_ids")):
+                raise ValueError(
+                    "on-policy / seq_kd with packed batches: generation needs one prompt per row "
+                    "(do not pack, or set lmbda=0 and seq_kd=False)"
+                )
+            p, m = prompts_of(batches[i])
+            prompts.append(p)
+            masks.append(torch.ones_like(p) if m is None else m)
+        rows = [p.shape[0] * a.num_generations for p in prompts]
+        width = max(p.shape[1] for p in prompts)
+        ids = torch.cat([nn.functional.pad(p, (0, width - p.shape[1])) for p in prompts])
+        mask = torch.cat([nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
+        if a.num_generations > 1:
+            ids, mask = ids.repeat_interleave(a.num_generations, 0), mask.repeat_interleave(a.num_generations, 0)
+        return picked, rows, ids, mask
+
+    def _sampling(self, seed: int) -> dict:
+        a = self.args
+        return dict(
             max_new_tokens=a.max_new_tokens,
             temperature=a.generation_temperature,
             top_p=a.top_p,
             top_k=a.top_k,
-            seed=a.seed * 1_000_003 + index,
-            generate_fn=self.generate_fn,
+            seed=seed,
+            **a.generation_kwargs,
         )
-        self._add("gen_len", gen.n_generated.float().mean())
+
+    def _put_back(self, out, picked, rows, gen) -> None:
+        """Split a window's generated batch back into its micro-batches (in ``out``) and log it."""
+        self._last_generation = gen
+        self._add("gen_rows", torch.tensor(float(gen.n_generated.numel())))
+        self._add("gen_tokens", gen.n_generated.float().sum())
         self._add("gen_seconds", torch.tensor(gen.seconds))
-        self._add("gen_batches", torch.tensor(1.0))
-        return {"input_ids": gen.input_ids, "attention_mask": gen.attention_mask, "labels": gen.labels}
+        self._add("gen_decode_steps", torch.tensor(float(gen.decode_steps)))
+        self._add("gen_compiles", torch.tensor(float(gen.compiles)))
+        self._add("gen_recompiles", torch.tensor(float(gen.recompiles)))
+        start = 0
+        for i, n in zip(picked, rows):
+            part = slice(start, start + n)
+            start += n
+            keep = int(gen.attention_mask[part].sum(1).max())
+            out[i] = {
+                "input_ids": gen.input_ids[part, :keep],
+                "attention_mask": gen.attention_mask[part, :keep],
+                "labels": gen.labels[part, :keep],
+            }
+
+    def _generate_window(self, batches, first: int, student: bool = True):
+        """The window's micro-batches, those drawn for generation replaced by completions of their prompts.
+
+        All the prompts one model completes in the window go to its engine in one call (the hardware wants
+        large batches; TRL's ``generation_batch_size``), each ``num_generations`` times, and the completions
+        are split back into their micro-batches (a micro-batch of b prompts becomes b * num_generations rows).
+        """
+        out = list(batches)
+        for who in (self.model, self.teacher) if student else (self.teacher,):
+            request = self._window_prompts(batches, first, who)
+            if request is None:
+                continue
+            picked, rows, ids, mask = request
+            shown = GenerationProgress(self)
+            shown.start("student" if who is self.model else "teacher", ids.shape[0])
+            gen = on_policy_batch(
+                who,
+                ids,
+                mask,
+                generator=self.generator_for(who),
+                **self._sampling(self.args.seed * 1_000_003 + first + picked[0]),
+            )
+            shown.end(gen)
+            if self.args.generation_sleep:
+                self.generator_for(who).sleep()
+            self._put_back(out, picked, rows, gen)
+        return out
+
+    # -- asynchronous generation ----------------------------------------------------------------
+    def _start_rollouts(self) -> None:
+        import copy
+
+        from .generation import make_generator
+        from .generation.async_rollouts import AsyncRollouts
+
+        a = self.args
+        if a.generation_backend == "vllm" or getattr(self.generator, "name", None) == "vllm":
+            raise ValueError(
+                "generation_async with generation_backend 'vllm' (in this process) is not supported: use "
+                "vllm-server (a server on other GPUs) or generation_async: false"
+            )
+        if self.generator is not None:  # an engine with weights of its own (a vLLM server): synced per step
+            engine = self.generator
+        else:
+            student = unwrap(self.model)
+            device = torch.device(a.generation_device) if a.generation_device else next(student.parameters()).device
+            replica = copy.deepcopy(student).to(device).requires_grad_(False)
+            # The static engine also runs uncompiled on a CPU; it draws from a generator of its own, so the
+            # thread neither reads nor moves the training's RNG.
+            auto = a.generation_backend == "auto" and self.generate_fn is None
+            engine = make_generator("static" if auto else a.generation_backend, replica, generate_fn=self.generate_fn)
+        if not getattr(engine, "seeds_itself", False):
+            warnings.warn(
+                f"generation_async with the {engine.name!r} engine: its sampling draws from the process's RNG in "
+                "a background thread, so runs do not repeat exactly (the static engine's do)",
+                stacklevel=2,
+            )
+        self._rollouts = AsyncRollouts(engine, staleness=a.max_staleness)
+        self._rollouts_start = self.state.global_step
+
+    def _async_window(self, epoch_iterator, num_batches, *args, **kwargs):
+        """This window's micro-batches (the student's completions from the background thread), after queueing
+        the prompts of the next ``max_staleness`` windows."""
+        a = self.args
+        if self._rollouts is None:
+            self._start_rollouts()
+        if self._rollouts_epoch is not epoch_iterator:  # a new epoch: nothing read ahead from it yet
+            self._rollouts_epoch, self._ahead, self._epoch_done = epoch_iterator, [], False
+        while len(self._ahead) <= a.max_staleness and not self._epoch_done:
+            batches, _ = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
+            if not batches:
+                self._epoch_done = True
+                break
+            window = self.state.global_step + len(self._ahead)
+            first = window * num_batches
+            request = self._window_prompts(batches, first, self.model)
+            job = None
+            if request is not None:
+                picked, rows, ids, mask = request
+                engine_model = getattr(self._rollouts.engine, "model", None) or self.model
+                ids, mask, sampling = generation_request(
+                    engine_model, ids, mask, **self._sampling(a.seed * 1_000_003 + first + picked[0])
+                )
+                job = (picked, rows, ids, mask, sampling.pad_token_id)
+                job += (self._rollouts.submit(ids, mask, sampling, window=window - self._rollouts_start),)
+            self._ahead.append((batches, first, job))
+        if not self._ahead:
+            return []
+        batches, first, job = self._ahead.pop(0)
+        out = self._generate_window(batches, first, student=False)  # seq_kd: the teacher, here and now
+        if job is not None:
+            picked, rows, ids, mask, pad, j = job
+            done = self._rollouts.result(j)
+            device = self.args.device
+            self._put_back(out, picked, rows, assemble(ids.to(device), mask.to(device), done, pad))
+            self._add("gen_lag", torch.tensor(float(self._rollouts.version - done.weight_version)))
+            self._add("gen_windows", torch.tensor(1.0))
+        return out
 
     # -- the global token count of each accumulation window ------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
-        batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
+        self._clock()  # the previous window's wall time ends here
         # Generated batches replace their sources before the count: the normalizer stays exact.
         # Which batches are generated, and how: a function of the seed and the micro-batch's index.
-        first = self.state.global_step * num_batches
-        batch_samples = [self._generate(b, first + i) for i, b in enumerate(batch_samples)]
+        try:
+            if self.args.generation_async:
+                batch_samples = self._async_window(epoch_iterator, num_batches, *args, **kwargs)
+            else:
+                batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
+                batch_samples = self._generate_window(batch_samples, self.state.global_step * num_batches)
+        except (ConnectionError, RuntimeError) as err:
+            # A generation server went away (raised here, or by the rollout thread): keep what was trained,
+            # resumable, then stop.
+            if isinstance(err, ConnectionError) or isinstance(err.__cause__, ConnectionError):
+                self._save_checkpoint(self.model, trial=None)
+            raise
         count = torch.zeros((), dtype=torch.long, device=self.args.device)
         for batch in batch_samples:
             count += (self._targets(batch) != IGNORE_INDEX).sum().to(count.device)
@@ -300,8 +706,8 @@ class DistillationTrainer(Trainer):
         return batch_samples, count
 
     def _labels(self, batch):
-        # Top-k batches (nitrobrew.teacher.data.TopKCollator) carry labels already shifted.
-        if self.args.divergence == "topk":
+        # Top-k and hidden-store batches (TopKCollator, HiddenCollator) carry labels already shifted.
+        if self.args.divergence == "topk" or "teacher_hidden" in batch:
             return {"targets": batch["labels"]} if batch.get("labels") is not None else {"labels": None}
         return {"labels": batch.get("labels")}
 
@@ -316,7 +722,7 @@ class DistillationTrainer(Trainer):
                 given = labels_from_inputs(batch["input_ids"], mask)
             target = shift_labels(given, mask)
         position_ids = batch.get("position_ids")
-        return document_targets(target, None if position_ids is None else position_ids.expand_as(target))
+        return document_targets(target, position_ids)  # broadcast (and checked) there
 
     def current(self, name: str) -> float:
         """The scheduled value of temperature, kd_weight or ce_weight at this optimizer step."""
@@ -351,7 +757,7 @@ class DistillationTrainer(Trainer):
             ce_weight=ce_weight,
             beta=a.beta,
             alpha=a.alpha,
-            vocab_size=a.vocab_size,
+            vocab_size=a.vocab_size if a.vocab_size is not None else self._store_vocab,
             num_items_in_batch=num_items_in_batch,
             topk_ids=inputs.get("topk_ids"),
             topk_logprobs=inputs.get("topk_logprobs"),
@@ -360,6 +766,9 @@ class DistillationTrainer(Trainer):
             teacher_temperature=self._store_temperature,
             chunk_V=a.chunk_v,
             through_forward=is_wrapped(model),
+            teacher_hidden=inputs.get("teacher_hidden"),
+            teacher_hidden_scale=inputs.get("teacher_hidden_scale"),
+            teacher_head=self.teacher_head if "teacher_hidden" in inputs else None,
             **packing,
         )
         loss = out.loss
@@ -393,7 +802,26 @@ class DistillationTrainer(Trainer):
                 check_head(unwrap(who), ids, mask, **packing)
         self._heads_checked = True
 
-    _LOGGED = ("kd_loss", "ce_loss", "gen_len", "gen_seconds", "gen_batches")
+    _LOGGED = (
+        "kd_loss",
+        "ce_loss",
+        "gen_rows",
+        "gen_tokens",
+        "gen_seconds",
+        "gen_decode_steps",
+        "gen_compiles",
+        "gen_recompiles",
+        "gen_lag",
+        "gen_windows",
+        "step_seconds",
+    )
+
+    def _clock(self) -> None:
+        """Add the wall time since the last call to ``step_seconds`` (windows and logs split the time)."""
+        now = time.perf_counter()
+        if self._window_start is not None:
+            self._add("step_seconds", torch.tensor(now - self._window_start))
+        self._window_start = now
 
     def _summed_over_processes(self):
         """The logged sums of every process (training logs are written on every process, together)."""
@@ -407,21 +835,55 @@ class DistillationTrainer(Trainer):
         shares = getattr(self.args, "average_tokens_across_devices", False) and _PASSES_NUM_ITEMS
         for key in ("kd_loss", "ce_loss") if not shares else ():
             sums[key] /= n
-        sums["gen_seconds"] /= n
+        for key in ("gen_seconds", "gen_decode_steps", "step_seconds"):
+            sums[key] /= n
         return sums
 
     def log(self, logs, *args, **kwargs):
         if "loss" in logs:
             steps = max(self.state.global_step - self._logged_step, 1)
+            self._clock()
             sums = self._summed_over_processes()
             if "kd_loss" in self._sums or self.accelerator.num_processes > 1:
                 logs["kd_loss"] = round(sums["kd_loss"] / steps, 6)
                 logs["ce_loss"] = round(sums["ce_loss"] / steps, 6)
-            if sums["gen_batches"] > 0:
-                logs["gen_len"] = round(sums["gen_len"] / sums["gen_batches"], 3)
+            if sums["gen_rows"] > 0:
+                logs["gen_len"] = round(sums["gen_tokens"] / sums["gen_rows"], 3)
+                logs["gen_tokens"] = round(sums["gen_tokens"] / steps, 1)
                 logs["gen_seconds"] = round(sums["gen_seconds"] / steps, 4)
+                logs["gen_decode_ms"] = round(1e3 * sums["gen_seconds"] / max(sums["gen_decode_steps"], 1), 3)
+                logs["gen_fraction"] = round(min(sums["gen_seconds"] / max(sums["step_seconds"], 1e-9), 1.0), 4)
+                logs["gen_compiles"] = int(sums["gen_compiles"])
+                logs["gen_recompiles"] = int(sums["gen_recompiles"])
+            if sums["gen_windows"] > 0:
+                logs["gen_staleness"] = round(sums["gen_lag"] / sums["gen_windows"], 3)
             self._sums = {}
             self._logged_step = self.state.global_step
         if "loss" in logs and self._schedule:  # the values the last optimizer step used
             logs.update({k: round(v, 6) for k, v in self._schedule.items()})
+        if "loss" in logs and self.args.log_completions and self._last_generation is not None:
+            self._write_completion(self._last_generation)
+            self._last_generation = None
         return super().log(logs, *args, **kwargs)
+
+    def _write_completion(self, gen) -> None:
+        """The first row of the last generated batch, appended to OUTPUT_DIR/completions.jsonl (main
+        process): its prompt and completion, as text where the trainer has a tokenizer."""
+        if not self.is_world_process_zero():
+            return
+        import json
+        import os
+
+        ids, counted = gen.input_ids[0], gen.labels[0] != IGNORE_INDEX
+        keep = gen.attention_mask[0] != 0
+        prompt = ids[keep & ~counted].tolist()
+        # labels are shifted by one inside the loss; here they mark the completion's own tokens
+        completion = ids[keep & counted].tolist()
+        record = {"step": self.state.global_step, "prompt_ids": prompt, "completion_ids": completion}
+        tok = getattr(self, "processing_class", None) or getattr(self, "tokenizer", None)
+        if tok is not None and hasattr(tok, "decode"):
+            record["prompt"] = tok.decode(prompt, skip_special_tokens=True)
+            record["completion"] = tok.decode(completion, skip_special_tokens=True)
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, "completions.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from torch import nn
 
-IGNORE_INDEX = -100
+from ..core.reduction import IGNORE_INDEX
+
+__all__ = ["IGNORE_INDEX"]
 
 
 _WRAPPERS = (

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
+from typing_extensions import TypedDict, Unpack
 
 from .. import divergences as dv
 from ..core import checks as ck
 from ..core.outputs import DistillOutput
-from ..core.reduction import reduce_rows
+from ..core.reduction import IGNORE_INDEX, reduce_rows
 from . import grad_filter as gf
 from .config import LossConfig
 from .custom_op import compiled_distill
@@ -40,7 +41,7 @@ def _validate(
     softcap_t,
 ) -> int:
     """Check everything before any kernel runs; return the vocabulary size to use."""
-    check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels)
+    check_hidden_tensors(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels)
     if vocab_size is None:
         if ws.shape[0] != wt.shape[0]:
             raise ValueError(
@@ -50,7 +51,17 @@ def _validate(
         vocab_size = ws.shape[0]
     elif not (ck.is_int(vocab_size) and 0 < vocab_size <= min(ws.shape[0], wt.shape[0])):
         raise ValueError(f"vocab_size must be an int in [1, {min(ws.shape[0], wt.shape[0])}], got {vocab_size!r}")
-    check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels, softcap_s, softcap_t)
+    check_loss_options(
+        temperature=temperature,
+        reduction=reduction,
+        chunk_V=chunk_V,
+        backend=backend,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        labels=labels,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
+    )
     ck.check_mode(mode, memory_budget)
     if ce_weight != 0:
         ck.check_ids_in_range("labels", labels, vocab_size, ignore_index)
@@ -64,10 +75,8 @@ def hidden_loss(
     wt: torch.Tensor,
     *,
     divergence: str = "forward_kl",
-    beta: float = 0.5,
-    alpha: float = 0.1,
     labels: Optional[torch.Tensor] = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     temperature: float = 1.0,
     reduction: str = "mean",
     chunk_V: Optional[int] = None,
@@ -85,15 +94,20 @@ def hidden_loss(
     softcap_t: Optional[float] = None,
     return_parts: bool = False,
     process_group=None,
+    **params: float,
 ):
     """Divergence between teacher and student next-token distributions, from hidden states.
 
-    See the per-divergence functions (``forward_kl`` ...) for the meaning of each option.
+    See the per-divergence functions (``forward_kl`` ...) for the meaning of each option; ``params``: the
+    divergence's parameter by its keyword (``beta`` for jsd, ``alpha`` for the skews; ranges and defaults
+    in ``divergences.PARAMS``).
     """
     if process_group is not None or any(ck.is_dtensor(t) for t in (xs, xt, ws, wt, bs, bt)):
         from ..parallel.dtensor import unwrap
 
-        xs, xt, ws, wt, bs, bt, labels, process_group = unwrap(xs, xt, ws, wt, bs, bt, labels, process_group)
+        xs, xt, ws, wt, bs, bt, labels, process_group = unwrap(
+            xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels, process_group=process_group
+        )
     if process_group is not None:  # vocab-parallel heads
         from .vocab_parallel import parallel_hidden_loss
 
@@ -104,8 +118,6 @@ def hidden_loss(
             wt,
             process_group=process_group,
             divergence=divergence,
-            beta=beta,
-            alpha=alpha,
             labels=labels,
             ignore_index=ignore_index,
             temperature=temperature,
@@ -124,45 +136,48 @@ def hidden_loss(
             softcap_s=softcap_s,
             softcap_t=softcap_t,
             return_parts=return_parts,
+            **params,
         )
-    name, param = ck.divergence_param(divergence, beta, alpha)
+    name, param = ck.divergence_param(divergence, params)
     V = _validate(
-        xs,
-        xt,
-        ws,
-        wt,
-        bs,
-        bt,
-        labels,
-        vocab_size,
-        temperature,
-        reduction,
-        chunk_V,
-        kd_weight,
-        ce_weight,
-        ignore_index,
-        backend,
-        mode,
-        memory_budget,
-        softcap_s,
-        softcap_t,
+        xs=xs,
+        xt=xt,
+        ws=ws,
+        wt=wt,
+        bs=bs,
+        bt=bt,
+        labels=labels,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        reduction=reduction,
+        chunk_V=chunk_V,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        ignore_index=ignore_index,
+        backend=backend,
+        mode=mode,
+        memory_budget=memory_budget,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
     )
     gf.check_grad_filter(grad_filter)
     impl = ck.resolve_backend(backend, xs.device)
 
     lead = xs.shape[:-1]
-    x_s, x_t, ws, wt, bs, bt, ce_labels, mask = prepare_rows(xs, xt, ws, wt, bs, bt, labels, ignore_index, ce_weight, V)
+    x_s, x_t, ws, wt, bs, bt, ce_labels, mask = prepare_rows(
+        xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels, ignore_index=ignore_index, ce_weight=ce_weight, used=V
+    )
     cfg = LossConfig.build(
-        name,
-        param,
-        temperature,
-        kd_weight,
-        ce_weight,
-        scale_t2,
-        chunk_V,
-        gf.resolve_eps(grad_filter, xs.dtype),
-        softcap_s,
-        softcap_t,
+        divergence=name,
+        param=param,
+        temperature=temperature,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        scale_t2=scale_t2,
+        chunk_V=chunk_V,
+        filter_eps=gf.resolve_eps(grad_filter, xs.dtype),
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
     )
     # float64 always takes the PyTorch path; so does an empty batch (nothing to launch: loss 0, zero grads)
     use_triton = impl == "triton" and xs.dtype != torch.float64 and x_s.shape[0] > 0
@@ -171,29 +186,42 @@ def hidden_loss(
     if torch.compiler.is_compiling():
         # one registered op with a registered backward: the traced step keeps a single graph
         out = compiled_distill(
-            x_s,
-            x_t,
-            ws,
-            wt,
-            bs,
-            bt,
-            ce_labels,
-            mask,
-            cfg,
-            "triton" if use_triton else "torch",
-            reduction,
-            mode,
-            memory_budget,
+            xs=x_s,
+            xt=x_t,
+            ws=ws,
+            wt=wt,
+            bs=bs,
+            bt=bt,
+            labels=ce_labels,
+            mask=mask,
+            cfg=cfg,
+            impl="triton" if use_triton else "torch",
+            reduction=reduction,
+            mode=mode,
+            memory_budget=memory_budget,
         )
     elif use_triton:
         # the Triton path reduces inside its autograd Function (it forms gradients in the forward)
         from .triton_function import triton_distill
 
-        out = triton_distill(x_s, x_t, ws, wt, bs, bt, ce_labels, mask, cfg, reduction, mode, memory_budget)
+        out = triton_distill(
+            xs=x_s,
+            xt=x_t,
+            ws=ws,
+            wt=wt,
+            bs=bs,
+            bt=bt,
+            labels=ce_labels,
+            mask=mask,
+            cfg=cfg,
+            reduction=reduction,
+            mode=mode,
+            memory_budget=memory_budget,
+        )
     else:
         from .chunked import chunked_rows
 
-        rows = chunked_rows(x_s, x_t, ws, wt, bs, bt, ce_labels, mask, cfg)
+        rows = chunked_rows(xs=x_s, xt=x_t, ws=ws, wt=wt, bs=bs, bt=bt, labels=ce_labels, mask=mask, cfg=cfg)
         out = tuple(reduce_rows(r, mask, reduction, lead) for r in rows)
     total, kd, ce = (r.reshape(lead) for r in out) if reduction == "none" else out
     if return_parts:
@@ -227,8 +255,9 @@ _COMMON_DOC = """
         grad_filter: True (threshold finfo(dtype).eps / 2, 2^-8 for bf16) or a threshold in
             (0, 1): vocab entries whose logit gradient is below threshold x its row's largest
             entry, in every row of a block, skip the dX/dW products (those entries are dropped;
-            faster on peaked distributions in the fast mode). One host sync per slab, so not
-            inside a CUDA graph capture. Default False: exact gradients.
+            faster on peaked distributions in the fast mode). The Triton path needs no host sync;
+            the PyTorch path syncs once per slab, so not inside a CUDA graph capture there.
+            Default False: exact gradients.
         return_parts: return ``DistillOutput(loss, kd, ce)`` instead of the loss alone: ``kd``
             is the divergence and ``ce`` the cross-entropy, each reduced like the loss and
             without weights (detached), so loss = kd_weight * [T^2] * kd + ce_weight * ce.
@@ -246,121 +275,61 @@ _COMMON_DOC = """
 
 def _doc(name: str) -> str:
     d = dv.REGISTRY[name]
-    param = "" if d.param is None else f"\n    {d.param}: in [0, 1], default {d.default}.\n"
+    spec = None if d.param is None else dv.PARAMS[d.param]
+    param = (
+        ""
+        if spec is None
+        else f"\n    {spec.name}: {spec.help}, in [{spec.low:g}, {spec.high:g}], default {spec.default}.\n"
+    )
     return d.summary + "\n" + param + _COMMON_DOC
+
+
+class HiddenOptions(TypedDict, total=False):
+    """The options of the six losses, once (their defaults: ``hidden_loss``'s signature; their meaning: the
+    docstrings). ``tests/test_architecture.py`` checks that it lists exactly ``hidden_loss``'s options."""
+
+    labels: Optional[Tensor]
+    ignore_index: int
+    temperature: float
+    reduction: str
+    chunk_V: Optional[int]
+    vocab_size: Optional[int]
+    bs: Optional[Tensor]
+    bt: Optional[Tensor]
+    kd_weight: float
+    ce_weight: float
+    scale_t2: bool
+    backend: str
+    mode: Optional[str]
+    memory_budget: Optional[int]
+    grad_filter: Union[bool, float]
+    softcap_s: Optional[float]
+    softcap_t: Optional[float]
+    return_parts: bool
+    process_group: Any
+
+
+OPTION_NAMES = frozenset(HiddenOptions.__annotations__)
+
+
+def _check_options(fn: str, options: Mapping[str, Any]) -> None:
+    # hidden_loss takes every divergence's parameter by keyword; a named loss takes its own only
+    for name in options:
+        if name not in OPTION_NAMES:
+            raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
 
 
 # The six losses, written out (one docstring body, from the registry). Options are keyword-only.
 
 
-def forward_kl(
-    xs: Tensor,
-    xt: Tensor,
-    ws: Tensor,
-    wt: Tensor,
-    *,
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
-):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="forward_kl",
-    )
+def forward_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, **options: Unpack[HiddenOptions]):
+    _check_options("forward_kl", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="forward_kl", **options)
 
 
-def reverse_kl(
-    xs: Tensor,
-    xt: Tensor,
-    ws: Tensor,
-    wt: Tensor,
-    *,
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
-):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="reverse_kl",
-    )
+def reverse_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, **options: Unpack[HiddenOptions]):
+    _check_options("reverse_kl", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="reverse_kl", **options)
 
 
 def jsd(
@@ -369,110 +338,16 @@ def jsd(
     ws: Tensor,
     wt: Tensor,
     *,
-    beta: float = 0.5,
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
+    beta: float = dv.default("beta"),
+    **options: Unpack[HiddenOptions],
 ):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        beta=beta,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="jsd",
-    )
+    _check_options("jsd", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="jsd", beta=beta, **options)
 
 
-def tvd(
-    xs: Tensor,
-    xt: Tensor,
-    ws: Tensor,
-    wt: Tensor,
-    *,
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
-):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="tvd",
-    )
+def tvd(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, **options: Unpack[HiddenOptions]):
+    _check_options("tvd", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="tvd", **options)
 
 
 def skew_kl(
@@ -481,55 +356,11 @@ def skew_kl(
     ws: Tensor,
     wt: Tensor,
     *,
-    alpha: float = 0.1,
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
+    alpha: float = dv.default("alpha"),
+    **options: Unpack[HiddenOptions],
 ):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        alpha=alpha,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="skew_kl",
-    )
+    _check_options("skew_kl", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="skew_kl", alpha=alpha, **options)
 
 
 def skew_reverse_kl(
@@ -538,55 +369,11 @@ def skew_reverse_kl(
     ws: Tensor,
     wt: Tensor,
     *,
-    alpha: float = 0.1,
-    labels: Optional[Tensor] = None,
-    ignore_index: int = -100,
-    temperature: float = 1.0,
-    reduction: str = "mean",
-    chunk_V: Optional[int] = None,
-    vocab_size: Optional[int] = None,
-    bs: Optional[Tensor] = None,
-    bt: Optional[Tensor] = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    scale_t2: bool = False,
-    backend: str = "auto",
-    mode: Optional[str] = None,
-    memory_budget: Optional[int] = None,
-    grad_filter: Union[bool, float] = False,
-    softcap_s: Optional[float] = None,
-    softcap_t: Optional[float] = None,
-    return_parts: bool = False,
-    process_group=None,
+    alpha: float = dv.default("alpha"),
+    **options: Unpack[HiddenOptions],
 ):
-    # keywords written out: torch.compile cannot trace locals()
-    return hidden_loss(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        alpha=alpha,
-        labels=labels,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        bs=bs,
-        bt=bt,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        mode=mode,
-        memory_budget=memory_budget,
-        grad_filter=grad_filter,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        return_parts=return_parts,
-        process_group=process_group,
-        divergence="skew_reverse_kl",
-    )
+    _check_options("skew_reverse_kl", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="skew_reverse_kl", alpha=alpha, **options)
 
 
 LOSSES = {f.__name__: f for f in (forward_kl, reverse_kl, jsd, tvd, skew_kl, skew_reverse_kl)}

@@ -56,15 +56,15 @@ class LossConfig:
     ) -> "LossConfig":
         """From the public options: T^2 (scale_t2) is folded into kd_weight."""
         return cls(
-            divergence,
-            param,
-            float(temperature),
-            float(kd_weight) * (temperature**2 if scale_t2 else 1.0),
-            float(ce_weight),
-            chunk_V,
-            filter_eps,
-            None if softcap_s is None else float(softcap_s),
-            None if softcap_t is None else float(softcap_t),
+            divergence=divergence,
+            param=param,
+            temperature=float(temperature),
+            kd_weight=float(kd_weight) * (temperature**2 if scale_t2 else 1.0),
+            ce_weight=float(ce_weight),
+            chunk_V=chunk_V,
+            filter_eps=filter_eps,
+            softcap_s=None if softcap_s is None else float(softcap_s),
+            softcap_t=None if softcap_t is None else float(softcap_t),
         )
 
     @property

@@ -14,14 +14,14 @@ gradient, is never filtered.
 What is dropped depends on the data only; how the products run is a speed choice. Triton backend
 (no host synchronization: it runs inside CUDA graph captures and compiled graphs):
   1. the gradient kernel writes each row's largest |g| beside the slab (no extra sweep);
-  2. ``kernels_filter.filter_columns_kernel`` flags and counts the active columns;
+  2. ``kernels_filter.hidden_filter_columns_kernel`` flags and counts the active columns;
   3. the host picks a capacity from the active fractions of earlier slabs of the same width (read
      back asynchronously, never waited for); a stable sort on the device puts the active columns
      first (perm), and the products run over the columns perm[:cap] (cuBLAS; columns past the
      count are zero) plus, on the device, the columns perm[cap:count] that exceed it
      (``kernels_filter`` overflow products: nothing to do when count <= cap, slow when not); when
      earlier slabs had more than half their columns active, or nothing is known yet, the dense
-     products run on g (its dropped columns zeroed by ``drop_columns_kernel`` if this slab is
+     products run on g (its dropped columns zeroed by ``hidden_drop_columns_kernel`` if this slab is
      filtered after all).
 The PyTorch backend reads the count on the host (one sync per slab): it cannot be captured.
 Peaked distributions (trained LMs) leave most of the vocabulary below the threshold in the fast

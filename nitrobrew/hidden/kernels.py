@@ -96,7 +96,7 @@ def _tails_to_row(m, tail, m0, t0):
 
 
 @triton.jit
-def stats_kernel(
+def hidden_stats_kernel(
     z_ptr,
     t_ptr,
     stride_z,
@@ -321,7 +321,7 @@ def _grad_tile(
 
 
 @triton.jit
-def grad_kernel(
+def hidden_grad_kernel(
     z_ptr,
     t_ptr,
     g_ptr,
@@ -442,7 +442,7 @@ def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no:
     has_labels = cfg.with_ce and labels is not None and pass_no == 1
     kl = pass_no == 1  # every pass 1 keeps the centred sums (the KLs' register budget)
     launch(
-        stats_kernel,
+        hidden_stats_kernel,
         (rows,),
         z,
         t,
@@ -477,7 +477,7 @@ def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, c
     inv_temp, a, log_a, log_1ma = math_args(cfg)
     with_ce = cfg.with_ce and labels is not None
     launch(
-        grad_kernel,
+        hidden_grad_kernel,
         (rows,),
         z,
         t,

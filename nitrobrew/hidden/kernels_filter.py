@@ -4,15 +4,15 @@ columns that a compacted product sized on the host did not cover.
 Nothing here returns a value to the host: counts stay on the device, so the filter runs inside CUDA
 graph captures and compiled graphs.
 
-``filter_columns_kernel``: a program takes BLOCK_V columns of a gradient slab g [R, C] over ROWS of its
+``hidden_filter_columns_kernel``: a program takes BLOCK_V columns of a gradient slab g [R, C] over ROWS of its
 rows (atomic max into int32 flags). A column is active when some row i has |g_ij| > eps * rowmax_i
 (rowmax: the row's largest |g| over the slab, written by the gradient kernel).
-``drop_columns_kernel``: when at most half the columns are active (the count, on the device), zeroes
+``hidden_drop_columns_kernel``: when at most half the columns are active (the count, on the device), zeroes
 the inactive ones in g, so every later product, dense or compacted, drops exactly them.
-``scatter_add_rows_kernel``: dW rows of the compacted product added into place (distinct rows: plain
+``hidden_scatter_add_rows_kernel``: dW rows of the compacted product added into place (distinct rows: plain
 loads and stores, where index_add_ on a 16-bit head takes atomics).
 
-``overflow_dx_kernel`` / ``overflow_dw_kernel``: the columns perm[cap:kept] (kept: the columns the
+``hidden_overflow_dx_kernel`` / ``hidden_overflow_dw_kernel``: the columns perm[cap:kept] (kept: the columns the
 slab keeps, read on the device: its active ones, all of them in an unfiltered slab; nothing to do
 when kept <= cap):
 dX[m] += sum_k g[m, perm[k]] W[perm[k]] and dW[perm[k]] += sum_m g[m, perm[k]] X[m].
@@ -34,7 +34,7 @@ OVERFLOW_DW_PROGRAMS = 64  # column-block programs of the dW overflow (each walk
 
 
 @triton.jit
-def filter_columns_kernel(
+def hidden_filter_columns_kernel(
     g_ptr,
     stride_g,
     rowmax_ptr,
@@ -65,7 +65,7 @@ def filter_columns_kernel(
 
 
 @triton.jit
-def drop_columns_kernel(
+def hidden_drop_columns_kernel(
     g_ptr,
     stride_g,
     active_ptr,
@@ -91,7 +91,7 @@ def drop_columns_kernel(
 
 
 @triton.jit
-def scatter_add_rows_kernel(
+def hidden_scatter_add_rows_kernel(
     dst_ptr, stride_dst, src_ptr, stride_src, idx_ptr, kept_ptr, first_row, n_dims, BLOCK_D: tl.constexpr
 ):
     """dst[idx[r]] += src[r] for first_row + r < kept (idx: distinct rows, so no atomics)."""
@@ -107,7 +107,7 @@ def scatter_add_rows_kernel(
 
 
 @triton.jit
-def overflow_dx_kernel(
+def hidden_overflow_dx_kernel(
     g_ptr,
     stride_g,
     w_ptr,
@@ -151,7 +151,7 @@ def overflow_dx_kernel(
 
 
 @triton.jit
-def overflow_dw_kernel(
+def hidden_overflow_dw_kernel(
     g_ptr,
     stride_g,
     x_ptr,
@@ -201,7 +201,7 @@ def launch_filter_columns(g: torch.Tensor, rowmax: torch.Tensor, eps: float):
     flags = torch.zeros(n_cols + 1, dtype=torch.int32, device=g.device)  # one fill for both
     active, count = flags[:n_cols], flags[n_cols:]
     launch(
-        filter_columns_kernel,
+        hidden_filter_columns_kernel,
         (cdiv(n_cols, FILTER_BLOCK_V), cdiv(rows, FILTER_ROWS)),
         g,
         g.stride(0),
@@ -223,7 +223,7 @@ def launch_drop_columns(g: torch.Tensor, active: torch.Tensor, count: torch.Tens
     """g's inactive columns zeroed if the slab is filtered (count <= half its columns)."""
     rows, n_cols = g.shape
     launch(
-        drop_columns_kernel,
+        hidden_drop_columns_kernel,
         (cdiv(n_cols, FILTER_BLOCK_V), cdiv(rows, FILTER_ROWS)),
         g,
         g.stride(0),
@@ -245,7 +245,7 @@ def launch_scatter_add_rows(
     if src.shape[0] == 0:
         return
     launch(
-        scatter_add_rows_kernel,
+        hidden_scatter_add_rows_kernel,
         (src.shape[0],),
         dst,
         dst.stride(0),
@@ -270,7 +270,7 @@ def launch_overflow(g, perm, kept, cap: int, xs, w, dx_acc, dw) -> None:
     ieee = g.dtype == torch.float32
     if dx_acc is not None:
         launch(
-            overflow_dx_kernel,
+            hidden_overflow_dx_kernel,
             (cdiv(rows, bm), cdiv(w.shape[1], bn)),
             g,
             g.stride(0),
@@ -291,7 +291,7 @@ def launch_overflow(g, perm, kept, cap: int, xs, w, dx_acc, dw) -> None:
         )
     if dw is not None:
         launch(
-            overflow_dw_kernel,
+            hidden_overflow_dw_kernel,
             (min(cdiv(n_cols - cap, bk), OVERFLOW_DW_PROGRAMS), cdiv(xs.shape[1], bn)),
             g,
             g.stride(0),

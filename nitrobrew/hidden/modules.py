@@ -17,7 +17,8 @@ class DistillLoss(torch.nn.Module):
     def __init__(self, **options):
         super().__init__()
         # the options of this divergence's function only: e.g. JSDLoss(alpha=...) is a TypeError
-        allowed = set(inspect.signature(api.LOSSES[self.divergence]).parameters) - {"xs", "xt", "ws", "wt"}
+        own = inspect.signature(api.LOSSES[self.divergence]).parameters.values()
+        allowed = api.OPTION_NAMES | {p.name for p in own if p.kind is p.KEYWORD_ONLY}
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise TypeError(f"{type(self).__name__} got unexpected options {unknown}")

@@ -23,9 +23,9 @@ import torch
 
 from .. import divergences as dv
 from ..core import checks as ck
-from ..core.ops import compute_dtype
+from ..core.ops import compute_dtype, grad_needed
 from ..core.outputs import DistillOutput
-from ..core.reduction import combine_rows, reduce_rows, row_scales
+from ..core.reduction import IGNORE_INDEX, combine_rows, reduce_rows, reduction_scale, row_scales
 from ..parallel.comm import (
     all_reduce,
     check_label_range,
@@ -38,6 +38,7 @@ from ..parallel.comm import (
     ids_summary,
     merge_online,
     offsets_from_sizes,
+    phase,
     require_initialized,
 )
 from ..parallel.dtensor import unwrap
@@ -84,9 +85,10 @@ def local_impl(xs, ws, cfg: LossConfig, backend: str, memory_budget=None):
     return TorchLocal(xs, ws, cfg)
 
 
-def parallel_stats(ops: Operands, labels, cfg: LossConfig, local, group) -> RowStats:
-    """RowStats over the global vocabulary from this rank's block [0, ws.shape[0]) (labels local ids)."""
-    fp = local.first_pass(ops, labels, cfg)
+def _merged_stats(fp, cfg: LossConfig, group, second_pass) -> RowStats:
+    """Merge a first pass over this rank's block with the other ranks' (and, for the divergences that
+    need the final normalizers, the sums of ``second_pass(norm)``, norm a chunked.RowNorm) into global
+    RowStats."""
     states = [fp.s, fp.t] + ([fp.z] if fp.z is not None else [])
     pairs = [(fp.s, fp.t), (fp.t, fp.s)]  # every divergence keeps the centred sums on one side
     if cfg.with_ce:
@@ -95,9 +97,20 @@ def parallel_stats(ops: Operands, labels, cfg: LossConfig, local, group) -> RowS
         merge_online(states, group, kl_pairs=pairs)
     sums = None
     if cfg.divergence not in dv.ONE_PASS:
-        norm = row_norm(fp, False)[0]
-        sums = all_reduce(torch.stack(local.second_pass(ops, cfg, norm)), "sum", group, "fwd_second_pass")
+        sums = all_reduce(torch.stack(second_pass(row_norm(fp, False)[0])), "sum", group, "fwd_second_pass")
     return finish_stats(fp, cfg, sums)
+
+
+def parallel_stats(ops: Operands, labels, cfg: LossConfig, local, group) -> RowStats:
+    """RowStats over the global vocabulary from this rank's block [0, ws.shape[0]) (labels local ids)."""
+    with phase("local stats"):
+        fp = local.first_pass(ops, labels, cfg)
+
+    def second_pass(norm):
+        with phase("local stats"):
+            return local.second_pass(ops, cfg, norm)
+
+    return _merged_stats(fp, cfg, group, second_pass)
 
 
 class VocabParallelDistill(torch.autograd.Function):
@@ -118,15 +131,16 @@ class VocabParallelDistill(torch.autograd.Function):
         xs, xt, ws, wt, bs, bt, labels, mask = ctx.saved_tensors
         cfg, acc = ctx.cfg, ctx.stats.lse_s.dtype
         kd_scale, ce_scale = row_scales(grad_total.to(acc), mask.to(acc), cfg)
-        dx, dw, db = ctx.local.backward(
-            Operands(xs, xt, ws, wt, bs, bt),
-            labels,
-            ctx.stats,
-            cfg,
-            kd_scale,
-            ce_scale,
-            need_w=ctx.needs_input_grad[2] or ctx.needs_input_grad[4],
-        )
+        with phase("gradient pass"):
+            dx, dw, db = ctx.local.backward(
+                Operands(xs, xt, ws, wt, bs, bt),
+                labels,
+                ctx.stats,
+                cfg,
+                kd_scale,
+                ce_scale,
+                need_w=ctx.needs_input_grad[2] or ctx.needs_input_grad[4],
+            )
         if ctx.needs_input_grad[0]:
             dx = all_reduce(dx, "sum", ctx.group, "bwd_dx").to(xs.dtype)
         else:
@@ -134,6 +148,136 @@ class VocabParallelDistill(torch.autograd.Function):
         dw = dw if ctx.needs_input_grad[2] else None
         db = db if ctx.needs_input_grad[4] else None
         return dx, None, dw, None, db, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# the fast plan: one pair of logit GEMMs per block of rows, the gradient formed in the forward
+
+
+def fused_forward(
+    ops: Operands, labels, mask, cfg: LossConfig, group, plan, reduction: str, need_x: bool = True, need_w: bool = True
+):
+    """Per-row (total, kd, ce) and this rank's (dx fp32 over its block, dw, db), block of rows by block.
+
+    For each block of rows: the student and teacher slabs over this rank's block of the vocabulary
+    (two GEMMs), the first-pass statistics, the merge with the other ranks (O(rows) all-reduces, no
+    host synchronization), the second pass on the same slabs where the divergence needs one, then
+    the gradient slab (over the teacher slab's bytes) and its dX and dW GEMMs. As the single-GPU
+    fast mode: four GEMMs over the block in all, none recomputed, same slab memory; the rows'
+    upstream multipliers are those of the scalar reduction (the backward scales by its gradient).
+    """
+    from ..core.online import spans
+    from ..core.slabs import alloc_grads
+    from . import kernels as tr
+    from .triton_function import _first_pass_from_state, _slabs, block_grads
+
+    xs, ws, bs = ops.xs, ops.ws, ops.bs
+    n = xs.shape[0]
+    _, dw, db = alloc_grads(xs, ws, bs, plan.dw_fp32, need_x=False, need_w=need_w)
+    dx = torch.zeros(xs.shape, dtype=torch.float32, device=xs.device) if need_x else None
+    red = reduction_scale(mask, reduction)
+    stats = []
+    empty = ws.shape[0] == 0  # a rank left without ids (vocab_size): it still joins every collective
+    for r0, r1 in spans(n, plan.row_chunk):
+        block = ops.rows(r0, r1)
+        lab = None if labels is None else labels[r0:r1]
+        with phase("local stats"):
+            slabs = None if empty else _slabs(block, 0, ws.shape[0], cfg)
+            st = tr.new_state(r1 - r0, xs.device)
+            if not empty:
+                tr.launch_stats(*slabs, st, lab, 0, cfg, 1)
+
+        def second_pass(norm, slabs=slabs):
+            with phase("local stats"):
+                st2 = tr.new_rowvals(norm.stacked())
+                if slabs is not None:
+                    tr.launch_stats(*slabs, st2, None, 0, cfg, 2)
+                return tuple(st2[:, k] for k in (tr.PHI_SUM, tr.V_SUM, tr.V2_SUM, tr.V3_SUM))
+
+        rs = _merged_stats(_first_pass_from_state(st, cfg), cfg, group, second_pass)
+        stats.append(rs)
+        if empty:
+            continue
+        kd_scale, ce_scale = row_scales(red.expand(r1 - r0), mask[r0:r1], cfg)
+        with phase("gradient pass"):
+            block_grads(
+                block,
+                lab,
+                rs,
+                kd_scale.contiguous(),
+                ce_scale.contiguous(),
+                cfg,
+                ws.shape[0],
+                None if dx is None else dx[r0:r1],
+                dw,
+                db,
+                r0 == 0,
+                slabs,
+            )
+        del slabs
+    rows = combine_rows(*_cat_rows(stats), mask, cfg)
+    return rows, (dx, None if dw is None else dw.to(ws.dtype), None if db is None else db.to(bs.dtype))
+
+
+def _is_one(grad: torch.Tensor) -> bool:
+    """The upstream gradient is exactly 1 (loss.backward()): no pass over the gradients. Reading it
+    syncs, so under graph capture or compilation the multiply is always done."""
+    if torch.compiler.is_compiling() or (grad.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    return bool(grad == 1)
+
+
+def _cat_rows(stats: List[RowStats]):
+    kd = torch.cat([s.kd for s in stats])
+    ce = None if stats[0].ce is None else torch.cat([s.ce for s in stats])
+    return kd, ce
+
+
+class VocabParallelFused(torch.autograd.Function):
+    """Reduced (total, kd, ce) with the gradients formed in the forward (``fused_forward``); the
+    backward all-reduces dX once and scales by the upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, group, plan, reduction: str):
+        need = ctx.needs_input_grad
+        rows, grads = fused_forward(
+            Operands(xs, xt, ws, wt, bs, bt),
+            labels,
+            mask,
+            cfg,
+            group,
+            plan,
+            reduction,
+            need_x=need[0],
+            need_w=need[2] or need[4],
+        )
+        out = tuple(reduce_rows(r, mask, reduction, ()) for r in rows)
+        ctx.grads, ctx.group, ctx.x_dtype = grads, group, xs.dtype
+        ctx.mark_non_differentiable(out[1], out[2])
+        return out
+
+    @staticmethod
+    @ck.no_double_backward
+    def backward(ctx, grad_total, _gkd, _gce):
+        if ctx.grads is None:
+            raise RuntimeError(
+                "nitrobrew: this vocab-parallel loss formed its gradients in the forward and handed them out "
+                "in the first backward; a second backward through the same graph is not supported"
+            )
+        dx, dw, db = ctx.grads
+        ctx.grads = None
+        need = ctx.needs_input_grad
+        g = grad_total.float()
+        one = _is_one(g)
+        if need[0] and dx is not None:
+            dx = all_reduce(dx, "sum", ctx.group, "bwd_dx")
+            dx = (dx if one else dx.mul_(g)).to(ctx.x_dtype)
+        else:
+            dx = None
+        # In place: the buffers are this call's own (a copy of dW would add [V_r, Ds] to the peak).
+        dw = (dw if one else dw.mul_(g.to(dw.dtype))) if need[2] and dw is not None else None
+        db = (db if one else db.mul_(g.to(db.dtype))) if need[4] and db is not None else None
+        return dx, None, dw, None, db, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,8 +293,7 @@ def _local_checks(
     bt,
     labels,
     divergence,
-    beta,
-    alpha,
+    params,
     temperature,
     reduction,
     chunk_V,
@@ -163,7 +306,7 @@ def _local_checks(
 ) -> Tuple[str, float]:
     """Checks that need nothing from other ranks; returns the canonical (divergence, param)."""
     check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels, heads="[V_local, D] head shards")
-    name, param = ck.divergence_param(divergence, beta, alpha)
+    name, param = ck.divergence_param(divergence, params)
     check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels, softcap_s, softcap_t)
     if vocab_size is not None and not (ck.is_int(vocab_size) and vocab_size > 0):
         raise ValueError(f"vocab_size must be a positive int (a global vocabulary size), got {vocab_size!r}")
@@ -202,8 +345,9 @@ def _check_layout(table: dict, vocab_size: Optional[int], world: int) -> Tuple[L
     return s_sizes, V
 
 
-def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabLayout, str, float]:
-    """Validate on every rank, exchange shard sizes (one all-reduce of 8 * world * 11 bytes) and agree."""
+def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabLayout, str, float, bool]:
+    """Validate on every rank, exchange shard sizes (one all-reduce of 8 * world * 11 bytes) and agree;
+    also on the plan (whether the gradients are formed in the forward: it sets the collectives)."""
     require_initialized()
     rank, world = group_rank_world(group)
 
@@ -217,8 +361,7 @@ def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabL
             bt,
             labels,
             opts["divergence"],
-            opts["beta"],
-            opts["alpha"],
+            opts["params"],
             opts["temperature"],
             opts["reduction"],
             opts["chunk_V"],
@@ -230,7 +373,16 @@ def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabL
             opts["softcap_t"],
         )
         acc = compute_dtype(xs.dtype)
+        fused = (
+            xs.dtype != torch.float64
+            and ck.resolve_backend(opts["backend"], xs.device) == "triton"
+            and opts["chunk_V"] is None
+            and opts["reduction"] != "none"
+            and grad_needed(xs, ws, bs)
+        )
         options = fingerprint(
+            fused,
+            opts["memory_budget"] if fused else None,
             name,
             param,
             float(opts["temperature"]),
@@ -251,14 +403,14 @@ def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabL
         valid = None if labels is None else labels != opts["ignore_index"]
         head = torch.tensor([ws.shape[0], wt.shape[0], math.prod(xs.shape[:-1]), xs.shape[-1], xt.shape[-1], options])
         lab = ids_summary(labels, valid, opts["ce_weight"] != 0)
-        return (name, param), torch.cat([head.to(lab.device), lab])
+        return (name, param, fused), torch.cat([head.to(lab.device), lab])
 
-    (name, param), table = checked_exchange(group, comm_device(xs, group), LAYOUT_FIELDS, local)
+    (name, param, fused), table = checked_exchange(group, comm_device(xs, group), LAYOUT_FIELDS, local)
     check_rows_agree(table)
     sizes, V = _check_layout(table, opts["vocab_size"], world)
     if opts["ce_weight"] != 0:
         check_label_range(table, V)
-    return VocabLayout(rank, world, sizes, V), name, param
+    return VocabLayout(rank, world, sizes, V), name, param, fused
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,10 +425,8 @@ def parallel_hidden_loss(
     *,
     process_group=None,
     divergence="forward_kl",
-    beta=0.5,
-    alpha=0.1,
     labels=None,
-    ignore_index=-100,
+    ignore_index=IGNORE_INDEX,
     temperature=1.0,
     reduction="mean",
     chunk_V=None,
@@ -293,6 +443,7 @@ def parallel_hidden_loss(
     softcap_s=None,
     softcap_t=None,
     return_parts=False,
+    **params,
 ):
     """``hidden_loss`` over a vocabulary split across the ranks of ``process_group``.
 
@@ -313,8 +464,7 @@ def parallel_hidden_loss(
         )
     opts = dict(
         divergence=divergence,
-        beta=beta,
-        alpha=alpha,
+        params=params,
         ignore_index=ignore_index,
         temperature=temperature,
         reduction=reduction,
@@ -326,8 +476,9 @@ def parallel_hidden_loss(
         backend=backend,
         softcap_s=softcap_s,
         softcap_t=softcap_t,
+        memory_budget=memory_budget,
     )
-    layout, name, param = negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts)
+    layout, name, param, fused = negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts)
 
     lead = xs.shape[:-1]
     # labels become ids into this rank's block: rows whose label lives on another rank fall outside
@@ -347,9 +498,20 @@ def parallel_hidden_loss(
         softcap_s,
         softcap_t,
     )
-    local = local_impl(x_s, ws, cfg, backend, memory_budget)
-    rows = VocabParallelDistill.apply(x_s, x_t, ws, wt, bs, bt, local_labels, mask, cfg, group, local)
-    total, kd, ce = (reduce_rows(r, mask, reduction, lead) for r in rows)
+    if fused:
+        # Blocks of rows sized from the largest block of the vocabulary: the same on every rank (each
+        # block of rows is one round of collectives).
+        from .triton_function import make_plan
+
+        widest = max(max(0, min(size, layout.vocab - off)) for size, off in zip(layout.sizes, layout.offsets))
+        plan = make_plan(x_s.shape[0], widest, ws.shape[1], x_s.dtype, "fast", None, memory_budget, reduction)
+        total, kd, ce = VocabParallelFused.apply(
+            x_s, x_t, ws, wt, bs, bt, local_labels, mask, cfg, group, plan, reduction
+        )
+    else:
+        local = local_impl(x_s, ws, cfg, backend, memory_budget)
+        rows = VocabParallelDistill.apply(x_s, x_t, ws, wt, bs, bt, local_labels, mask, cfg, group, local)
+        total, kd, ce = (reduce_rows(r, mask, reduction, lead) for r in rows)
     if return_parts:
         return DistillOutput(total, kd, ce)
     return total
@@ -373,23 +535,24 @@ def comm_bytes(
     e = 8 for float64 inputs, else 4 (statistics are fp32). N rows, Ds the student hidden size.
       layout    8 * 10 * world               (int64 shard sizes + checks, before any kernel)
       fwd_max   e * N * (2 + c)               c = 1 if CE is on and T != 1 (a T=1 student lse)
-      fwd_sum   e * N * (2 (2 + c) + 3a + ce) each side's tail share and max count; a = 1 for
-                                              forward_kl/reverse_kl (a, r, b), ce = 1 if CE is on
-      fwd_2nd   e * N * 3                     jsd, tvd, skew_kl, skew_reverse_kl only
+      fwd_ref   e * N                         the d of the accumulating side's top entry (MAX)
+      fwd_sum   e * N * (2 (2 + c) + 3 + ce)  each side's tail share and max count, the centred sums
+                                              (a, r) and the other side's lost mass b; ce = 1 if CE is on
+      fwd_2nd   e * N * 4                     jsd, tvd, skew_kl, skew_reverse_kl only
       bwd_dx    e * N * Ds                    when xs requires grad
     Independent of the vocabulary size V. A ring all-reduce puts ~2 (world-1)/world of that on each link.
     """
     name, _ = dv.canonical(divergence, param)
     e = 8 if dtype == torch.float64 else 4
     c = 1 if (with_ce and temperature != 1.0) else 0
-    a = 1 if name in dv.ONE_PASS else 0
     out = {
         "layout": 8 * 10 * world,
         "fwd_max": e * n_rows * (2 + c),
-        "fwd_sum": e * n_rows * (2 * (2 + c) + 3 * a + (1 if with_ce else 0)),
+        "fwd_ref": e * n_rows,
+        "fwd_sum": e * n_rows * (2 * (2 + c) + 3 + (1 if with_ce else 0)),
     }
     if name not in dv.ONE_PASS:
-        out["fwd_second_pass"] = e * n_rows * 3
+        out["fwd_second_pass"] = e * n_rows * 4
     if backward and x_requires_grad:
         out["bwd_dx"] = e * n_rows * d_student
     out["total"] = sum(out.values())

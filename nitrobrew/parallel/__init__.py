@@ -6,8 +6,10 @@ DTensor head sharded Shard(0) on the vocabulary) and ``nitrobrew.topk.vocab_para
 (``topk_kl(normalize="full", process_group=...)``).
 
 - ``global_token_count`` / ``data_parallel_loss`` / ``global_mean``: DDP and FSDP normalization.
-- ``count_comm()`` counts the bytes the collectives send (``hidden.comm_bytes`` / ``topk.topk_comm_bytes``
-  predict them).
+- ``count_comm()`` counts the bytes the collectives send (``hidden.vocab_parallel.comm_bytes`` /
+  ``topk.vocab_parallel.topk_comm_bytes`` predict them; the old names here are deprecated re-exports);
+  ``time_phases()`` times the phases of a call on this rank (local statistics, exchange, gradient pass,
+  dX all-reduce).
 
 docs/parallel.md is the user guide.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 
-from .comm import CommStats, count_comm
+from .comm import CommStats, PhaseTimes, count_comm, time_phases
 from .data import data_parallel_loss, global_mean, global_token_count
 
 # Names that moved into the families; kept importable from here for one release.
@@ -43,4 +45,12 @@ def __getattr__(name):
     raise AttributeError(f"module 'nitrobrew.parallel' has no attribute {name!r}")
 
 
-__all__ = ["count_comm", "CommStats", "global_token_count", "data_parallel_loss", "global_mean"]
+__all__ = [
+    "count_comm",
+    "CommStats",
+    "time_phases",
+    "PhaseTimes",
+    "global_token_count",
+    "data_parallel_loss",
+    "global_mean",
+]

@@ -62,8 +62,69 @@ def _record(tag: str, t: Tensor) -> None:
 def all_reduce(t: Tensor, op: str, group, tag: str) -> Tensor:
     """In-place all-reduce of a contiguous tensor ("sum" or "max"); returns t."""
     _record(tag, t)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+    with phase("dX all-reduce" if tag.startswith("bwd") else "exchange"):
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
     return t
+
+
+class PhaseTimes:
+    """Time per phase of the vocab-parallel losses on this rank (``time_phases()``): CUDA events on the
+    current stream for CUDA tensors (read after one synchronize), wall time on CPU."""
+
+    def __init__(self):
+        self._spans: List[tuple] = []  # (name, start, end): events, or perf_counter seconds
+
+    def ms(self) -> Dict[str, float]:
+        """Milliseconds per phase name, summed over its spans (synchronizes CUDA once)."""
+        if any(isinstance(a, torch.cuda.Event) for _, a, _ in self._spans):
+            torch.cuda.synchronize()
+        out: Dict[str, float] = {}
+        for name, a, b in self._spans:
+            dt = a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
+            out[name] = out.get(name, 0.0) + dt
+        return out
+
+
+_PHASES: List[PhaseTimes] = []
+
+
+@contextlib.contextmanager
+def time_phases() -> Iterator[PhaseTimes]:
+    """Time the phases of the vocab-parallel losses run in this block, on this rank: "local stats"
+    (logit GEMMs and row-statistics kernels), "exchange" (the forward's collectives, waiting for the
+    slowest rank included), "gradient pass" (gradient slabs and the dX / dW GEMMs), "dX all-reduce".
+    Off (no events recorded) outside such a block."""
+    times = PhaseTimes()
+    _PHASES.append(times)
+    try:
+        yield times
+    finally:
+        _PHASES.remove(times)
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Mark a phase for ``time_phases()`` (a no-op when no block is active)."""
+    if not _PHASES:
+        yield
+        return
+    import time
+
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+    else:
+        a = time.perf_counter()
+    try:
+        yield
+    finally:
+        if cuda:
+            b.record()
+        else:
+            b = time.perf_counter()
+        for t in _PHASES:
+            t._spans.append((name, a, b))
 
 
 def group_rank_world(group) -> tuple:
@@ -241,7 +302,7 @@ def check_rows_agree(table: dict) -> None:
         "options",
         "ranks called the loss with different options (divergence, beta/alpha, "
         "temperature, weights, reduction, vocab_size, ignore_index, dtype, requires_grad of xs or "
-        "presence of biases/labels)",
+        "presence of biases/labels, or the plan: backend, chunk_V, memory_budget)",
     )
     for key in ("label_hash", "ids_hash"):
         if key in table:

@@ -20,6 +20,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from ..core.reduction import IGNORE_INDEX
 from .comm import all_reduce
 
 Tensor = torch.Tensor
@@ -28,7 +29,7 @@ Tensor = torch.Tensor
 def global_token_count(
     labels: Union[Tensor, Sequence[Tensor], None] = None,
     *,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     group=None,
     n_rows: Optional[int] = None,
     device=None,

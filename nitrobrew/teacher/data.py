@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..core.reduction import IGNORE_INDEX
 from .store import TopKStore
 
 
@@ -59,7 +60,9 @@ class TopKDataset(torch.utils.data.Dataset):
 class TopKCollator:
     """Pads a list of dataset items into one batch (see the module docstring for the layout)."""
 
-    def __init__(self, pad_token_id: int = 0, ignore_index: int = -100, pad_to_multiple_of: Optional[int] = None):
+    def __init__(
+        self, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX, pad_to_multiple_of: Optional[int] = None
+    ):
         self.pad_token_id = pad_token_id
         self.ignore_index = ignore_index
         self.pad_to_multiple_of = pad_to_multiple_of

@@ -112,12 +112,12 @@ def streaming_topk(
     best_i = torch.zeros((R, k), dtype=torch.int64, device=hidden.device)
     state = Online.empty(R, acc, hidden.device)
     if triton_scan:
-        from .kernels_scan import scan_chunk
+        from .kernels_scan import launch_scan_chunk
 
     for c0, c1 in spans(V, chunk):
         z = linear_logits(hidden, weight[c0:c1], None if bias is None else bias[c0:c1], acc)
         if triton_scan:
-            gmax, scale = scan_chunk(z, state, 1.0 / temperature, group), 1.0 / temperature
+            gmax, scale = launch_scan_chunk(z, state, 1.0 / temperature, group), 1.0 / temperature
         else:
             if temperature != 1.0:
                 z = z / temperature
@@ -146,17 +146,29 @@ class Teacher:
     name: str = "custom"
     vocab_size: Optional[int] = None  # real vocabulary (<= head rows); None = all head rows
     vocab_note: str = ""  # where vocab_size came from (printed before extracting)
+    logit_scale: float = 1.0  # logits = softcap(logit_scale * (h @ weight.T + bias)), as the model computes them
+    softcap: Optional[float] = None
+    revision: str = ""  # the model's commit (Hub cache) where known
 
     @property
     def device(self) -> torch.device:
         return self.weight.device
 
 
-def teacher_from_hf(model, name: str = "hf-model", vocab_size: Optional[int] = None) -> Teacher:
+def teacher_from_hf(
+    model, name: str = "hf-model", vocab_size: Optional[int] = None, logit_transforms: bool = False
+) -> Teacher:
     """Wrap a transformers causal LM: its decoder (``model.base_model``) runs to the final hidden
-    states without the head; the head weight is found whether tied to the embeddings or not."""
+    states without the head; the head weight is found whether tied to the embeddings or not.
+
+    `logit_transforms`: record a post-head logit scale and final softcap (a hidden store applies
+    them in the loss); without it a model that transforms its logits is refused (the top-k scan
+    does not apply them)."""
     cfg = model.config
-    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+    refused = ("output_multiplier_scale",)  # applied by no nitrobrew path
+    if not logit_transforms:
+        refused = ("final_logit_softcapping", "logit_scale") + refused
+    for attr in refused:
         if getattr(cfg, attr, None) not in (None, 1, 1.0):
             raise NotImplementedError(
                 f"{type(model).__name__} transforms its logits ({attr}="
@@ -176,7 +188,14 @@ def teacher_from_hf(model, name: str = "hf-model", vocab_size: Optional[int] = N
     head_rows = head.weight.shape[0]
     if vocab_size is None:
         vocab_size = min(int(getattr(cfg, "vocab_size", head_rows) or head_rows), head_rows)
-    return Teacher(hidden_fn, head.weight, getattr(head, "bias", None), name, vocab_size)
+    teacher = Teacher(hidden_fn, head.weight, getattr(head, "bias", None), name, vocab_size)
+    if logit_transforms:
+        from ..hf.model import lm_head
+
+        spec = lm_head(model)
+        teacher.logit_scale, teacher.softcap = float(spec.scale), spec.softcap
+    teacher.revision = str(getattr(cfg, "_commit_hash", None) or "")
+    return teacher
 
 
 # A head is padded by at most min(PAD_SLACK, rows / 8) rows beyond its tokenizer (Qwen2.5: 399 of 152064):
@@ -255,7 +274,12 @@ def teacher_dtype(device, dtype: str = "auto") -> str:
 
 
 def load_hf_teacher(
-    model_dir: str, device: str = "cpu", dtype: str = "auto", vocab_size: Optional[int] = None, tokenizer=None
+    model_dir: str,
+    device: str = "cpu",
+    dtype: str = "auto",
+    vocab_size: Optional[int] = None,
+    tokenizer=None,
+    logit_transforms: bool = False,
 ) -> Teacher:
     """Load a local Hugging Face model directory, or a Hub id from the local cache (no downloads).
 
@@ -280,7 +304,7 @@ def load_hf_teacher(
     V, note = choose_vocab(
         head_rows, None if tok is None else len(tok), vocab_size, getattr(model.config, "vocab_size", None)
     )
-    teacher = teacher_from_hf(model, name=os.path.abspath(model_dir), vocab_size=V)
+    teacher = teacher_from_hf(model, name=os.path.abspath(model_dir), vocab_size=V, logit_transforms=logit_transforms)
     teacher.vocab_note = note
     return teacher
 
@@ -507,6 +531,181 @@ def extract_topk(
     return man
 
 
+# ------------------------------------------------------------------- the hidden-state extraction
+
+
+@torch.no_grad()
+def teacher_hidden(
+    teacher: Teacher,
+    seqs: Sequence[Sequence[int]],
+    prompt_lengths: Optional[Sequence[int]] = None,
+    hidden_dtype: str = "bfloat16",
+    batch_tokens: int = 16384,
+    on_tokens: Optional[Callable[[int], None]] = None,
+):
+    """Per sequence its stored rows on the CPU: the final hidden states of positions
+    ``max(P - 1, 0) .. L - 2`` (P its prompt length), in the store's dtype; for fp8 the codes and,
+    as a second list, the per-row scales (quantized on the teacher's device: a quarter of the
+    float32 bytes cross to the host). Returns (rows, scales or None)."""
+    from .hidden_store import FP8, HIDDEN_DTYPES, quantize_fp8, row_start
+
+    out: List[Tensor] = []
+    scales: Optional[List[Tensor]] = [] if hidden_dtype == FP8 else None
+    dev = teacher.device
+    D = teacher.weight.shape[1]
+    emb_rows = teacher.weight.shape[0]
+    starts = [row_start(p) for p in (prompt_lengths if prompt_lengths is not None else [0] * len(seqs))]
+    for b0, b1 in _batches([len(s) for s in seqs], batch_tokens):
+        group = seqs[b0:b1]
+        sel = [(starts[b0 + i], max(len(s) - 1 - starts[b0 + i], 0)) for i, s in enumerate(group)]
+        if not any(n for _, n in sel):
+            for _ in group:
+                out.append(torch.zeros(0, D, dtype=HIDDEN_DTYPES[hidden_dtype]))
+                if scales is not None:
+                    scales.append(torch.zeros(0))
+            if on_tokens:
+                on_tokens(sum(len(s) for s in group))
+            continue
+        L = max(len(s) for s in group)
+        ids = torch.zeros(len(group), L, dtype=torch.long)
+        mask = torch.zeros(len(group), L, dtype=torch.long)
+        for i, s in enumerate(group):
+            if s and (min(s) < 0 or max(s) >= emb_rows):
+                raise ValueError(f"a sequence holds token ids outside [0, {emb_rows}) (the teacher's vocabulary)")
+            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+            mask[i, : len(s)] = 1
+        hidden = teacher.hidden_fn(ids.to(dev), mask.to(dev))
+        rows = torch.cat([hidden[i, a : a + n] for i, (a, n) in enumerate(sel)])
+        if scales is not None:
+            codes, scale = quantize_fp8(rows)
+            codes, scale = codes.cpu(), scale.cpu()
+        else:
+            codes, scale = rows.to(HIDDEN_DTYPES[hidden_dtype]).cpu(), None
+        r = 0
+        for _, n in sel:
+            out.append(codes[r : r + n])
+            if scales is not None:
+                scales.append(scale[r : r + n])
+            r += n
+        if on_tokens:
+            on_tokens(sum(len(s) for s in group))
+    return out, scales
+
+
+def extract_hidden(
+    teacher: Teacher,
+    sequences: Union[Sequence[Sequence[int]], Corpus],
+    out_dir: str,
+    *,
+    hidden_dtype: str = "bfloat16",
+    prompt_lengths: Optional[Sequence[int]] = None,
+    sequences_per_shard: int = 64,
+    batch_tokens: int = 16384,
+    source: Optional[Dict] = None,
+    resume: bool = True,
+    log: Optional[Callable[[str], None]] = None,
+    num_parts: int = 1,
+    part: int = 0,
+    progress: bool = False,
+    checked: Optional[Tuple[int, List[int]]] = None,
+    lock=None,
+) -> Dict:
+    """Write the teacher's final hidden states over `sequences` into a hidden store at out_dir
+    (``nitrobrew.teacher.hidden_store``), with its head; resumes by default.
+
+    `prompt_lengths` (one per sequence, e.g. a rollout's prompts): positions before
+    ``max(P - 1, 0)`` are neither stored nor counted. Everything else as ``extract_topk``: checks
+    before any write, the lock, parts (``num_parts``, ``part``), atomic shards. Returns the
+    manifest plus "extract_seconds" and "extracted_tokens" for this call."""
+    from .hidden_store import HiddenWriter, check_header
+
+    corpus = sequences if isinstance(sequences, Corpus) else Corpus.from_sequences(sequences)
+    head_rows, D = teacher.weight.shape
+    V = teacher.vocab_size or head_rows
+    try:
+        check_sizes(batch_tokens, None)
+        check_header(
+            hidden_dtype, D, V, head_rows, "float32", teacher.logit_scale, teacher.softcap, sequences_per_shard, 0
+        )
+        n, shard_tokens = checked or corpus.check(head_rows, sequences_per_shard)
+        if prompt_lengths is not None and len(prompt_lengths) != n:
+            raise ValueError(f"{len(prompt_lengths)} prompt lengths for a corpus of {n} sequences")
+        writer = HiddenWriter(
+            out_dir,
+            model=teacher.name,
+            revision=teacher.revision,
+            weight=teacher.weight,
+            bias=teacher.bias,
+            vocab_size=V,
+            num_sequences=n,
+            hidden_dtype=hidden_dtype,
+            logit_scale=teacher.logit_scale,
+            softcap=teacher.softcap,
+            sequences_per_shard=sequences_per_shard,
+            source=source,
+            resume=resume,
+            num_parts=num_parts,
+            part=part,
+            lock=lock,
+        )
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    bar = None
+    # Shards are serialized, hashed and written by one thread while the teacher runs the next shard:
+    # the store's bytes cost (almost) no teacher time. One shard in flight, written in order.
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="hidden-store-writer")
+    pending = None
+
+    def write(j, seqs, rows, plen, scales, a, b):
+        writer.write_shard(j, [torch.tensor(s, dtype=torch.int32) for s in seqs], rows, plen, scales=scales)
+        if log:
+            log(f"shard {j}: sequences [{a}, {b}) written ({bar.rate()})")
+
+    try:
+        todo = {j for j in range(writer.num_shards) if writer.owns(j) and not writer.done(j)}
+        bar = _Progress(sum(shard_tokens[j] for j in todo), progress, log)
+        seen = 0
+        for j, seqs in _shard_groups(corpus.records(), sequences_per_shard) if todo else ():
+            seen += len(seqs)
+            if j not in todo:
+                if log and writer.owns(j):
+                    log(f"shard {j}: already written, skipped")
+                continue
+            a, b = writer.shard_range(j)
+            if len(seqs) != b - a:
+                raise StoreError(
+                    f"the corpus changed while it was read: shard {j} has {len(seqs)} sequences, expected {b - a}"
+                )
+            plen = None if prompt_lengths is None else [int(p) for p in prompt_lengths[a:b]]
+            rows, scales = teacher_hidden(teacher, seqs, plen, hidden_dtype, batch_tokens, on_tokens=bar.update)
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(write, j, seqs, rows, plen, scales, a, b)
+        if pending is not None:
+            pending.result()
+            pending = None
+        if todo and seen != n:
+            raise StoreError(f"the corpus changed while it was read: {seen} sequences, {n} when checked")
+        man = dict(writer.finish())
+    finally:
+        if pending is not None:  # an interruption: the shard in flight completes (or not) atomically
+            try:
+                pending.result()
+            except BaseException:
+                pass
+        pool.shutdown(wait=True)
+        writer.close()
+        if bar is not None:
+            bar.close()
+    man["extract_seconds"] = time.perf_counter() - bar.t0
+    man["extracted_tokens"] = bar.done
+    return man
+
+
 # ------------------------------------------------------------------------------------------- CLI
 
 
@@ -540,7 +739,23 @@ def _temperature(text: str) -> float:
     return value
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, kinds: bool = False) -> None:
+    """``topk-extract``'s options; with `kinds` those of ``teacher-extract`` (``--kind``, ``--dtype``
+    of the stored rows, and the teacher weights' dtype as ``--teacher-dtype``)."""
+    if kinds:
+        p.add_argument(
+            "--kind",
+            choices=["hidden", "topk"],
+            default="hidden",
+            help="hidden: the final hidden states and the head (exact, any divergence; default); topk: top-k log-probs",
+        )
+        p.add_argument(
+            "--dtype",
+            dest="store_dtype",
+            choices=["float32", "bfloat16", "fp8"],
+            default=None,
+            help="hidden rows: float32, bfloat16 (default) or fp8 (e4m3 with one float32 scale per row)",
+        )
     p.add_argument(
         "--model",
         required=True,
@@ -587,7 +802,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="int32",
         help="int32 (default), or ids packed into 2 bytes (uint16: vocabularies up to 65536) or 3 (uint24)",
     )
-    p.add_argument("--sequences-per-shard", type=_positive_int, default=1024)
+    p.add_argument(
+        "--sequences-per-shard",
+        type=_positive_int,
+        default=None,
+        help="sequences per store shard (default 1024 for top-k, 64 for hidden states: ~Dt * 2 bytes a position)",
+    )
     p.add_argument("--batch-tokens", type=_positive_int, default=16384, help="padded tokens per teacher forward")
     p.add_argument(
         "--chunk-v", type=_positive_int, default=None, help="vocab chunk of the streaming top-k (default: automatic)"
@@ -609,7 +829,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--device", default=None, help="default: cuda (cuda:LOCAL_RANK under torchrun) if available, else cpu"
     )
     p.add_argument(
-        "--dtype",
+        "--teacher-dtype" if kinds else "--dtype",
+        dest="teacher_dtype",
         default="auto",
         choices=["auto", "saved", "float32", "bfloat16", "float16"],
         help="teacher weights' dtype (default auto: bfloat16 on CUDA, as saved on the CPU)",
@@ -618,68 +839,115 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (a line per shard instead)")
 
 
-def _fail(msg: str) -> int:
-    print(f"nitrobrew topk-extract: error: {msg}", file=sys.stderr)
+def _fail(msg: str, prog: str = "topk-extract") -> int:
+    print(f"nitrobrew {prog}: error: {msg}", file=sys.stderr)
     return 2
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, prog: str = "topk-extract", open_data=None) -> int:
+    """The command; `open_data(spec)` may claim a corpus: (Corpus, prompt lengths, source) or None."""
     try:
-        return _run(args)
+        return _run(args, prog, open_data)
     except KeyboardInterrupt:
         print(f"\ninterrupted: run the same command again to resume into {args.out}", file=sys.stderr)
         return 130
     except (StoreError, ValueError, OSError, ImportError, NotImplementedError) as err:
-        return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__, prog)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, prog: str = "topk-extract", open_data=None) -> int:
+    kind = getattr(args, "kind", "topk")
+    if kind == "topk" and getattr(args, "store_dtype", None) is not None:
+        return _fail("--dtype sets the rows of --kind hidden; a top-k store takes --logprob-dtype", prog)
+    store_dtype = getattr(args, "store_dtype", None) or "bfloat16"
+    if args.sequences_per_shard is None:
+        args.sequences_per_shard = 1024 if kind == "topk" else 64
+
+    def fail(msg: str) -> int:
+        return _fail(msg, prog)
+
     # 1. arguments, the model's config, the tokenizer and the whole corpus: all before any model loads
     env = os.environ
     parts = args.num_shards or int(env.get("WORLD_SIZE", 1))
     if args.shard_index is None and parts > 1 and "RANK" not in env:
-        return _fail(f"--num-shards {parts} needs --shard-index (this process's index in [0, {parts}))")
+        return fail(f"--num-shards {parts} needs --shard-index (this process's index in [0, {parts}))")
     part = args.shard_index if args.shard_index is not None else int(env.get("RANK", 0))
     if not 0 <= part < parts:
-        return _fail(f"--shard-index {part} must be in [0, {parts}) (--num-shards)")
+        return fail(f"--shard-index {part} must be in [0, {parts}) (--num-shards)")
     device = args.device or (f"cuda:{env.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
-        return _fail(f"--device {device}: CUDA is not available on this machine")
+        return fail(f"--device {device}: CUDA is not available on this machine")
     model_dir = resolve_model(args.model)
     cfg = load_config(model_dir)
     rows = int(getattr(cfg, "vocab_size", 0) or 0)
     if rows <= 0:
-        return _fail(f"{model_dir!r}: config.json has no vocab_size")
+        return fail(f"{model_dir!r}: config.json has no vocab_size")
     tok = load_tokenizer(args.tokenizer or model_dir)
     if args.tokenizer and tok is None:
-        return _fail(f"--tokenizer {args.tokenizer!r}: no tokenizer could be loaded from it")
+        return fail(f"--tokenizer {args.tokenizer!r}: no tokenizer could be loaded from it")
     V, note = choose_vocab(rows, None if tok is None else len(tok), args.vocab_size)
-    if args.k > V:
-        return _fail(f"--k {args.k} is larger than the vocabulary ({V}: {note})")
-    check_header(args.k, args.temperature, V, rows, args.logprob_dtype, args.sequences_per_shard, 0, args.id_dtype)
+    if kind == "topk":
+        if args.k > V:
+            return fail(f"--k {args.k} is larger than the vocabulary ({V}: {note})")
+        check_header(args.k, args.temperature, V, rows, args.logprob_dtype, args.sequences_per_shard, 0, args.id_dtype)
+    else:
+        from .hidden_store import check_header as check_hidden_header
+
+        check_hidden_header(store_dtype, 1, V, rows, "float32", 1.0, None, args.sequences_per_shard, 0)
     check_sizes(args.batch_tokens, args.chunk_v)
-    corpus = open_corpus(args.data, tokenizer=tok, chat_template=args.chat_template, field=args.field, split=args.split)
+    claimed = open_data(args.data) if open_data is not None else None
+    prompt_lengths = None
+    if claimed is not None:  # rollouts: prompt positions are neither stored nor counted (a hidden store)
+        corpus, prompt_lengths, source = claimed
+    else:
+        corpus = open_corpus(
+            args.data, tokenizer=tok, chat_template=args.chat_template, field=args.field, split=args.split
+        )
     checked = corpus.check(rows, args.sequences_per_shard)
-    if corpus.path:
+    if prompt_lengths is not None:
+        pass
+    elif corpus.path:
         source = {"path": os.path.abspath(corpus.path), "sha256": sha256_file(corpus.path)}
     else:
         source = {"dataset": args.data, "split": args.split}
     if corpus.tokenized:  # the ids depend on the tokenizer: a resume must use the same one
         source["tokenizer"] = getattr(tok, "name_or_path", "") or ""
         source["chat_template"] = bool(args.chat_template)
+    what = f"K = {args.k}, T = {args.temperature}" if kind == "topk" else f"hidden states in {store_dtype}"
     print(
         f"corpus: {corpus.description}: {checked[0]} sequences, {sum(checked[1])} tokens; vocabulary: {V} ({note}); "
-        f"K = {args.k}, T = {args.temperature}" + (f"; part {part} of {parts}" if parts > 1 else ""),
+        f"{what}" + (f"; part {part} of {parts}" if parts > 1 else ""),
         flush=True,
     )
     # 2. the store's lock (a concurrent run fails now, not after the teacher has loaded), the teacher,
     # then the extraction
     lock = lock_store(args.out, parts, part)
     try:
-        teacher = load_hf_teacher(model_dir, device=device, dtype=args.dtype, vocab_size=V)
+        teacher = load_hf_teacher(
+            model_dir, device=device, dtype=args.teacher_dtype, vocab_size=V, logit_transforms=kind == "hidden"
+        )
     except BaseException:
         lock.release()
         raise
+    if kind == "hidden":
+        man = extract_hidden(
+            teacher,
+            corpus,
+            args.out,
+            hidden_dtype=store_dtype,
+            prompt_lengths=prompt_lengths,
+            sequences_per_shard=args.sequences_per_shard,
+            batch_tokens=args.batch_tokens,
+            source=source,
+            resume=not args.no_resume,
+            log=print,
+            num_parts=parts,
+            part=part,
+            progress=not args.no_progress,
+            checked=checked,
+            lock=lock,
+        )
+        return _report(args, man, part, parts, f"hidden states ({man['hidden_dtype']}, D = {man['hidden_size']})")
     man = extract_topk(
         teacher,
         corpus,
@@ -700,6 +968,10 @@ def _run(args: argparse.Namespace) -> int:
         lock=lock,
         id_dtype=args.id_dtype,
     )
+    return _report(args, man, part, parts, f"K={man['k']}, T={man['temperature']}")
+
+
+def _report(args, man: Dict, part: int, parts: int, what: str) -> int:
     secs = man["extract_seconds"]
     rate = man["extracted_tokens"] / secs if secs > 0 else float("nan")
     run_note = f"{man['extracted_tokens']} tokens this run in {secs:.1f} s ({rate:.0f} tokens/s)"
@@ -707,7 +979,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"part {part} of {parts} done ({run_note}); {args.out} is complete once every part has run")
         return 0
     print(
-        f"wrote {args.out}: {man['num_sequences']} sequences, {man['num_rows']} rows, K={man['k']}, "
-        f"T={man['temperature']}, vocab {man['vocab_size']} of {man['head_rows']} head rows; {run_note}"
+        f"wrote {args.out}: {man['num_sequences']} sequences, {man['num_rows']} rows, {what}, "
+        f"vocab {man['vocab_size']} of {man['head_rows']} head rows; {run_note}"
     )
     return 0

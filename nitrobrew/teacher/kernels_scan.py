@@ -21,7 +21,7 @@ BLOCK = 4096
 
 
 @triton.jit
-def chunk_scan_kernel(
+def teacher_scan_kernel(
     z_ptr,
     m_ptr,
     l_ptr,
@@ -53,7 +53,7 @@ def chunk_scan_kernel(
     tl.store(l_ptr + row, s)
 
 
-def scan_chunk(z: torch.Tensor, state: Online, inv_temp: float, group: int) -> torch.Tensor:
+def launch_scan_chunk(z: torch.Tensor, state: Online, inv_temp: float, group: int) -> torch.Tensor:
     """Update the fp32 online state (m, l [R], contiguous) with the chunk z [R, C] (raw fp32 logits,
     tempered here); returns the group maxima of the tempered logits, [R, ceil(C / group)] fp32."""
     rows, n_cols = z.shape
@@ -62,7 +62,7 @@ def scan_chunk(z: torch.Tensor, state: Online, inv_temp: float, group: int) -> t
     if rows and n_cols:
         block = max(group, min(BLOCK, next_pow2(n_cols)))
         launch(
-            chunk_scan_kernel,
+            teacher_scan_kernel,
             (rows,),
             z,
             state.m,

@@ -363,56 +363,19 @@ def check_header(
         raise ValueError(f"num_sequences must be an int >= 0, got {num_sequences!r}")
 
 
-class TopKWriter:
-    """Writes shards and the manifest; resumes an interrupted store (completed shards are kept).
+class ShardWriter:
+    """What every sharded store's writer shares: the lock, the manifest (single or per part), resuming
+    (completed shards are kept after their checksums are checked), atomic shards and the merge of the
+    parts. A store format subclasses it with its header check, ``_read`` / ``_fresh`` / ``_validate``
+    of its manifest, its ``header_keys`` and a ``write_shard`` that ends in ``_commit``."""
 
-    The writer holds an exclusive lock on the store (``.lock``) until ``close()``: a second
-    extraction into the same directory fails at once instead of interleaving its shards.
+    header_keys: tuple = ()
 
-    Scale-out: with ``num_parts = N`` and ``part = i`` the writer owns the shards j with
-    ``j % N == i`` and records them in its own manifest (``manifest.part-i-of-N.json``, lock
-    ``.lock-part-i-of-N``); the part that finishes last (any order, any process or machine sharing
-    the directory) merges the N part manifests into ``manifest.json``, the same file a
-    single-process extraction writes, and removes them. Shards do not depend on which process
-    wrote them, so the merged store is bit-identical to the single-process one.
-    """
-
-    def __init__(
-        self,
-        path: str,
-        *,
-        model: str,
-        k: int,
-        temperature: float,
-        vocab_size: int,
-        head_rows: int,
-        num_sequences: int,
-        logprob_dtype: str = "float32",
-        sequences_per_shard: int = 1024,
-        source: Optional[Dict] = None,
-        resume: bool = True,
-        num_parts: int = 1,
-        part: int = 0,
-        lock: Optional[_Lock] = None,
-        id_dtype: str = "int32",
-    ):
-        check_header(k, temperature, vocab_size, head_rows, logprob_dtype, sequences_per_shard, num_sequences, id_dtype)
+    def _open_store(self, path: str, header: Dict, resume: bool, num_parts: int, part: int, lock) -> None:
         if not (_is_int(num_parts) and num_parts > 0 and _is_int(part) and 0 <= part < num_parts):
             raise ValueError(f"part must be an int in [0, num_parts) and num_parts >= 1, got {part!r} of {num_parts!r}")
         self.path, self.num_parts, self.part = path, num_parts, part
         self.merged: Optional[Dict] = None  # the complete manifest.json, once there is one
-        header = {
-            "model": model,
-            "k": int(k),
-            "temperature": float(temperature),
-            "logprob_dtype": logprob_dtype,
-            "vocab_size": int(vocab_size),
-            "head_rows": int(head_rows),
-            "sequences_per_shard": sequences_per_shard,
-            "source": source or {},
-            "num_sequences": int(num_sequences),
-            "id_dtype": id_dtype,
-        }
         self.header = header
         os.makedirs(path, exist_ok=True)
         self._locks: List[_Lock] = []
@@ -429,11 +392,25 @@ class TopKWriter:
             self.close()
             raise
 
+    # -- the format's hooks
+
+    def _read(self, name: str) -> Dict:
+        return read_manifest(self.path, name)
+
+    def _fresh(self) -> Dict:
+        return _new_manifest(self.header)
+
+    def _validate(self, man: Dict, where: str) -> None:
+        validate_manifest(man, where)
+
+    def shard_file(self, index: int) -> str:
+        return shard_name(index)
+
     # -- starting
 
     def _resumable(self, name: str) -> Optional[Dict]:
-        man = read_manifest(self.path, name)
-        for key in HEADER_KEYS:
+        man = self._read(name)
+        for key in self.header_keys:
             if man.get(key) != self.header[key]:
                 raise StoreError(
                     f"cannot resume into {self.path!r}: its {key} is {man.get(key)!r}, this extraction's is "
@@ -461,7 +438,7 @@ class TopKWriter:
             man["shards"] = self._verified(man["shards"])
             man["complete"] = False
             man.pop("num_rows", None), man.pop("num_tokens", None)
-        self.manifest = man or _new_manifest(self.header)
+        self.manifest = man or self._fresh()
         self._write_manifest()
 
     def _start_part(self, resume: bool) -> None:
@@ -487,7 +464,7 @@ class TopKWriter:
             man = self._resumable(self._name)
             man["shards"] = self._verified(man["shards"])
             man["complete"] = False
-        self.manifest = man or dict(_new_manifest(self.header), num_parts=self.num_parts, part=self.part)
+        self.manifest = man or dict(self._fresh(), num_parts=self.num_parts, part=self.part)
         if self.merged is None:
             self._write_manifest()
 
@@ -536,6 +513,142 @@ class TopKWriter:
         s = self.header["sequences_per_shard"]
         return index * s, min((index + 1) * s, self.header["num_sequences"])
 
+    def _commit(self, index: int, data: bytes, rows: int, tokens: int, sha256: Optional[str] = None) -> ShardInfo:
+        """Write shard `index`'s bytes atomically, then record it in the manifest. `sha256`: the digest
+        the bytes must have (StoreError, and nothing written, if they do not)."""
+        first, last = self.shard_range(index)
+        digest = hashlib.sha256(data).hexdigest()
+        if sha256 is not None and digest != sha256:
+            raise StoreError(
+                f"shard {index} as rebuilt has sha256 {digest[:16]}..., the source store's was {sha256[:16]}...: "
+                "the data changed after export"
+            )
+        name = self.shard_file(index)
+        atomic_write_bytes(os.path.join(self.path, name), data)
+        info = ShardInfo(
+            index=index,
+            file=name,
+            first_sequence=first,
+            sequences=last - first,
+            rows=rows,
+            tokens=tokens,
+            bytes=len(data),
+            sha256=digest,
+        )
+        self.manifest["shards"] = sorted(
+            [s for s in self.manifest["shards"] if s["index"] != index] + [asdict(info)], key=lambda s: s["index"]
+        )
+        self._write_manifest()
+        return info
+
+    def check_index(self, index: int) -> None:
+        if not (_is_int(index) and 0 <= index < self.num_shards and self.owns(index)):
+            raise ValueError(
+                f"shard {index!r} is not one of this writer's (part {self.part} of {self.num_parts}, "
+                f"{self.num_shards} shards)"
+            )
+
+    def finish(self) -> Dict:
+        """Mark the store (or this part) complete; returns the manifest: the complete store's once
+        every part is in (check ``.get("complete")``), else this part's."""
+        if self.merged is not None:
+            return self.merged
+        have = {s["index"] for s in self.manifest["shards"]}
+        missing = [i for i in range(self.num_shards) if self.owns(i) and i not in have]
+        if missing:
+            raise StoreError(f"cannot mark {self.path!r} complete: shards {missing[:8]} are not written")
+        self.manifest["complete"] = True
+        if self.num_parts == 1:
+            self.merged = _completed(self.manifest)
+            self.manifest = self.merged
+            self._write_manifest()
+            return self.merged
+        self._write_manifest()
+        with self._store_lock():
+            return self._merge_parts()
+
+    def _merge_parts(self) -> Dict:
+        shards = []
+        for p in range(self.num_parts):
+            name = part_manifest_name(p, self.num_parts)
+            if not os.path.exists(os.path.join(self.path, name)):
+                return self.manifest  # another part is still running: the last one merges
+            man = self._resumable(name)
+            if not man["complete"]:
+                return self.manifest
+            shards += man["shards"]
+        merged = _completed(dict(self._fresh(), shards=sorted(shards, key=lambda s: s["index"]), complete=True))
+        self._validate(merged, os.path.join(self.path, MANIFEST))
+        atomic_write_bytes(os.path.join(self.path, MANIFEST), _manifest_bytes(merged))
+        for p in range(self.num_parts):
+            os.unlink(os.path.join(self.path, part_manifest_name(p, self.num_parts)))
+        self.merged = merged
+        return merged
+
+    def close(self) -> None:
+        while self._locks:
+            self._locks.pop().release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _write_manifest(self) -> None:
+        atomic_write_bytes(os.path.join(self.path, self._name), _manifest_bytes(self.manifest))
+
+
+class TopKWriter(ShardWriter):
+    """Writes shards and the manifest; resumes an interrupted store (completed shards are kept).
+
+    The writer holds an exclusive lock on the store (``.lock``) until ``close()``: a second
+    extraction into the same directory fails at once instead of interleaving its shards.
+
+    Scale-out: with ``num_parts = N`` and ``part = i`` the writer owns the shards j with
+    ``j % N == i`` and records them in its own manifest (``manifest.part-i-of-N.json``, lock
+    ``.lock-part-i-of-N``); the part that finishes last (any order, any process or machine sharing
+    the directory) merges the N part manifests into ``manifest.json``, the same file a
+    single-process extraction writes, and removes them. Shards do not depend on which process
+    wrote them, so the merged store is bit-identical to the single-process one.
+    """
+
+    header_keys = HEADER_KEYS
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        model: str,
+        k: int,
+        temperature: float,
+        vocab_size: int,
+        head_rows: int,
+        num_sequences: int,
+        logprob_dtype: str = "float32",
+        sequences_per_shard: int = 1024,
+        source: Optional[Dict] = None,
+        resume: bool = True,
+        num_parts: int = 1,
+        part: int = 0,
+        lock: Optional[_Lock] = None,
+        id_dtype: str = "int32",
+    ):
+        check_header(k, temperature, vocab_size, head_rows, logprob_dtype, sequences_per_shard, num_sequences, id_dtype)
+        header = {
+            "model": model,
+            "k": int(k),
+            "temperature": float(temperature),
+            "logprob_dtype": logprob_dtype,
+            "vocab_size": int(vocab_size),
+            "head_rows": int(head_rows),
+            "sequences_per_shard": sequences_per_shard,
+            "source": source or {},
+            "num_sequences": int(num_sequences),
+            "id_dtype": id_dtype,
+        }
+        self._open_store(path, header, resume, num_parts, part, lock)
+
     def write_shard(
         self,
         index: int,
@@ -543,16 +656,15 @@ class TopKWriter:
         topk_ids: Sequence[torch.Tensor],
         topk_logprobs: Sequence[torch.Tensor],
         quantized: Optional[Sequence[torch.Tensor]] = None,
+        sha256: Optional[str] = None,
     ) -> ShardInfo:
         """Write shard `index` (its sequences' tokens, and rows: L - 1 per sequence of L tokens).
 
         A uint8 store quantizes the log-probs; `quantized` (its per-sequence scale blocks [rows, 2],
-        with `topk_logprobs` then the codes) writes already quantized rows as they are (an import)."""
-        if not (_is_int(index) and 0 <= index < self.num_shards and self.owns(index)):
-            raise ValueError(
-                f"shard {index!r} is not one of this writer's (part {self.part} of {self.num_parts}, "
-                f"{self.num_shards} shards)"
-            )
+        with `topk_logprobs` then the codes) writes already quantized rows as they are (an import).
+        `sha256`: the digest the shard must have (an import of an export rebuilds the source's
+        bytes); StoreError, and nothing written, if it does not."""
+        self.check_index(index)
         first, last = self.shard_range(index)
         if len(input_ids) != last - first or len(topk_ids) != len(input_ids) or len(topk_logprobs) != len(input_ids):
             raise ValueError(
@@ -599,75 +711,9 @@ class TopKWriter:
         # one metadata entry: safetensors writes a map's entries in no fixed order, and a shard's
         # bytes must not depend on the run that wrote it (parts reproduce the single-process store)
         data = _safetensors().save(tensors, metadata={"format": f"{FORMAT} shard {index}"})
-        name = shard_name(index)
-        atomic_write_bytes(os.path.join(self.path, name), data)
-        info = ShardInfo(
-            index=index,
-            file=name,
-            first_sequence=first,
-            sequences=last - first,
-            rows=int(tensors["topk_ids"].shape[0]),
-            tokens=int(tensors["input_ids"].numel()),
-            bytes=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
+        return self._commit(
+            index, data, int(tensors["topk_ids"].shape[0]), int(tensors["input_ids"].numel()), sha256=sha256
         )
-        self.manifest["shards"] = sorted(
-            [s for s in self.manifest["shards"] if s["index"] != index] + [asdict(info)], key=lambda s: s["index"]
-        )
-        self._write_manifest()
-        return info
-
-    def finish(self) -> Dict:
-        """Mark the store (or this part) complete; returns the manifest: the complete store's once
-        every part is in (check ``.get("complete")``), else this part's."""
-        if self.merged is not None:
-            return self.merged
-        have = {s["index"] for s in self.manifest["shards"]}
-        missing = [i for i in range(self.num_shards) if self.owns(i) and i not in have]
-        if missing:
-            raise StoreError(f"cannot mark {self.path!r} complete: shards {missing[:8]} are not written")
-        self.manifest["complete"] = True
-        if self.num_parts == 1:
-            self.merged = _completed(self.manifest)
-            self.manifest = self.merged
-            self._write_manifest()
-            return self.merged
-        self._write_manifest()
-        with self._store_lock():
-            return self._merge_parts()
-
-    def _merge_parts(self) -> Dict:
-        shards = []
-        for p in range(self.num_parts):
-            name = part_manifest_name(p, self.num_parts)
-            if not os.path.exists(os.path.join(self.path, name)):
-                return self.manifest  # another part is still running: the last one merges
-            man = self._resumable(name)
-            if not man["complete"]:
-                return self.manifest
-            shards += man["shards"]
-        merged = _completed(
-            dict(_new_manifest(self.header), shards=sorted(shards, key=lambda s: s["index"]), complete=True)
-        )
-        validate_manifest(merged, os.path.join(self.path, MANIFEST))
-        atomic_write_bytes(os.path.join(self.path, MANIFEST), _manifest_bytes(merged))
-        for p in range(self.num_parts):
-            os.unlink(os.path.join(self.path, part_manifest_name(p, self.num_parts)))
-        self.merged = merged
-        return merged
-
-    def close(self) -> None:
-        while self._locks:
-            self._locks.pop().release()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def _write_manifest(self) -> None:
-        atomic_write_bytes(os.path.join(self.path, self._name), _manifest_bytes(self.manifest))
 
 
 def _completed(man: Dict) -> Dict:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..core import checks as ck
 from ..core.outputs import DistillOutput
-from ..core.reduction import reduce_rows, row_weights
+from ..core.reduction import IGNORE_INDEX, reduce_rows, row_weights
 from .rowmath import TopKConfig
 from .validation import safe_ids, validate
 
@@ -24,11 +24,9 @@ def topk_kl(
     *,
     normalize: str = "full",
     divergence: str = "forward_kl",
-    beta: float = 0.5,
-    alpha: float = 0.1,
     tail: bool = False,
     labels: Optional[torch.Tensor] = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     temperature: float = 1.0,
     teacher_temperature: Optional[float] = None,
     reduction: str = "mean",
@@ -43,6 +41,7 @@ def topk_kl(
     softcap_s: Optional[float] = None,
     return_parts: bool = False,
     process_group=None,
+    **params: float,
 ):
     """Distill from a teacher's stored top-k next-token log-probs, from the student's hidden states.
 
@@ -96,9 +95,10 @@ def topk_kl(
     if process_group is not None or any(ck.is_dtensor(t) for t in (xs, ws, bs, topk_ids, topk_logprobs)):
         from ..parallel.dtensor import unwrap
 
-        xs, _, ws, _, bs, _, labels, process_group = unwrap(xs, None, ws, None, bs, None, labels, process_group)
-        topk_ids = topk_ids.to_local() if ck.is_dtensor(topk_ids) else topk_ids
-        topk_logprobs = topk_logprobs.to_local() if ck.is_dtensor(topk_logprobs) else topk_logprobs
+        xs, _, ws, _, bs, _, labels, process_group = unwrap(
+            xs=xs, xt=None, ws=ws, wt=None, bs=bs, bt=None, labels=labels, process_group=process_group
+        )
+        topk_ids, topk_logprobs = ck.local_tensor(topk_ids), ck.local_tensor(topk_logprobs)
     if process_group is not None:  # a vocab-parallel head
         from .vocab_parallel import parallel_topk_kl
 
@@ -110,8 +110,6 @@ def topk_kl(
             process_group=process_group,
             normalize=normalize,
             divergence=divergence,
-            beta=beta,
-            alpha=alpha,
             tail=tail,
             labels=labels,
             ignore_index=ignore_index,
@@ -126,44 +124,31 @@ def topk_kl(
             backend=backend,
             softcap_s=softcap_s,
             return_parts=return_parts,
+            **params,
         )
-    name, param = ck.divergence_param(divergence, beta, alpha)
+    name, param = ck.divergence_param(divergence, params)
     check_stored = validate(
-        xs,
-        ws,
-        topk_ids,
-        topk_logprobs,
-        bs,
-        labels,
-        normalize,
-        divergence,
-        tail,
-        temperature,
-        teacher_temperature,
-        reduction,
-        chunk_V,
-        kd_weight,
-        ce_weight,
-        ignore_index,
-        backend,
+        xs=xs,
+        ws=ws,
+        ids=topk_ids,
+        lp=topk_logprobs,
+        bs=bs,
+        labels=labels,
+        normalize=normalize,
+        divergence=divergence,
+        tail=tail,
+        temperature=temperature,
+        teacher_temperature=teacher_temperature,
+        reduction=reduction,
+        chunk_V=chunk_V,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        ignore_index=ignore_index,
+        backend=backend,
         mode=mode,
         memory_budget=memory_budget,
         softcap_s=softcap_s,
     )
-    impl = ck.resolve_backend(backend, xs.device)
-
-    lead = xs.shape[:-1]
-    K = topk_ids.shape[-1]
-    x = xs.reshape(-1, xs.shape[-1])
-    lp = topk_logprobs.reshape(-1, K)
-    flat_labels = None if labels is None else labels.reshape(-1)
-    mask = row_weights(flat_labels, ignore_index, x.shape[0], xs.device)
-    if labels is not None:
-        # rows that do not count are zeroed (as the hidden losses do): dW sums over rows, 0 * NaN is NaN
-        x = torch.where(mask[:, None] > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    ce_labels = None
-    if ce_weight != 0:
-        ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1)).long()
     cfg = TopKConfig(
         divergence=name,
         param=param,
@@ -175,32 +160,99 @@ def topk_kl(
         chunk_V=chunk_V,
         softcap_s=None if softcap_s is None else float(softcap_s),
     )
+    rows = _flat_rows(xs, topk_ids, topk_logprobs, labels, ignore_index=ignore_index, with_ce=cfg.with_ce)
+    impl = ck.resolve_backend(backend, xs.device)
+    out = _dispatch(
+        rows, ws, bs, cfg, impl=impl, reduction=reduction, mode=mode, memory_budget=memory_budget, check=check_stored
+    )
+    total, kd, ce = (r.reshape(rows.lead) for r in out) if reduction == "none" else out
+    if return_parts:
+        return DistillOutput(total, kd, ce)
+    return total
+
+
+class _Rows(NamedTuple):
+    """topk_kl's inputs as flat rows: hidden rows [N, D], ids and log-probs [N, K], the counted-row mask,
+    the CE targets (-1 where not counted; None without CE) and the leading shape."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    lp: torch.Tensor
+    mask: torch.Tensor
+    ce_labels: Optional[torch.Tensor]
+    lead: torch.Size
+
+
+def _flat_rows(xs, topk_ids, topk_logprobs, labels, *, ignore_index: int, with_ce: bool) -> _Rows:
+    K = topk_ids.shape[-1]
+    x = xs.reshape(-1, xs.shape[-1])
+    flat_labels = None if labels is None else labels.reshape(-1)
+    mask = row_weights(flat_labels, ignore_index, x.shape[0], xs.device)
+    if flat_labels is not None:
+        # rows that do not count are zeroed (as the hidden losses do): dW sums over rows, 0 * NaN is NaN
+        x = torch.where(mask[:, None] > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    ce_labels = None
+    if with_ce and flat_labels is not None:  # labels are checked present for ce_weight != 0
+        ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1)).long()
+    return _Rows(
+        x=x,
+        ids=topk_ids.reshape(-1, K),
+        lp=topk_logprobs.reshape(-1, K),
+        mask=mask,
+        ce_labels=ce_labels,
+        lead=xs.shape[:-1],
+    )
+
+
+def _dispatch(
+    rows: _Rows,
+    ws,
+    bs,
+    cfg: TopKConfig,
+    *,
+    impl: str,
+    reduction: str,
+    mode: Optional[str],
+    memory_budget: Optional[int],
+    check: Callable[[], None],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(total, kd, ce) reduced, flat for "none", from the path that fits: the Triton support kernels
+    (normalize="topk"), the Triton fast or constant-memory mode, or the PyTorch chunked rows. ``check``
+    reads the stored data's checks (one device sync)."""
+    x, lp, mask = rows.x, rows.lp, rows.mask
     # float64 and an empty batch take the PyTorch path; so does the softcap outside the fast mode
     fused = impl == "triton" and x.dtype != torch.float64 and x.shape[0] > 0
-    fused = fused and (softcap_s is None or (cfg.full and mode != "constant_memory"))
+    fused = fused and (cfg.softcap_s is None or (cfg.full and mode != "constant_memory"))
     if fused and not cfg.full:
         # the K gathered rows are all it touches; the stored data's checks are read right before its
         # first kernel (their sync then idles the device for the launch alone)
         from .triton_support import support_topk
 
-        out = support_topk(x, ws, bs, topk_ids.reshape(-1, K), lp, mask, cfg, reduction, check_stored)
-        total, kd, ce = (r.reshape(lead) for r in out) if reduction == "none" else out
-    elif fused and mode != "constant_memory":
-        check_stored()
+        return support_topk(
+            xs=x, ws=ws, bs=bs, ids=rows.ids, lp=lp, mask=mask, cfg=cfg, reduction=reduction, check=check
+        )
+    check()
+    ids = safe_ids(rows.ids, lp)
+    if fused and mode != "constant_memory":
         # the fast mode reduces inside its autograd Function (it forms gradients in the forward)
         from .triton_fast import fast_topk
 
-        out = fast_topk(x, ws, bs, safe_ids(topk_ids, lp), lp, ce_labels, mask, cfg, reduction, memory_budget)
-        total, kd, ce = (r.reshape(lead) for r in out) if reduction == "none" else out
+        return fast_topk(
+            xs=x,
+            ws=ws,
+            bs=bs,
+            ids=ids,
+            lp=lp,
+            labels=rows.ce_labels,
+            mask=mask,
+            cfg=cfg,
+            reduction=reduction,
+            memory_budget=memory_budget,
+        )
+    if fused:
+        from .triton_cm import constant_memory_rows as rows_fn
     else:
-        check_stored()
-        ids = safe_ids(topk_ids, lp)
-        if fused:
-            from .triton_cm import constant_memory_rows as rows_fn
-        else:
-            from .chunked import chunked_rows as rows_fn
-        rows = rows_fn(x, ws, bs, ids, lp, ce_labels, mask, cfg)
-        total, kd, ce = (reduce_rows(r, mask, reduction, lead) for r in rows)
-    if return_parts:
-        return DistillOutput(total, kd, ce)
-    return total
+        from .chunked import chunked_rows as rows_fn
+    per_row = rows_fn(xs=x, ws=ws, bs=bs, ids=ids, lp=lp, labels=rows.ce_labels, mask=mask, cfg=cfg)
+    total, kd, ce = (reduce_rows(r, mask, reduction, rows.lead) for r in per_row)
+    return total, kd, ce

@@ -31,8 +31,7 @@ import torch
 from ..core import checks as ck
 from ..core.online import Online, auto_chunk_v, spans
 from ..core.ops import compute_dtype, softcap_, softcap_grad_
-from ..core.reduction import combine_rows as combine_kd_ce
-from ..core.reduction import row_scales
+from ..core.reduction import PartsFunction, combine_rows, row_scales
 from ..core.slabs import chunk_logits, gather_label_logit, head_grads_from_chunk
 from .rowmath import DenseCoef, RowResult, TopKConfig, full_lse, topk_rows
 
@@ -100,7 +99,7 @@ def vocab_pass(
     )
     local_labels = None if labels is None else labels - lo
     for c0, c1 in spans(V, chunk):
-        z = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s)
+        z = chunk_logits(x=xs, w=ws, b=bs, lo=c0, hi=c1, acc=acc, softcap=cfg.softcap_s)
         a, b = entries.span(lo + c0, lo + c1)
         s = z / cfg.temperature
         st.s.update(without_ids(s, entries, a, b, lo + c0) if cfg.tail and b > a else s)
@@ -151,7 +150,7 @@ def finish(
         lse_s = s_state.lse()
         if cfg.tail:
             lse_tail, lse_s = lse_s, full_lse(s, valid, lse_s)
-    res = topk_rows(s, lp, valid, lse_s if cfg.full else None, cfg, lse_tail)
+    res = topk_rows(s=s, lp=lp, valid=valid, lse_s=lse_s if cfg.full else None, cfg=cfg, lse_tail=lse_tail)
     lse_z = ce = None
     if cfg.with_ce:
         lse_z = z_state.lse() if z_state is not None else lse_s
@@ -194,7 +193,7 @@ def backward_range(
         lse_tail = dense.lse_tail
         lse_tail = torch.where(torch.isfinite(lse_tail), lse_tail, torch.zeros_like(lse_tail))  # no outside ids: 0
     for c0, c1 in spans(V, chunk):
-        z = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s)
+        z = chunk_logits(x=xs, w=ws, b=bs, lo=c0, hi=c1, acc=acc, softcap=cfg.softcap_s)
         s = z / cfg.temperature
         a, b = entries.span(lo + c0, lo + c1)
         if dense.tail is None:
@@ -211,7 +210,7 @@ def backward_range(
         if b > a:
             g.index_put_((entries.rows[a:b], entries.ids[a:b] - lo - c0), coef[entries.flat[a:b]], accumulate=True)
         softcap_grad_(g, z, cfg.softcap_s)
-        head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx, dw, db)
+        head_grads_from_chunk(g=g, xs_acc=xs_acc, ws=ws, c0=c0, c1=c1, dx=dx, dw=dw, db=db)
     return dx, dw, db
 
 
@@ -251,12 +250,7 @@ def row_coefficients(grad_rows: Tensor, mask: Tensor, res: RowResult, cfg: TopKC
     return coef, dense, (ce_scale if cfg.with_ce else None)
 
 
-def combine_topk_rows(res: RowResult, ce: Optional[Tensor], mask: Tensor, cfg: TopKConfig):
-    """Per-row (total, kd, ce) in the compute dtype, 0 at ignored rows (the hidden losses' rule)."""
-    return combine_kd_ce(res.kd, ce, mask, cfg)
-
-
-class ChunkedTopK(torch.autograd.Function):
+class ChunkedTopK(PartsFunction):
     """Per-row (total, kd, ce); gradients to xs, ws and bs (the stored teacher is constant)."""
 
     @staticmethod
@@ -265,17 +259,20 @@ class ChunkedTopK(torch.autograd.Function):
         entries = Entries.build(ids, valid)
         lpc = lp.to(compute_dtype(xs.dtype))
         if cfg.full:
-            st = vocab_pass(xs, ws, bs, labels, entries, cfg)
-            res, lse_s, lse_z, ce = finish(st.z_ids, lpc, valid, st.s, st.z, st.z_label, cfg)
+            st = vocab_pass(xs=xs, ws=ws, bs=bs, labels=labels, entries=entries, cfg=cfg)
+            res, lse_s, lse_z, ce = finish(
+                z_ids=st.z_ids, lp=lpc, valid=valid, s_state=st.s, z_state=st.z, z_label=st.z_label, cfg=cfg
+            )
         else:
             z_ids = softcap_(gather_logits(xs, ws, bs, ids).reshape(-1), cfg.softcap_s)
             ctx.z_ids = z_ids
-            res, lse_s, lse_z, ce = finish(z_ids, lpc, valid, None, None, None, cfg)
-        total, kd, ce_rows = combine_topk_rows(res, ce, mask, cfg)
+            res, lse_s, lse_z, ce = finish(
+                z_ids=z_ids, lp=lpc, valid=valid, s_state=None, z_state=None, z_label=None, cfg=cfg
+            )
+        total, kd, ce_rows = combine_rows(res.kd, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, ids, labels, mask)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.entries, ctx.cfg = res, lse_s, lse_z, entries, cfg
-        ctx.mark_non_differentiable(kd, ce_rows)
-        return total, kd, ce_rows
+        return ChunkedTopK.parts(ctx, total, kd, ce_rows)
 
     @staticmethod
     @ck.no_double_backward
@@ -283,19 +280,33 @@ class ChunkedTopK(torch.autograd.Function):
         xs, ws, bs, ids, labels, mask = ctx.saved_tensors
         cfg = ctx.cfg
         coef, dense, ce_scale = row_coefficients(grad_total, mask, ctx.res, cfg)
-        need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        need_w = ChunkedTopK.head_needed(ctx)
         if cfg.full:
             dx, dw, db = backward_range(
-                xs, ws, bs, labels, ctx.entries, coef, ctx.lse_s, dense, ctx.lse_z, ce_scale, cfg, need_w=need_w
+                xs=xs,
+                ws=ws,
+                bs=bs,
+                labels=labels,
+                entries=ctx.entries,
+                coef=coef,
+                lse_s=ctx.lse_s,
+                dense=dense,
+                lse_z=ctx.lse_z,
+                ce_scale=ce_scale,
+                cfg=cfg,
+                need_w=need_w,
             )
         else:
             dx, dw, db = sparse_grads(
-                xs, ws, bs, ids, ctx.entries, softcap_grad_(coef, ctx.z_ids, cfg.softcap_s), need_w=need_w
+                xs=xs,
+                ws=ws,
+                bs=bs,
+                ids=ids,
+                entries=ctx.entries,
+                coef=softcap_grad_(coef, ctx.z_ids, cfg.softcap_s),
+                need_w=need_w,
             )
-        dx = dx.to(xs.dtype) if ctx.needs_input_grad[0] else None
-        dw = dw if ctx.needs_input_grad[1] else None
-        db = db if ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None, None, None
+        return ChunkedTopK.input_grads(ctx, dx.to(xs.dtype) if ctx.needs_input_grad[0] else None, dw, db)
 
 
 def chunked_rows(xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig):

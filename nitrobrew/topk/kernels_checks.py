@@ -17,7 +17,7 @@ TILE = 4096  # entries per program: rows x next_pow2(K)
 
 
 @triton.jit
-def _stored_flags_kernel(
+def topk_stored_flags_kernel(
     IDS, LP, FLAGS, N, K, V, lse_tol, CHECK_IDS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -50,7 +50,7 @@ def _stored_flags_kernel(
     tl.atomic_max(FLAGS + 3, tl.max(over.to(tl.int32), axis=0))
 
 
-def stored_flags(ids: torch.Tensor, lp: torch.Tensor, V: Optional[int], lse_tol: float) -> torch.Tensor:
+def launch_stored_flags(ids: torch.Tensor, lp: torch.Tensor, V: Optional[int], lse_tol: float) -> torch.Tensor:
     """int32 [4] on lp's device: (any NaN/+inf log-prob, any id outside [0, V) at a finite entry, any id
     repeated within a row at finite entries, any row whose finite log-probs sum to above e^lse_tol)."""
     flags = torch.zeros(4, dtype=torch.int32, device=lp.device)
@@ -59,7 +59,7 @@ def stored_flags(ids: torch.Tensor, lp: torch.Tensor, V: Optional[int], lse_tol:
     block_k = next_pow2(max(K, 1))
     block_r = max(1, TILE // block_k)
     launch(
-        _stored_flags_kernel,
+        topk_stored_flags_kernel,
         (cdiv(n, block_r),),
         ids.reshape(-1).contiguous(),
         lp.reshape(-1).contiguous(),

@@ -1,12 +1,12 @@
 """Triton kernels of top-k KD.
 
 normalize="full" (vocab-wide, in the manner of cut-cross-entropy; memory O(rows * K)):
-- ``_lse_kernel``: one program per (row block, vocab tile), grouped for L2 reuse; the logit
+- ``topk_cm_lse_kernel``: one program per (row block, vocab tile), grouped for L2 reuse; the logit
   tile is accumulated in fp32 from bf16/fp16/fp32 operands, its log-sum-exp (tempered, and raw
   for the hard-label CE) is merged into the per-row result under a per-row-block lock. With the
   tail bucket (TAIL) the tempered log-sum-exp skips each row's valid top-k ids: it is the
   student's tail mass, accumulated directly (exact however small).
-- ``_full_bwd_kernel``: recomputes each logit tile, forms the gradient tile (the sparse
+- ``topk_cm_bwd_kernel``: recomputes each logit tile, forms the gradient tile (the sparse
   coefficients of the row's stored ids that fall in the tile + the dense part ``dense_n * q_nj``,
   or with TAIL ``tail_n * exp(s_nj - lse_tail_n)`` at the other entries only, + the CE part) and feeds it into
   dX and dW through locked read-add-write of fp32 accumulators (or of the gradients themselves
@@ -21,7 +21,7 @@ min(K, BLOCK_V) and usually 0-3 (K ids spread over V / BLOCK_V tiles), so the co
 fraction of the tile's 2 * BLOCK_B * BLOCK_V * D matmul FLOPs for K up to 256 and beyond; ids
 clustered in one tile (c = BLOCK_V in the worst case) cost BLOCK_V elementwise passes there.
 
-The ids of "full" (bandwidth-bound): ``_gather_kernel``: s_nk = x_n . w_{id_nk} (+ b).
+The ids of "full" (bandwidth-bound): ``topk_cm_gather_kernel``: s_nk = x_n . w_{id_nk} (+ b).
 normalize="topk" has its own kernels (``triton_support``).
 """
 
@@ -30,11 +30,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..core.launch import launch
 from ..core.tl_utils import logaddexp
 
 
 @triton.jit
-def _gather_kernel(
+def topk_cm_gather_kernel(
     X,
     W,
     B,
@@ -179,7 +180,7 @@ def _tile_row_ids(
 
 
 @triton.jit
-def _lse_kernel(
+def topk_cm_lse_kernel(
     X,
     W,
     B,
@@ -279,7 +280,7 @@ def _locked_add(ptrs, val, mask, lock):
 
 
 @triton.jit
-def _full_bwd_kernel(
+def topk_cm_bwd_kernel(
     X,
     W,
     B,
@@ -402,3 +403,18 @@ def _full_bwd_kernel(
             _locked_add(dw_ptrs, part, vmask[:, None] & dm, LOCKS_W + pid_v * n_dchunks + d)
             x_ptrs += MM_BLOCK_D
             dw_ptrs += MM_BLOCK_D
+
+
+def launch_gather(grid, *args, **constexprs) -> None:
+    """``topk_cm_gather_kernel[grid](*args, **constexprs)`` through ``core.launch``."""
+    launch(topk_cm_gather_kernel, grid, *args, **constexprs)
+
+
+def launch_lse(grid, *args, **constexprs) -> None:
+    """``topk_cm_lse_kernel[grid](*args, **constexprs)`` through ``core.launch``."""
+    launch(topk_cm_lse_kernel, grid, *args, **constexprs)
+
+
+def launch_bwd(grid, *args, **constexprs) -> None:
+    """``topk_cm_bwd_kernel[grid](*args, **constexprs)`` through ``core.launch``."""
+    launch(topk_cm_bwd_kernel, grid, *args, **constexprs)

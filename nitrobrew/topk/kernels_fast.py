@@ -6,11 +6,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..core.launch import launch
 from ..core.tl_utils import f32, online_tile
 
 
 @triton.jit
-def slab_lse_kernel(Z, OUT, stride_z, n_cols, inv_temp, RAW: tl.constexpr, BLOCK_V: tl.constexpr):
+def topk_fast_lse_kernel(Z, OUT, stride_z, n_cols, inv_temp, RAW: tl.constexpr, BLOCK_V: tl.constexpr):
     """OUT[row] = (logsumexp_j z_j * inv_temp, logsumexp_j z_j) over a row of an fp32 slab (-inf entries
     are skipped; a row of -inf only gives -inf)."""
     inv_temp = f32(inv_temp)
@@ -34,7 +35,7 @@ def slab_lse_kernel(Z, OUT, stride_z, n_cols, inv_temp, RAW: tl.constexpr, BLOCK
 
 
 @triton.jit
-def slab_grad_kernel(
+def topk_fast_grad_kernel(
     Z,
     G,
     COEF,
@@ -79,3 +80,13 @@ def slab_grad_kernel(
             g = g * (1.0 - zc * zc)
         tl.debug_barrier()
         tl.store(g_row + idx, g.to(G.dtype.element_ty), mask=valid)
+
+
+def launch_lse(grid, *args, **constexprs) -> None:
+    """``topk_fast_lse_kernel[grid](*args, **constexprs)`` through ``core.launch``."""
+    launch(topk_fast_lse_kernel, grid, *args, **constexprs)
+
+
+def launch_grad(grid, *args, **constexprs) -> None:
+    """``topk_fast_grad_kernel[grid](*args, **constexprs)`` through ``core.launch``."""
+    launch(topk_fast_grad_kernel, grid, *args, **constexprs)

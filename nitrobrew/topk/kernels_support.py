@@ -7,6 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..core.launch import launch
 from ..core.tl_utils import f32, phi_u
 
 
@@ -42,7 +43,7 @@ def _entries(IDS, LP, at_i, at_l, valid, V):
 
 
 @triton.jit
-def support_logits_kernel(
+def topk_support_logits_kernel(
     X,
     W,
     IDS,
@@ -82,7 +83,7 @@ def support_logits_kernel(
 
 
 @triton.jit
-def support_fwd_kernel(
+def topk_support_fwd_kernel(
     X,
     W,
     B,
@@ -113,7 +114,7 @@ def support_fwd_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """One row: its keys, the [K] math, its coefficients and divergence. The raw logits are in the row's
-    coefficient slots already (HAS_Z: from ``support_logits_kernel``) or gathered here (x_n . W[id],
+    coefficient slots already (HAS_Z: from ``topk_support_logits_kernel``) or gathered here (x_n . W[id],
     the same fp32 sums, in a fixed order: the deterministic path). HAS_Z also counts the entries of
     every id into COUNTS[1 + id] (the buckets of dW's counting sort)."""
     inv_temp = f32(inv_temp)
@@ -153,7 +154,7 @@ def support_fwd_kernel(
 
 
 @triton.jit
-def support_dx_kernel(
+def topk_support_dx_kernel(
     W,
     KEY,
     COEF,
@@ -210,7 +211,7 @@ def _entry_terms(X, ROWS, CS, pos, has, offs_d, dm, stride_xn):
 
 
 @triton.jit
-def sorted_entries_kernel(
+def topk_support_sort_kernel(
     KEY,
     COEF,
     SCALE,
@@ -251,7 +252,7 @@ def sorted_entries_kernel(
 
 
 @triton.jit
-def dw_long_kernel(
+def topk_support_dw_long_kernel(
     X,
     ROWS,
     CS,
@@ -315,7 +316,7 @@ def dw_long_kernel(
 
 
 @triton.jit
-def dw_rows_kernel(
+def topk_support_dw_rows_kernel(
     X,
     ROWS,
     CS,
@@ -338,7 +339,7 @@ def dw_rows_kernel(
 ):
     """A [BLOCK_R vocab rows, D_STEPS * BLOCK_D] tile of dW (and db): the rows' entries walked in lock
     step, J entries of every row per step (their loads in flight together); long rows (count > CAP)
-    add up the slots ``dw_long_kernel`` wrote for them, window by window (a fixed order); rows without
+    add up the slots ``topk_support_dw_long_kernel`` wrote for them, window by window (a fixed order); rows without
     entries get zeros. The row tiles of one column group are neighbouring programs (the group's
     columns of x stay in L2)."""
     pid_d = tl.program_id(1)
@@ -387,7 +388,9 @@ def dw_rows_kernel(
 
 
 @triton.jit
-def scalar_reduction_kernel(KD, MASK, TOTAL, KD_OUT, CE, UNIT, N, kd_weight, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+def topk_scalar_reduction_kernel(
+    KD, MASK, TOTAL, KD_OUT, CE, UNIT, N, kd_weight, MEAN: tl.constexpr, BLOCK: tl.constexpr
+):
     """The scalar reduction in one program: kd = sum of the rows' divergences (/ counted rows for the
     mean, 0 when none counts), total = kd_weight kd, ce = 0, and UNIT = d total / d row value."""
     kd = tl.zeros([BLOCK], dtype=tl.float32)
@@ -404,3 +407,38 @@ def scalar_reduction_kernel(KD, MASK, TOTAL, KD_OUT, CE, UNIT, N, kd_weight, MEA
     tl.store(TOTAL, kd_total * f32(kd_weight))
     tl.store(CE, 0.0)
     tl.store(UNIT, per_row * f32(kd_weight))
+
+
+def launch_logits(grid, *args, **constexprs) -> None:
+    """``topk_support_logits_kernel[grid](*args, **constexprs)`` through ``core.launch``."""
+    launch(topk_support_logits_kernel, grid, *args, **constexprs)
+
+
+def launch_fwd(grid, *args, **constexprs) -> None:
+    """``topk_support_fwd_kernel[grid](*args, **constexprs)`` through ``core.launch``."""
+    launch(topk_support_fwd_kernel, grid, *args, **constexprs)
+
+
+def launch_dx(grid, *args, **constexprs) -> None:
+    """``topk_support_dx_kernel[grid](*args, **constexprs)`` through ``core.launch``."""
+    launch(topk_support_dx_kernel, grid, *args, **constexprs)
+
+
+def launch_sort(grid, *args, **constexprs) -> None:
+    """``topk_support_sort_kernel[grid](*args, **constexprs)`` through ``core.launch``."""
+    launch(topk_support_sort_kernel, grid, *args, **constexprs)
+
+
+def launch_dw_long(grid, *args, **constexprs) -> None:
+    """``topk_support_dw_long_kernel[grid](*args, **constexprs)`` through ``core.launch``."""
+    launch(topk_support_dw_long_kernel, grid, *args, **constexprs)
+
+
+def launch_dw_rows(grid, *args, **constexprs) -> None:
+    """``topk_support_dw_rows_kernel[grid](*args, **constexprs)`` through ``core.launch``."""
+    launch(topk_support_dw_rows_kernel, grid, *args, **constexprs)
+
+
+def launch_scalar_reduction(grid, *args, **constexprs) -> None:
+    """``topk_scalar_reduction_kernel[grid](*args, **constexprs)`` through ``core.launch``."""
+    launch(topk_scalar_reduction_kernel, grid, *args, **constexprs)

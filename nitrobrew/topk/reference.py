@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from .. import divergences as dv
-from ..core.reduction import reduce_rows, row_weights
+from ..core.reduction import IGNORE_INDEX, reduce_rows, row_weights
 
 
 def _lse(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -33,7 +33,7 @@ def reference_topk_loss(
     divergence: str = "forward_kl",
     param: float = 0.0,
     labels: Optional[torch.Tensor] = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     temperature: float = 1.0,
     reduction: str = "mean",
     bs: Optional[torch.Tensor] = None,

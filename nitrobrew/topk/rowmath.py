@@ -196,7 +196,7 @@ def topk_rows(
     u = torch.where(valid, u, torch.zeros_like(u))
     kd = phi.sum(-1)
     if cfg.tail:
-        return _tail_rows(kd, u, lq, lp_v, valid, lnorm, lse_tail, cfg)
+        return _tail_rows(kd=kd, u=u, lq=lq, lp_v=lp_v, valid=valid, lse_s=lnorm, lse_tail=lse_tail, cfg=cfg)
     dL = -u.sum(-1)
     if cfg.full:
         return RowResult(kd, u, dL)

@@ -13,6 +13,7 @@ working memory does not depend on a slab: O(N * K) state, 7-25 MiB at N = 4096-1
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -20,31 +21,32 @@ import torch
 import triton.language as tl
 
 from ..core import checks as ck
-from ..core.launch import cdiv, launch
+from ..core.launch import cdiv
 from ..core.online import Online
+from ..core.reduction import PartsFunction, combine_rows
 from . import kernels_cm as kern
-from .chunked import chunked_rows, combine_topk_rows, finish, row_coefficients
+from .chunked import chunked_rows, finish, row_coefficients
 from .rowmath import DenseCoef, TopKConfig
 
 Tensor = torch.Tensor
 
 # "fp32": dX and dW accumulate in fp32 buffers (the project's convention; 4 (N + V) D bytes of
 # workspace). "native": locked adds straight into gradients of the input dtype, as CCE does
-# (no workspace, bf16 rounding at every partial sum). A benchmark knob, not an API.
-GRAD_ACCUM = "fp32"
+# (no workspace, bf16 rounding at every partial sum). A benchmark knob, not an API: the forward reads
+# it and hands it to its backward (which may run on another thread).
+_GRAD_ACCUM: contextvars.ContextVar[str] = contextvars.ContextVar("nitrobrew_topk_grad_accum", default="fp32")
 
 
 @contextlib.contextmanager
 def grad_accumulation(mode: str):
-    """Set GRAD_ACCUM for a region; it is read when the backward runs, so wrap the backward too."""
-    global GRAD_ACCUM
+    """The gradient accumulation ("fp32" or "native") of the constant-memory losses formed in this region."""
     if mode not in ("fp32", "native"):
         raise ValueError(f"grad accumulation must be 'fp32' or 'native', got {mode!r}")
-    old, GRAD_ACCUM = GRAD_ACCUM, mode
+    token = _GRAD_ACCUM.set(mode)
     try:
         yield
     finally:
-        GRAD_ACCUM = old
+        _GRAD_ACCUM.reset(token)
 
 
 PAD_ID = 2**31 - 1  # sorts after every real id and matches no column
@@ -85,19 +87,23 @@ def _interpreting() -> bool:
 
 
 def _fwd_cfg(dtype: torch.dtype) -> TileConfig:
-    return _tile_cfg(dtype, TileConfig(256, 128, 32, 32, 8, 3))  # CCE's forward configuration
+    return _tile_cfg(
+        dtype, TileConfig(block_b=256, block_v=128, block_d=32, mm_block_d=32, num_warps=8, num_stages=3)
+    )  # CCE's forward configuration
 
 
 def _bwd_cfg(dtype: torch.dtype) -> TileConfig:
-    return _tile_cfg(dtype, TileConfig(128, 128, 32, 64, 4, 4))  # CCE's backward configuration
+    return _tile_cfg(
+        dtype, TileConfig(block_b=128, block_v=128, block_d=32, mm_block_d=64, num_warps=4, num_stages=4)
+    )  # CCE's backward configuration
 
 
 def _tile_cfg(dtype: torch.dtype, half_precision: TileConfig) -> TileConfig:
     """Tiles for the interpreter (tiny), fp32 inputs (FMA dots: small tiles), or 16-bit inputs."""
     if _interpreting():
-        return TileConfig(16, 16, 16, 16, 1, 1)
+        return TileConfig(block_b=16, block_v=16, block_d=16, mm_block_d=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
-        return TileConfig(64, 64, 32, 32, 4, 2)
+        return TileConfig(block_b=64, block_v=64, block_d=32, mm_block_d=32, num_warps=4, num_stages=2)
     return half_precision
 
 
@@ -119,8 +125,7 @@ def gather_logits(xs: Tensor, ws: Tensor, bs: Optional[Tensor], ids: Tensor) -> 
         return out
     block_k = 16 if _interpreting() else 32
     block_d = 16 if _interpreting() else 256
-    launch(
-        kern._gather_kernel,
+    kern.launch_gather(
         (N, cdiv(K, block_k)),
         xs,
         ws,
@@ -160,8 +165,7 @@ def lse_range(
     grid = (cdiv(N, c.block_b) * cdiv(V, c.block_v),)
     ids = outside.ids if outside is not None else locks
     K = ids.shape[1] if outside is not None else 1
-    launch(
-        kern._lse_kernel,
+    kern.launch_lse(
         grid,
         xs,
         ws,
@@ -208,7 +212,7 @@ def full_backward_range(
     coef,
     temperature,
     need_w: bool = True,
-    accum: Optional[str] = None,
+    accum: str = "fp32",
 ):
     """(dX, dW, db) w.r.t. the raw logits: coef at each
     row's stored ids (coef [N * K] in the order of topk_ids) + the dense part dense.q_n * q_nj, or
@@ -217,7 +221,6 @@ def full_backward_range(
     N, D = xs.shape
     V = ws.shape[0]
     c = _bwd_cfg(xs.dtype)
-    accum = accum or GRAD_ACCUM
     acc_dtype = torch.float32 if accum == "fp32" else xs.dtype
     n_rb, n_vt = cdiv(N, c.block_b), cdiv(V, c.block_v)
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
@@ -232,8 +235,7 @@ def full_backward_range(
     locks_x = torch.zeros(n_rb * n_dch, dtype=torch.int32, device=xs.device)
     locks_w = torch.zeros(n_vt * n_dch if need_w else 1, dtype=torch.int32, device=xs.device)
     if N > 0 and V > 0:
-        launch(
-            kern._full_bwd_kernel,
+        kern.launch_bwd(
             (n_rb * n_vt,),
             xs,
             ws,
@@ -282,7 +284,7 @@ def full_backward_range(
     return dx, (dw if need_w else None), (db if (bs is not None and need_w) else None)
 
 
-class TritonTopK(torch.autograd.Function):
+class TritonTopK(PartsFunction):
     @staticmethod
     def forward(ctx, xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig):
         xs, ws = xs.contiguous(), ws.contiguous()
@@ -298,19 +300,19 @@ class TritonTopK(torch.autograd.Function):
         )
         zero = torch.zeros_like(lse_s)  # Online's tail: l = 1 (the state is the lse itself)
         res, lse_s, lse_z, ce = finish(
-            z[:, :K].reshape(-1),
-            lpc,
-            valid,
-            Online(lse_s, zero),
-            None if lse_z is None else Online(lse_z, zero),
-            z[:, K] if cfg.with_ce else None,
-            cfg,
+            z_ids=z[:, :K].reshape(-1),
+            lp=lpc,
+            valid=valid,
+            s_state=Online(lse_s, zero),
+            z_state=None if lse_z is None else Online(lse_z, zero),
+            z_label=z[:, K] if cfg.with_ce else None,
+            cfg=cfg,
         )
-        total, kd, ce_rows = combine_topk_rows(res, ce, mask, cfg)
+        total, kd, ce_rows = combine_rows(res.kd, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, labels, mask)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.cfg, ctx.row_ids = res, lse_s, lse_z, cfg, row_ids
-        ctx.mark_non_differentiable(kd, ce_rows)
-        return total, kd, ce_rows
+        ctx.accum = _GRAD_ACCUM.get()
+        return TritonTopK.parts(ctx, total, kd, ce_rows)
 
     @staticmethod
     @ck.no_double_backward
@@ -318,20 +320,29 @@ class TritonTopK(torch.autograd.Function):
         xs, ws, bs, labels, mask = ctx.saved_tensors
         cfg = ctx.cfg
         coef, dense, ce_scale = row_coefficients(grad_total, mask, ctx.res, cfg)
-        need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        need_w = TritonTopK.head_needed(ctx)
         dx, dw, db = full_backward_range(
-            xs, ws, bs, ctx.lse_s, ctx.lse_z, dense, ce_scale, labels, ctx.row_ids, coef, cfg.temperature, need_w=need_w
+            xs=xs,
+            ws=ws,
+            bs=bs,
+            lse_s=ctx.lse_s,
+            lse_z=ctx.lse_z,
+            dense=dense,
+            ce_scale=ce_scale,
+            labels=labels,
+            row_ids=ctx.row_ids,
+            coef=coef,
+            temperature=cfg.temperature,
+            need_w=need_w,
+            accum=ctx.accum,
         )
         dw = None if dw is None else dw.to(ws.dtype)
         db = None if db is None else db.to(bs.dtype)
-        dx = dx.to(xs.dtype) if ctx.needs_input_grad[0] else None
-        dw = dw if ctx.needs_input_grad[1] else None
-        db = db if ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None, None, None
+        return TritonTopK.input_grads(ctx, dx.to(xs.dtype) if ctx.needs_input_grad[0] else None, dw, db)
 
 
 def constant_memory_rows(xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig):
     """Entry used by the public API (float64 inputs run the PyTorch path)."""
     if xs.dtype == torch.float64:
-        return chunked_rows(xs, ws, bs, ids, lp, labels, mask, cfg)
+        return chunked_rows(xs=xs, ws=ws, bs=bs, ids=ids, lp=lp, labels=labels, mask=mask, cfg=cfg)
     return TritonTopK.apply(xs, ws, bs, ids, lp, labels, mask, cfg)

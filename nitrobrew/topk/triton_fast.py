@@ -4,11 +4,11 @@ For a block of C rows:
 1. z = x W^T (+ b), an fp32 [C, V] slab from cuBLAS (bf16 operands, fp32 output: the logits are
    never rounded to bf16);
 2. the logits at the row's stored ids (and at its label) are gathered, then the ids' entries of
-   the slab are set to -inf, so that one row pass (``kf.slab_lse_kernel``) gives the log-sum-exp
+   the slab are set to -inf, so that one row pass (``kf.topk_fast_lse_kernel``) gives the log-sum-exp
    over the OTHER entries directly: with the tail bucket that is the student's tail, exact however
    small; without it, the full log-sum-exp is rebuilt from it and the K id logits;
 3. the [C, K] math of ``rowmath`` gives the losses and the gradient coefficients;
-4. ``kernels_fast.slab_grad_kernel`` writes the gradient slab in the heads' dtype over the slab's own bytes;
+4. ``kernels_fast.topk_fast_grad_kernel`` writes the gradient slab in the heads' dtype over the slab's own bytes;
    the ids' gradients (computed in fp32 on [C, K]) are added at their columns (the kernel wrote
    exact zeros there); then dX = G W, dW += G^T X, db += sum G.
 
@@ -27,14 +27,13 @@ from typing import List, Optional
 import torch
 
 from ..core import checks as ck
-from ..core.launch import launch
 from ..core.online import Online, spans
 from ..core.ops import linear_logits, softcap_, softcap_grad_
-from ..core.reduction import reduce_rows, reduction_scale, row_scales, row_upstream
+from ..core.reduction import PartsFunction, combine_rows, reduce_rows, reduction_scale, row_scales, row_upstream
 from ..core.slabs import accumulate_dw, alloc_grads, finish_grads, keep_for_backward, take_precomputed_grads
 from ..core.tl_utils import NUM_WARPS, row_block
 from . import kernels_fast as kf
-from .chunked import combine_topk_rows, finish
+from .chunked import finish
 from .rowmath import RowResult, TopKConfig, full_lse
 
 F32 = torch.float32
@@ -92,8 +91,7 @@ def _rest_lse(z: torch.Tensor, cfg: TopKConfig) -> torch.Tensor:
     raw = cfg.with_ce and cfg.temperature != 1.0
     out = torch.empty(rows, 2, dtype=F32, device=z.device)
     if rows:
-        launch(
-            kf.slab_lse_kernel,
+        kf.launch_lse(
             (rows,),
             z,
             out,
@@ -118,13 +116,15 @@ def block_forward(z, ids, lp, valid, labels, cfg: TopKConfig) -> BlockRows:
     lse_rest_s = rest[:, 0]
     s_state = Online(lse_rest_s if cfg.tail else full_lse(s_ids, valid, lse_rest_s), zero)
     z_state = Online(full_lse(z_ids, valid, rest[:, 1]), zero) if cfg.with_ce and cfg.temperature != 1.0 else None
-    res, lse_s, lse_z, ce = finish(z_ids.reshape(-1), lp.to(F32), valid, s_state, z_state, z_label, cfg)
+    res, lse_s, lse_z, ce = finish(
+        z_ids=z_ids.reshape(-1), lp=lp.to(F32), valid=valid, s_state=s_state, z_state=z_state, z_label=z_label, cfg=cfg
+    )
     return BlockRows(z_ids, res, lse_s, lse_z, ce)
 
 
 def _row_coefficients(grad_rows, mask, blk: BlockRows, cfg: TopKConfig):
-    """(slab coefficients [C, 4] = (a, lse_a, b, lse_b) of ``kernels_fast.slab_grad_kernel``, id gradients [C, K] fp32
-    without the label's one-hot)."""
+    """(slab coefficients [C, 4] = (a, lse_a, b, lse_b) of ``kernels_fast.topk_fast_grad_kernel``, id gradients
+    [C, K] fp32 without the label's one-hot)."""
     dt = blk.res.kd.dtype
     kd_scale, ce_scale = row_scales(grad_rows.to(dt), mask.to(dt), cfg)
     kd_scale = kd_scale / cfg.temperature
@@ -158,8 +158,7 @@ def block_backward(
     softcap_grad_(g_ids, blk.z_ids, cfg.softcap_s)
     g = _gradient_slab(z, xs.dtype)
     rows, n_cols = z.shape
-    launch(
-        kf.slab_grad_kernel,
+    kf.launch_grad(
         (rows,),
         z,
         g,
@@ -204,7 +203,7 @@ def _slice_rows(blk: BlockRows, r0: int, r1: int) -> BlockRows:
     return BlockRows(blk.z_ids[r0:r1], res, blk.lse_s[r0:r1], sl(blk.lse_z), sl(blk.ce))
 
 
-class FastTopK(torch.autograd.Function):
+class FastTopK(PartsFunction):
     """Reduced (total, kd, ce) of normalize="full"; gradients to xs, ws, bs."""
 
     @staticmethod
@@ -212,71 +211,62 @@ class FastTopK(torch.autograd.Function):
         n = xs.shape[0]
         valid = torch.isfinite(lp)
         precompute = any(need) and plan.reduction != "none"
-        grads = alloc_grads(xs, ws, bs, plan.dw_fp32, need[0], need[1] or need[2]) if precompute else (None,) * 3
+        grads = (
+            alloc_grads(xs=xs, ws=ws, bs=bs, dw_fp32=plan.dw_fp32, need_x=need[0], need_w=need[1] or need[2])
+            if precompute
+            else (None,) * 3
+        )
         red = reduction_scale(mask, plan.reduction) if precompute else None
         blocks = []
         for r0, r1 in spans(n, plan.row_chunk):
             z = softcap_(linear_logits(xs[r0:r1], ws, bs, F32), cfg.softcap_s)
             lab = None if labels is None else labels[r0:r1]
-            blk = block_forward(z, ids[r0:r1], lp[r0:r1], valid[r0:r1], lab, cfg)
+            blk = block_forward(z=z, ids=ids[r0:r1], lp=lp[r0:r1], valid=valid[r0:r1], labels=lab, cfg=cfg)
             blocks.append(blk)
             if precompute:
                 dx = None if grads[0] is None else grads[0][r0:r1]
                 block_backward(
-                    z,
-                    xs[r0:r1],
-                    ws,
-                    bs,
-                    ids[r0:r1],
-                    valid[r0:r1],
-                    lab,
-                    mask[r0:r1],
-                    red.expand(r1 - r0),
-                    blk,
-                    cfg,
-                    dx,
-                    grads[1],
-                    grads[2],
-                    r0 == 0,
+                    z=z,
+                    xs=xs[r0:r1],
+                    ws=ws,
+                    bs=bs,
+                    ids=ids[r0:r1],
+                    valid=valid[r0:r1],
+                    labels=lab,
+                    mask=mask[r0:r1],
+                    grad_rows=red.expand(r1 - r0),
+                    blk=blk,
+                    cfg=cfg,
+                    dx_out=dx,
+                    dw=grads[1],
+                    db=grads[2],
+                    first=r0 == 0,
                 )
             del z
         rows = _cat_rows(blocks) if blocks else None
         if rows is None:
             per_row = (torch.zeros(0, dtype=F32, device=xs.device),) * 3
         else:
-            per_row = combine_topk_rows(rows.res, rows.ce, mask, cfg)
+            per_row = combine_rows(rows.res.kd, rows.ce, mask, cfg)
         out = tuple(reduce_rows(r, mask, plan.reduction, (n,)) for r in per_row)
         keep_for_backward(
-            ctx,
-            cfg,
-            plan,
-            finish_grads(*grads, ws, bs) if precompute else None,
-            rows,
-            (xs, ws, bs, ids, lp, labels, mask),
+            ctx=ctx,
+            cfg=cfg,
+            plan=plan,
+            grads=finish_grads(*grads, ws, bs) if precompute else None,
+            state=rows,
+            saved=(xs, ws, bs, ids, lp, labels, mask),
         )
-        ctx.mark_non_differentiable(out[1], out[2])
-        return out
+        return FastTopK.parts(ctx, *out)
 
     @staticmethod
     @ck.no_double_backward
     def backward(ctx, grad_total, _gkd, _gce):
-        need = ctx.needs_input_grad
         if ctx.precompute:
             dx, dw, db = take_precomputed_grads(ctx, grad_total)
         else:
             dx, dw, db = _recomputed_grads(ctx, grad_total)
-        return (
-            dx if need[0] else None,
-            dw if need[1] else None,
-            db if need[2] else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        return FastTopK.input_grads(ctx, dx, dw, db)
 
 
 def _recomputed_grads(ctx, grad_total):
@@ -285,27 +275,27 @@ def _recomputed_grads(ctx, grad_total):
     n = xs.shape[0]
     upstream = row_upstream(grad_total, mask, plan.reduction, n)
     need = ctx.needs_input_grad
-    dx, dw, db = alloc_grads(xs, ws, bs, plan.dw_fp32, need[0], need[1] or need[2])
+    dx, dw, db = alloc_grads(xs=xs, ws=ws, bs=bs, dw_fp32=plan.dw_fp32, need_x=need[0], need_w=need[1] or need[2])
     valid = torch.isfinite(lp)
     for r0, r1 in spans(n, plan.row_chunk):
         z = softcap_(linear_logits(xs[r0:r1], ws, bs, F32), cfg.softcap_s)
         exclude_ids(z, ids[r0:r1], valid[r0:r1])
         block_backward(
-            z,
-            xs[r0:r1],
-            ws,
-            bs,
-            ids[r0:r1],
-            valid[r0:r1],
-            None if labels is None else labels[r0:r1],
-            mask[r0:r1],
-            upstream[r0:r1],
-            _slice_rows(rows, r0, r1),
-            cfg,
-            None if dx is None else dx[r0:r1],
-            dw,
-            db,
-            r0 == 0,
+            z=z,
+            xs=xs[r0:r1],
+            ws=ws,
+            bs=bs,
+            ids=ids[r0:r1],
+            valid=valid[r0:r1],
+            labels=None if labels is None else labels[r0:r1],
+            mask=mask[r0:r1],
+            grad_rows=upstream[r0:r1],
+            blk=_slice_rows(rows, r0, r1),
+            cfg=cfg,
+            dx_out=None if dx is None else dx[r0:r1],
+            dw=dw,
+            db=db,
+            first=r0 == 0,
         )
         del z
     return finish_grads(dx, dw, db, ws, bs)
@@ -313,7 +303,9 @@ def _recomputed_grads(ctx, grad_total):
 
 def fast_topk(xs, ws, bs, ids, lp, labels, mask, cfg: TopKConfig, reduction: str, memory_budget: Optional[int] = None):
     """Reduced (total, kd, ce) over flattened rows (normalize="full"; reduction "none" gives [N])."""
-    plan = make_fast_plan(xs.shape[0], ws.shape[0], ws.shape[1], xs.dtype, memory_budget, reduction)
+    plan = make_fast_plan(
+        n=xs.shape[0], v=ws.shape[0], d=ws.shape[1], dtype=xs.dtype, memory_budget=memory_budget, reduction=reduction
+    )
     grad_on = torch.is_grad_enabled()
     need = tuple(grad_on and t is not None and t.requires_grad for t in (xs, ws, bs))
     xs, ws = xs.contiguous(), ws.contiguous()

@@ -7,23 +7,23 @@ kernels walk D in column blocks, every row tile of one block before the next blo
 columns (V * 128 bytes) stays in L2 and each row of ws comes from HBM about once per pass instead of
 once per entry. The kernels:
 
-- ``ks.support_logits_kernel``: the K raw logits of every row, summed over column blocks with fp32
+- ``ks.topk_support_logits_kernel``: the K raw logits of every row, summed over column blocks with fp32
   atomic adds (so their last bits can vary between runs; with
   ``torch.use_deterministic_algorithms(True)`` the row kernel gathers them itself, in a fixed order).
-- ``ks.support_fwd_kernel`` (one program per row): applies the [K] math of ``rowmath.topk_rows`` for
+- ``ks.topk_support_fwd_kernel`` (one program per row): applies the [K] math of ``rowmath.topk_rows`` for
   normalize="topk" (the divergences of ``nitrobrew.divergences`` through ``phi_u``) and writes the
   row's divergence, its gradient coefficients per unit upstream gradient (raw-logit units) and each
   entry's sort key (its id; V at padding entries and ignored rows).
-- ``ks.support_dx_kernel``: dX_n = g_n sum_k c_nk w_{id_nk}, one [rows, column block] tile per program.
+- ``ks.topk_support_dx_kernel``: dX_n = g_n sum_k c_nk w_{id_nk}, one [rows, column block] tile per program.
 - dW_v = sum over the entries with id v of g_row c x_row, from the entries sorted by key (CSR over
   the vocabulary): a counting sort, its buckets counted by the row kernel and filled by
-  ``ks.sorted_entries_kernel``, which also writes each sorted entry's row and term g_row c (so dW reads
+  ``ks.topk_support_sort_kernel``, which also writes each sorted entry's row and term g_row c (so dW reads
   them contiguously); under deterministic algorithms a stable sort instead (the order inside a
-  counting-sort bucket varies between runs). ``ks.dw_rows_kernel``: a tile of vocab rows walks its
+  counting-sort bucket varies between runs). ``ks.topk_support_dw_rows_kernel``: a tile of vocab rows walks its
   rows' entries in lock step, J entries of every row per step; every row of dW is written once, zeros
   included (no memset). A row with more than CAP entries (an id in many rows' top-k, as frequent
   tokens are with a trained teacher) would hold its whole tile for count / J steps: its entries are
-  summed beforehand by ``ks.dw_long_kernel``, one program per window of CAP sorted entries, each window
+  summed beforehand by ``ks.topk_support_dw_long_kernel``, one program per window of CAP sorted entries, each window
   storing its sums for the (at most two) long rows it meets in its own two slots; the tile then adds
   the slots of its long rows window by window. No atomics, so this part is deterministic. db comes
   out of the same walks.
@@ -40,7 +40,8 @@ import torch
 
 from .. import divergences as dv
 from ..core import checks as ck
-from ..core.launch import cdiv, launch, next_pow2
+from ..core.launch import cdiv, next_pow2
+from ..core.reduction import PartsFunction
 from ..core.tl_utils import math_args
 from . import kernels_support as ks
 from .rowmath import TopKConfig
@@ -107,8 +108,7 @@ def scalar_reduction(kd_rows, mask, reduction: str, kd_weight: float):
     """(total, kd, ce, unit): the "mean"/"sum" reduction of the rows' divergences, as 0-dim fp32 tensors
     from one launch; unit = d total / d row value (times the upstream gradient in the backward)."""
     outs = [torch.empty((), dtype=F32, device=kd_rows.device) for _ in range(4)]
-    launch(
-        ks.scalar_reduction_kernel,
+    ks.launch_scalar_reduction(
         (1,),
         kd_rows,
         mask,
@@ -144,8 +144,7 @@ def support_forward(xs, ws, bs, ids, lp, mask, cfg: TopKConfig, check=None):
     if N == 0:
         return kd, coef, key, counts
     if by_blocks:
-        launch(
-            ks.support_logits_kernel,
+        ks.launch_logits(
             (cdiv(N, t.logit_block_r), cdiv(D, t.logit_block_d)),
             xs,
             ws,
@@ -166,8 +165,7 @@ def support_forward(xs, ws, bs, ids, lp, mask, cfg: TopKConfig, check=None):
             BLOCK_D=t.logit_block_d,
             num_warps=t.logit_warps,
         )
-    launch(
-        ks.support_fwd_kernel,
+    ks.launch_fwd(
         (N,),
         xs,
         ws,
@@ -208,8 +206,7 @@ def support_dx(ws, key, coef, scale, dtype):
     t = tiles()
     dx = torch.empty(N, D, dtype=dtype, device=ws.device)
     if N:
-        launch(
-            ks.support_dx_kernel,
+        ks.launch_dx(
             (cdiv(N, t.dx_block_r), cdiv(D, t.dx_block_d)),
             ws,
             key,
@@ -233,7 +230,7 @@ def support_dx(ws, key, coef, scale, dtype):
 
 def long_cap(entries: int, min_cap: int) -> int:
     """Entries above which a vocab row is summed by windows of that many sorted entries
-    (``ks.dw_long_kernel``): at most ~2048 windows whatever the batch (their two slots of partial sums
+    (``ks.topk_support_dw_long_kernel``): at most ~2048 windows whatever the batch (their two slots of partial sums
     take 2 * 2048 * D * 4 bytes), and lock-step walks of at most that many entries."""
     return max(min_cap, next_pow2(cdiv(entries, 2048)))
 
@@ -257,8 +254,7 @@ def sorted_entries(key, coef, scale, counts, V: int):
         cursor = torch.zeros(V, dtype=torch.int32, device=dev)  # counted up: the forward's counts stay
     if E:
         blk = tiles().scatter_block
-        launch(
-            ks.sorted_entries_kernel,
+        ks.launch_sort(
             (cdiv(E, blk),),
             flat,
             coef,
@@ -297,8 +293,7 @@ def support_dw(xs, key, coef, scale, V, bs, counts=None):
     dw = torch.empty(V, D, dtype=xs.dtype, device=dev)
     db = torch.empty(V, dtype=bs.dtype, device=dev) if bs is not None else None
     if E:
-        launch(
-            ks.dw_long_kernel,
+        ks.launch_dw_long(
             (n_win,),
             xs,
             rows,
@@ -319,8 +314,7 @@ def support_dw(xs, key, coef, scale, V, bs, counts=None):
             num_warps=t.dw_long_warps,
         )
     if V:
-        launch(
-            ks.dw_rows_kernel,
+        ks.launch_dw_rows(
             (cdiv(V, t.dw_block_r), cdiv(D, t.dw_block_d * t.dw_d_steps)),
             xs,
             rows,
@@ -346,12 +340,14 @@ def support_dw(xs, key, coef, scale, V, bs, counts=None):
     return dw, db
 
 
-class SupportTopK(torch.autograd.Function):
+class SupportTopK(PartsFunction):
     """Reduced (total, kd, ce) of normalize="topk" (ce is 0: the hard-label CE needs normalize="full")."""
 
     @staticmethod
     def forward(ctx, xs, ws, bs, ids, lp, mask, cfg: TopKConfig, reduction: str, check):
-        kd_rows, coef, key, counts = support_forward(xs, ws, bs, ids, lp, mask, cfg, check)
+        kd_rows, coef, key, counts = support_forward(
+            xs=xs, ws=ws, bs=bs, ids=ids, lp=lp, mask=mask, cfg=cfg, check=check
+        )
         if reduction == "none":
             kd, unit = kd_rows, None
             total, ce = kd_rows * cfg.kd_weight, torch.zeros_like(kd_rows)
@@ -359,8 +355,7 @@ class SupportTopK(torch.autograd.Function):
             total, kd, ce, unit = scalar_reduction(kd_rows, mask, reduction, cfg.kd_weight)
         ctx.save_for_backward(xs, ws, bs, coef, key, counts, unit)
         ctx.cfg = cfg
-        ctx.mark_non_differentiable(kd, ce)
-        return total, kd, ce
+        return SupportTopK.parts(ctx, total, kd, ce)
 
     @staticmethod
     @ck.no_double_backward
@@ -372,19 +367,9 @@ class SupportTopK(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = support_dx(ws, key, coef, scale, xs.dtype)
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            dw, db = support_dw(xs, key, coef, scale, ws.shape[0], bs, counts)
-        return (
-            dx,
-            dw if ctx.needs_input_grad[1] else None,
-            db if ctx.needs_input_grad[2] else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        if SupportTopK.head_needed(ctx):
+            dw, db = support_dw(xs=xs, key=key, coef=coef, scale=scale, V=ws.shape[0], bs=bs, counts=counts)
+        return SupportTopK.input_grads(ctx, dx, dw, db)
 
 
 def support_topk(xs, ws, bs, ids, lp, mask, cfg: TopKConfig, reduction: str, check=None):

@@ -128,9 +128,9 @@ def stored_check(ids, lp, V: Optional[int], impl: str) -> Callable[[], None]:
     before the loss's first kernel, so the sync leaves the device idle only for that launch."""
     tol = lse_tolerance(lp)
     if impl == "triton":
-        from .kernels_checks import stored_flags
+        from .kernels_checks import launch_stored_flags
 
-        flags = stored_flags(ids, lp, V, tol)
+        flags = launch_stored_flags(ids, lp, V, tol)
     else:
         finite = torch.isfinite(lp)
         bad = [(torch.isnan(lp) | (lp == float("inf"))).any()]

@@ -19,7 +19,7 @@ from ..core import checks as ck
 from ..core.online import auto_chunk_v
 from ..core.ops import compute_dtype
 from ..core.outputs import DistillOutput
-from ..core.reduction import reduce_rows, row_weights
+from ..core.reduction import IGNORE_INDEX, reduce_rows, row_weights
 from ..parallel.comm import (
     all_reduce,
     check_label_range,
@@ -58,7 +58,8 @@ class VocabParallelTopK(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, ws, bs, ids, lp, labels, mask, cfg, group, lo: int):
-        from .chunked import Entries, combine_topk_rows, finish, vocab_pass
+        from ..core.reduction import combine_rows
+        from .chunked import Entries, finish, vocab_pass
 
         acc = compute_dtype(xs.dtype)
         N, K = lp.shape
@@ -71,7 +72,7 @@ class VocabParallelTopK(torch.autograd.Function):
         z_label = extra[0] if cfg.with_ce else st.z_label
         z_ids = extra[-1]
         res, lse_s, lse_z, ce = finish(z_ids, lp.to(acc), valid, st.s, st.z, z_label, cfg)
-        total, kd, ce_rows = combine_topk_rows(res, ce, mask, cfg)
+        total, kd, ce_rows = combine_rows(res.kd, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, labels, mask)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.entries, ctx.cfg = res, lse_s, lse_z, entries, cfg
         ctx.group, ctx.lo, ctx.chunk = group, lo, chunk
@@ -146,11 +147,9 @@ def parallel_topk_kl(
     process_group=None,
     normalize="full",
     divergence="forward_kl",
-    beta=0.5,
-    alpha=0.1,
     tail=False,
     labels=None,
-    ignore_index=-100,
+    ignore_index=IGNORE_INDEX,
     temperature=1.0,
     teacher_temperature=None,
     reduction="mean",
@@ -162,6 +161,7 @@ def parallel_topk_kl(
     backend="auto",
     softcap_s=None,
     return_parts=False,
+    **params,
 ):
     """``topk_kl`` with ws (bs) holding this rank's contiguous vocabulary block (rank order).
 
@@ -193,7 +193,7 @@ def parallel_topk_kl(
                 "process_group= (vocab-parallel) runs nitrobrew's PyTorch chunked path; pass "
                 "backend='auto' or backend='torch'"
             )
-        name, param = ck.divergence_param(divergence, beta, alpha)
+        name, param = ck.divergence_param(divergence, params)
         validate(
             xs,
             ws,

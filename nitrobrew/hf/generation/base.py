@@ -61,7 +61,9 @@ class Completions(NamedTuple):
     """ids [B, G] (G <= max_new_tokens; padded with the pad id after a row ends), mask [B, G] (1 on the
     generated tokens up to and including the first EOS), logprobs [B, G] float32 of the sampled tokens
     under the engine's sampling distribution where the engine gives them (else None), the weight version
-    the engine generated with, the wall seconds and the number of decode steps run."""
+    the engine generated with, the wall seconds, the number of decode steps run, the graphs the engine
+    compiled during the call, and of those the ones for shapes it had already compiled (recompilations:
+    none expected once a compiling engine's shape buckets are warm)."""
 
     ids: Tensor
     mask: Tensor
@@ -69,6 +71,8 @@ class Completions(NamedTuple):
     weight_version: int
     seconds: float
     decode_steps: int
+    compiles: int = 0
+    recompiles: int = 0
 
 
 @runtime_checkable
@@ -95,13 +99,18 @@ class GenerationStats:
     tokens: int = 0
     seconds: float = 0.0
     decode_steps: int = 0
+    compiles: int = 0
+    recompiles: int = 0
     history: List[float] = field(default_factory=list)
 
     def add(self, c: Completions) -> None:
         self.calls += 1
+        self.recompiles += getattr(c, "recompiles", 0)
         self.tokens += int(c.mask.sum())
         self.seconds += c.seconds
         self.decode_steps += c.decode_steps
+        self.compiles += c.compiles
+        self.history.append(c.seconds)
 
     def decode_ms(self) -> float:
         return 1e3 * self.seconds / max(self.decode_steps, 1)

@@ -2,8 +2,8 @@
 
 ``DynamicCacheGenerator``: the dynamic KV cache, any model, any device (the fallback: CPU, unusual models).
 ``CallableGenerator``: a user's ``generate_fn(prompt_ids, prompt_mask, **options) -> ids`` behind the seam.
-Both generate with the live model, so ``sync_weights`` only advances the weight version and ``sleep`` /
-``wake`` do nothing.
+Both generate with the model they are given: the training model (``sync_weights`` only advances the weight
+version) or a copy of it (``sync_weights`` copies the weights in); ``sleep`` / ``wake`` do nothing.
 """
 
 from __future__ import annotations
@@ -36,12 +36,27 @@ def sampling_kwargs(s: Sampling) -> dict:
     return kw
 
 
+@torch.no_grad()
+def copy_weights(dst: torch.nn.Module, src: torch.nn.Module) -> None:
+    """Copy ``src``'s parameters and buffers into ``dst`` in place (same architecture; devices and dtypes may
+    differ), so compiled graphs and CUDA graphs of ``dst`` stay valid."""
+    theirs = dict(src.named_parameters())
+    theirs.update(src.named_buffers())
+    for name, t in [*dst.named_parameters(), *dst.named_buffers()]:
+        if name not in theirs:
+            raise ValueError(f"sync_weights: the training model has no {name!r}")
+        t.copy_(theirs[name].detach(), non_blocking=True)
+
+
 class _LiveModel:
-    """Engines that generate with the training model: nothing to load, nothing to free."""
+    """Engines that generate with a model in this process: the training model itself (nothing to load, nothing
+    to free), or a copy of it (asynchronous rollouts on another device), into which ``sync_weights`` copies."""
 
     weight_version = 0
 
     def sync_weights(self, model) -> None:
+        if unwrap(model) is not unwrap(self.model):
+            copy_weights(unwrap(self.model), unwrap(model))
         self.weight_version += 1
 
     def sleep(self) -> None:
@@ -62,6 +77,8 @@ class DynamicCacheGenerator(_LiveModel):
     @torch.no_grad()
     def generate(self, prompt_ids, prompt_mask, sampling: Sampling) -> Completions:
         m = unwrap(self.model)
+        device = next(m.parameters()).device
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         eos = sampling.eos_list()
         was_training = m.training
         m.eval()
@@ -79,7 +96,7 @@ class DynamicCacheGenerator(_LiveModel):
         finally:
             m.train(was_training)
         if prompt_ids.device.type == "cuda":
-            torch.cuda.synchronize(prompt_ids.device)
+            torch.cuda.current_stream(prompt_ids.device).synchronize()
         seconds = time.perf_counter() - t0
         ids = out[:, prompt_ids.shape[1] :]
         return Completions(ids, completion_mask(ids, eos), None, self.weight_version, seconds, ids.shape[1])
@@ -112,7 +129,7 @@ class CallableGenerator(_LiveModel):
             raw, prompt_ids.shape[0], sampling.max_new_tokens, vocab_of(self.model), "generate_fn"
         ).to(prompt_ids.device)
         if prompt_ids.device.type == "cuda":
-            torch.cuda.synchronize(prompt_ids.device)
+            torch.cuda.current_stream(prompt_ids.device).synchronize()
         seconds = time.perf_counter() - t0
         return Completions(
             ids, completion_mask(ids, sampling.eos_list()), None, self.weight_version, seconds, ids.shape[1]
