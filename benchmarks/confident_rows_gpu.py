@@ -1,8 +1,9 @@
 """Confident rows on a GPU (docs/design.md §2.6): accuracy against float64 in the random, peaked, close
-and confident regimes, and a same-process A/B of the fast mode's speed against the `main` version of
-the package (loaded from `git archive` into a temporary package `nitrobrew_main`).
+and confident regimes, and a same-process A/B of the fast mode's speed against the package as it was
+before the change (main at cbfcdda, loaded from `git archive` into a temporary package
+`nitrobrew_main`; --old-ref picks another commit, --old-dir a copy of an old nitrobrew/ folder).
 
-    python benchmarks/confident_rows_gpu.py [--old-ref main] [--old-dir DIR] [--out PATH] [--tiny]
+    python benchmarks/confident_rows_gpu.py [--old-ref cbfcdda] [--old-dir DIR] [--out PATH] [--tiny]
 
 Accuracy: every divergence, fast and constant-memory modes, fp32 inputs, per-row values (max relative
 error, 1e-12 absolute floor; the smallest value, which must not be negative) and the row gradients of
@@ -37,6 +38,7 @@ from nitrobrew.environment import environment
 from nitrobrew.hidden import reference_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OLD_REF = "cbfcdda"  # main before the confident-rows change
 PARAM = {"jsd": ("beta", 0.5), "skew_kl": ("alpha", 0.1), "skew_reverse_kl": ("alpha", 0.1)}
 
 
@@ -168,7 +170,7 @@ def speed(old, dev, tiny):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--old-ref", default="main")
+    p.add_argument("--old-ref", default=OLD_REF)
     p.add_argument("--old-dir", default=None, help="a copy of the old nitrobrew/ package instead of git archive")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "exactness", "confident_rows.md"))
     p.add_argument("--tiny", action="store_true")
