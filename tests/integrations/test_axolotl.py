@@ -107,6 +107,8 @@ def _raw(work, **extra):
             "save_strategy": "no",
             "dataset_prepared_path": str(work / "prepared"),
             "dataset_num_proc": 1,
+            "bf16": False,
+            "fp16": False,
             **extra,
         }
     )
