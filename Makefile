@@ -53,22 +53,28 @@ test: lint typecheck no-triton
 	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 tests
 
 # The TRL leg: nitrobrew's loss inside TRL's own trainers, against TRL's loss (tests/integrations/test_trl.py),
-# in a virtualenv of its own: Python 3.11, the CPU build of torch first, then nitrobrew with TRL.
+# in a virtualenv of its own: Python 3.11, the CPU build of torch first, then the versions it was tested with
+# (tests/integrations/requirements-trl.txt: `pip install -e ".[trl]"` as resolved, pinned so that pip does
+# not resolve again) and nitrobrew.
 TRL_VENV ?= .venv-trl
 TRL_PYTHON ?= python3.11
 test-trl:
 	test -x $(TRL_VENV)/bin/python || $(TRL_PYTHON) -m venv $(TRL_VENV)
 	$(TRL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(TRL_VENV)/bin/python -m pip install -q -e ".[trl]" pytest hypothesis
+	$(TRL_VENV)/bin/python -m pip install -q --no-deps -r tests/integrations/requirements-trl.txt
+	$(TRL_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(TRL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_trl.py
 
 # The Axolotl leg: the plugin under Axolotl's own config parsing and collators
-# (tests/integrations/test_axolotl.py). Axolotl needs Python >= 3.12; torch for it comes from the index.
+# (tests/integrations/test_axolotl.py). Axolotl needs Python >= 3.12; torch for it comes from the index
+# (the CUDA build: there is no CPU build for 3.12 on disk). requirements-axolotl.txt pins what
+# `pip install axolotl==0.21.0` resolved (that unpinned install took 28 minutes here).
 AXOLOTL_VENV ?= .venv-axolotl
 AXOLOTL_PYTHON ?= python3.12
 test-axolotl:
 	test -x $(AXOLOTL_VENV)/bin/python || $(AXOLOTL_PYTHON) -m venv $(AXOLOTL_VENV)
-	$(AXOLOTL_VENV)/bin/python -m pip install -q -e ".[axolotl]" pytest hypothesis
+	$(AXOLOTL_VENV)/bin/python -m pip install -q --no-deps -r tests/integrations/requirements-axolotl.txt
+	$(AXOLOTL_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(AXOLOTL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_axolotl.py
 
 clean:
