@@ -57,7 +57,7 @@ test: lint typecheck no-triton
 # (tests/integrations/requirements-trl.txt: `pip install -e ".[trl]"` as resolved, pinned so that pip does
 # not resolve again) and nitrobrew.
 TRL_VENV ?= .venv-trl
-TRL_PYTHON ?= python3.11
+TRL_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.11*/bin/python3.11) python3.11)
 test-trl:
 	test -x $(TRL_VENV)/bin/python || $(TRL_PYTHON) -m venv $(TRL_VENV)
 	$(TRL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
@@ -70,7 +70,8 @@ test-trl:
 # (the CUDA build: there is no CPU build for 3.12 on disk). requirements-axolotl.txt pins what
 # `pip install axolotl==0.21.0` resolved (that unpinned install took 28 minutes here).
 AXOLOTL_VENV ?= .venv-axolotl
-AXOLOTL_PYTHON ?= python3.12
+# pyenv keeps 3.12 off the PATH when another version is global: take it from pyenv if it is there
+AXOLOTL_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 test-axolotl:
 	test -x $(AXOLOTL_VENV)/bin/python || $(AXOLOTL_PYTHON) -m venv $(AXOLOTL_VENV)
 	$(AXOLOTL_VENV)/bin/python -m pip install -q --no-deps -r tests/integrations/requirements-axolotl.txt
