@@ -56,6 +56,8 @@ test: lint typecheck no-triton
 # in a virtualenv of its own: Python 3.11, the CPU build of torch first, then the versions it was tested with
 # (tests/integrations/requirements-trl.txt: `pip install -e ".[trl]"` as resolved, pinned so that pip does
 # not resolve again) and nitrobrew.
+# --import-mode=importlib keeps tests/ off sys.path: there tests/vllm would pass for the vllm package
+# (TRL and Axolotl probe for it at import).
 TRL_VENV ?= .venv-trl
 TRL_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.11*/bin/python3.11) python3.11)
 test-trl:
@@ -63,7 +65,7 @@ test-trl:
 	$(TRL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
 	$(TRL_VENV)/bin/python -m pip install -q --no-deps -r tests/integrations/requirements-trl.txt
 	$(TRL_VENV)/bin/python -m pip install -q --no-deps -e .
-	$(TRL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_trl.py
+	$(TRL_VENV)/bin/python -m pytest -q -p no:cacheprovider --import-mode=importlib tests/integrations/test_trl.py
 
 # The Axolotl leg: the plugin under Axolotl's own config parsing and collators
 # (tests/integrations/test_axolotl.py). Axolotl needs Python >= 3.12; torch for it comes from the index
@@ -76,7 +78,7 @@ test-axolotl:
 	test -x $(AXOLOTL_VENV)/bin/python || $(AXOLOTL_PYTHON) -m venv $(AXOLOTL_VENV)
 	$(AXOLOTL_VENV)/bin/python -m pip install -q --no-deps -r tests/integrations/requirements-axolotl.txt
 	$(AXOLOTL_VENV)/bin/python -m pip install -q --no-deps -e .
-	$(AXOLOTL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_axolotl.py
+	$(AXOLOTL_VENV)/bin/python -m pytest -q -p no:cacheprovider --import-mode=importlib tests/integrations/test_axolotl.py
 
 clean:
 	rm -rf $(VENV) $(NOTRITON_VENV) $(TRL_VENV) $(AXOLOTL_VENV) $(VLLM_VENV) .pytest_cache .hypothesis .ruff_cache build
