@@ -19,7 +19,7 @@ from ..core import checks as ck
 from ..core.online import auto_chunk_v
 from ..core.ops import compute_dtype
 from ..core.outputs import DistillOutput
-from ..core.reduction import IGNORE_INDEX, reduce_rows, row_weights
+from ..core.reduction import IGNORE_INDEX, PartsFunction, reduce_rows, row_weights
 from ..parallel.comm import (
     all_reduce,
     check_label_range,
@@ -53,7 +53,7 @@ TOPK_FIELDS = (
 )
 
 
-class VocabParallelTopK(torch.autograd.Function):
+class VocabParallelTopK(PartsFunction):
     """Per-row (total, kd, ce) of normalize="full" top-k KD over the global vocabulary."""
 
     @staticmethod
@@ -76,8 +76,7 @@ class VocabParallelTopK(torch.autograd.Function):
         ctx.save_for_backward(xs, ws, bs, labels, mask)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.entries, ctx.cfg = res, lse_s, lse_z, entries, cfg
         ctx.group, ctx.lo, ctx.chunk = group, lo, chunk
-        ctx.mark_non_differentiable(kd, ce_rows)
-        return total, kd, ce_rows
+        return VocabParallelTopK.parts(ctx, total, kd, ce_rows)
 
     @staticmethod
     @ck.no_double_backward
@@ -100,12 +99,10 @@ class VocabParallelTopK(torch.autograd.Function):
             ctx.cfg,
             lo=ctx.lo,
             chunk=ctx.chunk,
-            need_w=ctx.needs_input_grad[1] or ctx.needs_input_grad[2],
+            need_w=VocabParallelTopK.head_needed(ctx),
         )
         dx = all_reduce(dx, "sum", ctx.group, "bwd_dx").to(xs.dtype) if ctx.needs_input_grad[0] else None
-        dw = dw if ctx.needs_input_grad[1] else None
-        db = db if ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None, None, None, None, None
+        return VocabParallelTopK.input_grads(ctx, dx, dw, db)
 
 
 def topk_comm_bytes(
