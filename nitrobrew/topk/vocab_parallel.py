@@ -164,7 +164,7 @@ def parallel_topk_kl(
     Everything else (xs, topk_ids as global ids, topk_logprobs, labels) is the same on every rank.
     """
     from .rowmath import TopKConfig
-    from .validation import validate
+    from .validation import TopKOptions, validate
 
     xs, _, ws, _, bs, _, labels, group = unwrap(xs, None, ws, None, bs, None, labels, process_group)
     topk_ids = topk_ids.to_local() if is_dtensor(topk_ids) else topk_ids
@@ -190,27 +190,21 @@ def parallel_topk_kl(
                 "backend='auto' or backend='torch'"
             )
         name, param = ck.divergence_param(divergence, params)
-        validate(
-            xs,
-            ws,
-            topk_ids,
-            topk_logprobs,
-            bs,
-            labels,
-            normalize,
-            divergence,
-            tail,
-            temperature,
-            teacher_temperature,
-            reduction,
-            chunk_V,
-            kd_weight,
-            ce_weight,
-            ignore_index,
-            backend,
-            id_ranges=False,
+        given = TopKOptions(
+            normalize=normalize,
+            divergence=divergence,
+            tail=tail,
+            temperature=temperature,
+            teacher_temperature=teacher_temperature,
+            reduction=reduction,
+            chunk_V=chunk_V,
+            kd_weight=kd_weight,
+            ce_weight=ce_weight,
+            ignore_index=ignore_index,
+            backend=backend,
             softcap_s=softcap_s,
-        )()
+        )
+        validate(xs, ws, topk_ids, topk_logprobs, bs, labels=labels, options=given, id_ranges=False)()
         K = topk_ids.shape[-1]
         options = fingerprint(
             "topk",
