@@ -29,7 +29,7 @@ def prepare(root: str, small: bool) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     V = 515 if small else 152064
     length = 64 if small else 2048
-    steps = 4 if small else 100
+    steps = 4 if small else 60
     shapes = {
         "student": dict(
             hidden_size=64 if small else 896,

@@ -17,7 +17,8 @@ downloads), bf16, SDPA attention. Prompts of P = 256 tokens, completions of G = 
    (teacher-forced) step on the same number of tokens (teacher forward, student forward + backward with
    gradient checkpointing, ``distill_loss(divergence="jsd")``, AdamW) and against an SFT step (CE only).
 3. With two GPUs visible: asynchronous rollouts (the static engine on a copy of the student on cuda:1,
-   staleness 1, training on cuda:0), the measured steady-state step time over ``--async-windows`` windows.
+   staleness 1, training on cuda:0), the measured steady-state step time over ``--async-windows`` windows;
+   ``--async-same-gpu`` also times the copy on the training GPU (its own stream, sharing the GPU).
 
 vLLM cannot be installed on the lent GPUs (no package index there; its wheels pin another torch): its rows
 say so; where it is installed, ``--backends hf static vllm`` measures it the same way.
@@ -80,6 +81,11 @@ def parse_args(argv=None):
     p.add_argument("--decode-steps", type=int, default=None, help="decode steps timed per measurement")
     p.add_argument("--async-windows", type=int, default=3, help="windows timed with asynchronous rollouts")
     p.add_argument("--no-async", action="store_true", help="skip the two-GPU asynchronous variant")
+    p.add_argument(
+        "--async-same-gpu",
+        action="store_true",
+        help="also time asynchronous rollouts with the generating copy on the training GPU (a compilation more)",
+    )
     p.add_argument("--profile", action="store_true", help="write a torch.profiler table of decode steps")
     p.add_argument("--device", default=None)
     return p.parse_args(argv)
@@ -150,12 +156,15 @@ def prompts(batch: int, length: int, vocab: int, dev, seed: int = 0):
 def make_engine(name: str, model):
     from nitrobrew.hf.generation import BACKENDS, make_generator
 
-    if name not in BACKENDS:
-        if name.startswith("vllm"):
+    if name.startswith("vllm"):
+        from nitrobrew.hf.generation.vllm_engine import vllm_importable
+
+        if not vllm_importable():
             return None, (
                 "not measured: vLLM is not installed here (it cannot be installed on the lent GPU: no package "
                 "index, and its wheels pin another torch); where it is, this script measures it"
             )
+    if name not in BACKENDS:
         return None, f"not measured: no backend {name!r} in this nitrobrew"
     try:
         return make_generator(name, model), ""
@@ -177,7 +186,7 @@ def time_generation(engine, ids, mask, steps: int, dev):
     return time.perf_counter() - t0, out
 
 
-def measure_decode(name, student, batch, cfg, dev, floor_bw) -> Dict:
+def measure_decode(name, student, batch, cfg, dev, floor_bw, profile_dir: Optional[str] = None) -> Dict:
     row = dict(part="decode", backend=name, batch=batch, note="")
     engine, why = make_engine(name, student)
     if engine is None:
@@ -194,6 +203,7 @@ def measure_decode(name, student, batch, cfg, dev, floor_bw) -> Dict:
         # The prefill (and one sampling), then the whole call: the difference is n - 1 decode steps.
         one = statistics.median(time_generation(engine, ids, mask, 1, dev)[0] for _ in range(repeats + 2))
         full = statistics.median(time_generation(engine, ids, mask, n, dev)[0] for _ in range(repeats))
+        time_generation(engine, short, smask, 1, dev)  # its cache allocated
         prefill_p, _ = time_generation(engine, short, smask, 1, dev)  # the prefill of a P-token prompt
         ms = 1e3 * (full - one) / max(n - 1, 1)
         row.update(
@@ -204,6 +214,8 @@ def measure_decode(name, student, batch, cfg, dev, floor_bw) -> Dict:
             compiles_warmup=compiled,
             recompiles=getattr(engine, "compiles", 0) - compiled,
         )
+        if profile_dir:
+            print("profile: " + profile_decode(engine, ids, mask, dev, profile_dir), flush=True)
         if floor_bw:
             floor = (weight_bytes(student) + batch * (P + G) * kv_bytes_per_token(student)) / floor_bw * 1e3
             row.update(floor_ms=floor, x_floor=ms / floor)
@@ -287,23 +299,24 @@ def measure_steps(student, teacher, opt, cfg, dev, decode_rows) -> List[Dict]:
 # ---------------------------------------------------------------- 3. asynchronous rollouts
 
 
-def measure_async(student, teacher, opt, cfg, windows: int, batch: int) -> Dict:
-    """Training on cuda:0 while the static engine on a copy of the student on cuda:1 generates the next window."""
+def measure_async(student, teacher, opt, cfg, windows: int, batch: int, gen_device: str = "cuda:1") -> Dict:
+    """Training on cuda:0 while the static engine on a copy of the student on ``gen_device`` generates the next
+    window (on cuda:0 itself: on a stream of its own, sharing the GPU with training)."""
     import copy
 
     from nitrobrew.hf.generation import Sampling, StaticCacheGenerator
     from nitrobrew.hf.generation.async_rollouts import AsyncRollouts
     from nitrobrew.hf.onpolicy import assemble
 
-    row = dict(part="async", backend="static on cuda:1", batch=batch, note="")
-    dev0, dev1 = torch.device("cuda:0"), torch.device("cuda:1")
+    row = dict(part="async", backend=f"static on {gen_device}", batch=batch, note="")
+    dev0, dev1 = next(student.parameters()).device, torch.device(gen_device)
     P, G = cfg["prompt"], cfg["gen"]
     replica = copy.deepcopy(student).to(dev1).requires_grad_(False)
     engine = StaticCacheGenerator(replica)
     s = Sampling(max_new_tokens=G, temperature=1.0, pad_token_id=0, seed=0)
     windows_prompts = [prompts(batch, P, cfg["vocab"], dev1, seed=100 + k) for k in range(windows + 2)]
-    # Warm-up on the copy (compilation, CUDA graphs) before timing.
-    engine.generate(*windows_prompts[0], Sampling(max_new_tokens=8, temperature=1.0, pad_token_id=0))
+    # Warm-up on the copy at the timed shapes (compilation, CUDA graphs) before timing.
+    engine.generate(*windows_prompts[0], s)
     times = []
     with AsyncRollouts(engine, staleness=1) as rollouts:
         ahead = 0
@@ -311,14 +324,14 @@ def measure_async(student, teacher, opt, cfg, windows: int, batch: int) -> Dict:
             while ahead < min(k + 2, windows + 1):
                 rollouts.submit(*windows_prompts[ahead], s)
                 ahead += 1
-            torch.cuda.synchronize(dev0)
+            sync(dev0)
             t0 = time.perf_counter()
             c = rollouts.result(k)
             ids, mask = windows_prompts[k]
             b = assemble(ids.to(dev0), mask.to(dev0), c, 0)
             train_step(student, teacher, opt, (b.input_ids, b.attention_mask, b.labels))
             rollouts.sync_weights(student)
-            torch.cuda.synchronize(dev0)
+            sync(dev0)
             if k:  # window 0 waits for a whole generation: not the steady state
                 times.append(time.perf_counter() - t0)
     row.update(on_policy_s=statistics.median(times), windows=len(times))
@@ -330,17 +343,15 @@ def measure_async(student, teacher, opt, cfg, windows: int, batch: int) -> Dict:
 # ---------------------------------------------------------------- profile
 
 
-def profile_decode(student, cfg, dev, out_dir: str) -> str:
+def profile_decode(engine, ids, mask, dev, out_dir: str) -> str:
+    """A torch.profiler table of a few decode steps of a warm engine, at the shapes it was timed at (its
+    compiled graphs and CUDA graphs are reused: nothing compiles while profiled)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from nitrobrew.hf.generation import Sampling, StaticCacheGenerator
+    from nitrobrew.hf.generation import Sampling
 
-    B = 64 if dev.type == "cuda" else cfg["decode_batches"][-1]
     steps = 8
-    engine = StaticCacheGenerator(student)
-    ids, mask = prompts(B, cfg["prompt"], cfg["vocab"], dev)
     s = Sampling(max_new_tokens=steps + 1, temperature=1.0, pad_token_id=0, seed=0)
-    engine.generate(ids, mask, s)  # warm-up
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=activities) as prof:
         engine.generate(ids, mask, s)
@@ -350,11 +361,10 @@ def profile_decode(student, cfg, dev, out_dir: str) -> str:
     path = os.path.join(out_dir, "profile_decode.txt")
     with open(path, "w") as f:
         f.write(
-            f"static engine, batch {B}, prompts of {cfg['prompt']}, {steps + 1} new tokens (a prefill and "
-            f"{steps} decode steps; divide the decode kernels' totals by {steps}), sorted by {key}.\n"
-            "With CUDA graphs (reduce-overhead) the step's kernels run inside cudaGraphLaunch.\n\n" + table + "\n"
+            f"{engine.name} engine, batch {ids.shape[0]}, prompts of {ids.shape[1]}, {steps + 1} new tokens (a "
+            f"prefill and {steps} decode steps: divide the decode kernels' totals by {steps}), sorted by {key}. "
+            "With CUDA graphs the steps' kernels are launched by cudaGraphLaunch.\n\n" + table + "\n"
         )
-    engine.sleep()
     return path
 
 
@@ -483,7 +493,10 @@ def main(argv=None) -> int:
     failed = False
     for B in cfg["decode_batches"]:
         for name_ in args.backends:
-            row = measure_decode(name_, student, B, cfg, dev, bw)
+            profiled = args.profile and name_ == "static" and B == (64 if 64 in cfg["decode_batches"] else B)
+            row = measure_decode(
+                name_, student, B, cfg=cfg, dev=dev, floor_bw=bw, profile_dir=args.out if profiled else None
+            )
             failed |= row["note"].startswith("error")
             rows.append(row)
             print(
@@ -497,7 +510,7 @@ def main(argv=None) -> int:
     student.config.use_cache = False
     student.train()
     opt = torch.optim.AdamW(student.parameters(), lr=1e-6)
-    for row in measure_steps(student, teacher, opt, cfg, dev, rows):
+    for row in measure_steps(student, teacher, opt, cfg=cfg, dev=dev, decode_rows=rows):
         failed |= row["note"].startswith("error")
         rows.append(row)
         print(
@@ -506,10 +519,19 @@ def main(argv=None) -> int:
             f"{fmt(row.get('on_over_off'), 1)} {row['note']}",
             flush=True,
         )
-    if dev.type == "cuda" and torch.cuda.device_count() >= 2 and not args.no_async:
+    gen_devices = ["cpu"] if dev.type == "cpu" and not args.no_async else []  # the code path, on a CPU
+    if dev.type == "cuda" and not args.no_async:
+        gen_devices = (["cuda:1"] if torch.cuda.device_count() >= 2 else []) + (
+            ["cuda:0"] if args.async_same_gpu else []
+        )
+        if torch.cuda.device_count() < 2:
+            rows.append(dict(part="async", batch="-", note="not measured on a second GPU: one GPU visible"))
+    for gen_device in gen_devices:
         B = 64 if 64 in cfg["step_batches"] else cfg["step_batches"][-1]
         try:
-            row = measure_async(student, teacher, opt, cfg, args.async_windows, B)
+            row = measure_async(
+                student, teacher, opt, cfg=cfg, windows=args.async_windows, batch=B, gen_device=gen_device
+            )
             off = next((r.get("off_policy_s") for r in rows if r["part"] == "step" and r["batch"] == B), None)
             if off:
                 row["on_over_off"] = row["on_policy_s"] / off
@@ -517,14 +539,8 @@ def main(argv=None) -> int:
             row = dict(part="async", batch=B, note=f"error: {type(err).__name__}: {str(err)[:160]}")
             failed = True
         rows.append(row)
-        print(f"async B={B}: step {fmt(row.get('on_policy_s'))} s {row['note']}", flush=True)
-    elif dev.type == "cuda":
-        rows.append(dict(part="async", batch="-", note="not measured: one GPU visible"))
-    if args.profile:
-        student.config.use_cache = True
-        student.eval()
-        print("profile: " + profile_decode(student, cfg, dev, args.out), flush=True)
-    for path in write(rows, env, cfg, bw, args.out, time.perf_counter() - t_start):
+        print(f"async B={B} ({gen_device}): step {fmt(row.get('on_policy_s'))} s {row['note']}", flush=True)
+    for path in write(rows, env, cfg=cfg, bw=bw, out=args.out, seconds=time.perf_counter() - t_start):
         print("wrote " + path)
     return 1 if failed else 0
 

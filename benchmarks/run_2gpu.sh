@@ -4,7 +4,7 @@
 #     bash benchmarks/run_2gpu.sh
 #
 # on one host with 2 GPUs (H100 / H200), NVLink multicast off. Each part runs under its own
-# `timeout`, in priority order, within a total budget (RUN_2GPU_BUDGET_S, default 510 s, so the
+# `timeout`, in priority order, within a total budget (RUN_2GPU_BUDGET_S, default 500 s, so the
 # whole command ends before 9 minutes); a part that does not fit is skipped and says so. Writes
 # benchmarks/results/parallel/*.md, the logs under benchmarks/results/parallel/logs/, the device,
 # versions and commit in run_2gpu_env.txt, and one line per part in run_2gpu_summary.txt.
@@ -16,7 +16,7 @@ PY=${PYTHON:-python}
 OUT=benchmarks/results/parallel
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
-BUDGET=${RUN_2GPU_BUDGET_S:-510}
+BUDGET=${RUN_2GPU_BUDGET_S:-500}
 START=$(date +%s)
 SUMMARY=$OUT/run_2gpu_summary.txt
 : > "$SUMMARY"
@@ -45,30 +45,35 @@ part() {
     timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
     rc=$?
     echo "$name: exit $rc in $(($(date +%s) - t0)) s (limit $limit s)$([ $rc -eq 124 ] && echo ' TIMED OUT')" | tee -a "$SUMMARY"
+    if [ "$rc" -ne 0 ]; then  # the end of a failing part's log, in the command's own output
+        echo "--- last lines of $LOGS/$name.log"
+        tail -n 30 "$LOGS/$name.log"
+        echo "---"
+    fi
 }
 RUN="$PY -m torch.distributed.run --nproc-per-node 2 --monitor-interval 1"
 
 # 1. DistillationTrainer under accelerate's FSDP2 plugin, both layouts, teacher replicated / sharded:
 #    one SGD step against one process on the whole batch.
-part hf_fsdp2_trainer 75 $RUN benchmarks/hf_fsdp2_trainer.py "$OUT/hf_fsdp2_trainer.md"
+part hf_fsdp2_trainer 50 $RUN benchmarks/hf_fsdp2_trainer.py "$OUT/hf_fsdp2_trainer.md"
 
 # 2. Vocab-parallel hidden-state loss over NCCL: speed vs one GPU (torch and Triton), per-rank phases.
-part distributed_nccl 130 $RUN benchmarks/distributed_nccl.py --out "$OUT" --tokens 4096,16384 \
+part distributed_nccl 120 $RUN benchmarks/distributed_nccl.py --out "$OUT" --tokens 4096,16384 \
     --divergences forward_kl,jsd --reps 3 --warmup 1 --naive-max-tokens 0
 
 # 3. FSDP2 plain loop at 7B/1.5B shapes: head sharded apart vs root-wrapped vs HF logits.
-part fsdp2_plain_loop 150 $RUN benchmarks/fsdp2_plain_loop.py --out "$OUT" --lengths 8192,32768 --steps 3 --warmup 1
+part fsdp2_plain_loop 130 $RUN benchmarks/fsdp2_plain_loop.py --out "$OUT" --lengths 8192,32768 --steps 3 --warmup 1
 
 # 4. A rank killed mid-run (NCCL, torchrun): bounded stop, then --resume_from_checkpoint on the same curve.
-part rank_death 75 $PY benchmarks/rank_death.py --out "$OUT" --device cuda --steps 40 --save-steps 5 --bound 45 \
-    --run-timeout 60
+part rank_death 100 $PY benchmarks/rank_death.py --out "$OUT" --device cuda --steps 300 --save-steps 20 --bound 45 \
+    --run-timeout 70
 
 # 5. `nitrobrew train` under accelerate launch (FSDP2, decoder apart) and torchrun (FSDP2, root-wrapped).
 TL=$(mktemp -d)
-part train_prepare 30 $PY benchmarks/hf_train_launch.py prepare "$TL"
-part train_accelerate 60 $PY -m accelerate.commands.launch --config_file "$TL/fsdp2_apart.yaml" \
+part train_prepare 25 $PY benchmarks/hf_train_launch.py prepare "$TL"
+part train_accelerate 55 $PY -m accelerate.commands.launch --config_file "$TL/fsdp2_apart.yaml" \
     -m nitrobrew.cli train "$TL/train.yaml" --output_dir "$TL/accelerate"
-part train_torchrun 60 $RUN -m nitrobrew.cli train "$TL/train.yaml" --output_dir "$TL/torchrun" \
+part train_torchrun 55 $RUN -m nitrobrew.cli train "$TL/train.yaml" --output_dir "$TL/torchrun" \
     --fsdp full_shard --fsdp_config "$TL/fsdp_root.json"
 part train_report 10 $PY benchmarks/hf_train_launch.py report "$TL" "$OUT/hf_train_launch.md"
 rm -rf "$TL"

@@ -84,7 +84,7 @@ def model(vocab: int, hidden: int, layers: int, seed: int, dtype: torch.dtype, d
     return m.to(device=device, dtype=dtype)
 
 
-def build(kind: str, cls, student, teacher, tok, out: str, device: torch.device, beta: float):
+def build(kind: str, cls, student, teacher, tok, out: str, device: torch.device, beta: float, nitrobrew=None):
     import datasets
 
     common = dict(
@@ -107,12 +107,14 @@ def build(kind: str, cls, student, teacher, tok, out: str, device: torch.device,
 
         args = DistillationConfig(max_completion_length=4, use_vllm=False, **common)
         rows = [{"prompt": [{"role": "user", "content": "w1 w2"}]}] * 2
+    extra = {} if nitrobrew is None else {"nitrobrew": nitrobrew}
     return cls(
         model=student,
         teacher_model=teacher,
         args=args,
         processing_class=tok,
         train_dataset=datasets.Dataset.from_list(rows),
+        **extra,
     )
 
 
@@ -187,6 +189,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--chunk-v", type=int, default=None, help="nitrobrew's vocabulary chunk (default: automatic)")
+    p.add_argument("--no-entropy", action="store_true", help="DistillationTrainer: skip the logged entropy pass")
+    p.add_argument("--tag", default="", help="suffix of the output files (trl_compare<tag>.csv)")
     p.add_argument("--small", action="store_true", help="tiny sizes (a smoke run)")
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "integrations"))
     a = p.parse_args(argv)
@@ -219,7 +224,8 @@ def main(argv=None) -> int:
                 inputs = batch(kind, rows, a.seq, V, device)
                 measured = {}
                 for name, cls in zip(("trl", "nitrobrew"), classes[kind]):
-                    trainer = build(kind, cls, copy.deepcopy(student), teacher, tok, tmp, device, a.beta)
+                    options = None if name == "trl" else {"chunk_V": a.chunk_v, "log_entropy": not a.no_entropy}
+                    trainer = build(kind, cls, copy.deepcopy(student), teacher, tok, tmp, device, a.beta, options)
                     measured[name] = measure(trainer, inputs, device, a.steps, a.warmup)
                     del trainer
                     gc.collect()
@@ -250,7 +256,7 @@ def main(argv=None) -> int:
                 )
             del student, teacher
     env = environment()
-    with open(os.path.join(a.out, "trl_compare.csv"), "w", newline="") as f:
+    with open(os.path.join(a.out, f"trl_compare{a.tag}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(results[0]))
         w.writeheader()
         w.writerows(results)
@@ -262,7 +268,8 @@ def main(argv=None) -> int:
         f"Tiny Qwen2 student and teacher ({a.layers} layer, hidden {hidden}, {a.dtype}), {rows} positions per "
         f"batch (sequences of {a.seq}, half prompt), beta = {a.beta}; step = compute_loss + backward, median of "
         f"{a.steps} after {a.warmup} warm-up; growth = peak of the tensors one step creates "
-        f"({'CUDA max allocated' if gpu else 'TensorMemoryTracker'}).",
+        f"({'CUDA max allocated' if gpu else 'TensorMemoryTracker'}); nitrobrew chunk_V "
+        f"{a.chunk_v or 'automatic'}, DistillationTrainer entropy logged: {not a.no_entropy}.",
         "",
         "| trainer | vocab | loss TRL | loss nitrobrew | rel. diff | head grad rel. diff | step TRL (ms) "
         "| step nitrobrew (ms) | speed-up | growth TRL (MiB) | growth nitrobrew (MiB) | memory ratio |",
@@ -275,9 +282,9 @@ def main(argv=None) -> int:
             f"{r['step_s_nitrobrew'] * 1e3:.0f} | {r['speedup']:.2f}x | {r['growth_mib_trl']:.0f} | "
             f"{r['growth_mib_nitrobrew']:.0f} | {r['memory_ratio']:.1f}x |"
         )
-    with open(os.path.join(a.out, "trl_compare.md"), "w") as f:
+    with open(os.path.join(a.out, f"trl_compare{a.tag}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print(f"wrote {os.path.join(a.out, 'trl_compare.csv')} and trl_compare.md")
+    print(f"wrote {os.path.join(a.out, f'trl_compare{a.tag}.csv')} and trl_compare{a.tag}.md")
     return 0
 
 

@@ -312,7 +312,6 @@ POSITIONAL_TODO = {
     "teacher/rollout.py": 1,
     "demo/lm.py": 3,
     "hf/generation/transformers_engine.py": 2,
-    "hf/generation/static_engine.py": 1,
     "hf/generation/vllm_engine.py": 1,
     "integrations/trl.py": 2,
     "environment.py": 1,

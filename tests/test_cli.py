@@ -64,3 +64,33 @@ def test_the_package_still_exports_its_losses():
     assert callable(nitrobrew.forward_kl) and callable(nitrobrew.topk_kl) and "jsd" in dir(nitrobrew)
     with pytest.raises(AttributeError):
         nitrobrew.no_such_name  # noqa: B018
+
+
+def test_readme_topk_snippet_follows_the_advice():
+    """The README's topk_kl example keeps the tail with the full normalization (without it, and without
+    a CE term, the student learns to put no mass outside the stored ids)."""
+    import os
+    import re
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    calls = re.findall(r"topk_kl\((.*?)\n\)", readme, flags=re.S)
+    assert calls
+    for call in calls:
+        if 'normalize="full"' in call and "ce_weight" not in call:
+            assert "tail=True" in call, call
+
+
+def test_a_store_command_does_not_import_the_losses():
+    """topk-verify's parser loads the store code alone, not the loss families (sympy via torch.fx)."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from nitrobrew.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n"
+        "        main(['topk-verify', '--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted(m for m in ('nitrobrew.hidden', 'nitrobrew.topk', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -19,7 +19,8 @@ def test_tiny_run_writes_the_tables(tmp_path):
     for text in ("| hf | 2 |", "| static | 2 |", "| vllm | 2 |", "not installed", "on / off", "commit"):
         assert text in md, text
     rows = (tmp_path / "onpolicy_step.csv").read_text().splitlines()
-    assert len(rows) == 1 + 3 + 1  # header, three decode rows, one step row
+    assert len(rows) == 1 + 3 + 1 + 1  # header, three decode rows, one step row, the async row (CPU thread)
+    assert "| 2 | static on cpu |" in md
     assert "decode steps" in (tmp_path / "profile_decode.txt").read_text()
 
 

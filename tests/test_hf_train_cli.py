@@ -83,7 +83,7 @@ def test_two_steps_from_a_yaml_file(files, packing, capsys):
 
 def test_overrides_and_types(files):
     path = write_config(files, "parse")
-    model_args, data_args, args = parse(str(path), ["--divergence", "reverse_kl", "--packing", "true"])
+    model_args, data_args, args = parse(str(path), ["--divergence", "reverse_kl", "--packing", "true", "--lmbda", "0"])
     assert (model_args.student, model_args.attn_implementation) == (str(files / "student"), "sdpa")
     assert data_args.packing is True and args.divergence == "reverse_kl" and args.beta == 0.3
     assert args.learning_rate == 1e-3 and args.max_steps == 2 and args.temperature_end == 1.0
@@ -192,6 +192,10 @@ def test_config_mistakes_are_one_line_and_write_nothing(files, tmp_path, capsys)
         "blank_data": (base + models + f"data: {tmp_path / 'blank.jsonl'}\n", "is empty"),
         "negative_max_length": (base + models + f"data: {files / 'data.jsonl'}\nmax_length: -3\n", "max_length must"),
         "zero_max_length": (base + models + f"data: {files / 'data.jsonl'}\nmax_length: 0\n", "max_length must"),
+        "unknown_lora_key": (
+            base + models + f"data: {files / 'data.jsonl'}\npeft: {{r: 4, bogus: 1}}\n",
+            "peft: LoraConfig",
+        ),
         "duplicate_key": (
             base + models + f"data: {files / 'data.jsonl'}\nbeta: 0.2\nbeta: 0.7\n",
             "key 'beta' is given twice (line",

@@ -95,6 +95,49 @@ def test_frozen_rank_stops_the_others(watchdog):
         assert rc is None
 
 
+FINISHER = textwrap.dedent(
+    """
+    import os, time
+    import torch.distributed as dist
+    from nitrobrew.parallel.watchdog import RankWatchdog
+    dist.init_process_group("gloo")
+    dog = RankWatchdog(timeout_s=2.0, interval_s=0.1).start()
+    print("ready", flush=True)
+    if dist.get_rank() == 1:
+        dog.stop()  # done: exits at once, long before rank 0
+        os._exit(0)
+    time.sleep(6.0)  # three timeouts without rank 1's heartbeat
+    dog.stop()
+    print("finished", flush=True)
+    os._exit(0)
+    """
+)
+
+
+def test_a_rank_that_finishes_is_not_taken_for_dead():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", PYTHONPATH=ROOT
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", FINISHER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    try:
+        out, err = procs[0].communicate(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert procs[0].returncode == 0 and "finished" in out, (procs[0].returncode, err)
+
+
 def test_timeout_from_env(monkeypatch):
     from nitrobrew.parallel.watchdog import DEFAULT_TIMEOUT_S, timeout_from_env
 

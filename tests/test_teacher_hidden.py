@@ -151,6 +151,8 @@ def test_corrupted_shard_and_head_are_detected(tmp_path, capsys):
     extract_hidden(_tiny_teacher(), _seqs(), str(tmp_path / "s"), sequences_per_shard=4)
     assert cli_main(["teacher-verify", str(tmp_path / "s")]) == 0
     assert "ok: 3 shards" in capsys.readouterr().out
+    assert cli_main(["teacher-verify", str(tmp_path / "nowhere")]) == 1
+    assert "is not a teacher store" in capsys.readouterr().err
     shard = tmp_path / "s" / "shard-00001.safetensors"
     raw = bytearray(shard.read_bytes())
     raw[-3] ^= 0xFF

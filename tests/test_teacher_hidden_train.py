@@ -211,6 +211,10 @@ def test_trainer_and_nitrobrew_train_from_a_store(tmp_path, capsys):
     trainer.train()
     logs = [h for h in trainer.state.log_history if "kd_loss" in h]
     assert len(logs) == 2 and all(h["kd_loss"] > 0 for h in logs)
+    # a student whose head has more (padded) rows: the store's vocabulary is the default vocab_size
+    cfg = transformers.Qwen2Config(**dict(_qwen2(1, hidden=24).config.to_dict(), vocab_size=VOCAB + 3))
+    padded = transformers.Qwen2ForCausalLM(cfg)
+    DistillationTrainer(model=padded, args=args, train_dataset=ds, data_collator=HiddenCollator()).train()
     with pytest.raises(ValueError, match="a hidden store is the teacher"):
         DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=ds)
     # nitrobrew train: data is the store, no teacher key

@@ -54,14 +54,11 @@ def _no_autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _head_operands(model: Optional[nn.Module], hidden: torch.Tensor, keep: Optional[torch.Tensor], head=None) -> Rows:
-    """The model's Rows at the kept positions of its final hidden states (``keep`` None: ``hidden`` is already
-    the rows), in their dtype, with a post-head logit scale folded in (the cap applies after it, as in the
-    model). ``head``: an ``LMHead`` given instead of the model's (a stored teacher's)."""
-    rows = hidden if keep is None else hidden.reshape(-1, hidden.shape[-1])[keep]
-    if head is None:
-        assert model is not None, "a model or its head"
-        head = lm_head(model)
+def _head_operands(model: nn.Module, hidden: torch.Tensor, keep: torch.Tensor) -> Rows:
+    """The model's Rows at the kept positions of its final hidden states, in their dtype, with a post-head
+    logit scale folded in (the cap applies after it, as in the model)."""
+    rows = hidden.reshape(-1, hidden.shape[-1])[keep]
+    head = lm_head(model)
     w = head.weight.to(device=hidden.device, dtype=hidden.dtype)
     b = None if head.bias is None else head.bias.to(device=hidden.device, dtype=hidden.dtype)
     if head.scale != 1.0:
@@ -137,16 +134,57 @@ def teacher_rows(
     return Rows(x, w, b, t.softcap)
 
 
-def stored_teacher_rows(hidden, scale, head, keep: torch.Tensor, device: torch.device) -> Rows:
-    """A stored teacher's Rows (``nitrobrew.teacher.hidden_data``) at the counted positions, on ``device``."""
-    flat = hidden.to(device, non_blocking=True).reshape(-1, hidden.shape[-1])
-    if scale is not None:  # the codes' bytes are indexed (not every device indexes float8 tensors)
-        rows = flat.view(torch.uint8)[keep].view(flat.dtype)
-        s = scale.to(device, non_blocking=True).reshape(-1)[keep].float()
-        rows = (rows.float() * s[:, None]).to(head.weight.dtype)  # codes times their row scale, rounded once
-    else:
-        rows = flat[keep]
-    return _head_operands(None, rows, None, head=head)
+def check_stored_teacher(teacher, hidden, scale, head, *, input_ids: torch.Tensor, divergence: str) -> bool:
+    """Whether the batch carries a stored teacher (``teacher_hidden``); ValueError if it is malformed."""
+    if hidden is None:
+        if scale is not None or head is not None:
+            raise ValueError("teacher_hidden_scale / teacher_head need teacher_hidden (the stored rows)")
+        return False
+    if teacher is not None or divergence == "topk":
+        raise ValueError("teacher_hidden replaces the teacher model: pass teacher=None, and a hidden-state divergence")
+    if head is None or not hasattr(head, "weight"):
+        raise ValueError("teacher_hidden needs teacher_head (the stored teacher's LMHead: dataset.load_head(device))")
+    if (
+        hidden.dim() != 3
+        or tuple(hidden.shape[:2]) != tuple(input_ids.shape)
+        or hidden.shape[2] != head.weight.shape[1]
+    ):
+        raise ValueError(
+            f"teacher_hidden must be [B, N, Dt] = [{', '.join(map(str, input_ids.shape))}, {head.weight.shape[1]}], "
+            f"got {tuple(hidden.shape)}"
+        )
+    fp8 = hidden.dtype == torch.float8_e4m3fn
+    if fp8 != (scale is not None) or (fp8 and tuple(scale.shape) != tuple(input_ids.shape)):
+        raise ValueError("fp8 teacher_hidden needs teacher_hidden_scale [B, N] (and only fp8 rows take one)")
+    return True
+
+
+def stored_teacher_rows(
+    hidden: torch.Tensor,
+    scale: Optional[torch.Tensor],
+    head,
+    keep: torch.Tensor,
+    *,
+    device: torch.device,
+    student_layout: Optional[fsdp.Layout],
+) -> Rows:
+    """A stored teacher's Rows (``nitrobrew.teacher.hidden_data``): its hidden states at the kept positions
+    and its head (an ``LMHead``), as ``teacher_rows`` makes them from a live teacher with the same states."""
+    with torch.no_grad():
+        flat = hidden.to(device, non_blocking=True).reshape(-1, hidden.shape[-1])
+        if scale is not None:  # fp8: the codes' bytes are indexed (not every device indexes float8 tensors),
+            rows = flat.view(torch.uint8)[keep].view(flat.dtype)  # then times their row scale, rounded once
+            s = scale.to(device, non_blocking=True).reshape(-1)[keep].float()
+            rows = (rows.float() * s[:, None]).to(head.weight.dtype)
+        else:
+            rows = flat[keep]
+        w = head.weight.to(device=device, dtype=rows.dtype)
+        b = None if head.bias is None else head.bias.to(device=device, dtype=rows.dtype)
+        if head.scale != 1.0:
+            rows = rows * head.scale
+            b = None if b is None else b * head.scale
+        x, w, b = fsdp.match_teacher(rows, w, b, student_layout=student_layout, teacher_apart=False)
+    return Rows(x, w, b, head.softcap)
 
 
 def _hidden_parts(s: Rows, t: Rows, divergence: str, options: Dict[str, Any]) -> DistillOutput:
@@ -274,7 +312,7 @@ def distill_loss(
     Returns:
         ``LMDistillOutput(loss, kd, ce, n_tokens)``.
     """
-    stored = _check_stored_teacher(
+    stored = check_stored_teacher(
         teacher,
         hidden=teacher_hidden,
         scale=teacher_hidden_scale,
@@ -282,7 +320,7 @@ def distill_loss(
         input_ids=input_ids,
         divergence=divergence,
     )
-    _check_request(divergence, teacher, kd_weight, topk_ids=topk_ids, topk_logprobs=topk_logprobs, stored=stored)
+    _check_request(divergence, teacher_head if stored else teacher, kd_weight, topk_ids, topk_logprobs)
     params = {k: v for k, v in kwargs.items() if k in dv.PARAMS}
     varlen = {k: v for k, v in kwargs.items() if k not in dv.PARAMS}
     tg = batch_targets(input_ids, attention_mask, labels, targets, position_ids)
@@ -314,11 +352,11 @@ def distill_loss(
         assert topk_ids is not None and topk_logprobs is not None  # checked on entry
         options.update(normalize=topk_normalize, tail=topk_tail, teacher_temperature=teacher_temperature)
         parts = _topk_parts(s, topk_ids, topk_logprobs, tg.keep, options)
-    elif stored and kd_weight != 0:  # a hidden-state store: the stored rows through the stored head
-        if lay is not None:
-            raise ValueError("a hidden-state store with the student's head sharded apart is not supported")
-        with torch.no_grad():
-            t = stored_teacher_rows(teacher_hidden, teacher_hidden_scale, teacher_head, tg.keep, s.x.device)
+    elif stored and kd_weight != 0:  # a hidden-state store: the stored rows and head are the teacher's Rows
+        assert teacher_hidden is not None  # checked on entry
+        t = stored_teacher_rows(
+            teacher_hidden, teacher_hidden_scale, teacher_head, tg.keep, device=s.x.device, student_layout=lay
+        )
         parts = _hidden_parts(s, t, divergence, options)
     elif teacher is None or kd_weight == 0:
         parts = _ce_only_parts(s, divergence, options)
@@ -327,28 +365,3 @@ def distill_loss(
         t = teacher_rows(teacher, input_ids, tg.keep, inputs=t_inputs, device=s.x.device, student_layout=lay)
         parts = _hidden_parts(s, t, divergence, options)
     return _normalized(parts, tg.n_tokens, num_items_in_batch, lay)
-
-
-def _check_stored_teacher(teacher, hidden, scale, head, input_ids, divergence) -> bool:
-    """Whether the batch carries a stored teacher (``teacher_hidden``); ValueError if it is malformed."""
-    if hidden is None:
-        if scale is not None or head is not None:
-            raise ValueError("teacher_hidden_scale / teacher_head need teacher_hidden (the stored rows)")
-        return False
-    if teacher is not None or divergence == "topk":
-        raise ValueError("teacher_hidden replaces the teacher model: pass teacher=None, and a hidden-state divergence")
-    if head is None or not hasattr(head, "weight"):
-        raise ValueError("teacher_hidden needs teacher_head (the stored teacher's LMHead: dataset.load_head(device))")
-    if (
-        hidden.dim() != 3
-        or tuple(hidden.shape[:2]) != tuple(input_ids.shape)
-        or hidden.shape[2] != head.weight.shape[1]
-    ):
-        raise ValueError(
-            f"teacher_hidden must be [B, N, Dt] = [{', '.join(map(str, input_ids.shape))}, {head.weight.shape[1]}], "
-            f"got {tuple(hidden.shape)}"
-        )
-    fp8 = hidden.dtype == torch.float8_e4m3fn
-    if fp8 != (scale is not None) or (fp8 and tuple(scale.shape) != tuple(input_ids.shape)):
-        raise ValueError("fp8 teacher_hidden needs teacher_hidden_scale [B, N] (and only fp8 rows take one)")
-    return True

@@ -37,6 +37,7 @@ class GeneratedBatch(NamedTuple):
     weight_version: int = 0
     decode_steps: int = 0
     compiles: int = 0
+    recompiles: int = 0
 
 
 def left_pad(ids: torch.Tensor, mask: Optional[torch.Tensor], pad: int):
@@ -194,6 +195,7 @@ def assemble(ids: torch.Tensor, mask: torch.Tensor, gen, pad: int) -> GeneratedB
         weight_version=gen.weight_version,
         decode_steps=gen.decode_steps,
         compiles=getattr(gen, "compiles", 0),
+        recompiles=getattr(gen, "recompiles", 0),
     )
 
 

@@ -210,12 +210,56 @@ def parse(config_path: Optional[str], overrides: List[str]):
     if any(a in ("-h", "--help") for a in overrides):
         parser.print_help()
         raise SystemExit(0)
-    argv = []
+    argv, config = [], {}
     if config_path:
         config = load_yaml(config_path)
         check_value_shapes(config, types, config_path)
         argv = yaml_argv(config)
-    return parser.parse_args_into_dataclasses(args=argv + list(overrides))
+    argv += list(overrides)
+    if launched_processes() > 1 and not torch.cuda.is_available() and "use_cpu" not in config:
+        if "--use_cpu" not in overrides:
+            # Several processes and no GPU: data parallel over gloo, as transformers does with use_cpu
+            # (without it each process would train alone and all would write one output_dir).
+            argv += ["--use_cpu", "true"]
+    model_args, data_args, train_args = parser.parse_args_into_dataclasses(args=argv)
+    check_launch(train_args, data_args)
+    return model_args, data_args, train_args
+
+
+def launched_processes() -> int:
+    """How many processes the launcher (torchrun, accelerate launch) started: WORLD_SIZE."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def check_launch(train_args, data_args) -> None:
+    """Settings refused before anything loads: several launched processes that would not train
+    together; on-policy generation with packed rows."""
+    world = launched_processes()
+    fsdp_plugin = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
+    if fsdp_plugin and not torch.cuda.is_available():
+        raise ValueError(
+            "accelerate's FSDP plugin needs GPUs, and this machine has none (accelerate would train plain data "
+            "parallel instead): launch with torchrun --nproc_per_node N -m nitrobrew.cli train CONFIG, data "
+            "parallel over gloo, or run the FSDP2 config on GPUs"
+        )
+    if world > 1 and train_args.world_size != world:
+        raise ValueError(
+            f"launched as {world} processes, but they would train apart (each alone, writing one output_dir): "
+            f"transformers sees a world of {train_args.world_size}"
+            + (
+                " (use_cpu: false on a machine without a GPU: set use_cpu: true)"
+                if not torch.cuda.is_available()
+                else ""
+            )
+        )
+    if data_args.packing and (train_args.lmbda > 0 or train_args.seq_kd):
+        raise ValueError(
+            "packing: true with lmbda > 0 or seq_kd: generation needs one prompt per row (do not pack, or set "
+            "lmbda: 0 and seq_kd: false)"
+        )
 
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -262,21 +306,28 @@ def _load_model(path: str, attn: Optional[str], dtype: str, init_kwargs: Optiona
 _LORA_NAMES = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
 
 
-def with_lora(student, config):
-    """The student with LoRA adapters (peft) as the ``peft`` mapping describes."""
+def lora_config(config):
+    """peft's LoraConfig from the ``peft`` mapping (checked before any model loads)."""
     from .trainer import _mapping
 
     config = _mapping("peft", config)
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
     except ImportError as err:
         raise ImportError("peft: needs the peft package: pip install peft") from err
     kwargs = {_LORA_NAMES.get(k, k): v for k, v in config.items()}
     kwargs.setdefault("task_type", "CAUSAL_LM")
     try:
-        lora = LoraConfig(**kwargs)
+        return LoraConfig(**kwargs)
     except TypeError as err:
         raise ValueError(f"peft: {' '.join(str(err).split())} (keys are LoraConfig's: r, alpha, ...)") from None
+
+
+def with_lora(student, config):
+    """The student with LoRA adapters (peft) as the ``peft`` mapping (or a LoraConfig) describes."""
+    from peft import get_peft_model
+
+    lora = config if type(config).__name__ == "LoraConfig" else lora_config(config)
     return get_peft_model(student, lora)
 
 
@@ -445,17 +496,16 @@ class PadCollator:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def is_hidden_store(data_args: DataArguments) -> bool:
-    """Whether ``data`` names a hidden-state teacher store (the store is then the teacher: rows and head)."""
+def is_hidden_store(path: str) -> bool:
+    """Whether `path` is a hidden-state store: the teacher itself (its rows and head), no teacher key."""
     from ..teacher import hidden_store as hs
 
-    return os.path.isdir(data_args.data) and hs.store_format(data_args.data) == hs.FORMAT
+    return os.path.isdir(path) and hs.store_format(path) == hs.FORMAT
 
 
 def build_dataset(model_args: ModelArguments, data_args: DataArguments, args):
-    """The training dataset: a hidden-state store, a top-k store (divergence: topk) or rows of input_ids /
-    labels."""
-    if is_hidden_store(data_args):
+    """The training dataset: a hidden store, a top-k store (divergence: topk) or rows of input_ids / labels."""
+    if is_hidden_store(data_args.data):
         from ..teacher.hidden_data import HiddenDataset
 
         if data_args.packing:
@@ -471,7 +521,7 @@ def build_dataset(model_args: ModelArguments, data_args: DataArguments, args):
 
 
 def build_collator(data_args: DataArguments, args, student):
-    if is_hidden_store(data_args):
+    if is_hidden_store(data_args.data):
         from ..teacher.hidden_data import HiddenCollator
 
         return HiddenCollator()
@@ -494,12 +544,13 @@ def build(model_args: ModelArguments, data_args: DataArguments, args):
     from .trainer import DistillationTrainer
 
     check_paths(model_args, data_args)
-    if model_args.teacher is None and args.divergence != "topk" and not is_hidden_store(data_args):
-        raise ValueError(f"divergence {args.divergence!r} needs a teacher (the teacher key)")
+    if model_args.teacher is None and args.divergence != "topk" and not is_hidden_store(data_args.data):
+        raise ValueError(f"divergence {args.divergence!r} needs a teacher (the teacher key, or data: a hidden store)")
+    lora = None if model_args.peft is None else lora_config(model_args.peft)
     dataset = build_dataset(model_args, data_args, args)
     student = _load_model(model_args.student, model_args.attn_implementation, model_args.student_dtype)
-    if model_args.peft is not None:
-        student = with_lora(student, model_args.peft)
+    if lora is not None:
+        student = with_lora(student, lora)
     teacher = None
     if model_args.teacher is not None:
         teacher = _load_model(
@@ -565,6 +616,7 @@ def run(args: argparse.Namespace) -> int:
         trainer.save_model()
         trainer.save_state()  # trainer_state.json: the log history
     except (ValueError, TypeError, OSError, ImportError, KeyError, argparse.ArgumentError) as err:
-        print(f"nitrobrew train: {' '.join(str(err).split())}", file=sys.stderr)  # one line
+        if os.environ.get("RANK", "0") == "0":  # one line, from the first of several launched processes
+            print(f"nitrobrew train: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     return 0

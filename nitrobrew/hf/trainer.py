@@ -102,6 +102,13 @@ class DistillationArguments(TrainingArguments):
         default=None,
         metadata={"help": f"more sampling settings for on-policy / seq_kd generation: {', '.join(GENERATION_KWARGS)}"},
     )
+    ce_on_policy: bool = field(
+        default=True,
+        metadata={
+            "help": "apply the CE term to on-policy batches too (their labels are the student's own samples); "
+            "false: to data and seq_kd batches only"
+        },
+    )
     log_completions: bool = field(
         default=False,
         metadata={"help": "at each logging step, append a generated completion to OUTPUT_DIR/completions.jsonl"},
@@ -232,10 +239,11 @@ class DistillationArguments(TrainingArguments):
                 "top_k and max_new_tokens are keys of their own: generation_temperature, top_p, top_k, max_new_tokens)"
             )
         self.teacher_model_init_kwargs = _mapping("teacher_model_init_kwargs", self.teacher_model_init_kwargs)
-        if self.ce_weight > 0 and self.lmbda > 0:
+        if self.ce_weight > 0 and self.lmbda > 0 and self.ce_on_policy:
             warnings.warn(
                 f"ce_weight={self.ce_weight} with lmbda={self.lmbda}: on on-policy batches the CE term trains the "
-                "student on its own samples (labels are its completions), not on the data",
+                "student on its own samples (labels are its completions), not on the data (ce_on_policy=False "
+                "applies it to the other batches only)",
                 stacklevel=2,
             )
 
@@ -336,6 +344,29 @@ def check_sharding(deepspeed_plugin=None, fsdp_plugin=None) -> None:
         )
 
 
+class GenerationProgress:
+    """On-policy / seq_kd generation on the training bar (transformers' ProgressCallback), so that a step
+    that spends most of its time generating says so: "generating 8 completions (student) ..." while it runs, then the
+    tokens generated and tokens/s. Nothing without a bar (disable_tqdm, other processes)."""
+
+    def __init__(self, trainer: Trainer):
+        self.bar = None
+        for callback in trainer.callback_handler.callbacks:
+            if getattr(callback, "training_bar", None) is not None:
+                self.bar = callback.training_bar
+
+    def start(self, who: str, rows: int) -> None:
+        if self.bar is not None:
+            plural = "s" if rows != 1 else ""
+            self.bar.set_postfix_str(f"generating {rows} completion{plural} ({who}) ...", refresh=True)
+
+    def end(self, gen) -> None:
+        if self.bar is not None:
+            tokens = int(gen.n_generated.sum())
+            rate = tokens / gen.seconds if gen.seconds > 0 else float("inf")
+            self.bar.set_postfix_str(f"generated {tokens} tokens in {gen.seconds:.1f} s, {rate:.0f} tokens/s")
+
+
 class _SyncRollouts(TrainerCallback):
     """Asynchronous generation: the generating copy takes the student's weights after each optimizer step."""
 
@@ -378,8 +409,9 @@ class DistillationTrainer(Trainer):
     ``temperature`` / ``kd_weight`` / ``ce_weight``, and with generation ``gen_len`` (counted
     tokens per completion), ``gen_tokens`` (counted tokens generated per optimizer step),
     ``gen_seconds`` (generation time per optimizer step), ``gen_decode_ms`` (per decode step),
-    ``gen_fraction`` (the share of the steps' wall time spent generating) and ``gen_compiles``
-    (graphs the engine compiled: none once its shape buckets are warm).
+    ``gen_fraction`` (the share of the steps' wall time spent generating), ``gen_compiles`` (graphs
+    the engine compiled) and ``gen_recompiles`` (of those, for shapes it had compiled before: none
+    expected).
     """
 
     def __init__(
@@ -407,6 +439,8 @@ class DistillationTrainer(Trainer):
         super().__init__(model=model, args=args, **kwargs)
         # the stored teacher's head, loaded once on the training device
         self.teacher_head = self.train_dataset.load_head(self.args.device) if stored else None
+        # the store's vocabulary (padded head rows excluded) is the default vocab_size of its loss
+        self._store_vocab = self.train_dataset.vocab_size if stored else None
         self._check_sharding()
         if getattr(self, "is_fsdp_enabled", False):  # a decoder wrapped apart: sharded here, before accelerate
             from .fsdp import shard_for_accelerate
@@ -476,17 +510,18 @@ class DistillationTrainer(Trainer):
     def generator_for(self, who):
         """The engine that completes prompts with ``who`` (the student, or the teacher for seq_kd), made once."""
         key = "student" if who is self.model else "teacher"
-        if key == "student" and self.generator is not None:
-            if self._synced_step != self.state.global_step:
-                self.generator.sync_weights(self.model)  # the optimizer stepped since the engine last saw it
-                self._synced_step = self.state.global_step
-            return self.generator
-        gen = self._generators.get(key)
+        gen = self.generator if key == "student" and self.generator is not None else self._generators.get(key)
         if gen is None:
-            from .generation import make_generator
+            from .generation import VLLM_BACKENDS, auto_backend, make_generator
 
-            gen = make_generator(self.args.generation_backend, who, generate_fn=self.generate_fn)
+            backend = self.args.generation_backend
+            if key == "teacher" and (backend in VLLM_BACKENDS or backend == "auto"):
+                backend = auto_backend(who, vllm=False)  # vLLM engines hold the student; the teacher's stay here
+            gen = make_generator(backend, who, generate_fn=self.generate_fn)
             self._generators[key] = gen
+        if key == "student" and self._synced_step != self.state.global_step:
+            gen.sync_weights(self.model)  # the optimizer stepped since the engine last saw the student
+            self._synced_step = self.state.global_step
         return gen
 
     def _who(self, index: int):
@@ -543,6 +578,7 @@ class DistillationTrainer(Trainer):
         self._add("gen_seconds", torch.tensor(gen.seconds))
         self._add("gen_decode_steps", torch.tensor(float(gen.decode_steps)))
         self._add("gen_compiles", torch.tensor(float(gen.compiles)))
+        self._add("gen_recompiles", torch.tensor(float(gen.recompiles)))
         start = 0
         for i, n in zip(picked, rows):
             part = slice(start, start + n)
@@ -567,6 +603,8 @@ class DistillationTrainer(Trainer):
             if request is None:
                 continue
             picked, rows, ids, mask = request
+            shown = GenerationProgress(self)
+            shown.start("student" if who is self.model else "teacher", ids.shape[0])
             gen = on_policy_batch(
                 who,
                 ids,
@@ -574,9 +612,13 @@ class DistillationTrainer(Trainer):
                 generator=self.generator_for(who),
                 **self._sampling(self.args.seed * 1_000_003 + first + picked[0]),
             )
+            shown.end(gen)
             if self.args.generation_sleep:
                 self.generator_for(who).sleep()
             self._put_back(out, picked, rows, gen)
+            if who is self.model:
+                for i in picked:
+                    out[i]["on_policy"] = True  # read by compute_loss (ce_on_policy)
         return out
 
     # -- asynchronous generation ----------------------------------------------------------------
@@ -587,10 +629,27 @@ class DistillationTrainer(Trainer):
         from .generation.async_rollouts import AsyncRollouts
 
         a = self.args
-        student = unwrap(self.model)
-        device = torch.device(a.generation_device) if a.generation_device else next(student.parameters()).device
-        replica = copy.deepcopy(student).to(device).requires_grad_(False)
-        engine = make_generator(a.generation_backend, replica, generate_fn=self.generate_fn)
+        if a.generation_backend == "vllm" or getattr(self.generator, "name", None) == "vllm":
+            raise ValueError(
+                "generation_async with generation_backend 'vllm' (in this process) is not supported: use "
+                "vllm-server (a server on other GPUs) or generation_async: false"
+            )
+        if self.generator is not None:  # an engine with weights of its own (a vLLM server): synced per step
+            engine = self.generator
+        else:
+            student = unwrap(self.model)
+            device = torch.device(a.generation_device) if a.generation_device else next(student.parameters()).device
+            replica = copy.deepcopy(student).to(device).requires_grad_(False)
+            # The static engine also runs uncompiled on a CPU; it draws from a generator of its own, so the
+            # thread neither reads nor moves the training's RNG.
+            auto = a.generation_backend == "auto" and self.generate_fn is None
+            engine = make_generator("static" if auto else a.generation_backend, replica, generate_fn=self.generate_fn)
+        if not getattr(engine, "seeds_itself", False):
+            warnings.warn(
+                f"generation_async with the {engine.name!r} engine: its sampling draws from the process's RNG in "
+                "a background thread, so runs do not repeat exactly (the static engine's do)",
+                stacklevel=2,
+            )
         self._rollouts = AsyncRollouts(engine, staleness=a.max_staleness)
         self._rollouts_start = self.state.global_step
 
@@ -613,7 +672,7 @@ class DistillationTrainer(Trainer):
             job = None
             if request is not None:
                 picked, rows, ids, mask = request
-                engine_model = self._rollouts.engine.model
+                engine_model = getattr(self._rollouts.engine, "model", None) or self.model
                 ids, mask, sampling = generation_request(
                     engine_model, ids, mask, **self._sampling(a.seed * 1_000_003 + first + picked[0])
                 )
@@ -629,6 +688,8 @@ class DistillationTrainer(Trainer):
             done = self._rollouts.result(j)
             device = self.args.device
             self._put_back(out, picked, rows, assemble(ids.to(device), mask.to(device), done, pad))
+            for i in picked:
+                out[i]["on_policy"] = True  # read by compute_loss (ce_on_policy)
             self._add("gen_lag", torch.tensor(float(self._rollouts.version - done.weight_version)))
             self._add("gen_windows", torch.tensor(1.0))
         return out
@@ -638,16 +699,18 @@ class DistillationTrainer(Trainer):
         self._clock()  # the previous window's wall time ends here
         # Generated batches replace their sources before the count: the normalizer stays exact.
         # Which batches are generated, and how: a function of the seed and the micro-batch's index.
-        if self.args.generation_async:
-            batch_samples = self._async_window(epoch_iterator, num_batches, *args, **kwargs)
-        else:
-            batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
-            try:
+        try:
+            if self.args.generation_async:
+                batch_samples = self._async_window(epoch_iterator, num_batches, *args, **kwargs)
+            else:
+                batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
                 batch_samples = self._generate_window(batch_samples, self.state.global_step * num_batches)
-            except ConnectionError:  # a generation server went away: keep what was trained, resumable
-                if self.generator is not None:
-                    self._save_checkpoint(self.model, trial=None)
-                raise
+        except (ConnectionError, RuntimeError) as err:
+            # A generation server went away (raised here, or by the rollout thread): keep what was trained,
+            # resumable, then stop.
+            if isinstance(err, ConnectionError) or isinstance(err.__cause__, ConnectionError):
+                self._save_checkpoint(self.model, trial=None)
+            raise
         count = torch.zeros((), dtype=torch.long, device=self.args.device)
         for batch in batch_samples:
             count += (self._targets(batch) != IGNORE_INDEX).sum().to(count.device)
@@ -692,6 +755,8 @@ class DistillationTrainer(Trainer):
         if not self._heads_checked:
             self._check_heads(model, inputs, packing)
         temperature, kd_weight, ce_weight = (self.current(n) for n in ("temperature", "kd_weight", "ce_weight"))
+        if inputs.get("on_policy") and not a.ce_on_policy:
+            ce_weight = 0.0  # the student's own samples are no labels to imitate
         if model.training:
             self._schedule = {"temperature": temperature, "kd_weight": kd_weight, "ce_weight": ce_weight}
         out = distill_loss(
@@ -707,7 +772,7 @@ class DistillationTrainer(Trainer):
             ce_weight=ce_weight,
             beta=a.beta,
             alpha=a.alpha,
-            vocab_size=a.vocab_size,
+            vocab_size=a.vocab_size if a.vocab_size is not None else self._store_vocab,
             num_items_in_batch=num_items_in_batch,
             topk_ids=inputs.get("topk_ids"),
             topk_logprobs=inputs.get("topk_logprobs"),
@@ -760,6 +825,7 @@ class DistillationTrainer(Trainer):
         "gen_seconds",
         "gen_decode_steps",
         "gen_compiles",
+        "gen_recompiles",
         "gen_lag",
         "gen_windows",
         "step_seconds",
@@ -803,6 +869,7 @@ class DistillationTrainer(Trainer):
                 logs["gen_decode_ms"] = round(1e3 * sums["gen_seconds"] / max(sums["gen_decode_steps"], 1), 3)
                 logs["gen_fraction"] = round(min(sums["gen_seconds"] / max(sums["step_seconds"], 1e-9), 1.0), 4)
                 logs["gen_compiles"] = int(sums["gen_compiles"])
+                logs["gen_recompiles"] = int(sums["gen_recompiles"])
             if sums["gen_windows"] > 0:
                 logs["gen_staleness"] = round(sums["gen_lag"] / sums["gen_windows"], 3)
             self._sums = {}

@@ -15,7 +15,7 @@ from . import extract, rollout
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = __doc__.splitlines()[0]
+    p.description = "run a teacher once over a corpus (or rollouts) and store its hidden states and head, or its top-k"
     extract.add_arguments(p, kinds=True)
 
 

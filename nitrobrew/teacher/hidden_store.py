@@ -282,7 +282,7 @@ class HiddenWriter(ShardWriter):
         logit_scale: float = 1.0,
         softcap: Optional[float] = None,
         revision: str = "",
-        sequences_per_shard: int = 1024,
+        sequences_per_shard: int = 64,
         source: Optional[Dict] = None,
         resume: bool = True,
         num_parts: int = 1,
@@ -366,10 +366,12 @@ class HiddenWriter(ShardWriter):
         hidden: Sequence[torch.Tensor],
         prompt_lengths: Optional[Sequence[int]] = None,
         scales: Optional[Sequence[torch.Tensor]] = None,
+        sha256: Optional[str] = None,
     ) -> ShardInfo:
         """Write shard `index`: per sequence its tokens, its prompt length (0 if None) and its rows
         [L - 1 - max(P - 1, 0), D]. An fp8 store quantizes float rows; `scales` (with the codes as
-        `hidden`) writes already quantized rows as they are (an import)."""
+        `hidden`) writes already quantized rows as they are (an import). `sha256`: the digest the shard
+        must have (an import rebuilds the source's bytes); StoreError, and nothing written, if not."""
         self.check_index(index)
         first, last = self.shard_range(index)
         prompt_lengths = [0] * len(input_ids) if prompt_lengths is None else [int(p) for p in prompt_lengths]
@@ -409,7 +411,8 @@ class HiddenWriter(ShardWriter):
             tensors["hidden"] = rows_all.to(HIDDEN_DTYPES[dtype])
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         data = _safetensors().save(tensors, metadata={"format": f"{FORMAT} shard {index}"})
-        return self._commit(index, data, int(tensors["hidden"].shape[0]), int(tensors["input_ids"].numel()))
+        rows, tokens = int(tensors["hidden"].shape[0]), int(tensors["input_ids"].numel())
+        return self._commit(index, data, rows, tokens, sha256=sha256)
 
 
 def _offsets(sizes: List[int]) -> torch.Tensor:

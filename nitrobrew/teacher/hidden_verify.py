@@ -117,7 +117,14 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as err:
         print(f"nitrobrew teacher-verify: error: {err}", file=sys.stderr)
         return 2
-    if store_format(args.store) != FORMAT:  # a top-k store (or none: topk-verify names what is missing)
+    fmt = store_format(args.store)
+    if fmt is None:
+        print(
+            f"nitrobrew teacher-verify: {args.store!r} is not a teacher store: no readable manifest.json",
+            file=sys.stderr,
+        )
+        return 1
+    if fmt != FORMAT:  # a top-k store (topk-verify names a foreign format)
         from . import verify
 
         return verify.run(args)

@@ -513,9 +513,16 @@ class ShardWriter:
         s = self.header["sequences_per_shard"]
         return index * s, min((index + 1) * s, self.header["num_sequences"])
 
-    def _commit(self, index: int, data: bytes, rows: int, tokens: int) -> ShardInfo:
-        """Write shard `index`'s bytes atomically, then record it in the manifest."""
+    def _commit(self, index: int, data: bytes, rows: int, tokens: int, sha256: Optional[str] = None) -> ShardInfo:
+        """Write shard `index`'s bytes atomically, then record it in the manifest. `sha256`: the digest
+        the bytes must have (StoreError, and nothing written, if they do not)."""
         first, last = self.shard_range(index)
+        digest = hashlib.sha256(data).hexdigest()
+        if sha256 is not None and digest != sha256:
+            raise StoreError(
+                f"shard {index} as rebuilt has sha256 {digest[:16]}..., the source store's was {sha256[:16]}...: "
+                "the data changed after export"
+            )
         name = self.shard_file(index)
         atomic_write_bytes(os.path.join(self.path, name), data)
         info = ShardInfo(
@@ -526,7 +533,7 @@ class ShardWriter:
             rows=rows,
             tokens=tokens,
             bytes=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
+            sha256=digest,
         )
         self.manifest["shards"] = sorted(
             [s for s in self.manifest["shards"] if s["index"] != index] + [asdict(info)], key=lambda s: s["index"]
@@ -704,14 +711,9 @@ class TopKWriter(ShardWriter):
         # one metadata entry: safetensors writes a map's entries in no fixed order, and a shard's
         # bytes must not depend on the run that wrote it (parts reproduce the single-process store)
         data = _safetensors().save(tensors, metadata={"format": f"{FORMAT} shard {index}"})
-        if sha256 is not None:
-            digest = hashlib.sha256(data).hexdigest()
-            if digest != sha256:
-                raise StoreError(
-                    f"shard {index} as rebuilt has sha256 {digest[:16]}..., the source store's was {sha256[:16]}...: "
-                    "the data changed after export"
-                )
-        return self._commit(index, data, int(tensors["topk_ids"].shape[0]), int(tensors["input_ids"].numel()))
+        return self._commit(
+            index, data, int(tensors["topk_ids"].shape[0]), int(tensors["input_ids"].numel()), sha256=sha256
+        )
 
 
 def _completed(man: Dict) -> Dict:

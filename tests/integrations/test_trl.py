@@ -26,6 +26,11 @@ from nitrobrew.integrations import trl as nbtrl  # noqa: E402
 WORDS = ["<pad>", "<eos>", "<unk>", "user", "assistant", ":", "\n"] + [f"w{i}" for i in range(40)]
 
 
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return _tokenizer(tmp_path_factory.mktemp("tok"))
+
+
 def _tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -154,14 +159,13 @@ def _gkd(tmp_path, cls, tok, beta=0.5, lmbda=0.0, vocab=64, **kw):
     )
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_gkd_loss_equals_trls(tmp_path, beta):
-    tok = _tokenizer(tmp_path)
-    ref = _gkd(tmp_path, GKDTrainer, tok, beta=beta)
-    ours = _gkd(tmp_path, nbtrl.NitrobrewGKDTrainer, tok, beta=beta)
+def test_gkd_loss_equals_trls(tmp_path, tok):
+    ref = _gkd(tmp_path, GKDTrainer, tok)
+    ours = _gkd(tmp_path, nbtrl.NitrobrewGKDTrainer, tok)
     batch = ref.data_collator(_chat_rows(4, seed=3))
     assert (batch["labels"] != -100).sum() < batch["attention_mask"].sum()  # the prompts do not count
-    for n in (None, torch.tensor(11)):
+    for beta, n in ((0.0, None), (0.5, None), (1.0, None), (0.5, torch.tensor(11)), (0.0, torch.tensor(7))):
+        ref.beta = ours.beta = beta
         losses, grads = [], []
         for tr in (ref, ours):
             tr.model.zero_grad()
@@ -174,8 +178,7 @@ def test_gkd_loss_equals_trls(tmp_path, beta):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_gkd_two_steps_on_and_off_policy(tmp_path):
-    tok = _tokenizer(tmp_path)
+def test_gkd_two_steps_on_and_off_policy(tmp_path, tok):
     params = []
     for cls in (GKDTrainer, nbtrl.NitrobrewGKDTrainer):  # off-policy: the same batches, the same steps
         tr = _gkd(tmp_path, cls, tok, beta=0.5, lmbda=0.0)
@@ -189,8 +192,7 @@ def test_gkd_two_steps_on_and_off_policy(tmp_path):
     assert tr.state.global_step == 2 and len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
 
 
-def test_gkd_other_divergences_and_ce(tmp_path):
-    tok = _tokenizer(tmp_path)
+def test_gkd_other_divergences_and_ce(tmp_path, tok):
     from nitrobrew.hf import distill_loss
 
     for opts in (
@@ -261,13 +263,12 @@ def _completion_batch(B=3, P=4, C=5, vocab=64, seed=0):
     }
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_distillation_loss_equals_trls(tmp_path, beta):
-    tok = _tokenizer(tmp_path)
-    ref = _distill(tmp_path, DistillationTrainer, tok, beta=beta)
-    ours = _distill(tmp_path, nbtrl.NitrobrewDistillationTrainer, tok, beta=beta)
+def test_distillation_loss_equals_trls(tmp_path, tok):
+    ref = _distill(tmp_path, DistillationTrainer, tok)
+    ours = _distill(tmp_path, nbtrl.NitrobrewDistillationTrainer, tok)
     batch = _completion_batch()
-    for n in (None, torch.tensor(9.0)):
+    for beta, n in ((0.0, None), (0.5, None), (1.0, None), (1.0, torch.tensor(9.0)), (0.5, torch.tensor(9.0))):
+        ref.beta = ours.beta = beta
         outs, grads = [], []
         for tr in (ref, ours):
             tr.model.zero_grad()
@@ -282,8 +283,7 @@ def test_distillation_loss_equals_trls(tmp_path, beta):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_distillation_two_steps(tmp_path):
-    tok = _tokenizer(tmp_path)
+def test_distillation_two_steps(tmp_path, tok):
     for cls in (DistillationTrainer, nbtrl.NitrobrewDistillationTrainer):
         tr = _distill(tmp_path, cls, tok)
         tr.train()
@@ -307,8 +307,7 @@ def _growth(tr, batch) -> int:
     return tracker.peak
 
 
-def test_memory_growth_is_lower_at_a_large_vocabulary(tmp_path):
-    tok = _tokenizer(tmp_path)
+def test_memory_growth_is_lower_at_a_large_vocabulary(tmp_path, tok):
     V = 32768
     ref = _gkd(tmp_path, GKDTrainer, tok, vocab=V)
     ours = _gkd(tmp_path, nbtrl.NitrobrewGKDTrainer, tok, vocab=V, nitrobrew={"chunk_V": 4096})

@@ -51,6 +51,8 @@ def server(model_dirs, tmp_path_factory):
         str(64 << 20),
         "--max-model-len",
         "128",
+        "--dtype",
+        "float32",  # the student's (vLLM's CPU default is bfloat16)
         "--skip-tokenizer-init",
         "--logprobs-mode",
         "processed_logprobs",

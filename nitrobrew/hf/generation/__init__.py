@@ -34,8 +34,8 @@ def supports_static_cache(model) -> bool:
     return bool(getattr(m, "_can_compile_fullgraph", False) or getattr(m, "_supports_static_cache", False))
 
 
-def auto_backend(model) -> str:
-    """The engine ``"auto"`` picks for ``model``."""
+def auto_backend(model, vllm: bool = True) -> str:
+    """The engine ``"auto"`` picks for ``model`` (``vllm=False``: an in-process one, e.g. for the teacher)."""
     from ..model import is_fsdp2, unwrap
 
     m = unwrap(model)
@@ -45,7 +45,7 @@ def auto_backend(model) -> str:
         return "hf"
     from .vllm_engine import vllm_importable
 
-    if vllm_importable():
+    if vllm and vllm_importable():
         return "vllm"
     return "static" if supports_static_cache(m) else "hf"
 

@@ -25,6 +25,7 @@ sampling policy lags (AsyncOPD reports forward KL robust at staleness, reverse K
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from typing import Dict, List, Optional
@@ -32,6 +33,11 @@ from typing import Dict, List, Optional
 import torch
 
 from .base import Completions, Sampling
+
+
+def _parameters(engine):
+    model = getattr(engine, "model", None)
+    return model.parameters() if isinstance(model, torch.nn.Module) else iter(())
 
 
 class StalenessError(RuntimeError):
@@ -59,6 +65,7 @@ class AsyncRollouts:
         self._results: Dict[int, object] = {}
         self._finished: set = set()
         self._windows: List[int] = []  # the window of each job
+        self._stream = None
         self._jobs: "queue.Queue" = queue.Queue()
         self._cond = threading.Condition()
         self._engine_lock = threading.Lock()
@@ -83,7 +90,11 @@ class AsyncRollouts:
                 raise ValueError(f"windows are submitted in order: {window} after {self._windows[j - 1]}")
             self._windows.append(int(window))
             self._submitted += 1
-        self._jobs.put((j, prompt_ids, prompt_mask, sampling))
+        ready = None
+        if prompt_ids.is_cuda:  # the prompts' kernels on the caller's stream come first
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(prompt_ids.device))
+        self._jobs.put((j, prompt_ids, prompt_mask, sampling, ready))
         return j
 
     def result(self, j: int, timeout: Optional[float] = None) -> Completions:
@@ -96,6 +107,11 @@ class AsyncRollouts:
             out = self._results.pop(j)
         if isinstance(out, BaseException):
             raise RuntimeError(f"generation of window {j} failed: {out}") from out
+        if out.ids.is_cuda:  # made on the thread's stream, used on the caller's: keep them until it is done
+            stream = torch.cuda.current_stream(out.ids.device)
+            for t in (out.ids, out.mask, out.logprobs):
+                if t is not None:
+                    t.record_stream(stream)
         lag = self.version - out.weight_version
         if lag > self.staleness:
             raise StalenessError(
@@ -132,6 +148,16 @@ class AsyncRollouts:
         self.close()
 
     # -- the thread -------------------------------------------------------------------------------
+    def _side_stream(self, ids: torch.Tensor):
+        """A CUDA stream of the thread's own, so that generation can overlap training on the same device (the
+        engines synchronize before they return)."""
+        device = next(iter(_parameters(self.engine)), ids).device
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return torch.cuda.stream(self._stream)
+
     def _generated_below(self, window: int) -> bool:
         return all(j in self._finished for j in range(self._submitted) if self._windows[j] < window)
 
@@ -140,7 +166,7 @@ class AsyncRollouts:
             job = self._jobs.get()
             if job is None:
                 return
-            j, ids, mask, sampling = job
+            j, ids, mask, sampling, ready = job
             with self._cond:
                 # Not before the weights it must be generated with (max(0, j - staleness)) are in.
                 w = self._windows[j]
@@ -148,7 +174,9 @@ class AsyncRollouts:
                 if self._closed:
                     return
             try:
-                with self._engine_lock:
+                with self._engine_lock, self._side_stream(ids):
+                    if ready is not None:
+                        torch.cuda.current_stream(ids.device).wait_event(ready)
                     out = self.engine.generate(ids, mask, sampling)
             except BaseException as err:  # handed to the trainer by result()
                 out = err

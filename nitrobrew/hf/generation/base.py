@@ -61,8 +61,9 @@ class Completions(NamedTuple):
     """ids [B, G] (G <= max_new_tokens; padded with the pad id after a row ends), mask [B, G] (1 on the
     generated tokens up to and including the first EOS), logprobs [B, G] float32 of the sampled tokens
     under the engine's sampling distribution where the engine gives them (else None), the weight version
-    the engine generated with, the wall seconds, the number of decode steps run, and the graphs the
-    engine compiled during the call (a compiling engine: none once its shape buckets are warm)."""
+    the engine generated with, the wall seconds, the number of decode steps run, the graphs the engine
+    compiled during the call, and of those the ones for shapes it had already compiled (recompilations:
+    none expected once a compiling engine's shape buckets are warm)."""
 
     ids: Tensor
     mask: Tensor
@@ -71,6 +72,7 @@ class Completions(NamedTuple):
     seconds: float
     decode_steps: int
     compiles: int = 0
+    recompiles: int = 0
 
 
 @runtime_checkable
@@ -102,10 +104,8 @@ class GenerationStats:
     history: List[float] = field(default_factory=list)
 
     def add(self, c: Completions) -> None:
-        """Add a call; graphs compiled after the first call count as recompilations."""
-        if self.calls:
-            self.recompiles += c.compiles
         self.calls += 1
+        self.recompiles += getattr(c, "recompiles", 0)
         self.tokens += int(c.mask.sum())
         self.seconds += c.seconds
         self.decode_steps += c.decode_steps

@@ -5,8 +5,8 @@ At a 152k vocabulary a full sort per step costs more than the step's matrix prod
   exact draw from p with one pass and no cumulative sum;
 - top_k: ``torch.topk`` (a partial selection), then the draw among the k;
 - top_p: the nucleus is searched within the top ``NUCLEUS_CANDIDATES`` tokens (a partial selection, then a
-  sort of those few); a row whose candidates do not hold ``top_p`` of the mass falls back to a full sort
-  (exact in every case: the fallback is taken, not assumed away);
+  sort of those few); only the rows whose candidates do not hold ``top_p`` of the mass (flat rows) are sorted
+  in full (exact in every case: the fallback is taken, not assumed away);
 - min_p: a threshold relative to the row's maximum, one pass.
 """
 
@@ -33,7 +33,8 @@ def _nucleus_keep(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
 def processed_logits(logits: torch.Tensor, s: Sampling) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(logits, candidate ids): float32 logits / T with the filtered tokens at -inf, over the whole vocabulary
     (candidate ids None) or over a candidate set [B, C] (their vocabulary ids)."""
-    x = logits.float() / s.temperature
+    x = logits.float()
+    x = x.div_(s.temperature) if x is not logits else x / s.temperature  # in place on the float copy
     V = x.shape[-1]
     cand = None
     if s.top_k and s.top_k < V:
@@ -43,15 +44,19 @@ def processed_logits(logits: torch.Tensor, s: Sampling) -> Tuple[torch.Tensor, O
             C = min(V, NUCLEUS_CANDIDATES)
             top, top_ids = torch.topk(x, C, dim=-1)
             lse = torch.logsumexp(x, -1, keepdim=True)
-            # Does the candidate set hold top_p of the mass in every row? (one sync; a full sort otherwise)
-            covered = bool((torch.logsumexp(top, -1, keepdim=True) - lse >= math.log(s.top_p)).all())
-            if covered:
-                keep = _nucleus_keep_full(top, lse, s.top_p)  # probabilities under the whole row
+            # Does the candidate set hold top_p of the mass? (one sync; the rows where it does not are sorted)
+            covered = torch.logsumexp(top, -1) - lse[:, 0] >= math.log(s.top_p)
+            keep = _nucleus_keep_full(top, lse, s.top_p)
+            if bool(covered.all()):
                 x, cand = top.masked_fill(~keep, float("-inf")), top_ids
             else:
-                srt, order = torch.sort(x, dim=-1, descending=True)
-                keep = _nucleus_keep(srt, s.top_p)
-                x = torch.full_like(x, float("-inf")).scatter(-1, order, srt.masked_fill(~keep, float("-inf")))
+                out = torch.full_like(x, float("-inf"))
+                out.scatter_(-1, top_ids, top.masked_fill(~(keep & covered[:, None]), float("-inf")))
+                rows = (~covered).nonzero()[:, 0]
+                srt, order = torch.sort(x[rows], dim=-1, descending=True)
+                flat = srt.masked_fill(~_nucleus_keep(srt, s.top_p), float("-inf"))
+                out[rows] = torch.full_like(srt, float("-inf")).scatter(-1, order, flat)
+                x = out
         else:
             x = x.masked_fill(~_nucleus_keep(x, s.top_p), float("-inf"))
     if s.min_p > 0:
@@ -79,8 +84,9 @@ def sample(
     x, cand = processed_logits(logits, s)
     lse = torch.logsumexp(x, -1, keepdim=True)
     # Exponential race: argmax(log p - log E) is a draw from p (the Gumbel-max trick, one pass).
-    e = torch.empty_like(x).exponential_(generator=generator)
-    pick = (x - lse - e.log()).argmax(-1)
+    # argmax(x - log E) (the row's normalizer does not move the argmax), in place: passes over [B, V] are the cost.
+    race = torch.empty_like(x).exponential_(generator=generator).log_().neg_().add_(x)
+    pick = race.argmax(-1)
     lp = (x.gather(-1, pick[:, None]) - lse)[:, 0]
     tok = pick if cand is None else cand.gather(-1, pick[:, None])[:, 0]
     return tok, lp

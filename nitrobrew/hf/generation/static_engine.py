@@ -60,6 +60,10 @@ class StaticCacheGenerator(_LiveModel):
         prompt_bucket: prompts are padded on the left to a multiple of this.
         cache_bucket: the cache's length (prompt bucket + max_new_tokens) is rounded up to a multiple of this.
         check_every: decode steps between the host syncs that stop the loop once every row has ended.
+        max_caches: KV caches kept between calls (the most recently used buckets).
+        gqa_decode: for a model with SDPA attention and grouped key/value heads, run each decode step's
+            attention on the key/value heads (``decode_attention``) instead of repeating the cache per query
+            head (what transformers' SDPA does under torch.compile whenever a mask is given).
     """
 
     name = "static"
@@ -77,8 +81,13 @@ class StaticCacheGenerator(_LiveModel):
         prompt_bucket: int = 64,
         cache_bucket: int = 256,
         check_every: int = 16,
+        max_caches: int = 2,
+        gqa_decode: bool = True,
     ):
-        for name, v in (("prompt_bucket", prompt_bucket), ("cache_bucket", cache_bucket), ("check_every", check_every)):
+        sizes = dict(
+            prompt_bucket=prompt_bucket, cache_bucket=cache_bucket, check_every=check_every, max_caches=max_caches
+        )
+        for name, v in sizes.items():
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.model = model
@@ -91,6 +100,8 @@ class StaticCacheGenerator(_LiveModel):
             else ("reduce-overhead" if device.type == "cuda" else None)
         )
         self.prompt_bucket, self.cache_bucket, self.check_every = prompt_bucket, cache_bucket, check_every
+        self.max_caches = max_caches
+        self.gqa_decode = bool(gqa_decode)
         self._caches: Dict[Tuple[int, int], object] = {}
         self._warm: set = set()
         self._step = None
@@ -110,8 +121,10 @@ class StaticCacheGenerator(_LiveModel):
     # -- the pieces -------------------------------------------------------------------------------
     def _cache(self, m, batch: int, length: int):
         key = (batch, length)
-        cache = self._caches.get(key)
+        cache = self._caches.pop(key, None)
         if cache is None:
+            while len(self._caches) >= self.max_caches:  # the least recently used bucket's memory goes first
+                self._caches.pop(next(iter(self._caches)))
             from transformers import StaticCache
 
             try:  # transformers >= 4.56: allocated at the first update, at its batch
@@ -121,9 +134,9 @@ class StaticCacheGenerator(_LiveModel):
                 cache = StaticCache(
                     config=m.config, max_batch_size=batch, max_cache_len=length, device=p.device, dtype=p.dtype
                 )
-            self._caches[key] = cache
         else:
             cache.reset()
+        self._caches[key] = cache  # most recently used last
         return cache
 
     def _decode_fn(self, m):
@@ -132,6 +145,11 @@ class StaticCacheGenerator(_LiveModel):
         if self._step is None:
             from transformers.generation.configuration_utils import CompileConfig
 
+            # One graph per (batch, cache length) bucket, all of the same code object: room for more of them
+            # than dynamo's default of 8 before it falls back to eager.
+            for limit in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, limit):
+                    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
             cfg = CompileConfig(fullgraph=False, dynamic=False, backend=self.compile_backend, mode=self.compile_mode)
             self._step = m.get_compiled_call(cfg)
         return self._step
@@ -166,9 +184,10 @@ class StaticCacheGenerator(_LiveModel):
             seen = torch.cat([seen, ids[:, -1:].expand(Bb, G).clone()], 1)
         was_training = m.training
         m.eval()
+        swapped = self.gqa_decode and _use_decode_attention(m)
         graphs0 = compiled_graphs()
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()  # this stream: training may run beside it
         rng = None
         if sampling.seed is not None and not sampling.greedy:
             rng = torch.Generator(device=device).manual_seed(int(sampling.seed))
@@ -219,24 +238,68 @@ class StaticCacheGenerator(_LiveModel):
                 logits = logits.clone() if self.compile else logits
         finally:
             m.train(was_training)
+            if swapped:
+                m.config._attn_implementation = "sdpa"
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()  # this stream: training may run beside it
         seconds = time.perf_counter() - t0
         new_graphs = compiled_graphs() - graphs0
+        again = new_graphs if (Bb, L) in self._warm else 0  # a bucket compiled before: recompiled
         self.compiles += new_graphs
-        if (Bb, L) in self._warm:
-            self.recompiles += new_graphs
+        self.recompiles += again
         self._warm.add((Bb, L))
         ids_out = out_ids[:B, :steps]
         return Completions(
-            ids_out,
-            completion_mask(ids_out, eos),
-            out_lp[:B, :steps],
-            self.weight_version,
-            seconds,
-            steps,
+            ids=ids_out,
+            mask=completion_mask(ids_out, eos),
+            logprobs=out_lp[:B, :steps],
+            weight_version=self.weight_version,
+            seconds=seconds,
+            decode_steps=steps,
             compiles=new_graphs,
+            recompiles=again,
         )
+
+
+DECODE_ATTENTION = "nitrobrew_decode_sdpa"
+
+
+def decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' SDPA attention, except for a single query token with grouped key/value heads: the query
+    heads that share a key/value head become that head's query rows ([B, H, 1, D] -> [B, H_kv, H / H_kv, D]),
+    so the cache is read once per key/value head instead of repeated for every query head (transformers'
+    SDPA repeats it whenever a mask is given, as a static cache always gives one; its own packing is eager
+    only). Exact: every query row of a group sees the same keys under the same mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    mask_per_head = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1
+    if groups == 1 or query.shape[2] != 1 or mask_per_head or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    B, H, _, D = query.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(B, H // groups, groups, D), key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )
+    return out.reshape(B, H, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _use_decode_attention(m) -> bool:
+    """Switch an SDPA model to ``decode_attention`` (registered with transformers' attention and mask
+    interfaces, the mask as SDPA's) for this call; False where the model does not use SDPA."""
+    config = getattr(m, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:  # older transformers: repeat the cache as before
+        return False
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+    config._attn_implementation = DECODE_ATTENTION
+    return True
 
 
 def _cache_keyword(m) -> str:

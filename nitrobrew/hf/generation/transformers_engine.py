@@ -96,7 +96,7 @@ class DynamicCacheGenerator(_LiveModel):
         finally:
             m.train(was_training)
         if prompt_ids.device.type == "cuda":
-            torch.cuda.synchronize(prompt_ids.device)
+            torch.cuda.current_stream(prompt_ids.device).synchronize()
         seconds = time.perf_counter() - t0
         ids = out[:, prompt_ids.shape[1] :]
         return Completions(ids, completion_mask(ids, eos), None, self.weight_version, seconds, ids.shape[1])
@@ -129,7 +129,7 @@ class CallableGenerator(_LiveModel):
             raw, prompt_ids.shape[0], sampling.max_new_tokens, vocab_of(self.model), "generate_fn"
         ).to(prompt_ids.device)
         if prompt_ids.device.type == "cuda":
-            torch.cuda.synchronize(prompt_ids.device)
+            torch.cuda.current_stream(prompt_ids.device).synchronize()
         seconds = time.perf_counter() - t0
         return Completions(
             ids, completion_mask(ids, sampling.eos_list()), None, self.weight_version, seconds, ids.shape[1]

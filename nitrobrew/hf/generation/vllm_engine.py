@@ -120,9 +120,10 @@ def completions_from(
     )
 
 
-def student_weights(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """The student's parameters and buffers under the checkpoint names vLLM loads (transformers' names), on
-    the CPU, each storage once (a tied head is left to the engine's tying)."""
+def student_weights(model: torch.nn.Module, cpu: bool = True) -> Dict[str, torch.Tensor]:
+    """The student's parameters and buffers under the checkpoint names vLLM loads (transformers' names), each
+    storage once (a tied head is left to the engine's tying): copies on the CPU, or (``cpu=False``, for an
+    engine in this process, which copies them into its own) the tensors where they are."""
     m = unwrap(model)
     names = [n for n, _ in m.named_parameters()]
     if any(".base_layer." in n or "lora_" in n for n in names):
@@ -139,7 +140,7 @@ def student_weights(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
             continue
         if key is not None:
             seen.add(key)
-        out[name] = t.detach().to("cpu", copy=True).contiguous()
+        out[name] = t.detach().to("cpu", copy=True).contiguous() if cpu else t.detach()
     return out
 
 
@@ -279,7 +280,7 @@ class VLLMColocatedGenerator:
             self.sleep_mode if sleep_between_generations is None else bool(sleep_between_generations)
         )
         self.sleep_level = sleep_level
-        self.engine_args = dict(
+        engine_args = dict(
             tensor_parallel_size=1,
             gpu_memory_utilization=float(gpu_memory_utilization),
             kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -290,8 +291,9 @@ class VLLMColocatedGenerator:
             skip_tokenizer_init=True,  # prompts arrive as token ids; completions leave as token ids
             logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from
             enable_sleep_mode=self.sleep_mode,
-            **(engine_kwargs or {}),
         )
+        engine_args.update(engine_kwargs or {})  # e.g. dtype="bfloat16" for a student trained in float32
+        self.engine_args = engine_args
         self.weight_version = 0  # the sync_weights call whose weights the engine holds
         self.sync_calls = 0
         self.llm = None
@@ -334,7 +336,7 @@ class VLLMColocatedGenerator:
     def _load(self, model: torch.nn.Module) -> None:
         """The student's weights into the running engine, then a fresh prefix cache."""
         if self.in_process:
-            weights = student_weights(model)
+            weights = student_weights(model, cpu=False)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
         else:
             write_weights(model, self.dir)
