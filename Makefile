@@ -86,7 +86,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
 	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -e ".[hf]" pytest hypothesis
+	$(VLLM_PY) -m pip install -q -e ".[hf]" pytest hypothesis peft
 	rm -f $(VLLM_VENV)/.installed-*
 	touch $@
 
