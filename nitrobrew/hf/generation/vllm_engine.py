@@ -407,9 +407,8 @@ class VLLMColocatedGenerator:
         self.stale = False
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> Completions:
-        from vllm.inputs import TokensPrompt
-
         from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
 
         self.wake()
         prompts = prompt_lists(prompt_ids, prompt_mask)
