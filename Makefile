@@ -56,15 +56,20 @@ test: lint typecheck no-triton
 # in a virtualenv of its own: Python 3.11, the CPU build of torch first, then the versions it was tested with
 # (tests/integrations/requirements-trl.txt: `pip install -e ".[trl]"` as resolved, pinned so that pip does
 # not resolve again) and nitrobrew.
-# --import-mode=importlib keeps tests/ off sys.path: there tests/vllm would pass for the vllm package
-# (TRL and Axolotl probe for it at import).
+# --import-mode=importlib keeps tests/ off sys.path (TRL and Axolotl probe for packages at import; a folder of
+# tests must never pass for one).
 TRL_VENV ?= .venv-trl
 TRL_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.11*/bin/python3.11) python3.11)
-test-trl:
+TRL_STAMP := $(TRL_VENV)/.installed-$(shell cat pyproject.toml tests/integrations/requirements-trl.txt | cksum | cut -d' ' -f1)
+$(TRL_STAMP): pyproject.toml tests/integrations/requirements-trl.txt
 	test -x $(TRL_VENV)/bin/python || $(TRL_PYTHON) -m venv $(TRL_VENV)
 	$(TRL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
 	$(TRL_VENV)/bin/python -m pip install -q --no-deps -r tests/integrations/requirements-trl.txt
 	$(TRL_VENV)/bin/python -m pip install -q --no-deps -e .
+	rm -f $(TRL_VENV)/.installed-*
+	touch $@
+
+test-trl: $(TRL_STAMP)
 	$(TRL_VENV)/bin/python -m pytest -q -p no:cacheprovider --import-mode=importlib tests/integrations/test_trl.py
 
 # The Axolotl leg: the plugin under Axolotl's own config parsing and collators
@@ -76,10 +81,15 @@ test-trl:
 AXOLOTL_VENV ?= .venv-axolotl
 # pyenv keeps 3.12 off the PATH when another version is global: take it from pyenv if it is there
 AXOLOTL_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
-test-axolotl:
+AXOLOTL_STAMP := $(AXOLOTL_VENV)/.installed-$(shell cat pyproject.toml tests/integrations/requirements-axolotl.txt | cksum | cut -d' ' -f1)
+$(AXOLOTL_STAMP): pyproject.toml tests/integrations/requirements-axolotl.txt
 	test -x $(AXOLOTL_VENV)/bin/python || $(AXOLOTL_PYTHON) -m venv $(AXOLOTL_VENV)
 	$(AXOLOTL_VENV)/bin/python -m pip install -q --no-deps -r tests/integrations/requirements-axolotl.txt
 	$(AXOLOTL_VENV)/bin/python -m pip install -q --no-deps -e .
+	rm -f $(AXOLOTL_VENV)/.installed-*
+	touch $@
+
+test-axolotl: $(AXOLOTL_STAMP)
 	$(AXOLOTL_VENV)/bin/python -m pytest -q -p no:cacheprovider --import-mode=importlib tests/integrations/test_axolotl.py
 
 clean:
@@ -101,6 +111,9 @@ $(VLLM_STAMP): pyproject.toml
 	rm -f $(VLLM_VENV)/.installed-*
 	touch $@
 
-.PHONY: test-vllm
+.PHONY: test-vllm legs-venvs
 test-vllm: $(VLLM_STAMP)
 	VLLM_LOGGING_LEVEL=WARNING $(VLLM_PY) -m pytest -p no:xdist -p no:logging tests/vllm_backends
+
+# The three legs' virtualenvs (downloads and unpacking, little CPU): .ci/run builds them while `make test` runs.
+legs-venvs: $(TRL_STAMP) $(AXOLOTL_STAMP) $(VLLM_STAMP)
