@@ -316,6 +316,6 @@ def row_grad(
     _, v, _, _ = row_terms(name, lp, lq, d, param)
     q = lq.exp()
     g = v - q * sum_u
-    if top is None or v_rest is None:
+    if top is None or v_rest is None or name == "forward_kl":  # forward_kl: sum_u = 0, v = q - p is the gradient
         return g
     return torch.where(top, v * -torch.expm1(-log_l) - q * v_rest, g)
