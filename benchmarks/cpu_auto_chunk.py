@@ -24,15 +24,18 @@ from nitrobrew.core.online import auto_chunk_v  # noqa: E402
 
 
 def step_seconds(xs, xt, ws, wt, chunk, repeats):
-    times = []
+    """(wall, process CPU) seconds of one forward + backward, medians over the repeats. CPU time is the
+    steadier of the two on a machine shared with other work."""
+    wall, cpu = [], []
     for i in range(repeats + 1):
         x = xs.detach().requires_grad_()
         w = ws.detach().requires_grad_()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         hidden_loss(x, xt, w, wt, backend="torch", chunk_V=chunk).backward()
         if i:  # the first is a warm-up
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def main(argv=None) -> int:
@@ -43,26 +46,36 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--fixed", default="1024,4096,16384,65536", help="fixed chunks to compare")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     xs = torch.randn(args.rows, args.hidden, generator=g)
     xt = torch.randn(args.rows, args.hidden, generator=g)
     ws = torch.randn(args.vocab, args.hidden, generator=g) / args.hidden**0.5
     wt = torch.randn(args.vocab, args.hidden, generator=g) / args.hidden**0.5
     auto = auto_chunk_v(args.rows, args.vocab, device=xs.device)
-    rows = [("auto", auto, step_seconds(xs, xt, ws, wt, None, args.repeats))]
+    rows = [("automatic", auto, step_seconds(xs, xt, ws, wt, None, args.repeats))]
     for chunk in (int(c) for c in args.fixed.split(",")):
         if chunk <= args.vocab:
             rows.append(("fixed", chunk, step_seconds(xs, xt, ws, wt, chunk, args.repeats)))
+    # the rule before the cache-size one: rows * chunk near 2^24 elements (64 MiB of fp32)
+    before = auto_chunk_v(args.rows, args.vocab, device="cuda")
     lines = [
         f"# CPU: automatic vocab chunk of the PyTorch path ({args.rows} rows, V = {args.vocab}, H = {args.hidden})",
         "",
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; forward + backward of hidden_loss "
         f"(forward_kl, backend='torch'), median of {args.repeats}.",
         "",
-        "| chunk_V | chosen | seconds |",
-        "|---|---|---|",
-        *(f"| {chunk} | {how} | {sec:.4f} |" for how, chunk, sec in rows),
+        f"Before the cache-size rule the automatic chunk here was {before} (rows * chunk near 2^24).",
+        "",
+        "| chunk_V | chosen | wall s | CPU s | CPU time / automatic |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {chunk} | {how} | {wall:.3f} | {cpu:.3f} | {cpu / rows[0][2][1]:.2f} |"
+            for how, chunk, (wall, cpu) in rows
+        ),
         "",
     ]
     text = "\n".join(lines)

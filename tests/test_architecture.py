@@ -301,7 +301,7 @@ POSITIONAL_TODO = {
     "hidden/chunked.py": 19,
     "hidden/triton_function.py": 16,
     "hidden/vocab_parallel.py": 15,
-    "topk/vocab_parallel.py": 6,
+    "topk/vocab_parallel.py": 5,
     "bench/attention.py": 10,
     "bench/hidden.py": 9,
     "bench/topk.py": 7,
@@ -312,8 +312,6 @@ POSITIONAL_TODO = {
     "teacher/rollout.py": 1,
     "demo/lm.py": 3,
     "hf/generation/transformers_engine.py": 2,
-    "hf/generation/static_engine.py": 1,
-    "hf/generation/vllm_engine.py": 1,
     "integrations/trl.py": 2,
     "environment.py": 1,
     "core/launch.py": 1,  # for good: the compiled kernel's launcher (a C function) takes positions only

@@ -78,3 +78,19 @@ def test_readme_topk_snippet_follows_the_advice():
     for call in calls:
         if 'normalize="full"' in call and "ce_weight" not in call:
             assert "tail=True" in call, call
+
+
+def test_a_store_command_does_not_import_the_losses():
+    """topk-verify's parser loads the store code alone, not the loss families (sympy via torch.fx)."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from nitrobrew.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n"
+        "        main(['topk-verify', '--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted(m for m in ('nitrobrew.hidden', 'nitrobrew.topk', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -235,3 +235,31 @@ def test_logprobs_are_those_of_the_sampling_distribution():
     filtered = reference_filter(logits.reshape(-1, V), s).reshape(logits.shape)
     want = torch.log_softmax(filtered, -1).gather(-1, c.ids[..., None])[..., 0]
     torch.testing.assert_close(c.logprobs, want, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_attention_runs_on_the_key_value_heads():
+    """One query token, grouped heads: decode_attention == transformers' SDPA (which repeats the cache), on a
+    padding mask; the engine switches the model to it for the call only."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from nitrobrew.hf.generation.static_engine import decode_attention
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    q, k, v = torch.randn(2, 6, 1, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
+    mask = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+    mask[1, ..., :4] = False  # a left-padded row
+    got, _ = decode_attention(module, q, k, v, mask, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    torch.testing.assert_close(got, want)
+    assert got.shape == (2, 1, 6, 8)
+
+    model = qwen2()
+    assert model.config._attn_implementation == "sdpa"
+    ids, mask = prompts()
+    s = Sampling(max_new_tokens=12, temperature=0.0, pad_token_id=0)
+    packed = StaticCacheGenerator(model, prompt_bucket=8, cache_bucket=16).generate(ids, mask, s)
+    assert model.config._attn_implementation == "sdpa"  # restored
+    repeated = StaticCacheGenerator(model, prompt_bucket=8, cache_bucket=16, gqa_decode=False).generate(ids, mask, s)
+    assert torch.equal(packed.ids, repeated.ids)

@@ -192,6 +192,10 @@ def test_config_mistakes_are_one_line_and_write_nothing(files, tmp_path, capsys)
         "blank_data": (base + models + f"data: {tmp_path / 'blank.jsonl'}\n", "is empty"),
         "negative_max_length": (base + models + f"data: {files / 'data.jsonl'}\nmax_length: -3\n", "max_length must"),
         "zero_max_length": (base + models + f"data: {files / 'data.jsonl'}\nmax_length: 0\n", "max_length must"),
+        "unknown_lora_key": (
+            base + models + f"data: {files / 'data.jsonl'}\npeft: {{r: 4, bogus: 1}}\n",
+            "peft: LoraConfig",
+        ),
         "duplicate_key": (
             base + models + f"data: {files / 'data.jsonl'}\nbeta: 0.2\nbeta: 0.7\n",
             "key 'beta' is given twice (line",

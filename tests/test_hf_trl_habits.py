@@ -218,3 +218,18 @@ def test_generation_progress_shows_on_the_step_bar(tmp_path, capsys):
     ).train()
     err = capsys.readouterr().err
     assert "generating 1 completion (student) ..." in err and "tokens/s" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("ce_on_policy", [True, False])
+def test_ce_on_policy_batches_can_be_skipped(tmp_path, ce_on_policy):
+    data = sequences([6, 6])
+    for row in data:
+        row["labels"] = [-100] * 3 + row["input_ids"][3:]
+    a = args(tmp_path, lmbda=1.0, max_new_tokens=4, ce_weight=0.5, ce_on_policy=ce_on_policy, max_steps=2)
+    trainer = DistillationTrainer(
+        model=student_model(), teacher_model=teacher_model(), args=a, train_dataset=data, data_collator=PadCollator()
+    )
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "ce_loss" in h]
+    assert len(logged) == 2 and all(h["kd_loss"] > 0 for h in logged)
+    assert all((h["ce_loss"] > 0) == ce_on_policy for h in logged), logged

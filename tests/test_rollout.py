@@ -110,6 +110,15 @@ def test_rollout_extract_train_end_to_end(tmp_path, capsys):
     # prompt positions are neither stored nor counted: one row per completion token
     assert man["num_rows"] == sum(len(s) - p for s, p in zip(seqs, plen))
     assert man["source"]["rollouts"] == os.path.abspath(roll)
+    # a top-k store over the same rollouts stores the prompt's rows, but they do not count
+    from nitrobrew.teacher.data import TopKCollator, TopKDataset
+
+    topk = str(tmp_path / "topk")
+    assert cli_main(extract[:-3] + [topk, "--device", "cpu", "--no-progress", "--kind", "topk", "--k", "4"]) == 0
+    ds = TopKDataset(topk)
+    batch = TopKCollator()([ds[i] for i in range(len(ds))])
+    assert int((batch["labels"] != -100).sum()) == man["num_rows"]
+    assert ds[0]["topk_ids"].shape[0] == len(seqs[0]) - 1
     config = {
         "student": student,
         "data": store,

@@ -9,6 +9,7 @@ ranks by rescaling to the larger max.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
@@ -161,9 +162,28 @@ def spans(n: int, size: int) -> Iterator[Tuple[int, int]]:
         yield lo, min(lo + size, n)
 
 
+def _cache_bytes() -> int:
+    """This CPU's per-core L2 cache in bytes (2 MiB where the system does not say)."""
+    try:
+        size = os.sysconf("SC_LEVEL2_CACHE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        size = 0
+    return size if size and size > 0 else 2 << 20
+
+
 def auto_chunk_v(n_rows: int, vocab: int, budget_elems: int = 1 << 24, device=None) -> int:
-    """A power-of-two vocab chunk with rows * chunk near `budget_elems` (64 MiB of fp32)."""
+    """A power-of-two vocab chunk (at least 256, at most the vocabulary).
+
+    On a GPU: rows * chunk near `budget_elems` (64 MiB of fp32): few, large launches. On a CPU
+    (``device`` a CPU device, or None on a machine without CUDA): the fp32 slab of rows * chunk
+    within twice the core's L2 cache, since each chunk's slab is read and written several times
+    (exp, sums, the gradient) and a slab that spills to memory runs ~3x slower (256 rows,
+    V = 65536: 4096 columns, not the whole vocabulary)."""
+    rows = max(n_rows, 1)
+    on_cpu = torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available()
+    if on_cpu:
+        budget_elems = min(budget_elems, max((2 * _cache_bytes()) // 4, 1))
     chunk = 256
-    while chunk * 2 * max(n_rows, 1) <= budget_elems and chunk < vocab:
+    while chunk * 2 * rows <= budget_elems and chunk < vocab:
         chunk *= 2
     return min(chunk, vocab)

@@ -406,7 +406,7 @@ def offline_stores(runner: Runner, teacher, student, data: Data) -> Dict:
         hidden_dtype="bfloat16",
         prompt_lengths=plen,
         sequences_per_shard=max(len(seqs) // 4, 1),
-        source={"rollouts": paths["rollouts"]},
+        source={"rollouts": os.path.abspath(paths["rollouts"])},
         resume=runner.resume,
     )
     topk = extract_topk(
@@ -416,7 +416,7 @@ def offline_stores(runner: Runner, teacher, student, data: Data) -> Dict:
         k=cfg.topk,
         temperature=cfg.temperature,
         sequences_per_shard=max(len(seqs) // 4, 1),
-        source={"rollouts": paths["rollouts"]},
+        source={"rollouts": os.path.abspath(paths["rollouts"])},  # TopKDataset reads the prompt lengths there
         resume=runner.resume,
     )
     t_extract = time.perf_counter() - t0
@@ -544,15 +544,13 @@ def run_demo(
                     temperature=cfg.temperature,
                 ).loss
             if method == "offline_topk":
-                b = collate_topk([rollout_topk[int(i)] for i in idx])
-                targets = b["labels"].clone()
-                targets[:, : cfg.prompt_len - 1] = -100  # the prompt's positions do not count
+                b = collate_topk([rollout_topk[int(i)] for i in idx])  # the prompt's positions do not count
                 return distill_loss(
                     student,
                     None,
                     b["input_ids"].to(dev),
                     b["attention_mask"].to(dev),
-                    targets=targets.to(dev),
+                    targets=b["labels"].to(dev),
                     divergence="topk",
                     topk_ids=b["topk_ids"].to(dev),
                     topk_logprobs=b["topk_logprobs"].to(dev),

@@ -134,7 +134,7 @@ def teacher_rows(
     return Rows(x, w, b, t.softcap)
 
 
-def check_stored_teacher(teacher, hidden, scale, head, input_ids: torch.Tensor, divergence: str) -> bool:
+def check_stored_teacher(teacher, hidden, scale, head, *, input_ids: torch.Tensor, divergence: str) -> bool:
     """Whether the batch carries a stored teacher (``teacher_hidden``); ValueError if it is malformed."""
     if hidden is None:
         if scale is not None or head is not None:
@@ -312,7 +312,14 @@ def distill_loss(
     Returns:
         ``LMDistillOutput(loss, kd, ce, n_tokens)``.
     """
-    stored = check_stored_teacher(teacher, teacher_hidden, teacher_hidden_scale, teacher_head, input_ids, divergence)
+    stored = check_stored_teacher(
+        teacher,
+        hidden=teacher_hidden,
+        scale=teacher_hidden_scale,
+        head=teacher_head,
+        input_ids=input_ids,
+        divergence=divergence,
+    )
     _check_request(divergence, teacher_head if stored else teacher, kd_weight, topk_ids, topk_logprobs)
     params = {k: v for k, v in kwargs.items() if k in dv.PARAMS}
     varlen = {k: v for k, v in kwargs.items() if k not in dv.PARAMS}

@@ -306,21 +306,28 @@ def _load_model(path: str, attn: Optional[str], dtype: str, init_kwargs: Optiona
 _LORA_NAMES = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
 
 
-def with_lora(student, config):
-    """The student with LoRA adapters (peft) as the ``peft`` mapping describes."""
+def lora_config(config):
+    """peft's LoraConfig from the ``peft`` mapping (checked before any model loads)."""
     from .trainer import _mapping
 
     config = _mapping("peft", config)
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
     except ImportError as err:
         raise ImportError("peft: needs the peft package: pip install peft") from err
     kwargs = {_LORA_NAMES.get(k, k): v for k, v in config.items()}
     kwargs.setdefault("task_type", "CAUSAL_LM")
     try:
-        lora = LoraConfig(**kwargs)
+        return LoraConfig(**kwargs)
     except TypeError as err:
         raise ValueError(f"peft: {' '.join(str(err).split())} (keys are LoraConfig's: r, alpha, ...)") from None
+
+
+def with_lora(student, config):
+    """The student with LoRA adapters (peft) as the ``peft`` mapping (or a LoraConfig) describes."""
+    from peft import get_peft_model
+
+    lora = config if type(config).__name__ == "LoraConfig" else lora_config(config)
     return get_peft_model(student, lora)
 
 
@@ -539,10 +546,11 @@ def build(model_args: ModelArguments, data_args: DataArguments, args):
     check_paths(model_args, data_args)
     if model_args.teacher is None and args.divergence != "topk" and not is_hidden_store(data_args.data):
         raise ValueError(f"divergence {args.divergence!r} needs a teacher (the teacher key, or data: a hidden store)")
+    lora = None if model_args.peft is None else lora_config(model_args.peft)
     dataset = build_dataset(model_args, data_args, args)
     student = _load_model(model_args.student, model_args.attn_implementation, model_args.student_dtype)
-    if model_args.peft is not None:
-        student = with_lora(student, model_args.peft)
+    if lora is not None:
+        student = with_lora(student, lora)
     teacher = None
     if model_args.teacher is not None:
         teacher = _load_model(
@@ -563,11 +571,17 @@ def build(model_args: ModelArguments, data_args: DataArguments, args):
 
 def _generator(m: ModelArguments, student, args):
     """The student's vLLM engine where the backend is one (else None: the trainer's default)."""
-    from .generation import BACKENDS, VLLM_BACKENDS, make_generator, resolve_backend
+    from .generation import BACKENDS, VLLM_BACKENDS, make_generator
+    from .generation.vllm_engine import vllm_importable
 
-    if args.generation_backend not in BACKENDS:
-        raise ValueError(f"generation_backend must be one of {', '.join(BACKENDS)}, got {args.generation_backend!r}")
-    backend = resolve_backend(args.generation_backend, student)
+    backend = args.generation_backend
+    if backend not in BACKENDS:
+        raise ValueError(f"generation_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        # Decided for the device the trainer will put the student on (it is still on the CPU here); under
+        # FSDP or asynchronous rollouts "auto" stays in process.
+        on_cuda = args.device.type == "cuda" and not args.fsdp and not args.generation_async
+        backend = "vllm" if on_cuda and vllm_importable() else "in process"
     if backend not in VLLM_BACKENDS or not (args.lmbda > 0):
         return None
     if backend == "vllm-server":

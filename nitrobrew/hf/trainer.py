@@ -102,6 +102,13 @@ class DistillationArguments(TrainingArguments):
         default=None,
         metadata={"help": f"more sampling settings for on-policy / seq_kd generation: {', '.join(GENERATION_KWARGS)}"},
     )
+    ce_on_policy: bool = field(
+        default=True,
+        metadata={
+            "help": "apply the CE term to on-policy batches too (their labels are the student's own samples); "
+            "false: to data and seq_kd batches only"
+        },
+    )
     log_completions: bool = field(
         default=False,
         metadata={"help": "at each logging step, append a generated completion to OUTPUT_DIR/completions.jsonl"},
@@ -232,10 +239,11 @@ class DistillationArguments(TrainingArguments):
                 "top_k and max_new_tokens are keys of their own: generation_temperature, top_p, top_k, max_new_tokens)"
             )
         self.teacher_model_init_kwargs = _mapping("teacher_model_init_kwargs", self.teacher_model_init_kwargs)
-        if self.ce_weight > 0 and self.lmbda > 0:
+        if self.ce_weight > 0 and self.lmbda > 0 and self.ce_on_policy:
             warnings.warn(
                 f"ce_weight={self.ce_weight} with lmbda={self.lmbda}: on on-policy batches the CE term trains the "
-                "student on its own samples (labels are its completions), not on the data",
+                "student on its own samples (labels are its completions), not on the data (ce_on_policy=False "
+                "applies it to the other batches only)",
                 stacklevel=2,
             )
 
@@ -608,6 +616,9 @@ class DistillationTrainer(Trainer):
             if self.args.generation_sleep:
                 self.generator_for(who).sleep()
             self._put_back(out, picked, rows, gen)
+            if who is self.model:
+                for i in picked:
+                    out[i]["on_policy"] = True  # read by compute_loss (ce_on_policy)
         return out
 
     # -- asynchronous generation ----------------------------------------------------------------
@@ -677,6 +688,8 @@ class DistillationTrainer(Trainer):
             done = self._rollouts.result(j)
             device = self.args.device
             self._put_back(out, picked, rows, assemble(ids.to(device), mask.to(device), done, pad))
+            for i in picked:
+                out[i]["on_policy"] = True  # read by compute_loss (ce_on_policy)
             self._add("gen_lag", torch.tensor(float(self._rollouts.version - done.weight_version)))
             self._add("gen_windows", torch.tensor(1.0))
         return out
@@ -742,6 +755,8 @@ class DistillationTrainer(Trainer):
         if not self._heads_checked:
             self._check_heads(model, inputs, packing)
         temperature, kd_weight, ce_weight = (self.current(n) for n in ("temperature", "kd_weight", "ce_weight"))
+        if inputs.get("on_policy") and not a.ce_on_policy:
+            ce_weight = 0.0  # the student's own samples are no labels to imitate
         if model.training:
             self._schedule = {"temperature": temperature, "kd_weight": kd_weight, "ce_weight": ce_weight}
         out = distill_loss(

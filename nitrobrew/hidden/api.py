@@ -19,29 +19,36 @@ from .validation import check_hidden_tensors, check_loss_options, prepare_rows
 Tensor = torch.Tensor
 
 
-def _validate(
-    xs,
-    xt,
-    ws,
-    wt,
-    bs,
-    bt,
-    labels,
-    vocab_size,
-    temperature,
-    reduction,
-    chunk_V,
-    kd_weight,
-    ce_weight,
-    ignore_index,
-    backend,
-    mode,
-    memory_budget,
-    softcap_s,
-    softcap_t,
-) -> int:
+class HiddenOptions(TypedDict, total=False):
+    """The options of the six losses, once (their defaults: ``hidden_loss``'s signature; their meaning: the
+    docstrings). ``tests/test_architecture.py`` checks that it lists exactly ``hidden_loss``'s options."""
+
+    labels: Optional[Tensor]
+    ignore_index: int
+    temperature: float
+    reduction: str
+    chunk_V: Optional[int]
+    vocab_size: Optional[int]
+    bs: Optional[Tensor]
+    bt: Optional[Tensor]
+    kd_weight: float
+    ce_weight: float
+    scale_t2: bool
+    backend: str
+    mode: Optional[str]
+    memory_budget: Optional[int]
+    grad_filter: Union[bool, float]
+    softcap_s: Optional[float]
+    softcap_t: Optional[float]
+    return_parts: bool
+    process_group: Any
+
+
+def _validate(xs, xt, ws, wt, options: HiddenOptions) -> int:
     """Check everything before any kernel runs; return the vocabulary size to use."""
-    check_hidden_tensors(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels)
+    o = options
+    labels, vocab_size = o["labels"], o["vocab_size"]
+    check_hidden_tensors(xs=xs, xt=xt, ws=ws, wt=wt, bs=o["bs"], bt=o["bt"], labels=labels)
     if vocab_size is None:
         if ws.shape[0] != wt.shape[0]:
             raise ValueError(
@@ -52,19 +59,20 @@ def _validate(
     elif not (ck.is_int(vocab_size) and 0 < vocab_size <= min(ws.shape[0], wt.shape[0])):
         raise ValueError(f"vocab_size must be an int in [1, {min(ws.shape[0], wt.shape[0])}], got {vocab_size!r}")
     check_loss_options(
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        backend=backend,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
+        temperature=o["temperature"],
+        reduction=o["reduction"],
+        chunk_V=o["chunk_V"],
+        backend=o["backend"],
+        kd_weight=o["kd_weight"],
+        ce_weight=o["ce_weight"],
         labels=labels,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
+        softcap_s=o["softcap_s"],
+        softcap_t=o["softcap_t"],
     )
-    ck.check_mode(mode, memory_budget)
-    if ce_weight != 0:
-        ck.check_ids_in_range("labels", labels, vocab_size, ignore_index)
+    ck.check_mode(o["mode"], o["memory_budget"])
+    gf.check_grad_filter(o["grad_filter"])
+    if o["ce_weight"] != 0 and labels is not None:  # labels are checked present for ce_weight != 0
+        ck.check_ids_in_range("labels", labels, vocab_size, o["ignore_index"])
     return vocab_size
 
 
@@ -108,59 +116,33 @@ def hidden_loss(
         xs, xt, ws, wt, bs, bt, labels, process_group = unwrap(
             xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels, process_group=process_group
         )
-    if process_group is not None:  # vocab-parallel heads
-        from .vocab_parallel import parallel_hidden_loss
-
-        return parallel_hidden_loss(
-            xs,
-            xt,
-            ws,
-            wt,
-            process_group=process_group,
-            divergence=divergence,
-            labels=labels,
-            ignore_index=ignore_index,
-            temperature=temperature,
-            reduction=reduction,
-            chunk_V=chunk_V,
-            vocab_size=vocab_size,
-            bs=bs,
-            bt=bt,
-            kd_weight=kd_weight,
-            ce_weight=ce_weight,
-            scale_t2=scale_t2,
-            backend=backend,
-            mode=mode,
-            memory_budget=memory_budget,
-            grad_filter=grad_filter,
-            softcap_s=softcap_s,
-            softcap_t=softcap_t,
-            return_parts=return_parts,
-            **params,
-        )
-    name, param = ck.divergence_param(divergence, params)
-    V = _validate(
-        xs=xs,
-        xt=xt,
-        ws=ws,
-        wt=wt,
-        bs=bs,
-        bt=bt,
+    options: HiddenOptions = dict(  # the options once: checked by _validate, handed on as they are
         labels=labels,
-        vocab_size=vocab_size,
+        ignore_index=ignore_index,
         temperature=temperature,
         reduction=reduction,
         chunk_V=chunk_V,
+        vocab_size=vocab_size,
+        bs=bs,
+        bt=bt,
         kd_weight=kd_weight,
         ce_weight=ce_weight,
-        ignore_index=ignore_index,
+        scale_t2=scale_t2,
         backend=backend,
         mode=mode,
         memory_budget=memory_budget,
+        grad_filter=grad_filter,
         softcap_s=softcap_s,
         softcap_t=softcap_t,
+        return_parts=return_parts,
+        process_group=process_group,
     )
-    gf.check_grad_filter(grad_filter)
+    if process_group is not None:  # vocab-parallel heads
+        from .vocab_parallel import parallel_hidden_loss
+
+        return parallel_hidden_loss(xs, xt, ws, wt, divergence=divergence, **options, **params)
+    name, param = ck.divergence_param(divergence, params)
+    V = _validate(xs, xt, ws, wt, options)
     impl = ck.resolve_backend(backend, xs.device)
 
     lead = xs.shape[:-1]
@@ -282,31 +264,6 @@ def _doc(name: str) -> str:
         else f"\n    {spec.name}: {spec.help}, in [{spec.low:g}, {spec.high:g}], default {spec.default}.\n"
     )
     return d.summary + "\n" + param + _COMMON_DOC
-
-
-class HiddenOptions(TypedDict, total=False):
-    """The options of the six losses, once (their defaults: ``hidden_loss``'s signature; their meaning: the
-    docstrings). ``tests/test_architecture.py`` checks that it lists exactly ``hidden_loss``'s options."""
-
-    labels: Optional[Tensor]
-    ignore_index: int
-    temperature: float
-    reduction: str
-    chunk_V: Optional[int]
-    vocab_size: Optional[int]
-    bs: Optional[Tensor]
-    bt: Optional[Tensor]
-    kd_weight: float
-    ce_weight: float
-    scale_t2: bool
-    backend: str
-    mode: Optional[str]
-    memory_budget: Optional[int]
-    grad_filter: Union[bool, float]
-    softcap_s: Optional[float]
-    softcap_t: Optional[float]
-    return_parts: bool
-    process_group: Any
 
 
 OPTION_NAMES = frozenset(HiddenOptions.__annotations__)

@@ -22,7 +22,7 @@ from .. import divergences as dv
 from ..core import checks as ck
 from ..core.online import FAR_NATS, Online, auto_chunk_v, spans
 from ..core.ops import compute_dtype, softcap_grad_
-from ..core.reduction import combine_rows, row_scales
+from ..core.reduction import PartsFunction, combine_rows, row_scales
 from ..core.slabs import chunk_logits, gather_label_logit, head_grads_from_chunk
 from . import grad_filter as gf
 from .config import LossConfig, Operands
@@ -322,8 +322,10 @@ class TorchLocal:
         return backward_chunks(ops, labels, st, cfg, kd_scale, ce_scale, self.chunk, need_w=need_w)
 
 
-class ChunkedDistill(torch.autograd.Function):
+class ChunkedDistill(PartsFunction):
     """Per-row (total, kd, ce) losses; gradients to xs, ws and bs (the teacher is constant)."""
+
+    STUDENT_INPUTS = (0, 2, 4)
 
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig):
@@ -332,8 +334,7 @@ class ChunkedDistill(torch.autograd.Function):
         total, kd, ce = combine_rows(st.kd, st.ce, mask, cfg)
         ctx.save_for_backward(xs, xt, ws, wt, bs, bt, labels, mask)
         ctx.stats, ctx.cfg, ctx.chunk = st, cfg, chunk
-        ctx.mark_non_differentiable(kd, ce)
-        return total, kd, ce
+        return ChunkedDistill.parts(ctx, total, kd, ce)
 
     @staticmethod
     @ck.no_double_backward
@@ -349,12 +350,9 @@ class ChunkedDistill(torch.autograd.Function):
             kd_scale,
             ce_scale,
             ctx.chunk,
-            need_w=ctx.needs_input_grad[2] or ctx.needs_input_grad[4],
+            need_w=ChunkedDistill.head_needed(ctx),
         )
-        dx = dx.to(xs.dtype) if ctx.needs_input_grad[0] else None
-        dw = dw if ctx.needs_input_grad[2] else None
-        db = db if ctx.needs_input_grad[4] else None
-        return dx, None, dw, None, db, None, None, None, None
+        return ChunkedDistill.input_grads(ctx, dx.to(xs.dtype) if ctx.needs_input_grad[0] else None, dw, db)
 
 
 def chunked_rows(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig):

@@ -21,7 +21,7 @@ from .. import divergences as dv
 from ..core import checks as ck
 from ..core.online import Online, spans
 from ..core.ops import grad_needed, kernel_operands, linear_logits, mm_acc, mm_acc_add, softcap_
-from ..core.reduction import combine_rows, reduce_rows, reduction_scale, row_scales, row_upstream
+from ..core.reduction import PartsFunction, combine_rows, reduce_rows, reduction_scale, row_scales, row_upstream
 from ..core.slabs import accumulate_dw, alloc_grads, finish_grads, keep_for_backward, take_precomputed_grads
 from . import grad_filter as gf
 from . import kernels as tr
@@ -299,8 +299,10 @@ def distill_backward(ops: Operands, labels, mask, rs: RowStats, cfg: LossConfig,
     return finish_grads(dx, dw, db, ws, bs)
 
 
-class TritonDistill(torch.autograd.Function):
+class TritonDistill(PartsFunction):
     """Reduced (total, kd, ce); gradients to xs, ws, bs."""
+
+    STUDENT_INPUTS = (0, 2, 4)
 
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool):
@@ -308,13 +310,11 @@ class TritonDistill(torch.autograd.Function):
             Operands(xs, xt, ws, wt, bs, bt), labels, mask, cfg, plan, need_grad, tile_bounds=True
         )
         keep_for_backward(ctx, cfg, plan, grads, rs, (xs, xt, ws, wt, bs, bt, labels, mask))
-        ctx.mark_non_differentiable(out[1], out[2])
-        return out
+        return TritonDistill.parts(ctx, *out)
 
     @staticmethod
     @ck.no_double_backward
     def backward(ctx, grad_total, _gkd, _gce):
-        need = ctx.needs_input_grad
         if ctx.precompute:
             dx, dw, db = take_precomputed_grads(ctx, grad_total)
         else:
@@ -322,19 +322,7 @@ class TritonDistill(torch.autograd.Function):
             dx, dw, db = distill_backward(
                 Operands(xs, xt, ws, wt, bs, bt), labels, mask, ctx.state, ctx.cfg, ctx.plan, grad_total
             )
-        return (
-            dx if need[0] else None,
-            None,
-            dw if need[2] else None,
-            None,
-            db if need[4] else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        return TritonDistill.input_grads(ctx, dx, dw, db)
 
 
 def _concat_stats(stats, xs) -> RowStats:

@@ -25,7 +25,7 @@ from .. import divergences as dv
 from ..core import checks as ck
 from ..core.ops import compute_dtype, grad_needed
 from ..core.outputs import DistillOutput
-from ..core.reduction import IGNORE_INDEX, combine_rows, reduce_rows, reduction_scale, row_scales
+from ..core.reduction import IGNORE_INDEX, PartsFunction, combine_rows, reduce_rows, reduction_scale, row_scales
 from ..parallel.comm import (
     all_reduce,
     check_label_range,
@@ -113,8 +113,10 @@ def parallel_stats(ops: Operands, labels, cfg: LossConfig, local, group) -> RowS
     return _merged_stats(fp, cfg, group, second_pass)
 
 
-class VocabParallelDistill(torch.autograd.Function):
+class VocabParallelDistill(PartsFunction):
     """Per-row (total, kd, ce) over the global vocabulary; gradients to xs (full), ws and bs (local)."""
+
+    STUDENT_INPUTS = (0, 2, 4)
 
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, group, local):
@@ -122,8 +124,7 @@ class VocabParallelDistill(torch.autograd.Function):
         total, kd, ce = combine_rows(st.kd, st.ce, mask, cfg)
         ctx.save_for_backward(xs, xt, ws, wt, bs, bt, labels, mask)
         ctx.stats, ctx.cfg, ctx.local, ctx.group = st, cfg, local, group
-        ctx.mark_non_differentiable(kd, ce)
-        return total, kd, ce
+        return VocabParallelDistill.parts(ctx, total, kd, ce)
 
     @staticmethod
     @ck.no_double_backward
@@ -139,15 +140,10 @@ class VocabParallelDistill(torch.autograd.Function):
                 cfg,
                 kd_scale,
                 ce_scale,
-                need_w=ctx.needs_input_grad[2] or ctx.needs_input_grad[4],
+                need_w=VocabParallelDistill.head_needed(ctx),
             )
-        if ctx.needs_input_grad[0]:
-            dx = all_reduce(dx, "sum", ctx.group, "bwd_dx").to(xs.dtype)
-        else:
-            dx = None
-        dw = dw if ctx.needs_input_grad[2] else None
-        db = db if ctx.needs_input_grad[4] else None
-        return dx, None, dw, None, db, None, None, None, None, None, None
+        dx = all_reduce(dx, "sum", ctx.group, "bwd_dx").to(xs.dtype) if ctx.needs_input_grad[0] else None
+        return VocabParallelDistill.input_grads(ctx, dx, dw, db)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,9 +229,11 @@ def _cat_rows(stats: List[RowStats]):
     return kd, ce
 
 
-class VocabParallelFused(torch.autograd.Function):
+class VocabParallelFused(PartsFunction):
     """Reduced (total, kd, ce) with the gradients formed in the forward (``fused_forward``); the
     backward all-reduces dX once and scales by the upstream gradient."""
+
+    STUDENT_INPUTS = (0, 2, 4)
 
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, group, plan, reduction: str):
@@ -253,8 +251,7 @@ class VocabParallelFused(torch.autograd.Function):
         )
         out = tuple(reduce_rows(r, mask, reduction, ()) for r in rows)
         ctx.grads, ctx.group, ctx.x_dtype = grads, group, xs.dtype
-        ctx.mark_non_differentiable(out[1], out[2])
-        return out
+        return VocabParallelFused.parts(ctx, *out)
 
     @staticmethod
     @ck.no_double_backward
@@ -277,7 +274,7 @@ class VocabParallelFused(torch.autograd.Function):
         # In place: the buffers are this call's own (a copy of dW would add [V_r, Ds] to the peak).
         dw = (dw if one else dw.mul_(g.to(dw.dtype))) if need[2] and dw is not None else None
         db = (db if one else db.mul_(g.to(db.dtype))) if need[4] and db is not None else None
-        return dx, None, dw, None, db, None, None, None, None, None, None, None
+        return VocabParallelFused.input_grads(ctx, dx, dw, db)
 
 
 # ----------------------------------------------------------------------------------------------

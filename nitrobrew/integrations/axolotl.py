@@ -215,7 +215,7 @@ class NitrobrewKDTrainer(AxolotlKDTrainer):
                 labels,
                 ids,
                 lp,
-                mask,
+                target_mask=mask,
                 kd_alpha=float(a.kd_alpha or 0.0),
                 kd_ce_alpha=float(a.kd_ce_alpha or 0.0),
                 temperature=float(a.kd_temperature or 1.0),

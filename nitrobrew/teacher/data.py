@@ -4,7 +4,8 @@ A batch (padded on the right to the longest sequence, L) holds:
 
 - ``input_ids`` [B, L] and ``attention_mask`` [B, L] for the student's forward;
 - ``labels`` [B, L], already shifted: ``labels[b, i] = input_ids[b, i + 1]`` (the token that
-  position i predicts), ``ignore_index`` at each sequence's last position and at padding;
+  position i predicts), ``ignore_index`` at each sequence's last position and at padding (and, in a
+  store extracted over rollouts, at the prompt's positions: ``i < prompt_length - 1``);
 - ``topk_ids`` [B, L, K] and ``topk_logprobs`` [B, L, K]: the stored rows, row i at position i
   (the teacher's distribution over token i + 1), padded with id 0 and log-prob -inf.
 
@@ -36,12 +37,16 @@ class TopKDataset(torch.utils.data.Dataset):
 
     def __init__(self, path: str, verify: bool = True, allow_incomplete: bool = False, max_open_shards: int = 8):
         self.store = TopKStore(path, verify=verify, allow_incomplete=allow_incomplete, max_open_shards=max_open_shards)
+        self.prompt_lengths = _rollout_prompts(self.store.manifest.get("source", {}), len(self.store))
 
     def __len__(self) -> int:
         return len(self.store)
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        return self.store[i]
+        item = self.store[i]
+        if self.prompt_lengths is not None:  # a store over rollouts: the prompt's positions do not count
+            item["prompt_length"] = self.prompt_lengths[i if i >= 0 else i + len(self.store)]
+        return item
 
     @property
     def k(self) -> int:
@@ -55,6 +60,34 @@ class TopKDataset(torch.utils.data.Dataset):
     @property
     def vocab_size(self) -> int:
         return self.store.vocab_size
+
+
+def _rollout_prompts(source: Dict, n: int) -> Optional[List[int]]:
+    """The prompt lengths of a store extracted over a rollout set (``nitrobrew rollout``), read from the
+    rollouts its manifest names (checked against the manifest hash recorded at extraction); None for a
+    plain corpus. A top-k store keeps a row per position; only the completion's rows count."""
+    path = source.get("rollouts") if isinstance(source, dict) else None
+    if not path:
+        return None
+    import os
+    import warnings
+
+    from .rollout import read_rollouts
+    from .store import MANIFEST, StoreError, sha256_file
+
+    want = source.get("manifest_sha256")
+    if not os.path.isfile(os.path.join(path, MANIFEST)) or (want and sha256_file(os.path.join(path, MANIFEST)) != want):
+        warnings.warn(
+            f"the store was extracted over the rollouts {path!r}, which are gone or changed: their prompt "
+            "positions cannot be told apart and count in the loss",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    _, lengths, _ = read_rollouts(path)
+    if len(lengths) != n:
+        raise StoreError(f"the rollouts {path!r} hold {len(lengths)} sequences, the store {n}")
+    return lengths
 
 
 class TopKCollator:
@@ -95,6 +128,7 @@ class TopKCollator:
             attention_mask[b, :n] = 1
             if n > 1:
                 labels[b, : n - 1] = ids[1:]
+                labels[b, : max(int(it.get("prompt_length", 0)) - 1, 0)] = self.ignore_index  # a rollout's prompt
                 topk_ids[b, : n - 1] = it["topk_ids"]
                 topk_lp[b, : n - 1] = it["topk_logprobs"].float()
         return {

@@ -10,7 +10,7 @@ from ..core import checks as ck
 from ..core.outputs import DistillOutput
 from ..core.reduction import IGNORE_INDEX, reduce_rows, row_weights
 from .rowmath import TopKConfig
-from .validation import safe_ids, validate
+from .validation import TopKOptions, safe_ids, validate
 
 
 # Under torch.compile the loss runs eagerly (one graph break around it), with all its checks: its paths
@@ -127,13 +127,7 @@ def topk_kl(
             **params,
         )
     name, param = ck.divergence_param(divergence, params)
-    check_stored = validate(
-        xs=xs,
-        ws=ws,
-        ids=topk_ids,
-        lp=topk_logprobs,
-        bs=bs,
-        labels=labels,
+    options = TopKOptions(
         normalize=normalize,
         divergence=divergence,
         tail=tail,
@@ -143,23 +137,15 @@ def topk_kl(
         chunk_V=chunk_V,
         kd_weight=kd_weight,
         ce_weight=ce_weight,
+        scale_t2=scale_t2,
         ignore_index=ignore_index,
         backend=backend,
         mode=mode,
         memory_budget=memory_budget,
         softcap_s=softcap_s,
     )
-    cfg = TopKConfig(
-        divergence=name,
-        param=param,
-        normalize=normalize,
-        tail=bool(tail),
-        temperature=float(temperature),
-        kd_weight=float(kd_weight) * (temperature**2 if scale_t2 else 1.0),
-        ce_weight=float(ce_weight),
-        chunk_V=chunk_V,
-        softcap_s=None if softcap_s is None else float(softcap_s),
-    )
+    check_stored = validate(xs, ws, topk_ids, topk_logprobs, bs, labels=labels, options=options)
+    cfg = options.config(name, param)
     rows = _flat_rows(xs, topk_ids, topk_logprobs, labels, ignore_index=ignore_index, with_ce=cfg.with_ce)
     impl = ck.resolve_backend(backend, xs.device)
     out = _dispatch(

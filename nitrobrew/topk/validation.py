@@ -4,40 +4,63 @@ single-process API and the vocab-parallel path (so that neither imports the othe
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from ..core import checks as ck
+from ..core.reduction import IGNORE_INDEX
+from .rowmath import TopKConfig
 
 NORMALIZE = ("full", "topk")
 
 
-def validate(
-    xs,
-    ws,
-    ids,
-    lp,
-    bs,
-    labels,
-    normalize,
-    divergence,
-    tail,
-    temperature,
-    teacher_temperature,
-    reduction,
-    chunk_V,
-    kd_weight,
-    ce_weight,
-    ignore_index,
-    backend,
-    id_ranges: bool = True,
-    mode=None,
-    memory_budget=None,
-    softcap_s=None,
-) -> Callable[[], None]:
+class TopKOptions(NamedTuple):
+    """``topk_kl``'s options as given: checked once by ``validate``, then turned into the ``TopKConfig``
+    the paths trust (``config``)."""
+
+    normalize: str = "full"
+    divergence: str = "forward_kl"
+    tail: bool = False
+    temperature: float = 1.0
+    teacher_temperature: Optional[float] = None
+    reduction: str = "mean"
+    chunk_V: Optional[int] = None
+    kd_weight: float = 1.0
+    ce_weight: float = 0.0
+    scale_t2: bool = False
+    ignore_index: int = IGNORE_INDEX
+    backend: str = "auto"
+    mode: Optional[str] = None
+    memory_budget: Optional[int] = None
+    softcap_s: Optional[float] = None
+
+    def config(self, divergence: str, param: float) -> TopKConfig:
+        """The checked options as the paths' config (canonical divergence and parameter; T^2 folded in)."""
+        return TopKConfig(
+            divergence=divergence,
+            param=param,
+            normalize=self.normalize,
+            tail=bool(self.tail),
+            temperature=float(self.temperature),
+            kd_weight=float(self.kd_weight) * (self.temperature**2 if self.scale_t2 else 1.0),
+            ce_weight=float(self.ce_weight),
+            chunk_V=self.chunk_V,
+            softcap_s=None if self.softcap_s is None else float(self.softcap_s),
+        )
+
+
+def validate(xs, ws, ids, lp, bs, *, labels, options: TopKOptions, id_ranges: bool = True) -> Callable[[], None]:
     """Every check before any kernel runs (id_ranges=False: the vocab-parallel path checks ids globally).
     The checks of the stored data's values are launched here; the returned call reads them and raises."""
+    normalize, divergence, tail, temperature = options.normalize, options.divergence, options.tail, options.temperature
+    teacher_temperature, softcap_s, reduction, backend = (
+        options.teacher_temperature,
+        options.softcap_s,
+        options.reduction,
+        options.backend,
+    )
+    kd_weight, ce_weight, ignore_index = options.kd_weight, options.ce_weight, options.ignore_index
     for name, t in (("xs", xs), ("ws", ws), ("topk_ids", ids), ("topk_logprobs", lp)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -87,9 +110,9 @@ def validate(
                 "them again at the distillation temperature (or pass the same value)"
             )
     ck.check_reduction(reduction)
-    ck.check_chunk("chunk_V", chunk_V)
+    ck.check_chunk("chunk_V", options.chunk_V)
     ck.check_backend(backend)
-    ck.check_mode(mode, memory_budget)
+    ck.check_mode(options.mode, options.memory_budget)
     ck.check_labels(labels, xs.shape[:-1])
     for name, wgt in (("kd_weight", kd_weight), ("ce_weight", ce_weight)):
         if not (isinstance(wgt, (int, float)) and math.isfinite(wgt)):

@@ -19,7 +19,7 @@ from ..core import checks as ck
 from ..core.online import auto_chunk_v
 from ..core.ops import compute_dtype
 from ..core.outputs import DistillOutput
-from ..core.reduction import IGNORE_INDEX, reduce_rows, row_weights
+from ..core.reduction import IGNORE_INDEX, PartsFunction, reduce_rows, row_weights
 from ..parallel.comm import (
     all_reduce,
     check_label_range,
@@ -53,7 +53,7 @@ TOPK_FIELDS = (
 )
 
 
-class VocabParallelTopK(torch.autograd.Function):
+class VocabParallelTopK(PartsFunction):
     """Per-row (total, kd, ce) of normalize="full" top-k KD over the global vocabulary."""
 
     @staticmethod
@@ -76,8 +76,7 @@ class VocabParallelTopK(torch.autograd.Function):
         ctx.save_for_backward(xs, ws, bs, labels, mask)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.entries, ctx.cfg = res, lse_s, lse_z, entries, cfg
         ctx.group, ctx.lo, ctx.chunk = group, lo, chunk
-        ctx.mark_non_differentiable(kd, ce_rows)
-        return total, kd, ce_rows
+        return VocabParallelTopK.parts(ctx, total, kd, ce_rows)
 
     @staticmethod
     @ck.no_double_backward
@@ -100,12 +99,10 @@ class VocabParallelTopK(torch.autograd.Function):
             ctx.cfg,
             lo=ctx.lo,
             chunk=ctx.chunk,
-            need_w=ctx.needs_input_grad[1] or ctx.needs_input_grad[2],
+            need_w=VocabParallelTopK.head_needed(ctx),
         )
         dx = all_reduce(dx, "sum", ctx.group, "bwd_dx").to(xs.dtype) if ctx.needs_input_grad[0] else None
-        dw = dw if ctx.needs_input_grad[1] else None
-        db = db if ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None, None, None, None, None
+        return VocabParallelTopK.input_grads(ctx, dx, dw, db)
 
 
 def topk_comm_bytes(
@@ -168,7 +165,7 @@ def parallel_topk_kl(
     Everything else (xs, topk_ids as global ids, topk_logprobs, labels) is the same on every rank.
     """
     from .rowmath import TopKConfig
-    from .validation import validate
+    from .validation import TopKOptions, validate
 
     xs, _, ws, _, bs, _, labels, group = unwrap(xs, None, ws, None, bs, None, labels, process_group)
     topk_ids = topk_ids.to_local() if is_dtensor(topk_ids) else topk_ids
@@ -194,27 +191,21 @@ def parallel_topk_kl(
                 "backend='auto' or backend='torch'"
             )
         name, param = ck.divergence_param(divergence, params)
-        validate(
-            xs,
-            ws,
-            topk_ids,
-            topk_logprobs,
-            bs,
-            labels,
-            normalize,
-            divergence,
-            tail,
-            temperature,
-            teacher_temperature,
-            reduction,
-            chunk_V,
-            kd_weight,
-            ce_weight,
-            ignore_index,
-            backend,
-            id_ranges=False,
+        given = TopKOptions(
+            normalize=normalize,
+            divergence=divergence,
+            tail=tail,
+            temperature=temperature,
+            teacher_temperature=teacher_temperature,
+            reduction=reduction,
+            chunk_V=chunk_V,
+            kd_weight=kd_weight,
+            ce_weight=ce_weight,
+            ignore_index=ignore_index,
+            backend=backend,
             softcap_s=softcap_s,
-        )()
+        )
+        validate(xs, ws, topk_ids, topk_logprobs, bs, labels=labels, options=given, id_ranges=False)()
         K = topk_ids.shape[-1]
         options = fingerprint(
             "topk",

@@ -33,7 +33,8 @@ def _nucleus_keep(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
 def processed_logits(logits: torch.Tensor, s: Sampling) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(logits, candidate ids): float32 logits / T with the filtered tokens at -inf, over the whole vocabulary
     (candidate ids None) or over a candidate set [B, C] (their vocabulary ids)."""
-    x = logits.float() / s.temperature
+    x = logits.float()
+    x = x.div_(s.temperature) if x is not logits else x / s.temperature  # in place on the float copy
     V = x.shape[-1]
     cand = None
     if s.top_k and s.top_k < V:
@@ -83,8 +84,9 @@ def sample(
     x, cand = processed_logits(logits, s)
     lse = torch.logsumexp(x, -1, keepdim=True)
     # Exponential race: argmax(log p - log E) is a draw from p (the Gumbel-max trick, one pass).
-    e = torch.empty_like(x).exponential_(generator=generator)
-    pick = (x - lse - e.log()).argmax(-1)
+    # argmax(x - log E) (the row's normalizer does not move the argmax), in place: passes over [B, V] are the cost.
+    race = torch.empty_like(x).exponential_(generator=generator).log_().neg_().add_(x)
+    pick = race.argmax(-1)
     lp = (x.gather(-1, pick[:, None]) - lse)[:, 0]
     tok = pick if cand is None else cand.gather(-1, pick[:, None])[:, 0]
     return tok, lp

@@ -61,6 +61,9 @@ class StaticCacheGenerator(_LiveModel):
         cache_bucket: the cache's length (prompt bucket + max_new_tokens) is rounded up to a multiple of this.
         check_every: decode steps between the host syncs that stop the loop once every row has ended.
         max_caches: KV caches kept between calls (the most recently used buckets).
+        gqa_decode: for a model with SDPA attention and grouped key/value heads, run each decode step's
+            attention on the key/value heads (``decode_attention``) instead of repeating the cache per query
+            head (what transformers' SDPA does under torch.compile whenever a mask is given).
     """
 
     name = "static"
@@ -79,6 +82,7 @@ class StaticCacheGenerator(_LiveModel):
         cache_bucket: int = 256,
         check_every: int = 16,
         max_caches: int = 2,
+        gqa_decode: bool = True,
     ):
         sizes = dict(
             prompt_bucket=prompt_bucket, cache_bucket=cache_bucket, check_every=check_every, max_caches=max_caches
@@ -97,6 +101,7 @@ class StaticCacheGenerator(_LiveModel):
         )
         self.prompt_bucket, self.cache_bucket, self.check_every = prompt_bucket, cache_bucket, check_every
         self.max_caches = max_caches
+        self.gqa_decode = bool(gqa_decode)
         self._caches: Dict[Tuple[int, int], object] = {}
         self._warm: set = set()
         self._step = None
@@ -179,6 +184,7 @@ class StaticCacheGenerator(_LiveModel):
             seen = torch.cat([seen, ids[:, -1:].expand(Bb, G).clone()], 1)
         was_training = m.training
         m.eval()
+        swapped = self.gqa_decode and _use_decode_attention(m)
         graphs0 = compiled_graphs()
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # this stream: training may run beside it
@@ -232,6 +238,8 @@ class StaticCacheGenerator(_LiveModel):
                 logits = logits.clone() if self.compile else logits
         finally:
             m.train(was_training)
+            if swapped:
+                m.config._attn_implementation = "sdpa"
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # this stream: training may run beside it
         seconds = time.perf_counter() - t0
@@ -251,6 +259,47 @@ class StaticCacheGenerator(_LiveModel):
             compiles=new_graphs,
             recompiles=again,
         )
+
+
+DECODE_ATTENTION = "nitrobrew_decode_sdpa"
+
+
+def decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' SDPA attention, except for a single query token with grouped key/value heads: the query
+    heads that share a key/value head become that head's query rows ([B, H, 1, D] -> [B, H_kv, H / H_kv, D]),
+    so the cache is read once per key/value head instead of repeated for every query head (transformers'
+    SDPA repeats it whenever a mask is given, as a static cache always gives one; its own packing is eager
+    only). Exact: every query row of a group sees the same keys under the same mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    mask_per_head = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1
+    if groups == 1 or query.shape[2] != 1 or mask_per_head or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    B, H, _, D = query.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(B, H // groups, groups, D), key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )
+    return out.reshape(B, H, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _use_decode_attention(m) -> bool:
+    """Switch an SDPA model to ``decode_attention`` (registered with transformers' attention and mask
+    interfaces, the mask as SDPA's) for this call; False where the model does not use SDPA."""
+    config = getattr(m, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:  # older transformers: repeat the cache as before
+        return False
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+    config._attn_implementation = DECODE_ATTENTION
+    return True
 
 
 def _cache_keyword(m) -> str:
