@@ -275,7 +275,11 @@ def row_terms(name: str, lp: Tensor, lq: Tensor, d: Tensor, param: float = 0.0):
             torch.where(pmq > 0, q, zero),
             torch.where(pmq == 0, q, zero),
         )
-    raise ValueError(f"unknown divergence {name!r}; choose from {sorted(ELEMENTWISE)}")
+    if name not in ELEMENTWISE:
+        raise ValueError(f"unknown divergence {name!r}; choose from {sorted(ELEMENTWISE)}")
+    # a divergence known by its (phi, u) alone (ELEMENTWISE): v = u (kappa = 0)
+    phi, u = ELEMENTWISE[name](lp, lq, param)
+    return phi, u, None, None
 
 
 def tvd_sum_u(a: Tensor, b: Tensor, e: Tensor) -> Tuple[Tensor, Tensor]:
