@@ -277,8 +277,7 @@ def row_terms(name: str, lp: Tensor, lq: Tensor, d: Tensor, param: float = 0.0):
         )
     if name not in ELEMENTWISE:
         raise ValueError(f"unknown divergence {name!r}; choose from {sorted(ELEMENTWISE)}")
-    # A divergence without a closed form here: its (phi, u) pair with kappa = 0 (exact; only the confident-row
-    # refinement of the forms above is missing).
+    # a divergence known by its (phi, u) alone (ELEMENTWISE): v = u (kappa = 0)
     phi, u = ELEMENTWISE[name](lp, lq, param)
     return phi, u, None, None
 
@@ -321,6 +320,6 @@ def row_grad(
     _, v, _, _ = row_terms(name, lp, lq, d, param)
     q = lq.exp()
     g = v - q * sum_u
-    if top is None or v_rest is None:
+    if top is None or v_rest is None or name == "forward_kl":  # forward_kl: sum_u = 0, v = q - p is the gradient
         return g
     return torch.where(top, v * -torch.expm1(-log_l) - q * v_rest, g)

@@ -70,12 +70,12 @@ class Online:
         m = torch.full((n,), float("-inf"), dtype=acc, device=device)
         zero = torch.zeros(n, dtype=acc, device=device)
         return Online(
-            m,
-            zero - 1.0,
-            zero.clone() if with_acc else None,
-            zero.clone() if with_acc else None,
-            zero.clone() if with_lost else None,
-            zero.clone() if with_acc else None,
+            m=m,
+            tail=zero - 1.0,
+            a=zero.clone() if with_acc else None,
+            r=zero.clone() if with_acc else None,
+            b=zero.clone() if with_lost else None,
+            ref=zero.clone() if with_acc else None,
         )
 
     def update(

@@ -101,7 +101,7 @@ class RowStats:
             return self.norm
         zero = torch.zeros_like(self.lse_s)
         # log l_s = log 2: no top entry singled out
-        return RowNorm(self.lse_s, zero + LOG2, self.lse_t, zero, self.lse_s - self.lse_t, zero)
+        return RowNorm(m_s=self.lse_s, ll_s=zero + LOG2, m_t=self.lse_t, ll_t=zero, c=self.lse_s - self.lse_t, g=zero)
 
 
 @dataclass
@@ -129,9 +129,9 @@ def first_pass(ops: Operands, labels, cfg: LossConfig, lo: int, hi: int, chunk: 
     )
     for c0 in range(lo, hi, chunk):
         c1 = min(c0 + chunk, hi)
-        z = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s)
+        z = chunk_logits(xs, ws, bs, c0, c1, acc=acc, softcap=cfg.softcap_s)
         s = z / cfg.temperature
-        t = chunk_logits(xt, wt, bt, c0, c1, acc, cfg.softcap_t) / cfg.temperature
+        t = chunk_logits(xt, wt, bt, c0, c1, acc=acc, softcap=cfg.softcap_t) / cfg.temperature
         if rev:  # lost: where the accumulating side's r leaves the entry out (Online.update's `near`)
             e_s, sc_s = st.s.update(s, s - t)
             far = (t - s > FAR_NATS) | ((t - s) + st.s.ref[:, None] > FAR_NATS)
@@ -159,8 +159,8 @@ def second_pass(ops: Operands, cfg: LossConfig, norm: RowNorm, lo, hi, chunk) ->
     u3_sum = torch.zeros_like(norm.m_s)
     for c0 in range(lo, hi, chunk):
         c1 = min(c0 + chunk, hi)
-        s = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s) / cfg.temperature
-        t = chunk_logits(xt, wt, bt, c0, c1, acc, cfg.softcap_t) / cfg.temperature
+        s = chunk_logits(xs, ws, bs, c0, c1, acc=acc, softcap=cfg.softcap_s) / cfg.temperature
+        t = chunk_logits(xt, wt, bt, c0, c1, acc=acc, softcap=cfg.softcap_t) / cfg.temperature
         lp, lq, d, top = norm.log_probs(s, t)
         phi, v, v2, v3 = dv.row_terms(cfg.divergence, lp, lq, d, cfg.param)
         phi_sum += phi.sum(-1)
@@ -202,7 +202,7 @@ def row_norm(fp: "FirstPass", rev: bool) -> Tuple[RowNorm, Tensor, Tensor]:
     else:
         a_l, g_own = _centred(fp.t, fp.s, gap)
         c, g = -fp.t.ref, g_own  # lse_s - lse_t = G - ref
-    return RowNorm(fp.s.m, ll_s, fp.t.m, ll_t, c, g), a_l, g_own
+    return RowNorm(m_s=fp.s.m, ll_s=ll_s, m_t=fp.t.m, ll_t=ll_t, c=c, g=g), a_l, g_own
 
 
 def finish_stats(fp: FirstPass, cfg: LossConfig, sums: Optional[Tuple[Tensor, ...]]) -> RowStats:
@@ -239,7 +239,7 @@ def finish_stats(fp: FirstPass, cfg: LossConfig, sums: Optional[Tuple[Tensor, ..
     if cfg.with_ce:
         lse_z = fp.z.lse() if fp.z is not None else lse_s
         ce = lse_z - fp.z_label
-    return RowStats(lse_s, lse_t, lse_z, sum_u, kd, ce, norm=norm, v_rest=v_rest)
+    return RowStats(lse_s=lse_s, lse_t=lse_t, lse_z=lse_z, sum_u=sum_u, kd=kd, ce=ce, norm=norm, v_rest=v_rest)
 
 
 def grad_chunk(z, t, labels, st: RowStats, cfg: LossConfig, kd_scale, ce_scale, lo: int) -> Tensor:
@@ -252,7 +252,17 @@ def grad_chunk(z, t, labels, st: RowStats, cfg: LossConfig, kd_scale, ce_scale, 
     lp, lq, d, top = norm.log_probs(z / cfg.temperature, t)
     v_rest = None if st.v_rest is None else st.v_rest[:, None]
     g = (
-        dv.row_grad(cfg.divergence, lp, lq, d, cfg.param, st.sum_u[:, None], top, norm.ll_s[:, None], v_rest)
+        dv.row_grad(
+            cfg.divergence,
+            lp,
+            lq,
+            d,
+            cfg.param,
+            sum_u=st.sum_u[:, None],
+            top=top,
+            log_l=norm.ll_s[:, None],
+            v_rest=v_rest,
+        )
         * (kd_scale / cfg.temperature)[:, None]
     )
     # rows that do not count (scale 0) get exactly 0, even where their logits are not finite
@@ -269,10 +279,10 @@ def grad_chunk(z, t, labels, st: RowStats, cfg: LossConfig, kd_scale, ce_scale, 
 
 def compute_stats(ops: Operands, labels, cfg: LossConfig, chunk: int) -> RowStats:
     V = ops.vocab
-    fp = first_pass(ops, labels, cfg, 0, V, chunk)
+    fp = first_pass(ops, labels, cfg, 0, V, chunk=chunk)
     sums = None
     if cfg.divergence not in dv.ONE_PASS:
-        sums = second_pass(ops, cfg, row_norm(fp, False)[0], 0, V, chunk)
+        sums = second_pass(ops, cfg, row_norm(fp, False)[0], 0, V, chunk=chunk)
     return finish_stats(fp, cfg, sums)
 
 
@@ -288,20 +298,22 @@ def backward_chunks(ops: Operands, labels, st, cfg, kd_scale, ce_scale, chunk, l
     if cfg.filter_eps is not None:
         gf.check_not_capturing(xs.device)
     for c0, c1 in spans(V, chunk):
-        z = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s)
-        t = chunk_logits(xt, wt, bt, c0, c1, acc, cfg.softcap_t) / cfg.temperature
-        g = grad_chunk(z, t, None if labels is None else labels - lo, st, cfg, kd_scale, ce_scale, c0)
+        z = chunk_logits(xs, ws, bs, c0, c1, acc=acc, softcap=cfg.softcap_s)
+        t = chunk_logits(xt, wt, bt, c0, c1, acc=acc, softcap=cfg.softcap_t) / cfg.temperature
+        g = grad_chunk(
+            z, t, None if labels is None else labels - lo, st, cfg, kd_scale=kd_scale, ce_scale=ce_scale, lo=c0
+        )
         if cfg.filter_eps is None:
-            head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx, dw, db)
+            head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx=dx, dw=dw, db=db)
             continue
         if db is not None:  # db is never filtered
             db[c0:c1] = g.sum(0).to(db.dtype)
         active = gf.active_columns(g, cfg.filter_eps)
         idx = gf.compacted(active)
         if idx is None:  # more than half active: not filtered
-            head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx, dw, None)
+            head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx=dx, dw=dw, db=None)
         else:
-            gf.add_column_grads(g, idx, xs_acc, ws[c0:c1], dx, None if dw is None else dw[c0:c1], first=True)
+            gf.add_column_grads(g, idx, xs_acc, ws[c0:c1], dx, dw=None if dw is None else dw[c0:c1], first=True)
     return dx, dw, db
 
 
@@ -313,13 +325,13 @@ class TorchLocal:
         self.chunk = max(1, cfg.chunk_V or auto_chunk_v(xs.shape[0], max(ws.shape[0], 1)))
 
     def first_pass(self, ops: Operands, labels, cfg: LossConfig) -> FirstPass:
-        return first_pass(ops, labels, cfg, 0, ops.vocab, self.chunk)
+        return first_pass(ops, labels, cfg, 0, ops.vocab, chunk=self.chunk)
 
     def second_pass(self, ops: Operands, cfg: LossConfig, norm: RowNorm):
-        return second_pass(ops, cfg, norm, 0, ops.vocab, self.chunk)
+        return second_pass(ops, cfg, norm, 0, ops.vocab, chunk=self.chunk)
 
     def backward(self, ops: Operands, labels, st: RowStats, cfg: LossConfig, kd_scale, ce_scale, need_w=True):
-        return backward_chunks(ops, labels, st, cfg, kd_scale, ce_scale, self.chunk, need_w=need_w)
+        return backward_chunks(ops, labels, st, cfg, kd_scale, ce_scale=ce_scale, chunk=self.chunk, need_w=need_w)
 
 
 class ChunkedDistill(PartsFunction):
@@ -330,7 +342,7 @@ class ChunkedDistill(PartsFunction):
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig):
         chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0])
-        st = compute_stats(Operands(xs, xt, ws, wt, bs, bt), labels, cfg, chunk)
+        st = compute_stats(Operands(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt), labels, cfg, chunk)
         total, kd, ce = combine_rows(st.kd, st.ce, mask, cfg)
         ctx.save_for_backward(xs, xt, ws, wt, bs, bt, labels, mask)
         ctx.stats, ctx.cfg, ctx.chunk = st, cfg, chunk
@@ -343,13 +355,13 @@ class ChunkedDistill(PartsFunction):
         cfg = ctx.cfg
         kd_scale, ce_scale = row_scales(grad_total.to(ctx.stats.lse_s.dtype), mask.to(ctx.stats.lse_s.dtype), cfg)
         dx, dw, db = backward_chunks(
-            Operands(xs, xt, ws, wt, bs, bt),
+            Operands(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt),
             labels,
             ctx.stats,
             cfg,
             kd_scale,
-            ce_scale,
-            ctx.chunk,
+            ce_scale=ce_scale,
+            chunk=ctx.chunk,
             need_w=ChunkedDistill.head_needed(ctx),
         )
         return ChunkedDistill.input_grads(ctx, dx.to(xs.dtype) if ctx.needs_input_grad[0] else None, dw, db)
