@@ -1,1 +1,0 @@
-"""Benchmarks behind `nitrobrew bench`: one module per loss family."""
