@@ -156,6 +156,15 @@ class StaticCacheGenerator(_LiveModel):
 
     @torch.no_grad()
     def generate(self, prompt_ids, prompt_mask, sampling: Sampling) -> Completions:
+        device = next(unwrap(self.model).parameters()).device
+        if device.type != "cuda":
+            return self._generate(prompt_ids, prompt_mask, sampling)
+        # The model's device as the current one (a thread starts on cuda:0): what transformers and the
+        # compiled step allocate without naming a device lands beside the weights.
+        with torch.cuda.device(device):
+            return self._generate(prompt_ids, prompt_mask, sampling)
+
+    def _generate(self, prompt_ids, prompt_mask, sampling: Sampling) -> Completions:
         m = unwrap(self.model)
         device = next(m.parameters()).device
         B, P = prompt_ids.shape
