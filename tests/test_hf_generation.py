@@ -263,3 +263,22 @@ def test_decode_attention_runs_on_the_key_value_heads():
     assert model.config._attn_implementation == "sdpa"  # restored
     repeated = StaticCacheGenerator(model, prompt_bucket=8, cache_bucket=16, gqa_decode=False).generate(ids, mask, s)
     assert torch.equal(packed.ids, repeated.ids)
+
+
+def test_a_deep_copy_compiles_its_own_decode_step():
+    """transformers caches torch.compile(self.__call__) on the model: a deepcopy (the asynchronous replica) must
+    not decode with the original's weights through it."""
+    model = qwen2()
+    ids, mask = prompts()
+    s = Sampling(max_new_tokens=8, temperature=0.0, pad_token_id=0)
+    StaticCacheGenerator(model, compile=True, compile_backend="eager", prompt_bucket=16, cache_bucket=32).generate(
+        ids, mask, s
+    )
+    assert "_compiled_call" in model.__dict__
+    replica = copy.deepcopy(model)
+    with torch.no_grad():
+        replica.lm_head.weight.copy_(qwen2(seed=1).lm_head.weight)
+    engine = StaticCacheGenerator(replica, compile=True, compile_backend="eager", prompt_bucket=16, cache_bucket=32)
+    want = DynamicCacheGenerator(replica).generate(ids, mask, s)
+    assert not torch.equal(want.ids, DynamicCacheGenerator(model).generate(ids, mask, s).ids)
+    assert torch.equal(engine.generate(ids, mask, s).ids, want.ids)

@@ -49,6 +49,17 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def drop_foreign_compiled_call(m) -> None:
+    """Forget a compiled forward that ``m`` inherited by ``copy.deepcopy``: transformers caches
+    ``torch.compile(self.__call__)`` on the model, and a copy's cache still calls the original (its weights,
+    on its device)."""
+    compiled = m.__dict__.get("_compiled_call")
+    owner = getattr(getattr(compiled, "_torchdynamo_orig_callable", None), "__self__", m)
+    if compiled is not None and owner is not m:
+        del m.__dict__["_compiled_call"]
+        m.__dict__.pop("_last_compile_config", None)
+
+
 class StaticCacheGenerator(_LiveModel):
     """transformers' static cache with a compiled decode step (see the module docstring).
 
@@ -151,6 +162,7 @@ class StaticCacheGenerator(_LiveModel):
                 if hasattr(torch._dynamo.config, limit):
                     setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
             cfg = CompileConfig(fullgraph=False, dynamic=False, backend=self.compile_backend, mode=self.compile_mode)
+            drop_foreign_compiled_call(m)
             self._step = m.get_compiled_call(cfg)
         return self._step
 
