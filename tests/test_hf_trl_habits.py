@@ -14,7 +14,7 @@ pytest.importorskip("yaml")
 pytest.importorskip("datasets")
 from nitrobrew.cli import main  # noqa: E402
 from nitrobrew.hf import DistillationTrainer  # noqa: E402
-from nitrobrew.hf.train_cli import DataArguments, PadCollator, build, load_data, parse  # noqa: E402
+from nitrobrew.hf.train_cli import DataArguments, PadCollator, build, check_prompts_apart, load_data, parse  # noqa: E402
 from test_hf_trainer import V, args, sequences, student_model, teacher_model  # noqa: E402
 
 
@@ -122,6 +122,13 @@ def test_a_prompt_already_in_the_text_is_refused(tmp_path):
             DataArguments(data=str(tmp_path / "d.jsonl"), text_field="text", prompt_field="prompt"),
             str(tmp_path / "tok"),
         )
+
+
+def test_a_text_that_only_shares_the_prompts_first_letters_is_kept():
+    # "w5" / "w55 w6": the completion starts with the prompt's characters but not with its words
+    check_prompts_apart(["w5", "a"], ["w55 w6", "and then"], "prompt", "text", "d.jsonl")
+    with pytest.raises(ValueError, match="row 1: 'text' already starts with its 'prompt'"):
+        check_prompts_apart(["w5", "Q: 2+2="], ["w55", "Q: 2+2=4"], "prompt", "text", "d.jsonl")
 
 
 @pytest.fixture(scope="module")

@@ -424,9 +424,12 @@ def _truncated(ds, max_length: Optional[int]):
 
 def check_prompts_apart(prompts, texts, prompt_field: str, text_field: str, where: str) -> None:
     """prompt_field is put before text_field: a text that already starts with its prompt would hold
-    it twice."""
+    it twice. The prompt must end at a word boundary of the text: "and ..." does not repeat the prompt "a"."""
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
-        if isinstance(prompt, str) and isinstance(text, str) and prompt.strip() and text.startswith(prompt):
+        if not (isinstance(prompt, str) and isinstance(text, str) and prompt.strip() and text.startswith(prompt)):
+            continue
+        splits_a_word = len(text) > len(prompt) and prompt[-1].isalnum() and text[len(prompt)].isalnum()
+        if not splits_a_word:
             raise ValueError(
                 f"data {where!r} row {i}: {text_field!r} already starts with its {prompt_field!r} ({prompt[:40]!r}), "
                 f"which prompt_field puts before it: the prompt would appear twice. {text_field!r} should hold the "
