@@ -375,6 +375,7 @@ def test_bad_data_is_found_first_and_named_by_line(tmp_path, capsys, monkeypatch
     (tmp_path / "e.jsonl").write_text('{"input_ids": [1, 2]}\n{"input_ids": [1, 2}\n')
     for data_arg, msg in (
         (str(tmp_path / "missing.jsonl"), "does not exist"),
+        (str(tmp_path / "missing_folder") + "/", "does not exist"),  # a path, not a Hub name
         (str(tmp_path / "d.csv"), "unknown"),
         (str(tmp_path / "e.jsonl"), "e.jsonl:2: not valid JSON"),
     ):

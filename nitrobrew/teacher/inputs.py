@@ -194,6 +194,10 @@ def open_corpus(
         return Corpus(lambda: _arrow(spec, to_ids), spec, path=spec, tokenize=to_ids)
     if os.path.isfile(spec):
         raise ValueError(f"unknown dataset format for {spec!r}: use .jsonl, .parquet or .arrow, or a datasets folder")
+    # written as a local path (a Hub name never starts with / . ~ nor ends with /): say it is missing
+    if spec.startswith(("/", "./", "../", "~")) or spec.endswith(("/", os.sep)):
+        if not os.path.exists(os.path.expanduser(spec)):
+            raise FileNotFoundError(f"dataset {spec!r} does not exist")
     return Corpus(lambda: _datasets(spec, split, to_ids), f"{spec}[{split}]", tokenize=to_ids)
 
 
