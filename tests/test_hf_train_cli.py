@@ -142,6 +142,20 @@ def test_missing_packages_name_the_extra(files, monkeypatch, capsys):
     ], err
 
 
+def test_the_trainer_without_transformers_names_the_extra(monkeypatch):
+    import sys
+
+    import nitrobrew.hf
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(sys.modules, "nitrobrew.hf.trainer", raising=False)
+    monkeypatch.delattr(nitrobrew.hf, "trainer", raising=False)  # else `from . import trainer` finds it
+    with pytest.raises(
+        ModuleNotFoundError, match=r"DistillationTrainer needs transformers: pip install 'nitrobrew\[hf\]'"
+    ):
+        _ = nitrobrew.hf.DistillationTrainer
+
+
 def test_text_data_with_prompts(tmp_path):
     """text_field / prompt_field: tokenized with the student's tokenizer, the prompt's tokens -100."""
     pytest.importorskip("tokenizers")

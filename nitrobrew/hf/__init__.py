@@ -31,7 +31,14 @@ from .schedules import scheduled
 
 def __getattr__(name):
     if name in ("DistillationTrainer", "DistillationArguments"):
-        from . import trainer
+        try:
+            from . import trainer
+        except ModuleNotFoundError as err:
+            if err.name not in ("transformers", "accelerate"):
+                raise
+            raise ModuleNotFoundError(
+                f"nitrobrew.hf.{name} needs {err.name}: pip install 'nitrobrew[hf]'", name=err.name
+            ) from err
 
         return getattr(trainer, name)
     raise AttributeError(f"module 'nitrobrew.hf' has no attribute {name!r}")
