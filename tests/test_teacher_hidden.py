@@ -336,3 +336,10 @@ def test_export_import_round_trip_is_bit_exact(tmp_path, dtype):
     with pytest.raises(StoreError, match="is corrupted: its sha256 does not match"):
         import_hidden(str(tmp_path / "pq"), str(tmp_path / "again"))
     assert not (tmp_path / "again").exists()
+
+
+def test_progress_bar_names_the_hidden_states(tmp_path, capsys):
+    pytest.importorskip("tqdm")
+    extract_hidden(_tiny_teacher(), _seqs(5), str(tmp_path / "s"), sequences_per_shard=4, progress=True)
+    err = capsys.readouterr().err
+    assert "hidden:" in err and "top-k" not in err

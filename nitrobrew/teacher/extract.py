@@ -392,7 +392,7 @@ class _Progress:
     """Tokens done over the whole job: a tqdm bar (tokens/s, ETA) when asked and installed, else a
     line per shard through `log` with the same figures."""
 
-    def __init__(self, total: int, bar: bool, log: Optional[Callable[[str], None]]):
+    def __init__(self, total: int, bar: bool, log: Optional[Callable[[str], None]], desc: str = "top-k"):
         self.total, self.done, self.log, self.t0 = total, 0, log, time.perf_counter()
         self.bar = None
         if bar and total:
@@ -401,7 +401,7 @@ class _Progress:
             except ImportError:
                 tqdm = None
             if tqdm is not None:
-                self.bar = tqdm(total=total, unit="tok", unit_scale=True, desc="top-k", file=sys.stderr, smoothing=0.1)
+                self.bar = tqdm(total=total, unit="tok", unit_scale=True, desc=desc, file=sys.stderr, smoothing=0.1)
 
     def update(self, tokens: int) -> None:
         self.done += tokens
@@ -667,7 +667,7 @@ def extract_hidden(
 
     try:
         todo = {j for j in range(writer.num_shards) if writer.owns(j) and not writer.done(j)}
-        bar = _Progress(sum(shard_tokens[j] for j in todo), progress, log)
+        bar = _Progress(sum(shard_tokens[j] for j in todo), progress, log, desc="hidden")
         seen = 0
         for j, seqs in _shard_groups(corpus.records(), sequences_per_shard) if todo else ():
             seen += len(seqs)
