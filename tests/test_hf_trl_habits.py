@@ -13,7 +13,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("yaml")
 pytest.importorskip("datasets")
 from nitrobrew.cli import main  # noqa: E402
-from nitrobrew.hf import DistillationTrainer  # noqa: E402
+from nitrobrew.hf import DistillationArguments, DistillationTrainer  # noqa: E402
 from nitrobrew.hf.train_cli import DataArguments, PadCollator, build, check_prompts_apart, load_data, parse  # noqa: E402
 from test_hf_trainer import V, args, sequences, student_model, teacher_model  # noqa: E402
 
@@ -240,3 +240,12 @@ def test_ce_on_policy_batches_can_be_skipped(tmp_path, ce_on_policy):
     logged = [h for h in trainer.state.log_history if "ce_loss" in h]
     assert len(logged) == 2 and all(h["kd_loss"] > 0 for h in logged)
     assert all((h["ce_loss"] > 0) == ce_on_policy for h in logged), logged
+
+
+def test_argument_warnings_point_at_the_callers_line():
+    with pytest.warns(UserWarning) as record:
+        DistillationArguments(output_dir="out", divergence="forward_kl", beta=0.5, ce_weight=0.1, lmbda=0.5)
+        DistillationArguments(output_dir="out", temperature=2.0, lmbda=0.5)
+    assert len(record) == 3 and {w.filename for w in record} == {__file__}, [
+        (w.filename, str(w.message)) for w in record
+    ]

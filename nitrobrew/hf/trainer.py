@@ -244,7 +244,7 @@ class DistillationArguments(TrainingArguments):
                 f"ce_weight={self.ce_weight} with lmbda={self.lmbda}: on on-policy batches the CE term trains the "
                 "student on its own samples (labels are its completions), not on the data (ce_on_policy=False "
                 "applies it to the other batches only)",
-                stacklevel=2,
+                stacklevel=3,
             )
 
     def _resolve_trl_defaults(self) -> None:
@@ -259,7 +259,7 @@ class DistillationArguments(TrainingArguments):
         elif given["beta"] and self.divergence in DIVERGENCES and self.divergence != "jsd":
             warnings.warn(
                 f"beta={self.beta} is used by divergence='jsd' only; divergence={self.divergence!r} ignores it",
-                stacklevel=3,
+                stacklevel=4,
             )
         self.beta = dv.default("beta") if self.beta is None else self.beta
         self.temperature = 1.0 if self.temperature is None else self.temperature
@@ -268,7 +268,7 @@ class DistillationArguments(TrainingArguments):
                 f"temperature={self.temperature} is the loss temperature here; generation samples at "
                 "generation_temperature (default 0.9), which is what GKDConfig's temperature means: set "
                 "generation_temperature to choose it",
-                stacklevel=3,
+                stacklevel=4,
             )
         self.generation_temperature = 0.9 if self.generation_temperature is None else self.generation_temperature
 
