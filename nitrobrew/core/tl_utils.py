@@ -155,3 +155,144 @@ def row_block(n_cols: int, cap: int = 0) -> int:
     """Columns per tile of a row pass over n_cols columns (at most cap, default BLOCK_V)."""
     cap = INTERPRETER_BLOCK_V if ck.interpreter_enabled() else (cap or BLOCK_V)
     return min(cap, next_pow2(max(n_cols, 16)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Confident rows (docs/design.md §2.6): the tail-keeping online state and the cancellation-free row
+# terms of divergences.row_terms / row_grad, in Triton.
+
+LOG2 = tl.constexpr(math.log(2.0))
+MIX_SWITCH = tl.constexpr(dv.MIX_SWITCH)
+
+
+@triton.jit
+def log1p(x):
+    """log(1 + x) to fp32 accuracy also for small |x| (a series below 1/32; the fast log's absolute
+    error would be all of a small result's digits)."""
+    series = x * (1.0 + x * (-0.5 + x * (1.0 / 3.0 + x * (-0.25 + x * (0.2 + x * (-1.0 / 6.0))))))
+    return tl.where(tl.abs(x) < 0.03125, series, tl.log(1.0 + x))
+
+
+@triton.jit
+def mixlog(d, w, log_w, log_1mw):
+    """log(w e^d + 1 - w) for a weight w in [0, 1] (divergences.mixlog)."""
+    small = tl.abs(d) <= MIX_SWITCH
+    near = log1p(w * expm1(tl.where(small, d, 0.0)))
+    far = logaddexp(d + log_w, log_1mw + 0.0 * d)
+    out = tl.where(small, near, far)
+    out = tl.where(w <= 0.0, 0.0, out)
+    return tl.where(w >= 1.0, d, out)
+
+
+@triton.jit
+def p_minus_q(p, q, d):
+    """p - q from d = log q - log p (divergences.p_minus_q)."""
+    up = d > 0
+    return tl.where(up, q * expm1(-tl.where(up, d, 0.0)), -p * expm1(tl.where(up, 0.0, d)))
+
+
+@triton.jit
+def row_terms(lp, lq, d, param, log_a, log_1ma, DIVERGENCE: tl.constexpr):
+    """(phi, v, v2, v3) per entry (divergences.row_terms; v2, v3: tvd's, else 0)."""
+    d = tl.where(d == d, d, 0.0)
+    p = tl.exp(lp)
+    q = tl.exp(lq)
+    v2 = 0.0 * d
+    v3 = 0.0 * d
+    if DIVERGENCE == FORWARD_KL:
+        phi = xmul(p, -d)
+        v = -p_minus_q(p, q, d)
+    elif DIVERGENCE == REVERSE_KL:
+        phi = xmul(q, d)
+        v = phi
+    elif DIVERGENCE == JSD:  # beta = param
+        lp_m = -mixlog(d, 1.0 - param, log_1ma, log_a)
+        lq_m = -mixlog(-d, param, log_a, log_1ma)
+        v = (1.0 - param) * xmul(q, lq_m)
+        phi = param * xmul(p, lp_m) + v
+    elif DIVERGENCE == SKEW_KL:  # r = a p + (1 - a) q
+        lp_r = -mixlog(d, 1.0 - param, log_1ma, log_a)
+        lq_r = -mixlog(-d, param, log_a, log_1ma)
+        phi = xmul(p, lp_r)
+        v = -(1.0 - param) * (1.0 - param) * p_minus_q(p, q, d) * tl.exp(lq_r)
+    elif DIVERGENCE == SKEW_REVERSE_KL:  # r = a q + (1 - a) p
+        lq_r = -mixlog(-d, 1.0 - param, log_1ma, log_a)
+        phi = xmul(q, lq_r)
+        v = phi + (1.0 - param) * param * p_minus_q(p, q, d) * tl.exp(lq_r)
+    else:  # tvd: the student's mass where q > p, q < p, q = p
+        pmq = p_minus_q(p, q, d)
+        phi = 0.5 * tl.abs(pmq)
+        v = tl.where(pmq < 0, q, 0.0)
+        v2 = tl.where(pmq > 0, q, 0.0)
+        v3 = tl.where(pmq == 0, q, 0.0)
+    return phi, v, v2, v3
+
+
+@triton.jit
+def row_grad(lp, lq, d, top, log_l_s, param, log_a, log_1ma, sum_u, v_rest, DIVERGENCE: tl.constexpr):
+    """dD/ds per entry (divergences.row_grad): v - q sum_u; at the student's top entry of a row whose
+    max is unique v (1 - q) - q v_rest; tvd from its (sigma, B - A)."""
+    q = tl.exp(lq)
+    if DIVERGENCE == TVD:
+        dd = tl.where(d == d, d, 0.0)
+        pmq = p_minus_q(tl.exp(lp), q, dd)
+        x = tl.where(sum_u >= 0, sum_u, 2.0 + sum_u)
+        y = tl.where(sum_u >= 0, 2.0 - sum_u, -sum_u)
+        g = 0.5 * q * tl.where(pmq < 0, x, tl.where(pmq > 0, -y, v_rest))
+    elif DIVERGENCE == FORWARD_KL:  # sum_u = 0: v = q - p is the gradient
+        _phi, v, _v2, _v3 = row_terms(lp, lq, d, param, log_a, log_1ma, DIVERGENCE)
+        g = v
+    else:
+        _phi, v, _v2, _v3 = row_terms(lp, lq, d, param, log_a, log_1ma, DIVERGENCE)
+        g = tl.where(top, v * -expm1(-log_l_s) - q * v_rest, v - q * sum_u)
+    return g
+
+
+@triton.jit
+def lane_tail(m, tail, x):
+    """lane_update keeping the lane's tail (the mass outside its maximal entry, -1 while empty) instead
+    of its sum: the old max joins the tail when x is above it, x joins it otherwise (a tie counts 1).
+    Returns the new (m, tail), x's weight w = exp(x - m_new), the factor the lane's old sums are
+    rescaled by, and whether x is the lane's new max."""
+    hi = tl.maximum(m, x, propagate_nan=tl.PropagateNan.ALL)
+    e = tl.where(hi == float("-inf"), 0.0, tl.exp(tl.minimum(m, x) - hi))  # 0 while both are -inf
+    up = x > m
+    return hi, tl.where(up, (tail + 1.0) * e, tail + e), tl.where(up, 1.0, e), tl.where(up, e, 1.0), up
+
+
+@triton.jit
+def lanes_tail(m, tail):
+    """(max, tail) of the union of the lanes: each lane holding the max adds its tail, the others their
+    whole mass rescaled, plus (lanes holding the max - 1); no l - 1 is formed. Also returns each
+    lane's rescale factor."""
+    mx = tl.max(m, axis=0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    sc = tl.exp(m - mx_safe)
+    top = m == mx
+    share = tl.sum(tl.where(top, tail, (1.0 + tail) * sc), axis=0)
+    n_top = tl.sum(tl.where(top, 1.0, 0.0), axis=0)
+    return mx, share + (n_top - 1.0), sc
+
+
+@triton.jit
+def merge_tail2(m0, t0, m1, t1):
+    """(max, tail) of two states, and each one's rescale factor (the rule of lanes_tail)."""
+    mx = tl.maximum(m0, m1)
+    safe = tl.where(mx == float("-inf"), 0.0, mx)
+    s0 = tl.exp(m0 - safe)
+    s1 = tl.exp(m1 - safe)
+    top0 = m0 == mx
+    top1 = m1 == mx
+    share = tl.where(top0, t0, (1.0 + t0) * s0) + tl.where(top1, t1, (1.0 + t1) * s1)
+    return mx, share + (tl.where(top0, 1.0, 0.0) + tl.where(top1, 1.0, 0.0) - 1.0), s0, s1
+
+
+@triton.jit
+def recentre(acc, rel, ref, ref_new, l, log_scale):
+    """The centred sums (a, r on a weight sum l, referred to ref) referred to ref_new and rescaled by
+    e^log_scale (core.online.Online.recentre); nothing where l = 0 or the scale is 0."""
+    shift = tl.where(l > 0, ref_new - ref, 0.0)
+    scale = tl.exp(log_scale)
+    a = (acc - l * shift) * scale
+    r = tl.exp(tl.minimum(shift + log_scale, 80.0)) * rel + l * expm1(tl.minimum(shift, 80.0)) * scale
+    return a, tl.where(scale > 0, r, 0.0)

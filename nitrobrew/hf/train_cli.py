@@ -571,11 +571,17 @@ def build(model_args: ModelArguments, data_args: DataArguments, args):
 
 def _generator(m: ModelArguments, student, args):
     """The student's vLLM engine where the backend is one (else None: the trainer's default)."""
-    from .generation import BACKENDS, VLLM_BACKENDS, make_generator, resolve_backend
+    from .generation import BACKENDS, VLLM_BACKENDS, make_generator
+    from .generation.vllm_engine import vllm_importable
 
-    if args.generation_backend not in BACKENDS:
-        raise ValueError(f"generation_backend must be one of {', '.join(BACKENDS)}, got {args.generation_backend!r}")
-    backend = resolve_backend(args.generation_backend, student)
+    backend = args.generation_backend
+    if backend not in BACKENDS:
+        raise ValueError(f"generation_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        # Decided for the device the trainer will put the student on (it is still on the CPU here); under
+        # FSDP or asynchronous rollouts "auto" stays in process.
+        on_cuda = args.device.type == "cuda" and not args.fsdp and not args.generation_async
+        backend = "vllm" if on_cuda and vllm_importable() else "in process"
     if backend not in VLLM_BACKENDS or not (args.lmbda > 0):
         return None
     if backend == "vllm-server":

@@ -12,6 +12,7 @@ the vocab-parallel wrapper can combine per-rank partial states (the online state
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -29,6 +30,44 @@ from .config import LossConfig, Operands
 Tensor = torch.Tensor
 
 
+LOG2 = math.log(2.0)
+
+
+@dataclass
+class RowNorm:
+    """Each side's normalizer split as its max m and log l = log1p(tail) (core.online.Online), and the
+    log-sum-exp gap lse_s - lse_t = c + g split as a logit difference c (s - t at the accumulating side's
+    top entry) and a small rest g from the centred sums (Online's docstring). Then log q = (s - m_s) -
+    log l_s keeps a confident row's top entry, -log1p(tail), where s - lse_s rounds it to 0, and
+    d = log q - log p = ((s - t) - c) - g keeps its digits where p and q are close (docs/design.md §2.6).
+    All [N], compute dtype."""
+
+    m_s: Tensor
+    ll_s: Tensor
+    m_t: Tensor
+    ll_t: Tensor
+    c: Tensor
+    g: Tensor
+
+    FIELDS = ("m_s", "ll_s", "m_t", "ll_t", "c", "g")
+
+    def rows(self, r0: int, r1: int) -> "RowNorm":
+        return RowNorm(*(getattr(self, k)[r0:r1] for k in self.FIELDS))
+
+    def stacked(self) -> Tensor:
+        return torch.stack([getattr(self, k) for k in self.FIELDS])
+
+    def log_probs(self, s: Tensor, t: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(log p, log q, d = log q - log p, top) of a chunk of tempered logits s, t. d is formed from the
+        logits' difference, so it keeps its digits where p and q are close; top marks the student's
+        maximal entry in rows where it is unique (tail < 1)."""
+        lq = (s - self.m_s[:, None]) - self.ll_s[:, None]
+        lp = (t - self.m_t[:, None]) - self.ll_t[:, None]
+        d = ((s - t) - self.c[:, None]) - self.g[:, None]
+        top = (s == self.m_s[:, None]) & (self.ll_s < LOG2)[:, None]
+        return lp, lq, d, top
+
+
 @dataclass
 class RowStats:
     """What the backward needs per row (all [N], compute dtype)."""
@@ -36,12 +75,14 @@ class RowStats:
     lse_s: Tensor
     lse_t: Tensor
     lse_z: Optional[Tensor]  # student log-sum-exp at temperature 1 (hard-label CE)
-    sum_u: Tensor  # sum_j dD/dlog q_j
+    sum_u: Tensor  # sum_j v_j (divergences.row_terms; tvd: divergences.tvd_sum_u)
     kd: Tensor  # divergence per row
     ce: Optional[Tensor]  # cross-entropy per row
     # [N, vocab chunks, 2] largest tempered student/teacher logits per chunk (Triton constant-memory
     # mode with grad_filter: grad_filter.negligible_tiles); not carried by rows()
     chunk_max: Optional[Tensor] = None
+    norm: Optional[RowNorm] = None  # the split normalizers (None: lse_s, lse_t with log l = 0)
+    v_rest: Optional[Tensor] = None  # sum_u without the student's top entry (divergences.row_grad)
 
     def rows(self, r0: int, r1: int) -> "RowStats":
         """The statistics of rows [r0, r1)."""
@@ -49,8 +90,18 @@ class RowStats:
             *(
                 None if v is None else v[r0:r1]
                 for v in (self.lse_s, self.lse_t, self.lse_z, self.sum_u, self.kd, self.ce)
-            )
+            ),
+            chunk_max=None,
+            norm=None if self.norm is None else self.norm.rows(r0, r1),
+            v_rest=None if self.v_rest is None else self.v_rest[r0:r1],
         )
+
+    def row_norm(self) -> RowNorm:
+        if self.norm is not None:
+            return self.norm
+        zero = torch.zeros_like(self.lse_s)
+        # log l_s = log 2: no top entry singled out
+        return RowNorm(m_s=self.lse_s, ll_s=zero + LOG2, m_t=self.lse_t, ll_t=zero, c=self.lse_s - self.lse_t, g=zero)
 
 
 @dataclass
@@ -66,8 +117,10 @@ def first_pass(ops: Operands, labels, cfg: LossConfig, lo: int, hi: int, chunk: 
     xs, xt, ws, wt, bs, bt = ops
     acc = compute_dtype(xs.dtype)
     n, dev = xs.shape[0], xs.device
-    one_pass = cfg.divergence in dv.ONE_PASS
-    fwd, rev = one_pass and cfg.divergence == "forward_kl", one_pass and cfg.divergence == "reverse_kl"
+    # every divergence keeps the centred sums on one side (the student for reverse_kl, else the teacher):
+    # the KLs' values and every row's lse gap come from them (docs/design.md §2.6)
+    rev = cfg.divergence == "reverse_kl"
+    fwd = not rev
     st = FirstPass(
         s=Online.empty(n, acc, dev, with_acc=rev, with_lost=fwd),
         t=Online.empty(n, acc, dev, with_acc=fwd, with_lost=rev),
@@ -76,18 +129,17 @@ def first_pass(ops: Operands, labels, cfg: LossConfig, lo: int, hi: int, chunk: 
     )
     for c0 in range(lo, hi, chunk):
         c1 = min(c0 + chunk, hi)
-        z = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s)
+        z = chunk_logits(xs, ws, bs, c0, c1, acc=acc, softcap=cfg.softcap_s)
         s = z / cfg.temperature
-        t = chunk_logits(xt, wt, bt, c0, c1, acc, cfg.softcap_t) / cfg.temperature
-        if rev:
+        t = chunk_logits(xt, wt, bt, c0, c1, acc=acc, softcap=cfg.softcap_t) / cfg.temperature
+        if rev:  # lost: where the accumulating side's r leaves the entry out (Online.update's `near`)
             e_s, sc_s = st.s.update(s, s - t)
-            st.t.update(t, lost=(e_s == 0) | (t - s > FAR_NATS), other_scale=sc_s)
+            far = (t - s > FAR_NATS) | ((t - s) + st.s.ref[:, None] > FAR_NATS)
+            st.t.update(t, lost=(e_s == 0) | far, other_scale=sc_s)
         elif fwd:
             e_t, sc_t = st.t.update(t, t - s)
-            st.s.update(s, lost=(e_t == 0) | (s - t > FAR_NATS), other_scale=sc_t)
-        else:
-            st.t.update(t)
-            st.s.update(s)
+            far = (s - t > FAR_NATS) | ((s - t) + st.t.ref[:, None] > FAR_NATS)
+            st.s.update(s, lost=(e_t == 0) | far, other_scale=sc_t)
         if st.z is not None:
             st.z.update(z)
         if cfg.with_ce:
@@ -95,54 +147,88 @@ def first_pass(ops: Operands, labels, cfg: LossConfig, lo: int, hi: int, chunk: 
     return st
 
 
-def second_pass(ops: Operands, cfg: LossConfig, lse_s, lse_t, lo, hi, chunk) -> Tuple[Tensor, Tensor]:
-    """sum_j phi_j and sum_j u_j over [lo, hi), given the final log-sum-exps."""
+def second_pass(ops: Operands, cfg: LossConfig, norm: RowNorm, lo, hi, chunk) -> Tuple[Tensor, ...]:
+    """Row sums over [lo, hi), given the final normalizers: (sum phi, sum v, sum v2, sum v3) of
+    ``divergences.row_terms``; for every divergence but tvd, v2 is v without the student's top entry
+    and v3 is 0."""
     xs, xt, ws, wt, bs, bt = ops
     acc = compute_dtype(xs.dtype)
-    phi_sum = torch.zeros_like(lse_s)
-    u_sum = torch.zeros_like(lse_s)
+    phi_sum = torch.zeros_like(norm.m_s)
+    u_sum = torch.zeros_like(norm.m_s)
+    u2_sum = torch.zeros_like(norm.m_s)
+    u3_sum = torch.zeros_like(norm.m_s)
     for c0 in range(lo, hi, chunk):
         c1 = min(c0 + chunk, hi)
-        lq = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s) / cfg.temperature - lse_s[:, None]
-        lp = chunk_logits(xt, wt, bt, c0, c1, acc, cfg.softcap_t) / cfg.temperature - lse_t[:, None]
-        phi, u = dv.elementwise(cfg.divergence, lp, lq, cfg.param)
+        s = chunk_logits(xs, ws, bs, c0, c1, acc=acc, softcap=cfg.softcap_s) / cfg.temperature
+        t = chunk_logits(xt, wt, bt, c0, c1, acc=acc, softcap=cfg.softcap_t) / cfg.temperature
+        lp, lq, d, top = norm.log_probs(s, t)
+        phi, v, v2, v3 = dv.row_terms(cfg.divergence, lp, lq, d, cfg.param)
         phi_sum += phi.sum(-1)
-        u_sum += u.sum(-1)
-    return phi_sum, u_sum
+        u_sum += v.sum(-1)
+        u2_sum += (torch.where(top, torch.zeros_like(v), v) if v2 is None else v2).sum(-1)
+        if v3 is not None:
+            u3_sum += v3.sum(-1)
+    return phi_sum, u_sum, u2_sum, u3_sum
 
 
-def _one_pass_kd(own: Online, other: Online, lse_gap: Tensor) -> Tensor:
-    """sum_j p_j (x_j - y_j) + lse_y - lse_x for the side p = softmax(x) that accumulated a and r.
+def _centred(own: Online, other: Online, lse_gap: Tensor) -> Tuple[Tensor, Tensor]:
+    """(a / l, G) for the side p = softmax(x) that accumulated the centred sums, y the other side:
+    G = lse_y - lse_x + ref, so that KL(p || softmax(y)) = a / l + G.
 
-    lse_y - lse_x = log1p(r / l) - log1p(-b_y / l_y) exactly (Online's docstring): r sums
-    p_j expm1(y_j - x_j) over the entries where p_j is representable, b_y / l_y is the share of y's
-    mass on the others (p_j = 0 in float32: a mask, a gap of ~100 nats, a cold temperature). Taken in
-    float64 from the row's own sums it keeps its digits when x and y are close, where the difference
-    of two ~log V log-sum-exps would leave their fp32 rounding (~1e-7 nats) in a KL that may be ~1e-4.
-    When the form has nothing to gain (|r / l| >= 1/2, or most of y's mass dropped) or is not finite,
-    the difference of the log-sum-exps is used: it has no cancellation there."""
-    if own.r is None:
-        return own.a / own.l + lse_gap
-    a_l = own.a.double() / own.l.double()
-    r = own.r.double() / own.l.double()
-    lost = other.b.double() / other.l.double() if other.b is not None else torch.zeros_like(r)
+    G = log1p(r / l) - log1p(-b_y / l_y) exactly (Online's docstring): r sums p_j expm1(-(d_j - ref))
+    over the entries where p_j is representable, b_y / l_y is the share of y's mass on the others (p_j
+    = 0 in float32: a mask, a gap of ~100 nats, a cold temperature). Taken in float64 from the row's own
+    sums it keeps its digits when x and y are close up to a shift, where the difference of two ~log V
+    log-sum-exps would leave their fp32 rounding (~1e-7 nats) in a KL that may be ~1e-4, or a confident
+    row's ~1e-9. When the form has nothing to gain (|r / l| >= 1/2, or most of y's mass dropped) or is
+    not finite, G = ref + lse_y - lse_x (lse_gap): no cancellation there."""
+    l_own = 1.0 + own.tail.double()
+    a_l = own.a.double() / l_own
+    r = own.r.double() / l_own
+    lost = other.b.double() / (1.0 + other.tail.double())
     close = torch.isfinite(r) & (r.abs() < 0.5) & torch.isfinite(a_l) & (lost >= 0) & (lost < 0.5)
     r, lost = torch.where(close, r, 0.0), torch.where(close, lost, 0.0)
-    gap = torch.where(close, torch.log1p(r) - torch.log1p(-lost), lse_gap.double())
-    return (a_l + gap).to(own.a.dtype)
+    g = torch.where(close, torch.log1p(r) - torch.log1p(-lost), own.ref.double() + lse_gap.double())
+    return a_l.to(own.a.dtype), g.to(own.a.dtype)
 
 
-def finish_stats(fp: FirstPass, cfg: LossConfig, sums: Optional[Tuple[Tensor, Tensor]]) -> RowStats:
-    """Turn (globally merged) first-pass state and second-pass sums into RowStats."""
-    lse_s, lse_t = fp.s.lse(), fp.t.lse()
-    if cfg.divergence == "forward_kl":
-        kd = _one_pass_kd(fp.t, fp.s, lse_s - lse_t)
-        sum_u = torch.full_like(kd, -1.0)
-    elif cfg.divergence == "reverse_kl":
-        kd = _one_pass_kd(fp.s, fp.t, lse_t - lse_s)
-        sum_u = kd + 1.0
+def row_norm(fp: "FirstPass", rev: bool) -> Tuple[RowNorm, Tensor, Tensor]:
+    """(RowNorm, a / l, G) of merged first-pass state (``_centred``; rev: the student accumulated)."""
+    ll_s, ll_t = torch.log1p(fp.s.tail), torch.log1p(fp.t.tail)
+    gap = (fp.s.m - fp.t.m) + (ll_s - ll_t)  # lse_s - lse_t
+    if rev:
+        a_l, g_own = _centred(fp.s, fp.t, -gap)
+        c, g = fp.s.ref, -g_own  # lse_s - lse_t = ref - G
     else:
-        kd, sum_u = sums
+        a_l, g_own = _centred(fp.t, fp.s, gap)
+        c, g = -fp.t.ref, g_own  # lse_s - lse_t = G - ref
+    return RowNorm(m_s=fp.s.m, ll_s=ll_s, m_t=fp.t.m, ll_t=ll_t, c=c, g=g), a_l, g_own
+
+
+def finish_stats(fp: FirstPass, cfg: LossConfig, sums: Optional[Tuple[Tensor, ...]]) -> RowStats:
+    """Turn (globally merged) first-pass state and second-pass sums into RowStats.
+
+    sum_u is what ``divergences.row_grad`` reads: 0 for forward_kl, the value for reverse_kl, the sum
+    of v for the others (tvd: ``divergences.tvd_sum_u``). Every value is clamped at 0 (every divergence
+    is >= 0; rounding may leave -1e-12 on a row where p = q), NaN kept."""
+    norm, a_l, g_own = row_norm(fp, cfg.divergence == "reverse_kl")
+    lse_s, lse_t = fp.s.lse(), fp.t.lse()
+    v_rest = None
+    if cfg.divergence == "forward_kl":
+        kd = a_l + g_own
+        sum_u = torch.zeros_like(kd)
+    elif cfg.divergence == "reverse_kl":
+        kd = a_l + g_own
+        kd = torch.where(kd < 0, torch.zeros_like(kd), kd)  # the gradient reads the clamped value
+        sum_u = kd
+        # sum over j != top of q_j d_j = a / l + (1 - q_top) d_top, d_top = -g (a refers to the top's d)
+        v_rest = a_l + torch.expm1(-norm.ll_s) * norm.g
+    elif cfg.divergence == "tvd":
+        kd = sums[0]
+        sum_u, v_rest = dv.tvd_sum_u(sums[1], sums[2], sums[3])
+    else:
+        kd, sum_u, v_rest = sums[0], sums[1], sums[2]
+    kd = torch.where(kd < 0, torch.zeros_like(kd), kd)
     # a NaN logit makes its row's log-sum-exps NaN; the elementwise sums skip p = 0 entries by design and
     # would hide it (divergences._xmul), so the row's value says NaN explicitly
     bad = torch.isnan(lse_s) | torch.isnan(lse_t)
@@ -153,7 +239,7 @@ def finish_stats(fp: FirstPass, cfg: LossConfig, sums: Optional[Tuple[Tensor, Te
     if cfg.with_ce:
         lse_z = fp.z.lse() if fp.z is not None else lse_s
         ce = lse_z - fp.z_label
-    return RowStats(lse_s, lse_t, lse_z, sum_u, kd, ce)
+    return RowStats(lse_s=lse_s, lse_t=lse_t, lse_z=lse_z, sum_u=sum_u, kd=kd, ce=ce, norm=norm, v_rest=v_rest)
 
 
 def grad_chunk(z, t, labels, st: RowStats, cfg: LossConfig, kd_scale, ce_scale, lo: int) -> Tensor:
@@ -162,10 +248,23 @@ def grad_chunk(z, t, labels, st: RowStats, cfg: LossConfig, kd_scale, ce_scale, 
 
     kd_scale and ce_scale are per-row multipliers (upstream gradient, weights, row mask).
     """
-    lq = z / cfg.temperature - st.lse_s[:, None]
-    lp = t - st.lse_t[:, None]
-    _, u = dv.elementwise(cfg.divergence, lp, lq, cfg.param)
-    g = dv.student_logit_grad(u, lq, st.sum_u[:, None]) * (kd_scale / cfg.temperature)[:, None]
+    norm = st.row_norm()
+    lp, lq, d, top = norm.log_probs(z / cfg.temperature, t)
+    v_rest = None if st.v_rest is None else st.v_rest[:, None]
+    g = (
+        dv.row_grad(
+            cfg.divergence,
+            lp,
+            lq,
+            d,
+            cfg.param,
+            sum_u=st.sum_u[:, None],
+            top=top,
+            log_l=norm.ll_s[:, None],
+            v_rest=v_rest,
+        )
+        * (kd_scale / cfg.temperature)[:, None]
+    )
     # rows that do not count (scale 0) get exactly 0, even where their logits are not finite
     g = torch.where((kd_scale != 0)[:, None], g, torch.zeros_like(g))
     if cfg.with_ce:
@@ -180,10 +279,10 @@ def grad_chunk(z, t, labels, st: RowStats, cfg: LossConfig, kd_scale, ce_scale, 
 
 def compute_stats(ops: Operands, labels, cfg: LossConfig, chunk: int) -> RowStats:
     V = ops.vocab
-    fp = first_pass(ops, labels, cfg, 0, V, chunk)
+    fp = first_pass(ops, labels, cfg, 0, V, chunk=chunk)
     sums = None
     if cfg.divergence not in dv.ONE_PASS:
-        sums = second_pass(ops, cfg, fp.s.lse(), fp.t.lse(), 0, V, chunk)
+        sums = second_pass(ops, cfg, row_norm(fp, False)[0], 0, V, chunk=chunk)
     return finish_stats(fp, cfg, sums)
 
 
@@ -199,20 +298,22 @@ def backward_chunks(ops: Operands, labels, st, cfg, kd_scale, ce_scale, chunk, l
     if cfg.filter_eps is not None:
         gf.check_not_capturing(xs.device)
     for c0, c1 in spans(V, chunk):
-        z = chunk_logits(xs, ws, bs, c0, c1, acc, cfg.softcap_s)
-        t = chunk_logits(xt, wt, bt, c0, c1, acc, cfg.softcap_t) / cfg.temperature
-        g = grad_chunk(z, t, None if labels is None else labels - lo, st, cfg, kd_scale, ce_scale, c0)
+        z = chunk_logits(xs, ws, bs, c0, c1, acc=acc, softcap=cfg.softcap_s)
+        t = chunk_logits(xt, wt, bt, c0, c1, acc=acc, softcap=cfg.softcap_t) / cfg.temperature
+        g = grad_chunk(
+            z, t, None if labels is None else labels - lo, st, cfg, kd_scale=kd_scale, ce_scale=ce_scale, lo=c0
+        )
         if cfg.filter_eps is None:
-            head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx, dw, db)
+            head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx=dx, dw=dw, db=db)
             continue
         if db is not None:  # db is never filtered
             db[c0:c1] = g.sum(0).to(db.dtype)
         active = gf.active_columns(g, cfg.filter_eps)
         idx = gf.compacted(active)
         if idx is None:  # more than half active: not filtered
-            head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx, dw, None)
+            head_grads_from_chunk(g, xs_acc, ws, c0, c1, dx=dx, dw=dw, db=None)
         else:
-            gf.add_column_grads(g, idx, xs_acc, ws[c0:c1], dx, None if dw is None else dw[c0:c1], first=True)
+            gf.add_column_grads(g, idx, xs_acc, ws[c0:c1], dx, dw=None if dw is None else dw[c0:c1], first=True)
     return dx, dw, db
 
 
@@ -224,13 +325,13 @@ class TorchLocal:
         self.chunk = max(1, cfg.chunk_V or auto_chunk_v(xs.shape[0], max(ws.shape[0], 1)))
 
     def first_pass(self, ops: Operands, labels, cfg: LossConfig) -> FirstPass:
-        return first_pass(ops, labels, cfg, 0, ops.vocab, self.chunk)
+        return first_pass(ops, labels, cfg, 0, ops.vocab, chunk=self.chunk)
 
-    def second_pass(self, ops: Operands, cfg: LossConfig, lse_s, lse_t):
-        return second_pass(ops, cfg, lse_s, lse_t, 0, ops.vocab, self.chunk)
+    def second_pass(self, ops: Operands, cfg: LossConfig, norm: RowNorm):
+        return second_pass(ops, cfg, norm, 0, ops.vocab, chunk=self.chunk)
 
     def backward(self, ops: Operands, labels, st: RowStats, cfg: LossConfig, kd_scale, ce_scale, need_w=True):
-        return backward_chunks(ops, labels, st, cfg, kd_scale, ce_scale, self.chunk, need_w=need_w)
+        return backward_chunks(ops, labels, st, cfg, kd_scale, ce_scale=ce_scale, chunk=self.chunk, need_w=need_w)
 
 
 class ChunkedDistill(PartsFunction):
@@ -241,7 +342,7 @@ class ChunkedDistill(PartsFunction):
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig):
         chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0])
-        st = compute_stats(Operands(xs, xt, ws, wt, bs, bt), labels, cfg, chunk)
+        st = compute_stats(Operands(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt), labels, cfg, chunk)
         total, kd, ce = combine_rows(st.kd, st.ce, mask, cfg)
         ctx.save_for_backward(xs, xt, ws, wt, bs, bt, labels, mask)
         ctx.stats, ctx.cfg, ctx.chunk = st, cfg, chunk
@@ -254,13 +355,13 @@ class ChunkedDistill(PartsFunction):
         cfg = ctx.cfg
         kd_scale, ce_scale = row_scales(grad_total.to(ctx.stats.lse_s.dtype), mask.to(ctx.stats.lse_s.dtype), cfg)
         dx, dw, db = backward_chunks(
-            Operands(xs, xt, ws, wt, bs, bt),
+            Operands(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt),
             labels,
             ctx.stats,
             cfg,
             kd_scale,
-            ce_scale,
-            ctx.chunk,
+            ce_scale=ce_scale,
+            chunk=ctx.chunk,
             need_w=ChunkedDistill.head_needed(ctx),
         )
         return ChunkedDistill.input_grads(ctx, dx.to(xs.dtype) if ctx.needs_input_grad[0] else None, dw, db)

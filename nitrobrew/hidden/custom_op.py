@@ -5,8 +5,8 @@ without breaking the graph many times, so under compilation the whole computatio
 op, ``nitrobrew::hidden_distill``, with a fake (shape-only) implementation and a registered
 backward: the surrounding training step stays one graph. The forward returns, besides the reduced
 (total, kd, ce), what the backward needs: the gradients when the fast mode forms them in the
-forward, else the per-row statistics [4, N] (lse_s, lse_t, lse_z, sum_u) from which
-``nitrobrew::hidden_distill_backward`` recomputes the slabs. Both ops run the same functions as
+forward, else the per-row statistics [11, N] (lse_s, lse_t, lse_z, sum_u, the split normalizers,
+v_rest) from which ``nitrobrew::hidden_distill_backward`` recomputes the slabs. Both ops run the same functions as
 the eager autograd Functions, so the two paths agree bit for bit.
 """
 
@@ -20,7 +20,7 @@ from ..core import checks as ck
 from ..core.online import auto_chunk_v
 from ..core.ops import compute_dtype, grad_needed, kernel_operands
 from ..core.reduction import combine_rows, reduce_rows, row_scales, row_upstream
-from .chunked import RowStats, backward_chunks, compute_stats
+from .chunked import RowNorm, RowStats, backward_chunks, compute_stats
 from .config import LossConfig, Operands
 
 Tensor = torch.Tensor
@@ -67,12 +67,17 @@ def _precomputes(impl: str, xs, ws, cfg, reduction, mode, memory_budget, need_gr
     )
 
 
+N_STATS = 11  # lse_s, lse_t, lse_z, sum_u, the split normalizers (chunked.RowNorm, 6), v_rest
+
+
 def _pack_stats(rs: RowStats) -> Tensor:
-    return torch.stack([rs.lse_s, rs.lse_t, rs.lse_s if rs.lse_z is None else rs.lse_z, rs.sum_u])
+    v_rest = torch.zeros_like(rs.sum_u) if rs.v_rest is None else rs.v_rest
+    head = torch.stack([rs.lse_s, rs.lse_t, rs.lse_s if rs.lse_z is None else rs.lse_z, rs.sum_u])
+    return torch.cat([head, rs.row_norm().stacked(), v_rest[None]])
 
 
 def _unpack_stats(stats: Tensor) -> RowStats:
-    return RowStats(stats[0], stats[1], stats[2], stats[3], None, None)
+    return RowStats(stats[0], stats[1], stats[2], stats[3], None, None, norm=RowNorm(*stats[4:10]), v_rest=stats[10])
 
 
 def _empty(like: Tensor) -> Tensor:
@@ -157,7 +162,7 @@ def _(
     if _precomputes(impl, xs, ws, cfg, reduction, mode, memory_budget, need_grad):
         db = _empty(xs) if bs is None else torch.empty_like(bs)
         return (*out, out[0].new_empty((0,)), torch.empty_like(xs), torch.empty_like(ws), db)
-    return (*out, xs.new_empty((4, n), dtype=acc), _empty(xs), _empty(ws), _empty(xs))
+    return (*out, xs.new_empty((N_STATS, n), dtype=acc), _empty(xs), _empty(ws), _empty(xs))
 
 
 @torch.library.custom_op("nitrobrew::hidden_distill_backward", mutates_args=())

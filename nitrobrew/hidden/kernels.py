@@ -18,71 +18,81 @@ from .. import divergences as dv
 from ..core import online
 from ..core.launch import launch
 from ..core.tl_utils import (
-    FORWARD_KL,
     KL_STATS_BLOCK_V,
     KL_STATS_WARPS,
+    LOG2,
     NUM_WARPS,
     REVERSE_KL,
     STATS_WARPS,
+    TVD,
     expm1,
     f32,
-    lane_update,
-    lanes_to_row,
+    lane_tail,
+    lanes_tail,
     math_args,
-    phi_u,
+    merge_tail2,
+    recentre,
     row_block,
+    row_grad,
+    row_terms,
 )
 from .config import LossConfig
 
-# Columns of the per-row state tensor (host ints; the kernels read the constexpr twins C_*).
-M_S, L_S, M_T, L_T, ACC, M_Z, L_Z, Z_LABEL, PHI_SUM, U_SUM = range(10)
-NSTATE = 10
-REL = PHI_SUM  # one-pass divergences (no second pass): Online.r, on ACC's scale
-LOST = U_SUM  # one-pass divergences: Online.b, on the other side's scale
-C_M_S, C_L_S, C_M_T, C_L_T, C_ACC, C_M_Z, C_L_Z, C_Z_LABEL, C_PHI_SUM, C_U_SUM = (tl.constexpr(i) for i in range(10))
-C_NSTATE, C_REL, C_LOST = tl.constexpr(NSTATE), tl.constexpr(REL), tl.constexpr(LOST)
-# Columns of the per-row finished values the gradient kernel reads.
-LSE_S, LSE_T, LSE_Z, SUM_U = range(4)
-C_LSE_S, C_LSE_T, C_LSE_Z, C_SUM_U = (tl.constexpr(i) for i in range(4))
+# Columns of the pass-1 state tensor (host ints; the kernels read the constexpr twins C_*): each side's
+# max and tail (the mass outside its maximal entry, docs/design.md §2.6), the accumulating side's
+# centred sums a, r and their reference, the other side's lost mass b, the raw lse and label logit.
+M_S, T_S, M_T, T_T, ACC, M_Z, T_Z, Z_LABEL, REL, LOST, REF = range(11)
+NSTATE = 11
+C_M_S, C_T_S, C_M_T, C_T_T, C_ACC, C_M_Z, C_T_Z, C_Z_LABEL, C_REL, C_LOST, C_REF = (tl.constexpr(i) for i in range(11))
+C_NSTATE = tl.constexpr(NSTATE)
+# Columns of the per-row values the second pass and the gradient read: the split normalizers
+# (chunked.RowNorm: m_s, log l_s, m_t, log l_t, c, g), then the second pass's four sums, or the
+# gradient's lse_z, sum_u and v_rest.
+N_M_S, N_LL_S, N_M_T, N_LL_T, N_C, N_G = range(6)
+PHI_SUM, V_SUM, V2_SUM, V3_SUM = range(6, 10)
+LSE_Z, SUM_U, V_REST = range(6, 9)
+NROW = 10
+C_N_M_S, C_N_LL_S, C_N_M_T, C_N_LL_T, C_N_C, C_N_G = (tl.constexpr(i) for i in range(6))
+C_PHI_SUM, C_V_SUM, C_V2_SUM, C_V3_SUM = (tl.constexpr(i) for i in range(6, 10))
+C_LSE_Z, C_SUM_U, C_V_REST = (tl.constexpr(i) for i in range(6, 9))
+C_NROW = tl.constexpr(NROW)
 # Entries whose other side lies more than this many nats above their own (w e^d could overflow fp32)
 # count in the other side's dropped mass: the PyTorch path's bound, as a constexpr.
 FAR_NATS = tl.constexpr(online.FAR_NATS)
 
 
 @triton.jit
-def _kl_lanes_to_row(m_o, l_o, acc, rel, m_x, l_x, lost, mo0, lo0, a0, r0, mx0, lx0, b0):
-    """The KLs' lane merge: the accumulating side o (max, sum, a, r) and the other side x (max, sum, b),
-    then with the row's carried state. Wherever o's sums underflow on the merged scale (a lane, or the
-    carried state or this tile's, far below the row's max), x's mass there is lost to r: it moves to b."""
-    mo = tl.max(m_o, axis=0)
+def _kl_lanes_to_row(m_o, t_o, acc, rel, ref, m_x, t_x, lost, mo0, to0, a0, r0, ref0, mx0, tx0, b0):
+    """The lane merge of the accumulating side o (max, tail, centred a and r, their reference) and the
+    other side x (max, tail, b), then with the row's carried state. a and r are referred to the d of the
+    lane (or state) that holds o's max (core.online.Online.recentre); wherever o's sums underflow on the
+    merged scale (a lane, or the carried state or this tile's, far below the row's max), x's mass there
+    is lost to r: it moves to b."""
+    mo, to_r, sc_o = lanes_tail(m_o, t_o)
+    ref_r = tl.max(tl.where(m_o == mo, ref, float("-inf")), axis=0)
+    ref_r = tl.where(ref_r == float("-inf"), 0.0, ref_r)
     mo_safe = tl.where(mo == float("-inf"), 0.0, mo)
-    sc_o = tl.exp(m_o - mo_safe)
-    l_or = tl.sum(l_o * sc_o, axis=0)
-    a_r = tl.sum(tl.where(sc_o > 0, acc * sc_o, 0.0), axis=0)
-    r_r = tl.sum(tl.where(sc_o > 0, rel * sc_o, 0.0), axis=0)
-    mx = tl.max(m_x, axis=0)
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    sc_x = tl.exp(m_x - mx_safe)
-    l_xr = tl.sum(l_x * sc_x, axis=0)
-    b_r = tl.sum(tl.where(sc_x > 0, tl.where(sc_o > 0, lost, l_x) * sc_x, 0.0), axis=0)
-    mo_new = tl.maximum(mo0, mo)
+    a_l, r_l = recentre(acc, rel, ref, ref_r, t_o + 1.0, m_o - mo_safe)
+    a_r = tl.sum(a_l, axis=0)
+    r_r = tl.sum(r_l, axis=0)
+    mx, tx_r, sc_x = lanes_tail(m_x, t_x)
+    b_r = tl.sum(tl.where(sc_x > 0, tl.where(sc_o > 0, lost, t_x + 1.0) * sc_x, 0.0), axis=0)
+    mo_new, to_new, so_old, so_row = merge_tail2(mo0, to0, mo, to_r)
+    ref_new = tl.where(mo >= mo0, ref_r, ref0)
     so_safe = tl.where(mo_new == float("-inf"), 0.0, mo_new)
-    so_old = tl.exp(mo0 - so_safe)
-    so_row = tl.exp(mo - so_safe)
-    mx_new = tl.maximum(mx0, mx)
-    sx_safe = tl.where(mx_new == float("-inf"), 0.0, mx_new)
-    sx_old = tl.exp(mx0 - sx_safe)
-    sx_row = tl.exp(mx - sx_safe)
-    b_new = tl.where(so_old > 0, b0, lx0) * sx_old + tl.where(so_row > 0, b_r, l_xr) * sx_row
-    return (
-        mo_new,
-        lo0 * so_old + l_or * so_row,
-        a0 * so_old + a_r * so_row,
-        r0 * so_old + r_r * so_row,
-        mx_new,
-        lx0 * sx_old + l_xr * sx_row,
-        b_new,
-    )
+    a0n, r0n = recentre(a0, r0, ref0, ref_new, to0 + 1.0, mo0 - so_safe)
+    a1n, r1n = recentre(a_r, r_r, ref_r, ref_new, to_r + 1.0, mo - so_safe)
+    mx_new, tx_new, sx_old, sx_row = merge_tail2(mx0, tx0, mx, tx_r)
+    b_new = tl.where(so_old > 0, b0, tx0 + 1.0) * sx_old + tl.where(so_row > 0, b_r, tx_r + 1.0) * sx_row
+    return mo_new, to_new, a0n + a1n, r0n + r1n, ref_new, mx_new, tx_new, b_new
+
+
+@triton.jit
+def _tails_to_row(m, tail, m0, t0):
+    """The lanes' (max, tail) merged, then with the row's carried (m0, t0)."""
+    mx, t_r, _sc = lanes_tail(m, tail)
+    m_new, t_new, _s0, _s1 = merge_tail2(m0, t0, mx, t_r)
+    return m_new, t_new
 
 
 @triton.jit
@@ -108,31 +118,33 @@ def hidden_stats_kernel(
     CHUNK_MAX: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """PASS 1: online log-sum-exps (+ the one-pass KL accumulator, CE pieces); with CHUNK_MAX also
-    this slab's largest tempered student and teacher logits of the row (chunk_max[row, 0:2]: the
-    constant-memory gradient filter's bounds, grad_filter.negligible_tiles).
-    PASS 2: sum of phi and of u given the final log-sum-exps (stored in M_S/M_T as lse).
+    """PASS 1: each side's online (max, tail), the accumulating side's centred sums (the student for
+    reverse_kl, else the teacher; docs/design.md §2.6) and the other side's lost mass, CE pieces; with
+    CHUNK_MAX also this slab's largest tempered student and teacher logits of the row (chunk_max[row,
+    0:2]: the constant-memory gradient filter's bounds, grad_filter.negligible_tiles). State: [R, NSTATE].
+    PASS 2: the four row sums of divergences.row_terms given the split normalizers. State: [R, NROW].
     Every lane keeps its own running values over the row's tiles; they are reduced once at the end
     (a reduction per tile synchronizes the program's warps and costs more than the exps)."""
     inv_temp, param, log_a, log_1ma = f32(inv_temp), f32(param), f32(log_a), f32(log_1ma)
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     t_row = t_ptr + row * stride_t
-    st = state_ptr + row * C_NSTATE
     cols = tl.arange(0, BLOCK_V)
     zero = tl.zeros([BLOCK_V], dtype=tl.float32)
     if PASS == 1:
+        st = state_ptr + row * C_NSTATE
         label = -1
         if HAS_LABELS:
             label = tl.load(labels_ptr + row).to(tl.int32) - col_offset
         m_s = zero + float("-inf")
         m_t = zero + float("-inf")
         m_z = zero + float("-inf")
-        l_s = zero
-        l_t = zero
-        l_z = zero
-        acc = zero
-        rel = zero  # sum of w expm1(other - own) for the side that accumulates (chunked.Online.r)
+        t_s = zero - 1.0
+        t_t = zero - 1.0
+        t_z = zero - 1.0
+        acc = zero  # sum of w (dd - ref), dd = own - other (Online.a, centred)
+        rel = zero  # sum of w expm1(ref - dd) (Online.r, centred)
+        ref = zero  # dd at the lane's max of the accumulating side
         lost = zero  # the other side's weight where the accumulating side's w underflowed (Online.b)
         z_lab = zero
         for start in range(0, n_cols, BLOCK_V):
@@ -141,105 +153,125 @@ def hidden_stats_kernel(
             z = tl.load(z_row + idx, mask=valid, other=float("-inf"))
             t = tl.load(t_row + idx, mask=valid, other=float("-inf")) * inv_temp
             s = z * inv_temp
-            m_s, l_s, w_s, sc_s = lane_update(m_s, l_s, s)
-            m_t, l_t, w_t, sc_t = lane_update(m_t, l_t, t)
-            if (
-                DIVERGENCE == FORWARD_KL or DIVERGENCE == REVERSE_KL
-            ):  # the side p that accumulates: the teacher (forward KL) or the student
-                w = w_t if DIVERGENCE == FORWARD_KL else w_s
-                sc = sc_t if DIVERGENCE == FORWARD_KL else sc_s
-                d = s - t if DIVERGENCE == FORWARD_KL else t - s  # other - own
-                keep = w > 0  # w = 0 where d may be infinite
-                # the other side's mass goes to `lost` (on its own scale) where p underflowed, and where
-                # w e^d could overflow (d > FAR_NATS: rel keeps only -w there, the "-1" of expm1)
-                near = keep & (d <= FAR_NATS)
-                acc = acc * sc - tl.where(keep, w * d, 0.0)
-                rel = rel * sc + tl.where(near, w * expm1(d), -w)  # rel stays finite: near bounds w e^d
-                # (when a lane's own max jumps by > 104 nats, its earlier near entries' other-side mass is
-                # below e^-40 of the new scale: negligible, so no per-element select for it; lanes, tiles
-                # and ranks whose sums underflow as a whole are handled where they merge)
-                lost = lost * (sc_s if DIVERGENCE == FORWARD_KL else sc_t) + tl.where(
-                    near, 0.0, w_s if DIVERGENCE == FORWARD_KL else w_t
-                )
+            if DIVERGENCE == REVERSE_KL:  # the side p that accumulates: the student
+                l_old = t_s + 1.0
+                m_s, t_s, w, sc, up = lane_tail(m_s, t_s, s)
+                m_t, t_t, w_x, sc_x, _up = lane_tail(m_t, t_t, t)
+                dd = s - t
+            else:  # the teacher
+                l_old = t_t + 1.0
+                m_t, t_t, w, sc, up = lane_tail(m_t, t_t, t)
+                m_s, t_s, w_x, sc_x, _up = lane_tail(m_s, t_s, s)
+                dd = t - s
+            shift = dd - ref
+            # one expm1 serves both branches: expm1(-shift) on the others, e^shift = 1 / (1 + it) and
+            # expm1(shift) where the lane's max moves here (its reference becomes dd)
+            e1 = expm1(tl.minimum(-shift, 80.0))
+            inv = 1.0 / tl.maximum(1.0 + e1, 1e-30)
+            em = tl.where(e1 > 1.0, inv - 1.0, -e1 * inv)
+            re = up & (tl.abs(dd) < float("inf"))
+            keep = w > 0  # w = 0 where dd may be infinite
+            # the other side's mass goes to `lost` (on its own scale) where p underflowed, and where
+            # w e^-(dd - ref) could overflow (ref - dd > FAR_NATS: rel keeps only -w there)
+            # (and, uncentred, where the other side lies FAR_NATS above: that mass would be lost to rel when
+            # the lane's max jumps later; an entry that becomes the reference is itself near in rel's terms)
+            near = (re | (keep & (-shift <= FAR_NATS))) & (-dd <= FAR_NATS)
+            acc = tl.where(re, (acc - l_old * shift) * sc, acc * sc + tl.where(keep, w * shift, 0.0))
+            rel_re = (inv * rel + l_old * em) * sc - tl.where(near, 0.0, 1.0)
+            rel = tl.where(re, rel_re, rel * sc + tl.where(near, w * e1, -w))
+            ref = tl.where(re, dd, ref)
+            lost = lost * sc_x + tl.where(near, 0.0, w_x)
             if RAW_LSE:
-                m_z, l_z, _w, _sc = lane_update(m_z, l_z, z)
+                m_z, t_z, _w, _sc, _up = lane_tail(m_z, t_z, z)
             if HAS_LABELS:
                 z_lab += tl.where(valid & (idx == label), z, 0.0)
         if CHUNK_MAX:
             tl.store(chunk_max_ptr + row * stride_cm, tl.max(m_s, axis=0))
             tl.store(chunk_max_ptr + row * stride_cm + 1, tl.max(m_t, axis=0))
-        if DIVERGENCE == FORWARD_KL:
-            mt_row, lt_row, a_row, r_row, ms_row, ls_row, b_row = _kl_lanes_to_row(
-                m_t,
-                l_t,
+        if DIVERGENCE == REVERSE_KL:
+            ms_row, ts_row, a_row, r_row, ref_row, mt_row, tt_row, b_row = _kl_lanes_to_row(
+                m_s,
+                t_s,
                 acc,
                 rel,
-                m_s,
-                l_s,
-                lost,
-                tl.load(st + C_M_T),
-                tl.load(st + C_L_T),
-                tl.load(st + C_ACC),
-                tl.load(st + C_REL),
-                tl.load(st + C_M_S),
-                tl.load(st + C_L_S),
-                tl.load(st + C_LOST),
-            )
-        elif DIVERGENCE == REVERSE_KL:
-            ms_row, ls_row, a_row, r_row, mt_row, lt_row, b_row = _kl_lanes_to_row(
-                m_s,
-                l_s,
-                acc,
-                rel,
+                ref,
                 m_t,
-                l_t,
+                t_t,
                 lost,
                 tl.load(st + C_M_S),
-                tl.load(st + C_L_S),
+                tl.load(st + C_T_S),
                 tl.load(st + C_ACC),
                 tl.load(st + C_REL),
+                tl.load(st + C_REF),
                 tl.load(st + C_M_T),
-                tl.load(st + C_L_T),
+                tl.load(st + C_T_T),
                 tl.load(st + C_LOST),
             )
         else:
-            ms_row, ls_row, _a, _r = lanes_to_row(
-                m_s, l_s, zero, zero, tl.load(st + C_M_S), tl.load(st + C_L_S), 0.0, 0.0
-            )
-            mt_row, lt_row, _a, _r = lanes_to_row(
-                m_t, l_t, zero, zero, tl.load(st + C_M_T), tl.load(st + C_L_T), 0.0, 0.0
+            mt_row, tt_row, a_row, r_row, ref_row, ms_row, ts_row, b_row = _kl_lanes_to_row(
+                m_t,
+                t_t,
+                acc,
+                rel,
+                ref,
+                m_s,
+                t_s,
+                lost,
+                tl.load(st + C_M_T),
+                tl.load(st + C_T_T),
+                tl.load(st + C_ACC),
+                tl.load(st + C_REL),
+                tl.load(st + C_REF),
+                tl.load(st + C_M_S),
+                tl.load(st + C_T_S),
+                tl.load(st + C_LOST),
             )
         tl.store(st + C_M_S, ms_row)
-        tl.store(st + C_L_S, ls_row)
+        tl.store(st + C_T_S, ts_row)
         tl.store(st + C_M_T, mt_row)
-        tl.store(st + C_L_T, lt_row)
-        if DIVERGENCE == FORWARD_KL or DIVERGENCE == REVERSE_KL:
-            tl.store(st + C_ACC, a_row)
-            tl.store(st + C_REL, r_row)
-            tl.store(st + C_LOST, b_row)
+        tl.store(st + C_T_T, tt_row)
+        tl.store(st + C_ACC, a_row)
+        tl.store(st + C_REL, r_row)
+        tl.store(st + C_REF, ref_row)
+        tl.store(st + C_LOST, b_row)
         if RAW_LSE:
-            mz_row, lz_row, _a, _r = lanes_to_row(
-                m_z, l_z, zero, zero, tl.load(st + C_M_Z), tl.load(st + C_L_Z), 0.0, 0.0
-            )
+            mz_row, tz_row = _tails_to_row(m_z, t_z, tl.load(st + C_M_Z), tl.load(st + C_T_Z))
             tl.store(st + C_M_Z, mz_row)
-            tl.store(st + C_L_Z, lz_row)
+            tl.store(st + C_T_Z, tz_row)
         if HAS_LABELS:
             tl.store(st + C_Z_LABEL, tl.load(st + C_Z_LABEL) + tl.sum(z_lab, axis=0))
     else:
-        lse_s = tl.load(st + C_M_S)
-        lse_t = tl.load(st + C_M_T)
+        st = state_ptr + row * C_NROW
+        m_s = tl.load(st + C_N_M_S)
+        ll_s = tl.load(st + C_N_LL_S)
+        m_t = tl.load(st + C_N_M_T)
+        ll_t = tl.load(st + C_N_LL_T)
+        c = tl.load(st + C_N_C)
+        g = tl.load(st + C_N_G)
         phi_sum = zero
-        u_sum = zero
+        v_sum = zero
+        v2_sum = zero
+        v3_sum = zero
         for start in range(0, n_cols, BLOCK_V):
             idx = start + cols
             valid = idx < n_cols
-            lq = tl.load(z_row + idx, mask=valid, other=0.0) * inv_temp - lse_s
-            lp = tl.load(t_row + idx, mask=valid, other=0.0) * inv_temp - lse_t
-            phi, u = phi_u(lp, lq, param, log_a, log_1ma, DIVERGENCE)
+            s = tl.load(z_row + idx, mask=valid, other=0.0) * inv_temp
+            t = tl.load(t_row + idx, mask=valid, other=0.0) * inv_temp
+            lq = (s - m_s) - ll_s
+            lp = (t - m_t) - ll_t
+            d = ((s - t) - c) - g
+            phi, v, v2, v3 = row_terms(lp, lq, d, param, log_a, log_1ma, DIVERGENCE)
             phi_sum += tl.where(valid, phi, 0.0)
-            u_sum += tl.where(valid, u, 0.0)
+            v_sum += tl.where(valid, v, 0.0)
+            if DIVERGENCE == TVD:
+                v2_sum += tl.where(valid, v2, 0.0)
+                v3_sum += tl.where(valid, v3, 0.0)
+            else:  # v without the student's top entry
+                v2_sum += tl.where(valid & ((s != m_s) | (ll_s + 0.0 * s >= LOG2)), v, 0.0)
         tl.store(st + C_PHI_SUM, tl.load(st + C_PHI_SUM) + tl.sum(phi_sum, axis=0))
-        tl.store(st + C_U_SUM, tl.load(st + C_U_SUM) + tl.sum(u_sum, axis=0))
+        tl.store(st + C_V_SUM, tl.load(st + C_V_SUM) + tl.sum(v_sum, axis=0))
+        tl.store(st + C_V2_SUM, tl.load(st + C_V2_SUM) + tl.sum(v2_sum, axis=0))
+        tl.store(st + C_V3_SUM, tl.load(st + C_V3_SUM) + tl.sum(v3_sum, axis=0))
 
 
 @triton.jit
@@ -248,10 +280,15 @@ def _grad_tile(
     t_row,
     idx,
     valid,
-    lse_s,
-    lse_t,
+    m_s,
+    ll_s,
+    m_t,
+    ll_t,
+    c,
+    g_row,
     lse_z,
     sum_u,
+    v_rest,
     kd_scale,
     ce_scale,
     label,
@@ -265,12 +302,15 @@ def _grad_tile(
     SOFTCAP: tl.constexpr,
 ):
     z = tl.load(z_row + idx, mask=valid, other=0.0)
-    t = tl.load(t_row + idx, mask=valid, other=0.0)
-    lq = z * inv_temp - lse_s
-    lp = t * inv_temp - lse_t
-    _phi, u = phi_u(lp, lq, param, log_a, log_1ma, DIVERGENCE)
+    t = tl.load(t_row + idx, mask=valid, other=0.0) * inv_temp
+    s = z * inv_temp
+    lq = (s - m_s) - ll_s
+    lp = (t - m_t) - ll_t
+    d = ((s - t) - c) - g_row
+    top = (s == m_s) & (ll_s + 0.0 * s < LOG2)  # the student's max, where it is a single entry
+    g = row_grad(lp, lq, d, top, ll_s, param, log_a, log_1ma, sum_u, v_rest, DIVERGENCE)
     # an ignored row (scale 0) gets exactly 0, even where its divergence is infinite
-    g = tl.where(kd_scale != 0.0, (u - tl.exp(lq) * sum_u) * kd_scale, 0.0)
+    g = tl.where(kd_scale != 0.0, g * kd_scale, 0.0)
     if WITH_CE:
         ce_g = (tl.exp(z - lse_z) - tl.where(idx == label, 1.0, 0.0)) * ce_scale
         g += tl.where(ce_scale != 0.0, ce_g, 0.0)
@@ -306,7 +346,7 @@ def hidden_grad_kernel(
     SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """g = kd_scale/T * (u - q * sum_u) + ce_scale * (softmax(z) - onehot(label)), per entry.
+    """g = kd_scale/T * dD/ds (divergences.row_grad) + ce_scale * (softmax(z) - onehot(label)), per entry.
 
     g may alias the t slab (a 16-bit g written over fp32 t of the same row): the barrier makes every
     warp finish with a tile's loads before any warp stores it, and a tile's store only reaches
@@ -318,11 +358,17 @@ def hidden_grad_kernel(
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     t_row = t_ptr + row * stride_t
-    g_row = g_ptr + row * stride_g
-    lse_s = tl.load(rowvals_ptr + row * 4 + C_LSE_S)
-    lse_t = tl.load(rowvals_ptr + row * 4 + C_LSE_T)
-    lse_z = tl.load(rowvals_ptr + row * 4 + C_LSE_Z)
-    sum_u = tl.load(rowvals_ptr + row * 4 + C_SUM_U)
+    g_out = g_ptr + row * stride_g
+    rv = rowvals_ptr + row * C_NROW
+    m_s = tl.load(rv + C_N_M_S)
+    ll_s = tl.load(rv + C_N_LL_S)
+    m_t = tl.load(rv + C_N_M_T)
+    ll_t = tl.load(rv + C_N_LL_T)
+    c = tl.load(rv + C_N_C)
+    g_row = tl.load(rv + C_N_G)
+    lse_z = tl.load(rv + C_LSE_Z)
+    sum_u = tl.load(rv + C_SUM_U)
+    v_rest = tl.load(rv + C_V_REST)
     kd_scale = tl.load(kd_scale_ptr + row) * inv_temp
     ce_scale = 0.0
     label = -1
@@ -339,10 +385,15 @@ def hidden_grad_kernel(
             t_row,
             idx,
             valid,
-            lse_s,
-            lse_t,
+            m_s,
+            ll_s,
+            m_t,
+            ll_t,
+            c,
+            g_row,
             lse_z,
             sum_u,
+            v_rest,
             kd_scale,
             ce_scale,
             label,
@@ -356,7 +407,7 @@ def hidden_grad_kernel(
             SOFTCAP,
         )
         tl.debug_barrier()  # g may alias t: every warp has used its loads of this tile before any store
-        tl.store(g_row + idx, g.to(g_ptr.dtype.element_ty), mask=valid)
+        tl.store(g_out + idx, g.to(g_ptr.dtype.element_ty), mask=valid)
         if FILTER:
             g_max = tl.maximum(g_max, tl.where(valid, tl.abs(g), 0.0))
     if FILTER:
@@ -364,21 +415,32 @@ def hidden_grad_kernel(
 
 
 def new_state(n: int, device) -> torch.Tensor:
+    """A pass-1 state: maxima -inf, tails -1 (nothing seen), sums 0."""
     st = torch.zeros(n, NSTATE, dtype=torch.float32, device=device)
     for col in (M_S, M_T, M_Z):  # column by column: a list index would be a host-to-device copy (no CUDA graphs)
         st[:, col] = float("-inf")
+    for col in (T_S, T_T, T_Z):
+        st[:, col] = -1.0
+    return st
+
+
+def new_rowvals(norm_rows: torch.Tensor) -> torch.Tensor:
+    """A pass-2 state [n, NROW]: the split normalizers ([6, n], chunked.RowNorm.stacked) and zero sums."""
+    st = torch.zeros(norm_rows.shape[1], NROW, dtype=torch.float32, device=norm_rows.device)
+    st[:, : N_G + 1] = norm_rows.t()
     return st
 
 
 def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no: int, chunk_max=None) -> None:
-    """Update `state` rows with the slab (z, t) [R, C]; labels are global ids (or None). chunk_max
-    ([R, 2] view, pass 1): gets the slab's largest tempered logits per row."""
+    """Update `state` rows with the slab (z, t) [R, C] (pass 1: [R, NSTATE] from new_state; pass 2:
+    [R, NROW] from new_rowvals); labels are global ids (or None). chunk_max ([R, 2] view, pass 1): gets
+    the slab's largest tempered logits per row."""
     rows, n_cols = z.shape
     if rows == 0:
         return
     inv_temp, a, log_a, log_1ma = math_args(cfg)
     has_labels = cfg.with_ce and labels is not None and pass_no == 1
-    kl = pass_no == 1 and cfg.divergence in dv.ONE_PASS
+    kl = pass_no == 1  # every pass 1 keeps the centred sums (the KLs' register budget)
     launch(
         hidden_stats_kernel,
         (rows,),
@@ -407,8 +469,8 @@ def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no:
 
 
 def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, cfg: LossConfig, rowmax=None) -> None:
-    """Write the gradient slab g; with `rowmax` (fp32 [R]) also each row's largest |g| (the
-    gradient filter's reference)."""
+    """Write the gradient slab g from the per-row values rowvals [R, NROW] (triton_function.row_values);
+    with `rowmax` (fp32 [R]) also each row's largest |g| (the gradient filter's reference)."""
     rows, n_cols = z.shape
     if rows == 0:
         return

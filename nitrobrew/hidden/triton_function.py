@@ -26,7 +26,7 @@ from ..core.slabs import accumulate_dw, alloc_grads, finish_grads, keep_for_back
 from . import grad_filter as gf
 from . import kernels as tr
 from . import kernels_filter as kf
-from .chunked import FirstPass, RowStats, finish_stats
+from .chunked import FirstPass, RowNorm, RowStats, finish_stats, row_norm
 from .config import LossConfig, Operands
 
 F32 = torch.float32
@@ -72,14 +72,14 @@ def _slabs(ops: Operands, v0, v1, cfg):
 
 
 def _first_pass_from_state(st: torch.Tensor, cfg: LossConfig) -> FirstPass:
-    sums = (st[:, tr.ACC], st[:, tr.REL], None)  # on the scale of the side that accumulates them
-    lost = (None, None, st[:, tr.LOST])  # on the other side's scale
-    fwd, rev = cfg.divergence == "forward_kl", cfg.divergence == "reverse_kl"
-    none = (None, None, None)
+    # the centred sums on the side that accumulates them (the student for reverse_kl, else the teacher)
+    own = dict(a=st[:, tr.ACC], r=st[:, tr.REL], ref=st[:, tr.REF])
+    lost = dict(b=st[:, tr.LOST])  # on the other side's scale
+    rev = cfg.divergence == "reverse_kl"
     return FirstPass(
-        s=Online(st[:, tr.M_S], st[:, tr.L_S], *(sums if rev else lost if fwd else none)),
-        t=Online(st[:, tr.M_T], st[:, tr.L_T], *(sums if fwd else lost if rev else none)),
-        z=Online(st[:, tr.M_Z], st[:, tr.L_Z]) if cfg.with_ce and cfg.temperature != 1.0 else None,
+        s=Online(st[:, tr.M_S], st[:, tr.T_S], **(own if rev else lost)),
+        t=Online(st[:, tr.M_T], st[:, tr.T_T], **(lost if rev else own)),
+        z=Online(st[:, tr.M_Z], st[:, tr.T_Z]) if cfg.with_ce and cfg.temperature != 1.0 else None,
         z_label=st[:, tr.Z_LABEL],
     )
 
@@ -96,13 +96,12 @@ def block_stats(ops: Operands, labels, cfg: LossConfig, vchunk: int, chunk_max=N
     fp = _first_pass_from_state(st, cfg)
     sums = None
     if cfg.divergence not in dv.ONE_PASS:
-        st2 = torch.zeros_like(st)
-        st2[:, tr.M_S], st2[:, tr.M_T] = fp.s.lse(), fp.t.lse()
+        st2 = tr.new_rowvals(row_norm(fp, False)[0].stacked())
         for v0, v1 in spans(V, vchunk):
             if vchunk < V:
                 slabs = _slabs(ops, v0, v1, cfg)
             tr.launch_stats(*slabs, st2, None, v0, cfg, 2)
-        sums = (st2[:, tr.PHI_SUM], st2[:, tr.U_SUM])
+        sums = tuple(st2[:, k] for k in (tr.PHI_SUM, tr.V_SUM, tr.V2_SUM, tr.V3_SUM))
     return finish_stats(fp, cfg, sums), (slabs if vchunk >= V else None)
 
 
@@ -114,8 +113,14 @@ def _grad_buffer(z: torch.Tensor, t: torch.Tensor, dtype) -> torch.Tensor:
 
 
 def _rowvals(rs: RowStats) -> torch.Tensor:
+    """The gradient kernel's per-row values [N, NROW] (kernels: the split normalizers, lse_z, sum_u,
+    v_rest)."""
     lse_z = rs.lse_z if rs.lse_z is not None else rs.lse_s
-    return torch.stack([rs.lse_s, rs.lse_t, lse_z, rs.sum_u], dim=1).to(F32).contiguous()
+    v_rest = rs.v_rest if rs.v_rest is not None else torch.zeros_like(rs.sum_u)
+    out = torch.zeros(rs.lse_s.shape[0], tr.NROW, dtype=F32, device=rs.lse_s.device)
+    out[:, : tr.N_G + 1] = rs.row_norm().stacked().t()
+    out[:, tr.LSE_Z], out[:, tr.SUM_U], out[:, tr.V_REST] = lse_z, rs.sum_u, v_rest
+    return out
 
 
 def block_grads(
@@ -327,7 +332,11 @@ def _concat_stats(stats, xs) -> RowStats:
     def cat(name):
         return None if getattr(stats[0], name) is None else torch.cat([getattr(s, name) for s in stats])
 
-    return RowStats(*(cat(k) for k in ("lse_s", "lse_t", "lse_z", "sum_u", "kd", "ce")))
+    norms = [s.row_norm() for s in stats]
+    norm = RowNorm(*(torch.cat([getattr(n, k) for n in norms]) for k in RowNorm.FIELDS))
+    return RowStats(
+        *(cat(k) for k in ("lse_s", "lse_t", "lse_z", "sum_u", "kd", "ce")), norm=norm, v_rest=cat("v_rest")
+    )
 
 
 def triton_distill(
@@ -372,15 +381,14 @@ class TritonLocal:
                 tr.launch_stats(z, t, st[r0:r1], None if labels is None else labels[r0:r1], v0, cfg, 1)
         return _first_pass_from_state(st, cfg)
 
-    def second_pass(self, ops: Operands, cfg: LossConfig, lse_s, lse_t):
+    def second_pass(self, ops: Operands, cfg: LossConfig, norm: RowNorm):
         xs, ws = ops.xs, ops.ws
-        st = torch.zeros(xs.shape[0], tr.NSTATE, dtype=F32, device=xs.device)
-        st[:, tr.M_S], st[:, tr.M_T] = lse_s, lse_t
+        st = tr.new_rowvals(norm.stacked())
         for r0, r1 in self._row_blocks(xs.shape[0]):
             for v0, v1 in spans(ws.shape[0], self.plan.vocab_chunk):
                 z, t = _slabs(ops.rows(r0, r1), v0, v1, cfg)
                 tr.launch_stats(z, t, st[r0:r1], None, v0, cfg, 2)
-        return st[:, tr.PHI_SUM], st[:, tr.U_SUM]
+        return tuple(st[:, k] for k in (tr.PHI_SUM, tr.V_SUM, tr.V2_SUM, tr.V3_SUM))
 
     def backward(self, ops: Operands, labels, rs: RowStats, cfg: LossConfig, kd_scale, ce_scale, need_w=True):
         """(dX in fp32 over the local vocabulary, dW, db)."""

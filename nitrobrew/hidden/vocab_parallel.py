@@ -43,7 +43,7 @@ from ..parallel.comm import (
 )
 from ..parallel.dtensor import unwrap
 from . import grad_filter as gf
-from .chunked import RowStats, TorchLocal, finish_stats
+from .chunked import RowStats, TorchLocal, finish_stats, row_norm
 from .config import LossConfig, Operands
 from .validation import check_hidden_tensors, check_loss_options, prepare_rows
 
@@ -87,18 +87,17 @@ def local_impl(xs, ws, cfg: LossConfig, backend: str, memory_budget=None):
 
 def _merged_stats(fp, cfg: LossConfig, group, second_pass) -> RowStats:
     """Merge a first pass over this rank's block with the other ranks' (and, for the divergences that
-    need the final log-sum-exps, the sums of ``second_pass(lse_s, lse_t)``) into global RowStats."""
+    need the final normalizers, the sums of ``second_pass(norm)``, norm a chunked.RowNorm) into global
+    RowStats."""
     states = [fp.s, fp.t] + ([fp.z] if fp.z is not None else [])
-    pairs = [(fp.s, fp.t), (fp.t, fp.s)] if cfg.divergence in dv.ONE_PASS else []
+    pairs = [(fp.s, fp.t), (fp.t, fp.s)]  # every divergence keeps the centred sums on one side
     if cfg.with_ce:
         (fp.z_label,) = merge_online(states, group, extra=[fp.z_label], kl_pairs=pairs)
     else:
         merge_online(states, group, kl_pairs=pairs)
     sums = None
     if cfg.divergence not in dv.ONE_PASS:
-        phi, u = second_pass(fp.s.lse(), fp.t.lse())
-        both = all_reduce(torch.stack([phi, u]), "sum", group, "fwd_second_pass")
-        sums = (both[0], both[1])
+        sums = all_reduce(torch.stack(second_pass(row_norm(fp, False)[0])), "sum", group, "fwd_second_pass")
     return finish_stats(fp, cfg, sums)
 
 
@@ -107,9 +106,9 @@ def parallel_stats(ops: Operands, labels, cfg: LossConfig, local, group) -> RowS
     with phase("local stats"):
         fp = local.first_pass(ops, labels, cfg)
 
-    def second_pass(lse_s, lse_t):
+    def second_pass(norm):
         with phase("local stats"):
-            return local.second_pass(ops, cfg, lse_s, lse_t)
+            return local.second_pass(ops, cfg, norm)
 
     return _merged_stats(fp, cfg, group, second_pass)
 
@@ -184,13 +183,12 @@ def fused_forward(
             if not empty:
                 tr.launch_stats(*slabs, st, lab, 0, cfg, 1)
 
-        def second_pass(lse_s, lse_t, slabs=slabs, st=st):
+        def second_pass(norm, slabs=slabs):
             with phase("local stats"):
-                st2 = torch.zeros_like(st)
-                st2[:, tr.M_S], st2[:, tr.M_T] = lse_s, lse_t
+                st2 = tr.new_rowvals(norm.stacked())
                 if slabs is not None:
                     tr.launch_stats(*slabs, st2, None, 0, cfg, 2)
-                return st2[:, tr.PHI_SUM], st2[:, tr.U_SUM]
+                return tuple(st2[:, k] for k in (tr.PHI_SUM, tr.V_SUM, tr.V2_SUM, tr.V3_SUM))
 
         rs = _merged_stats(_first_pass_from_state(st, cfg), cfg, group, second_pass)
         stats.append(rs)
@@ -534,22 +532,24 @@ def comm_bytes(
     e = 8 for float64 inputs, else 4 (statistics are fp32). N rows, Ds the student hidden size.
       layout    8 * 10 * world               (int64 shard sizes + checks, before any kernel)
       fwd_max   e * N * (2 + c)               c = 1 if CE is on and T != 1 (a T=1 student lse)
-      fwd_sum   e * N * (2 + c + 3a + ce)     a = 1 for forward_kl/reverse_kl (a, r, b), ce = 1 if CE is on
-      fwd_2nd   e * N * 2                     jsd, tvd, skew_kl, skew_reverse_kl only
+      fwd_ref   e * N                         the d of the accumulating side's top entry (MAX)
+      fwd_sum   e * N * (2 (2 + c) + 3 + ce)  each side's tail share and max count, the centred sums
+                                              (a, r) and the other side's lost mass b; ce = 1 if CE is on
+      fwd_2nd   e * N * 4                     jsd, tvd, skew_kl, skew_reverse_kl only
       bwd_dx    e * N * Ds                    when xs requires grad
     Independent of the vocabulary size V. A ring all-reduce puts ~2 (world-1)/world of that on each link.
     """
     name, _ = dv.canonical(divergence, param)
     e = 8 if dtype == torch.float64 else 4
     c = 1 if (with_ce and temperature != 1.0) else 0
-    a = 1 if name in dv.ONE_PASS else 0
     out = {
         "layout": 8 * 10 * world,
         "fwd_max": e * n_rows * (2 + c),
-        "fwd_sum": e * n_rows * (2 + c + 3 * a + (1 if with_ce else 0)),
+        "fwd_ref": e * n_rows,
+        "fwd_sum": e * n_rows * (2 * (2 + c) + 3 + (1 if with_ce else 0)),
     }
     if name not in dv.ONE_PASS:
-        out["fwd_second_pass"] = e * n_rows * 2
+        out["fwd_second_pass"] = e * n_rows * 4
     if backward and x_requires_grad:
         out["bwd_dx"] = e * n_rows * d_student
     out["total"] = sum(out.values())

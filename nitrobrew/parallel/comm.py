@@ -241,7 +241,8 @@ def same_everywhere(table: dict, field: str, msg: str) -> None:
 def merge_online(states, group, extra=(), kl_pairs=()) -> List[Tensor]:
     """Merge this rank's ``Online`` states (one per side, [N] each) with the other ranks': one MAX
     all-reduce of the running maxima, then one SUM all-reduce of every sum rescaled to the global max
-    (l; the KLs' a, r and b) and of the `extra` tensors (summed as they are, returned in order).
+    (the tail as ``Online.tail_part``'s share and count, so a confident row keeps its tail's digits; the
+    KLs' a, r and b) and of the `extra` tensors (summed as they are, returned in order).
     kl_pairs: (own, other) states of the KLs: where own's sums underflow on the global max, other's
     mass on this rank is lost to own's close-distribution sum r, so it moves to other's b first."""
     m = all_reduce(torch.stack([o.m for o in states]), "max", group, "fwd_max")
@@ -250,18 +251,35 @@ def merge_online(states, group, extra=(), kl_pairs=()) -> List[Tensor]:
             m_own = m[next(i for i, o in enumerate(states) if o is own)]
             safe = torch.where(torch.isfinite(m_own), m_own, torch.zeros_like(m_own))
             other.b = torch.where(torch.exp(own.m - safe) == 0, other.l, other.b)
+    tails = [o.tail_part(m_global) for o, m_global in zip(states, m)]
+    centred = [(o, m_global) for o, m_global in zip(states, m) if o.ref is not None]
+    if centred:  # the KLs' a and r refer to the d of the global max's entry (one held by a rank that has it)
+        cand = torch.stack(
+            [torch.where(o.m == m_g, o.ref, torch.full_like(o.ref, float("-inf"))) for o, m_g in centred]
+        )
+        refs = all_reduce(cand, "max", group, "fwd_ref")
+        for (o, m_g), ref in zip(centred, refs):
+            safe = torch.where(torch.isfinite(m_g), m_g, torch.zeros_like(m_g))
+            ref = torch.where(torch.isfinite(ref), ref, o.ref)
+            if o.b is not None:
+                o.b = o.b * torch.exp(o.m - safe)
+            o.recentre(ref, o.l, o.m - safe)
+            o.m = m_g
     for o, m_global in zip(states, m):
-        o.rescale_to(m_global)
-    fields = [(o, name) for o in states for name in ("l", "a", "r", "b") if getattr(o, name) is not None]
-    parts = [getattr(o, name) for o, name in fields] + list(extra)
+        if o.ref is None:
+            o.rescale_to(m_global)
+    fields = [(o, name) for o in states for name in ("a", "r", "b") if getattr(o, name) is not None]
+    parts = [t for pair in tails for t in pair] + [getattr(o, name) for o, name in fields] + list(extra)
     flat = all_reduce(torch.cat([p.reshape(-1) for p in parts]), "sum", group, "fwd_sum")
     out, at = [], 0
     for p in parts:
         out.append(flat[at : at + p.numel()].view(p.shape))
         at += p.numel()
-    for (o, name), v in zip(fields, out):
+    for i, o in enumerate(states):
+        o.tail = out[2 * i] + (out[2 * i + 1] - 1.0)
+    for (o, name), v in zip(fields, out[2 * len(states) :]):
         setattr(o, name, v)
-    return out[len(fields) :]
+    return out[2 * len(states) + len(fields) :]
 
 
 def fail(msg: str):

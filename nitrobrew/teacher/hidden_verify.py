@@ -13,23 +13,15 @@ import os
 import sys
 from typing import Callable, Dict, List, Optional
 
-import torch
-
-from .hidden_store import (
-    FORMAT,
-    FP8,
-    HEAD_FILE,
-    HIDDEN_DTYPES,
-    HiddenStore,
-    read_manifest,
-    row_start,
-    store_format,
-)
-from .store import StoreError, _safetensors, verify_shard
+# torch and the store code (which imports torch) are imported where they are used, so that
+# `nitrobrew teacher-verify --help` and a bad argument answer without loading torch.
 
 
 def _check_contents(path: str, info: Dict, man: Dict) -> List[str]:
+    import torch
     from safetensors import safe_open
+
+    from .hidden_store import FP8, HIDDEN_DTYPES, row_start
 
     fpath = os.path.join(path, info["file"])
     want = {
@@ -78,6 +70,9 @@ def _check_contents(path: str, info: Dict, man: Dict) -> List[str]:
 
 def verify_hidden_store(path: str, log: Optional[Callable[[str], None]] = None) -> List[str]:
     """Every problem of the hidden store at `path` (empty list: all good)."""
+    from .hidden_store import HEAD_FILE, HiddenStore, read_manifest
+    from .store import StoreError, verify_shard
+
     try:
         man = read_manifest(path)
     except StoreError as err:
@@ -112,6 +107,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .hidden_store import FORMAT, read_manifest, store_format
+    from .store import _safetensors
+
     try:
         _safetensors()
     except ImportError as err:

@@ -14,26 +14,18 @@ import os
 import sys
 from typing import Callable, Dict, List, Optional
 
-import torch
-
-from .store import (
-    ID_DTYPES,
-    LOGPROB_DTYPES,
-    QUANTIZED,
-    StoreError,
-    _safetensors,
-    dequantize_logprobs,
-    read_manifest,
-    unpack_ids,
-    verify_shard,
-)
+# torch and the store code (which imports torch) are imported where they are used, so that
+# `nitrobrew topk-verify --help` and a bad argument answer without loading torch.
 
 # a top-1 log-prob is max - logsumexp, which rounding may leave a hair above 0
 _LOGPROB_SLACK = 1e-4
 
 
 def _check_contents(path: str, info: Dict, man: Dict) -> List[str]:
+    import torch
     from safetensors import safe_open
+
+    from .store import ID_DTYPES, LOGPROB_DTYPES, QUANTIZED, dequantize_logprobs, unpack_ids
 
     fpath = os.path.join(path, info["file"])
     packed = man["id_dtype"] != "int32"
@@ -91,6 +83,8 @@ def _check_contents(path: str, info: Dict, man: Dict) -> List[str]:
 
 def verify_store(path: str, log: Optional[Callable[[str], None]] = None) -> List[str]:
     """Every problem of the store at `path` (empty list: all good)."""
+    from .store import StoreError, read_manifest, verify_shard
+
     try:
         man = read_manifest(path)
     except StoreError as err:
@@ -117,6 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .store import _safetensors, read_manifest
+
     try:
         _safetensors()  # a missing package is not a corrupted shard
     except ImportError as err:

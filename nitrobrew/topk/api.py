@@ -174,6 +174,9 @@ def _flat_rows(xs, topk_ids, topk_logprobs, labels, *, ignore_index: int, with_c
     x = xs.reshape(-1, xs.shape[-1])
     flat_labels = None if labels is None else labels.reshape(-1)
     mask = row_weights(flat_labels, ignore_index, x.shape[0], xs.device)
+    if flat_labels is not None:
+        # rows that do not count are zeroed (as the hidden losses do): dW sums over rows, 0 * NaN is NaN
+        x = torch.where(mask[:, None] > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
     ce_labels = None
     if with_ce and flat_labels is not None:  # labels are checked present for ce_weight != 0
         ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1)).long()

@@ -298,13 +298,13 @@ class TritonTopK(PartsFunction):
         lse_s, lse_z = lse_range(
             xs, ws, bs, cfg.temperature, cfg.with_ce and cfg.temperature != 1.0, outside=row_ids if cfg.tail else None
         )
-        ones = torch.ones_like(lse_s)
+        zero = torch.zeros_like(lse_s)  # Online's tail: l = 1 (the state is the lse itself)
         res, lse_s, lse_z, ce = finish(
             z_ids=z[:, :K].reshape(-1),
             lp=lpc,
             valid=valid,
-            s_state=Online(lse_s, ones),
-            z_state=None if lse_z is None else Online(lse_z, ones),
+            s_state=Online(lse_s, zero),
+            z_state=None if lse_z is None else Online(lse_z, zero),
             z_label=z[:, K] if cfg.with_ce else None,
             cfg=cfg,
         )

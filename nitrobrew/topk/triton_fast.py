@@ -111,11 +111,11 @@ def block_forward(z, ids, lp, valid, labels, cfg: TopKConfig) -> BlockRows:
     z_label = z.gather(1, labels.clamp_min(0)[:, None]).squeeze(1) if cfg.with_ce else None
     exclude_ids(z, ids, valid)
     rest = _rest_lse(z, cfg)
-    ones = torch.ones_like(rest[:, 0])
+    zero = torch.zeros_like(rest[:, 0])  # Online's tail: l = 1 (the state is the lse itself)
     s_ids = z_ids / cfg.temperature
     lse_rest_s = rest[:, 0]
-    s_state = Online(lse_rest_s if cfg.tail else full_lse(s_ids, valid, lse_rest_s), ones)
-    z_state = Online(full_lse(z_ids, valid, rest[:, 1]), ones) if cfg.with_ce and cfg.temperature != 1.0 else None
+    s_state = Online(lse_rest_s if cfg.tail else full_lse(s_ids, valid, lse_rest_s), zero)
+    z_state = Online(full_lse(z_ids, valid, rest[:, 1]), zero) if cfg.with_ce and cfg.temperature != 1.0 else None
     res, lse_s, lse_z, ce = finish(
         z_ids=z_ids.reshape(-1), lp=lp.to(F32), valid=valid, s_state=s_state, z_state=z_state, z_label=z_label, cfg=cfg
     )

@@ -118,15 +118,16 @@ def topk_comm_bytes(
 ) -> dict:
     """Payload bytes of one vocab-parallel ``topk_kl(normalize="full")`` call on one rank.
 
-    layout 8 * 12 * world; fwd_max e N (1 + c); fwd_sum e N (1 + c + ce + K); bwd_dx e N D, with e = 4
-    (8 for float64), c = 1 if CE is on and T != 1, ce = 1 if CE is on. Independent of V.
+    layout 8 * 12 * world; fwd_max e N (1 + c); fwd_sum e N (2 (1 + c) + ce + K) (a tail share and a max
+    count per state); bwd_dx e N D, with e = 4 (8 for float64), c = 1 if CE is on and T != 1, ce = 1 if
+    CE is on. Independent of V.
     """
     e = 8 if dtype == torch.float64 else 4
     c = 1 if (with_ce and temperature != 1.0) else 0
     out = {
         "layout": 8 * (len(TOPK_FIELDS) + 1) * world,
         "fwd_max": e * n_rows * (1 + c),
-        "fwd_sum": e * n_rows * (1 + c + (1 if with_ce else 0) + k),
+        "fwd_sum": e * n_rows * (2 * (1 + c) + (1 if with_ce else 0) + k),
     }
     if backward:
         out["bwd_dx"] = e * n_rows * d
@@ -248,6 +249,8 @@ def parallel_topk_kl(
     )
     flat_labels = None if labels is None else labels.reshape(-1)
     mask = row_weights(flat_labels, ignore_index, x.shape[0], xs.device)
+    if labels is not None:  # rows that do not count are zeroed (0 * NaN in dW is NaN)
+        x = torch.where(mask[:, None] > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
     ce_labels = None
     if ce_weight != 0:
         ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1)).long()

@@ -107,6 +107,8 @@ def _raw(work, **extra):
             "save_strategy": "no",
             "dataset_prepared_path": str(work / "prepared"),
             "dataset_num_proc": 1,
+            "bf16": False,
+            "fp16": False,
             **extra,
         }
     )
@@ -250,3 +252,33 @@ def test_two_training_steps_through_axolotl(work):
     ours = trainer.compute_loss(model, dict(batch))
     ref = _axolotl_loss(model, batch, 1.0, 0.1, 1.0, False)
     torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_configured_teacher_gives_the_hidden_state_loss(work):
+    """nitrobrew_kd_teacher: the KD term from the teacher's hidden states (nitrobrew.hf.distill_loss)."""
+    from axolotl.cli.config import plugin_set_cfg
+    from axolotl.common.datasets import load_datasets
+    from axolotl.train import train
+
+    from nitrobrew.hf import distill_loss
+
+    cfg = _parsed(_raw(work, nitrobrew_kd_teacher=str(work / "model"), max_steps=1, output_dir=str(work / "out2")))
+    plugin_set_cfg(cfg)
+    _, _, trainer = train(cfg=cfg, dataset_meta=load_datasets(cfg=cfg))
+    assert trainer.nitrobrew_teacher is not None and trainer.state.global_step == 1
+    batch = _collated(work)
+    model = trainer.model.float()
+    ours = trainer.compute_loss(model, dict(batch))
+    want = distill_loss(
+        model,
+        trainer.nitrobrew_teacher,
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["labels"],
+        temperature=1.0,
+        scale_t2=True,
+        kd_weight=1.0,
+        ce_weight=0.1,
+        num_items_in_batch=(batch["labels"] != -100).sum().item(),
+    ).loss
+    torch.testing.assert_close(ours, want)

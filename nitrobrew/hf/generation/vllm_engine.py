@@ -18,10 +18,12 @@ vLLM is imported when an engine is made, never by ``import nitrobrew``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -111,36 +113,60 @@ def completions_from(
     mask = completion_mask(ids, sampling.eos_list()) * within.long()
     ids = ids.masked_fill(~within, sampling.pad_token_id)
     return Completions(
-        ids.to(device),
-        mask.to(device),
-        None if logprobs is None else logprobs.to(device),
-        weight_version,
-        seconds,
-        width,
+        ids=ids.to(device),
+        mask=mask.to(device),
+        logprobs=None if logprobs is None else logprobs.to(device),
+        weight_version=weight_version,
+        seconds=seconds,
+        decode_steps=width,
     )
+
+
+@contextlib.contextmanager
+def _adapters_merged(model: torch.nn.Module):
+    """A PEFT-wrapped student with its adapters merged into the base weights for the duration (True), or the
+    model as it is (False)."""
+    peft = model
+    while not hasattr(peft, "merge_adapter"):
+        inner = getattr(peft, "module", None) or getattr(peft, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            yield False
+            return
+        peft = inner
+    with torch.no_grad():
+        peft.merge_adapter()
+    try:
+        yield True
+    finally:
+        with torch.no_grad():
+            peft.unmerge_adapter()
 
 
 def student_weights(model: torch.nn.Module, cpu: bool = True) -> Dict[str, torch.Tensor]:
     """The student's parameters and buffers under the checkpoint names vLLM loads (transformers' names), each
     storage once (a tied head is left to the engine's tying): copies on the CPU, or (``cpu=False``, for an
-    engine in this process, which copies them into its own) the tensors where they are."""
-    m = unwrap(model)
-    names = [n for n, _ in m.named_parameters()]
-    if any(".base_layer." in n or "lora_" in n for n in names):
-        raise ValueError(
-            "vLLM weight sync of a PEFT-wrapped student is not supported: merge the adapters into the "
-            "model (merge_and_unload) or use generation_backend: hf"
-        )
-    out, seen = {}, set()
-    for name, t in m.state_dict().items():
-        if hasattr(t, "full_tensor"):  # an FSDP2 / DTensor shard: the whole tensor
-            t = t.full_tensor()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
-        if key is not None and key in seen:
-            continue
-        if key is not None:
-            seen.add(key)
-        out[name] = t.detach().to("cpu", copy=True).contiguous() if cpu else t.detach()
+    engine in this process, which copies them into its own) the tensors where they are. A PEFT student's
+    adapters are merged in (the weights vLLM gets are the ones the student computes with)."""
+    with _adapters_merged(model) as merged:
+        out, seen = {}, set()
+        for name, t in unwrap(model).state_dict().items():
+            if merged:
+                if "lora_" in name or ".original_module." in name:
+                    continue
+                name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name.replace(".base_layer.", "."))
+            elif ".base_layer." in name or "lora_" in name:
+                raise ValueError(f"cannot read the adapters of the student ({name}): merge them into the model")
+            if hasattr(t, "full_tensor"):  # an FSDP2 / DTensor shard: the whole tensor
+                t = t.full_tensor()
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
+            if key is not None and key in seen:
+                continue
+            if key is not None:
+                seen.add(key)
+            if cpu:
+                out[name] = t.detach().to("cpu", copy=True).contiguous()
+            else:  # merged weights are unmerged on leaving: a copy
+                out[name] = t.detach().clone() if merged else t.detach()
     return out
 
 
@@ -225,8 +251,9 @@ class VLLMColocatedGenerator:
             ignored where ``kv_cache_memory_bytes`` is set.
         kv_cache_memory_bytes: the KV cache's size in bytes (needed on CPU: default 256 MiB there).
         sync_every: load the student's weights on every ``sync_every``-th ``sync_weights`` call.
-        sleep_between_generations: free the engine's memory after each generation (default: where vLLM has
-            a sleep mode; without one, freeing means restarting the engine at each generation).
+        sleep_between_generations: free the engine's memory after each generation (the trainer does it
+            after each window with ``generation_sleep: true``); without a sleep mode (CPU), freeing means
+            restarting the engine at each generation.
         sleep_level: vLLM's sleep level (1: weights offloaded to CPU memory, KV cache dropped; 2: both
             dropped, the weights loaded again on wake).
         max_model_len: the longest prompt + completion (default: the model's).
@@ -245,7 +272,7 @@ class VLLMColocatedGenerator:
         gpu_memory_utilization: float = 0.3,
         kv_cache_memory_bytes: Optional[int] = None,
         sync_every: int = 1,
-        sleep_between_generations: Optional[bool] = None,
+        sleep_between_generations: bool = False,
         sleep_level: int = 1,
         max_model_len: Optional[int] = None,
         enforce_eager: Optional[bool] = None,
@@ -276,9 +303,7 @@ class VLLMColocatedGenerator:
         self.sleep_mode = bool(current_platform.is_sleep_mode_available())
         if kv_cache_memory_bytes is None and not self.on_cuda:
             kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
-        self.sleep_between_generations = (
-            self.sleep_mode if sleep_between_generations is None else bool(sleep_between_generations)
-        )
+        self.sleep_between_generations = bool(sleep_between_generations)
         self.sleep_level = sleep_level
         engine_args = dict(
             tensor_parallel_size=1,
@@ -382,9 +407,8 @@ class VLLMColocatedGenerator:
         self.stale = False
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> Completions:
-        from vllm.inputs import TokensPrompt
-
         from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
 
         self.wake()
         prompts = prompt_lists(prompt_ids, prompt_mask)

@@ -87,3 +87,55 @@ def test_student_weights_keep_a_tied_head_once():
     weights = student_weights(Qwen2ForCausalLM(config))
     assert "model.embed_tokens.weight" in weights and "lm_head.weight" not in weights
     assert all(t.device.type == "cpu" and t.is_contiguous() for t in weights.values())
+
+
+class _FaultyPeer:
+    """A TCP peer at a free port that, on each connection, either closes at once (a server that dies while
+    answering) or says nothing (a hung server)."""
+
+    def __init__(self, close: bool):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.close, self.held = close, []
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            if self.close:
+                conn.close()
+            else:
+                self.held.append(conn)
+
+    def shutdown(self):
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+@pytest.mark.parametrize("close", [True, False], ids=["closed", "silent"])
+def test_a_dead_or_hung_server_is_a_one_line_error_in_bounded_time(close):
+    import time
+
+    from nitrobrew.hf.generation.vllm_server import GenerationServerError, VLLMServerGenerator
+
+    peer = _FaultyPeer(close)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(GenerationServerError) as err:
+            VLLMServerGenerator(tiny_model(0), base_url=peer.url, connect_timeout=1.0)
+        assert time.monotonic() - t0 < 10
+    finally:
+        peer.shutdown()
+    message = str(err.value)
+    assert message.startswith(f"vLLM server at {peer.url} ") and "\n" not in message
+    assert ("did not answer within 1 s" in message) == (not close)

@@ -105,6 +105,7 @@ teacher: {teacher}
 data: {data}
 output_dir: {out}
 generation_backend: vllm
+generation_sleep: true  # asleep (on the CPU: shut down) after step 1's window, started again for step 2's
 vllm_kv_cache_memory_bytes: 67108864
 vllm_max_model_len: 64
 max_steps: 2

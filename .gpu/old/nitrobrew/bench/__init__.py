@@ -1,0 +1,1 @@
+"""Benchmarks behind `nitrobrew bench`: one module per loss family."""

@@ -1,0 +1,383 @@
+"""Public hidden-state distillation losses: validation, backend dispatch, reduction."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from typing_extensions import TypedDict, Unpack
+
+from .. import divergences as dv
+from ..core import checks as ck
+from ..core.outputs import DistillOutput
+from ..core.reduction import IGNORE_INDEX, reduce_rows
+from . import grad_filter as gf
+from .config import LossConfig
+from .custom_op import compiled_distill
+from .validation import check_hidden_tensors, check_loss_options, prepare_rows
+
+Tensor = torch.Tensor
+
+
+def _validate(
+    xs,
+    xt,
+    ws,
+    wt,
+    bs,
+    bt,
+    labels,
+    vocab_size,
+    temperature,
+    reduction,
+    chunk_V,
+    kd_weight,
+    ce_weight,
+    ignore_index,
+    backend,
+    mode,
+    memory_budget,
+    softcap_s,
+    softcap_t,
+) -> int:
+    """Check everything before any kernel runs; return the vocabulary size to use."""
+    check_hidden_tensors(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels)
+    if vocab_size is None:
+        if ws.shape[0] != wt.shape[0]:
+            raise ValueError(
+                f"student vocab {ws.shape[0]} != teacher vocab {wt.shape[0]}: pass vocab_size=N to "
+                "compare the first N entries of both heads (never zero-pad a head)"
+            )
+        vocab_size = ws.shape[0]
+    elif not (ck.is_int(vocab_size) and 0 < vocab_size <= min(ws.shape[0], wt.shape[0])):
+        raise ValueError(f"vocab_size must be an int in [1, {min(ws.shape[0], wt.shape[0])}], got {vocab_size!r}")
+    check_loss_options(
+        temperature=temperature,
+        reduction=reduction,
+        chunk_V=chunk_V,
+        backend=backend,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        labels=labels,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
+    )
+    ck.check_mode(mode, memory_budget)
+    if ce_weight != 0:
+        ck.check_ids_in_range("labels", labels, vocab_size, ignore_index)
+    return vocab_size
+
+
+def hidden_loss(
+    xs: torch.Tensor,
+    xt: torch.Tensor,
+    ws: torch.Tensor,
+    wt: torch.Tensor,
+    *,
+    divergence: str = "forward_kl",
+    labels: Optional[torch.Tensor] = None,
+    ignore_index: int = IGNORE_INDEX,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    chunk_V: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    bs: Optional[torch.Tensor] = None,
+    bt: Optional[torch.Tensor] = None,
+    kd_weight: float = 1.0,
+    ce_weight: float = 0.0,
+    scale_t2: bool = False,
+    backend: str = "auto",
+    mode: Optional[str] = None,
+    memory_budget: Optional[int] = None,
+    grad_filter: Union[bool, float] = False,
+    softcap_s: Optional[float] = None,
+    softcap_t: Optional[float] = None,
+    return_parts: bool = False,
+    process_group=None,
+    **params: float,
+):
+    """Divergence between teacher and student next-token distributions, from hidden states.
+
+    See the per-divergence functions (``forward_kl`` ...) for the meaning of each option; ``params``: the
+    divergence's parameter by its keyword (``beta`` for jsd, ``alpha`` for the skews; ranges and defaults
+    in ``divergences.PARAMS``).
+    """
+    if process_group is not None or any(ck.is_dtensor(t) for t in (xs, xt, ws, wt, bs, bt)):
+        from ..parallel.dtensor import unwrap
+
+        xs, xt, ws, wt, bs, bt, labels, process_group = unwrap(
+            xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels, process_group=process_group
+        )
+    if process_group is not None:  # vocab-parallel heads
+        from .vocab_parallel import parallel_hidden_loss
+
+        return parallel_hidden_loss(
+            xs,
+            xt,
+            ws,
+            wt,
+            process_group=process_group,
+            divergence=divergence,
+            labels=labels,
+            ignore_index=ignore_index,
+            temperature=temperature,
+            reduction=reduction,
+            chunk_V=chunk_V,
+            vocab_size=vocab_size,
+            bs=bs,
+            bt=bt,
+            kd_weight=kd_weight,
+            ce_weight=ce_weight,
+            scale_t2=scale_t2,
+            backend=backend,
+            mode=mode,
+            memory_budget=memory_budget,
+            grad_filter=grad_filter,
+            softcap_s=softcap_s,
+            softcap_t=softcap_t,
+            return_parts=return_parts,
+            **params,
+        )
+    name, param = ck.divergence_param(divergence, params)
+    V = _validate(
+        xs=xs,
+        xt=xt,
+        ws=ws,
+        wt=wt,
+        bs=bs,
+        bt=bt,
+        labels=labels,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        reduction=reduction,
+        chunk_V=chunk_V,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        ignore_index=ignore_index,
+        backend=backend,
+        mode=mode,
+        memory_budget=memory_budget,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
+    )
+    gf.check_grad_filter(grad_filter)
+    impl = ck.resolve_backend(backend, xs.device)
+
+    lead = xs.shape[:-1]
+    x_s, x_t, ws, wt, bs, bt, ce_labels, mask = prepare_rows(
+        xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels, ignore_index=ignore_index, ce_weight=ce_weight, used=V
+    )
+    cfg = LossConfig.build(
+        divergence=name,
+        param=param,
+        temperature=temperature,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        scale_t2=scale_t2,
+        chunk_V=chunk_V,
+        filter_eps=gf.resolve_eps(grad_filter, xs.dtype),
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
+    )
+    # float64 always takes the PyTorch path; so does an empty batch (nothing to launch: loss 0, zero grads)
+    use_triton = impl == "triton" and xs.dtype != torch.float64 and x_s.shape[0] > 0
+    if cfg.filter_eps is not None and not use_triton:
+        gf.check_not_capturing(xs.device)  # the Triton filter needs no host sync; the PyTorch one does
+    if torch.compiler.is_compiling():
+        # one registered op with a registered backward: the traced step keeps a single graph
+        out = compiled_distill(
+            xs=x_s,
+            xt=x_t,
+            ws=ws,
+            wt=wt,
+            bs=bs,
+            bt=bt,
+            labels=ce_labels,
+            mask=mask,
+            cfg=cfg,
+            impl="triton" if use_triton else "torch",
+            reduction=reduction,
+            mode=mode,
+            memory_budget=memory_budget,
+        )
+    elif use_triton:
+        # the Triton path reduces inside its autograd Function (it forms gradients in the forward)
+        from .triton_function import triton_distill
+
+        out = triton_distill(
+            xs=x_s,
+            xt=x_t,
+            ws=ws,
+            wt=wt,
+            bs=bs,
+            bt=bt,
+            labels=ce_labels,
+            mask=mask,
+            cfg=cfg,
+            reduction=reduction,
+            mode=mode,
+            memory_budget=memory_budget,
+        )
+    else:
+        from .chunked import chunked_rows
+
+        rows = chunked_rows(xs=x_s, xt=x_t, ws=ws, wt=wt, bs=bs, bt=bt, labels=ce_labels, mask=mask, cfg=cfg)
+        out = tuple(reduce_rows(r, mask, reduction, lead) for r in rows)
+    total, kd, ce = (r.reshape(lead) for r in out) if reduction == "none" else out
+    if return_parts:
+        return DistillOutput(total, kd, ce)
+    return total
+
+
+_COMMON_DOC = """
+    Args:
+        xs: student hidden states [..., Ds] (gradient flows here).
+        xt: teacher hidden states [..., Dt], same leading shape (treated as constant).
+        ws: student LM head [V, Ds] (gradient flows here). wt: teacher LM head [V, Dt].
+        labels: optional int tensor of the leading shape; rows equal to ``ignore_index`` do
+            not count. Also the targets of the hard-label cross-entropy when ``ce_weight != 0``.
+        temperature: logits are divided by it; the value is the divergence of the tempered
+            distributions (no silent T^2; ``scale_t2=True`` multiplies the divergence by T^2).
+        reduction: "mean" over counted rows, "sum", or "none" (float32 per row, 0 at ignored rows).
+        chunk_V: vocab chunk size (None = automatic). On CUDA with the Triton backend, giving
+            it selects the constant-memory kernels.
+        vocab_size: use the first ``vocab_size`` rows of both heads (padded heads); without it
+            differing vocab sizes raise.
+        bs, bt: optional logit biases [V].
+        kd_weight, ce_weight: loss = kd_weight * divergence + ce_weight * CE(labels) with the
+            CE at temperature 1, computed in the same pass.
+        backend: "auto" (Triton on CUDA, PyTorch elsewhere), "torch" or "triton".
+        mode, memory_budget: Triton only: "fast" (token-chunked, default) or
+            "constant_memory"; memory_budget in bytes for the fast mode's logit slabs.
+        softcap_s, softcap_t: final-logit softcapping (Gemma 2/3) of the student's / teacher's
+            logits, z -> c * tanh(z / c) before the temperature and the softmax (the CE term
+            uses the capped student logits too); gradients flow through the cap. None = off.
+        grad_filter: True (threshold finfo(dtype).eps / 2, 2^-8 for bf16) or a threshold in
+            (0, 1): vocab entries whose logit gradient is below threshold x its row's largest
+            entry, in every row of a block, skip the dX/dW products (those entries are dropped;
+            faster on peaked distributions in the fast mode). The Triton path needs no host sync;
+            the PyTorch path syncs once per slab, so not inside a CUDA graph capture there.
+            Default False: exact gradients.
+        return_parts: return ``DistillOutput(loss, kd, ce)`` instead of the loss alone: ``kd``
+            is the divergence and ``ce`` the cross-entropy, each reduced like the loss and
+            without weights (detached), so loss = kd_weight * [T^2] * kd + ce_weight * ce.
+        process_group: vocab-parallel (tensor-parallel) heads: ws, wt (bs, bt) hold this rank's
+            contiguous block of the vocabulary, xs/xt/labels (global ids) the same rows on every
+            rank; the result is the full-vocabulary loss on every rank, communicating per-row
+            statistics only (PyTorch path). DTensor heads sharded Shard(0) need no group.
+            See docs/parallel.md.
+
+    Returns:
+        the loss in float32 (float64 for float64 inputs): a scalar, or the leading shape with
+        reduction="none".
+"""
+
+
+def _doc(name: str) -> str:
+    d = dv.REGISTRY[name]
+    spec = None if d.param is None else dv.PARAMS[d.param]
+    param = (
+        ""
+        if spec is None
+        else f"\n    {spec.name}: {spec.help}, in [{spec.low:g}, {spec.high:g}], default {spec.default}.\n"
+    )
+    return d.summary + "\n" + param + _COMMON_DOC
+
+
+class HiddenOptions(TypedDict, total=False):
+    """The options of the six losses, once (their defaults: ``hidden_loss``'s signature; their meaning: the
+    docstrings). ``tests/test_architecture.py`` checks that it lists exactly ``hidden_loss``'s options."""
+
+    labels: Optional[Tensor]
+    ignore_index: int
+    temperature: float
+    reduction: str
+    chunk_V: Optional[int]
+    vocab_size: Optional[int]
+    bs: Optional[Tensor]
+    bt: Optional[Tensor]
+    kd_weight: float
+    ce_weight: float
+    scale_t2: bool
+    backend: str
+    mode: Optional[str]
+    memory_budget: Optional[int]
+    grad_filter: Union[bool, float]
+    softcap_s: Optional[float]
+    softcap_t: Optional[float]
+    return_parts: bool
+    process_group: Any
+
+
+OPTION_NAMES = frozenset(HiddenOptions.__annotations__)
+
+
+def _check_options(fn: str, options: Mapping[str, Any]) -> None:
+    # hidden_loss takes every divergence's parameter by keyword; a named loss takes its own only
+    for name in options:
+        if name not in OPTION_NAMES:
+            raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
+
+
+# The six losses, written out (one docstring body, from the registry). Options are keyword-only.
+
+
+def forward_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, **options: Unpack[HiddenOptions]):
+    _check_options("forward_kl", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="forward_kl", **options)
+
+
+def reverse_kl(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, **options: Unpack[HiddenOptions]):
+    _check_options("reverse_kl", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="reverse_kl", **options)
+
+
+def jsd(
+    xs: Tensor,
+    xt: Tensor,
+    ws: Tensor,
+    wt: Tensor,
+    *,
+    beta: float = dv.default("beta"),
+    **options: Unpack[HiddenOptions],
+):
+    _check_options("jsd", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="jsd", beta=beta, **options)
+
+
+def tvd(xs: Tensor, xt: Tensor, ws: Tensor, wt: Tensor, **options: Unpack[HiddenOptions]):
+    _check_options("tvd", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="tvd", **options)
+
+
+def skew_kl(
+    xs: Tensor,
+    xt: Tensor,
+    ws: Tensor,
+    wt: Tensor,
+    *,
+    alpha: float = dv.default("alpha"),
+    **options: Unpack[HiddenOptions],
+):
+    _check_options("skew_kl", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="skew_kl", alpha=alpha, **options)
+
+
+def skew_reverse_kl(
+    xs: Tensor,
+    xt: Tensor,
+    ws: Tensor,
+    wt: Tensor,
+    *,
+    alpha: float = dv.default("alpha"),
+    **options: Unpack[HiddenOptions],
+):
+    _check_options("skew_reverse_kl", options)
+    return hidden_loss(xs=xs, xt=xt, ws=ws, wt=wt, divergence="skew_reverse_kl", alpha=alpha, **options)
+
+
+LOSSES = {f.__name__: f for f in (forward_kl, reverse_kl, jsd, tvd, skew_kl, skew_reverse_kl)}
+if set(LOSSES) != set(dv.NAMES):  # a divergence added to the registry needs its function here
+    raise ImportError(f"hidden.api writes out {sorted(LOSSES)}, the registry has {sorted(dv.NAMES)}")
+for _name, _fn in LOSSES.items():
+    _fn.__doc__ = _doc(_name)

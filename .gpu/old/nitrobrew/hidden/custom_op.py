@@ -1,0 +1,304 @@
+"""The hidden-state losses as registered PyTorch custom ops, used while ``torch.compile`` traces.
+
+Dynamo cannot follow the host-side loops over row blocks and vocab chunks (nor Triton's launcher)
+without breaking the graph many times, so under compilation the whole computation is one opaque
+op, ``nitrobrew::hidden_distill``, with a fake (shape-only) implementation and a registered
+backward: the surrounding training step stays one graph. The forward returns, besides the reduced
+(total, kd, ce), what the backward needs: the gradients when the fast mode forms them in the
+forward, else the per-row statistics [4, N] (lse_s, lse_t, lse_z, sum_u) from which
+``nitrobrew::hidden_distill_backward`` recomputes the slabs. Both ops run the same functions as
+the eager autograd Functions, so the two paths agree bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..core import checks as ck
+from ..core.online import auto_chunk_v
+from ..core.ops import compute_dtype, grad_needed, kernel_operands
+from ..core.reduction import combine_rows, reduce_rows, row_scales, row_upstream
+from .chunked import RowStats, backward_chunks, compute_stats
+from .config import LossConfig, Operands
+
+Tensor = torch.Tensor
+_NONE = -1  # stands for None in the integer options (custom ops take no Optional[int] defaults here)
+
+
+def _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t) -> LossConfig:
+    # negative floats stand for None (filter off, no softcap)
+    return LossConfig(
+        divergence,
+        param,
+        temperature,
+        kd_weight,
+        ce_weight,
+        None if chunk_V == _NONE else chunk_V,
+        None if filter_eps < 0 else filter_eps,
+        None if softcap_s < 0 else softcap_s,
+        None if softcap_t < 0 else softcap_t,
+    )
+
+
+def _plan(xs, ws, cfg: LossConfig, reduction: str, mode: str, memory_budget: int):
+    from .triton_function import make_plan
+
+    return make_plan(
+        xs.shape[0],
+        ws.shape[0],
+        ws.shape[1],
+        xs.dtype,
+        mode or None,
+        cfg.chunk_V,
+        None if memory_budget == _NONE else memory_budget,
+        reduction,
+    )
+
+
+def _precomputes(impl: str, xs, ws, cfg, reduction, mode, memory_budget, need_grad) -> bool:
+    """Whether the forward forms the gradients itself (Triton fast mode, scalar reduction)."""
+    return (
+        impl == "triton"
+        and need_grad
+        and reduction != "none"
+        and _plan(xs, ws, cfg, reduction, mode, memory_budget).mode == "fast"
+    )
+
+
+def _pack_stats(rs: RowStats) -> Tensor:
+    return torch.stack([rs.lse_s, rs.lse_t, rs.lse_s if rs.lse_z is None else rs.lse_z, rs.sum_u])
+
+
+def _unpack_stats(stats: Tensor) -> RowStats:
+    return RowStats(stats[0], stats[1], stats[2], stats[3], None, None)
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty((0,))
+
+
+@torch.library.custom_op("nitrobrew::hidden_distill", mutates_args=())
+def hidden_distill(
+    xs: Tensor,
+    xt: Tensor,
+    ws: Tensor,
+    wt: Tensor,
+    bs: Optional[Tensor],
+    bt: Optional[Tensor],
+    labels: Optional[Tensor],
+    mask: Tensor,
+    divergence: str,
+    param: float,
+    temperature: float,
+    kd_weight: float,
+    ce_weight: float,
+    chunk_V: int,
+    filter_eps: float,
+    softcap_s: float,
+    softcap_t: float,
+    impl: str,
+    reduction: str,
+    mode: str,
+    memory_budget: int,
+    need_grad: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(total, kd, ce, stats, dx, dw, db): unused entries are empty tensors."""
+    cfg = _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t)
+    if labels is not None:  # the eager path checked them before tracing could not (data-dependent)
+        ck.check_ids_in_range("labels", labels, ws.shape[0], -1)
+    if impl == "triton":
+        from .triton_function import distill_forward
+
+        plan = _plan(xs, ws, cfg, reduction, mode, memory_budget)
+        out, grads, rs = distill_forward(Operands(xs, xt, ws, wt, bs, bt), labels, mask, cfg, plan, need_grad)
+    else:
+        chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0])
+        rs = compute_stats(Operands(xs, xt, ws, wt, bs, bt), labels, cfg, chunk)
+        out = tuple(reduce_rows(r, mask, reduction, (xs.shape[0],)) for r in combine_rows(rs.kd, rs.ce, mask, cfg))
+        grads = None
+    if grads is not None:
+        dx, dw, db = grads
+        return (*out, _empty(out[0]), dx, dw, _empty(xs) if db is None else db)
+    return (*out, _pack_stats(rs), _empty(xs), _empty(ws), _empty(xs))
+
+
+@hidden_distill.register_fake
+def _(
+    xs,
+    xt,
+    ws,
+    wt,
+    bs,
+    bt,
+    labels,
+    mask,
+    divergence,
+    param,
+    temperature,
+    kd_weight,
+    ce_weight,
+    chunk_V,
+    filter_eps,
+    softcap_s,
+    softcap_t,
+    impl,
+    reduction,
+    mode,
+    memory_budget,
+    need_grad,
+):
+    acc = compute_dtype(xs.dtype)
+    n = xs.shape[0]
+    shape = (n,) if reduction == "none" else ()
+    out = tuple(xs.new_empty(shape, dtype=acc) for _ in range(3))
+    cfg = _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t)
+    if _precomputes(impl, xs, ws, cfg, reduction, mode, memory_budget, need_grad):
+        db = _empty(xs) if bs is None else torch.empty_like(bs)
+        return (*out, out[0].new_empty((0,)), torch.empty_like(xs), torch.empty_like(ws), db)
+    return (*out, xs.new_empty((4, n), dtype=acc), _empty(xs), _empty(ws), _empty(xs))
+
+
+@torch.library.custom_op("nitrobrew::hidden_distill_backward", mutates_args=())
+def hidden_distill_backward(
+    grad_total: Tensor,
+    stats: Tensor,
+    xs: Tensor,
+    xt: Tensor,
+    ws: Tensor,
+    wt: Tensor,
+    bs: Optional[Tensor],
+    bt: Optional[Tensor],
+    labels: Optional[Tensor],
+    mask: Tensor,
+    divergence: str,
+    param: float,
+    temperature: float,
+    kd_weight: float,
+    ce_weight: float,
+    chunk_V: int,
+    filter_eps: float,
+    softcap_s: float,
+    softcap_t: float,
+    impl: str,
+    reduction: str,
+    mode: str,
+    memory_budget: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw, db) recomputed from the row statistics; db is empty without a bias."""
+    cfg = _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t)
+    rs = _unpack_stats(stats)
+    if impl == "triton":
+        from .triton_function import distill_backward
+
+        plan = _plan(xs, ws, cfg, reduction, mode, memory_budget)
+        dx, dw, db = distill_backward(Operands(xs, xt, ws, wt, bs, bt), labels, mask, rs, cfg, plan, grad_total)
+    else:
+        kd_scale, ce_scale = row_scales(
+            row_upstream(grad_total, mask, reduction, xs.shape[0]).to(stats.dtype), mask.to(stats.dtype), cfg
+        )
+        chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0])
+        dx, dw, db = backward_chunks(Operands(xs, xt, ws, wt, bs, bt), labels, rs, cfg, kd_scale, ce_scale, chunk)
+        dx = dx.to(xs.dtype)
+    return dx, dw, _empty(xs) if db is None else db
+
+
+@hidden_distill_backward.register_fake
+def _(grad_total, stats, xs, xt, ws, wt, bs, bt, labels, mask, *_options):
+    return torch.empty_like(xs), torch.empty_like(ws), _empty(xs) if bs is None else torch.empty_like(bs)
+
+
+_OPTION_NAMES = (
+    "divergence",
+    "param",
+    "temperature",
+    "kd_weight",
+    "ce_weight",
+    "chunk_V",
+    "filter_eps",
+    "softcap_s",
+    "softcap_t",
+    "impl",
+    "reduction",
+    "mode",
+    "memory_budget",
+)
+
+
+def _setup_context(ctx, inputs, output):
+    xs, xt, ws, wt, bs, bt, labels, mask, *options, need_grad = inputs
+    ctx.options = options
+    ctx.precomputed = output[4].numel() > 0 or output[5].numel() > 0
+    if ctx.precomputed:
+        ctx.save_for_backward(output[4], output[5], output[6] if bs is not None else None)
+    else:
+        ctx.save_for_backward(output[3], xs, xt, ws, wt, bs, bt, labels, mask)
+
+
+@ck.no_double_backward
+def _backward(ctx, grad_total, _gkd, _gce, *_grad_saved):
+    if ctx.precomputed:
+        grads = tuple(None if g is None else g * grad_total.to(g.dtype) for g in ctx.saved_tensors)
+    else:
+        stats, xs, xt, ws, wt, bs, bt, labels, mask = ctx.saved_tensors
+        grads = hidden_distill_backward(grad_total, stats, xs, xt, ws, wt, bs, bt, labels, mask, *ctx.options)
+        grads = (grads[0], grads[1], grads[2] if bs is not None else None)
+    dx, dw, db = grads
+    need = ctx.needs_input_grad
+    return (
+        dx if need[0] else None,
+        None,
+        dw if need[2] else None,
+        None,
+        db if need[4] else None,
+        *([None] * (3 + len(_OPTION_NAMES) + 1)),
+    )
+
+
+torch.library.register_autograd("nitrobrew::hidden_distill", _backward, setup_context=_setup_context)
+
+
+def compiled_distill(
+    xs,
+    xt,
+    ws,
+    wt,
+    bs,
+    bt,
+    labels,
+    mask,
+    cfg: LossConfig,
+    impl: str,
+    reduction: str,
+    mode: Optional[str],
+    memory_budget: Optional[int],
+):
+    """Reduced (total, kd, ce) through the custom op (kd and ce detached, like the eager path)."""
+    need_grad = grad_needed(xs, ws, bs)
+    xs, xt, ws, wt, bt, labels = kernel_operands(xs, xt, ws, wt, bt, labels)
+    out = hidden_distill(
+        xs,
+        xt,
+        ws,
+        wt,
+        bs,
+        bt,
+        labels,
+        mask,
+        cfg.divergence,
+        float(cfg.param),
+        cfg.temperature,
+        cfg.kd_weight,
+        cfg.ce_weight,
+        _NONE if cfg.chunk_V is None else cfg.chunk_V,
+        -1.0 if cfg.filter_eps is None else cfg.filter_eps,
+        -1.0 if cfg.softcap_s is None else cfg.softcap_s,
+        -1.0 if cfg.softcap_t is None else cfg.softcap_t,
+        impl,
+        reduction,
+        mode or "",
+        _NONE if memory_budget is None else memory_budget,
+        need_grad,
+    )
+    return out[0], out[1].detach(), out[2].detach()

@@ -1,0 +1,177 @@
+"""Confident rows: a top probability within ~1e-7 of 1 (a 10-20 nat gap to the next logit, or a smaller
+one at a cold temperature). In float32 p_top and q_top both round to 1 there, and any difference of
+near-1 quantities loses the top token's term (docs/design.md §2.6). Every divergence on every path
+(PyTorch, Triton fast and constant-memory modes, the Triton ones interpreted on CPU) must keep it:
+per-row values within 1e-3 relative of float64 (1e-12 absolute floor), never negative, per-row
+gradients within 1e-2. Identity heads make the logits exact in float32, so float64 of the same inputs
+is the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import nitrobrew as nb
+from hidden_cases import DIVERGENCES, LOSS_FNS, PARAM_NAME
+from nitrobrew import divergences as dv
+
+PATHS = [("torch", None), ("triton", "fast"), ("triton", "constant_memory")]
+PATH_IDS = ["torch", "triton-fast", "triton-cm"]
+VALUE_RTOL, VALUE_FLOOR = 1e-3, 1e-12
+GRAD_RTOL, GRAD_FLOOR = 1e-2, 1e-12
+
+
+def _opts(path, divergence, param=None, **kw):
+    backend, mode = path
+    opts = dict(backend=backend, **kw)
+    if mode is not None:
+        opts["mode"] = mode
+    if mode == "constant_memory":
+        opts["chunk_V"] = 32  # several vocab chunks, the last one ragged
+    if divergence in PARAM_NAME:
+        opts[PARAM_NAME[divergence]] = 0.3 if param is None else param
+    return opts
+
+
+def _param(divergence, param=None):
+    return (0.3 if param is None else param) if divergence in PARAM_NAME else 0.0
+
+
+def _reference(divergence, param, xs, xt, temperature):
+    """float64 per-row values and d(sum of rows)/d xs of identity-head logits."""
+    x = xs.double().requires_grad_()
+    lp = torch.log_softmax(xt.double() / temperature, -1)
+    lq = torch.log_softmax(x / temperature, -1)
+    rows = dv.elementwise(divergence, lp, lq, param)[0].sum(-1)
+    (g,) = torch.autograd.grad(rows.sum(), x)
+    return rows.detach(), g
+
+
+def _run(divergence, path, xs, xt, temperature, param=None):
+    eye = torch.eye(xs.shape[1])
+    x = xs.clone().requires_grad_()
+    rows = LOSS_FNS[divergence](
+        x, xt, eye, eye, temperature=temperature, reduction="none", **_opts(path, divergence, param)
+    )
+    rows.sum().backward()
+    return rows.detach(), x.grad
+
+
+def _check(divergence, path, xs, xt, temperature, param=None):
+    got, g = _run(divergence, path, xs, xt, temperature, param)
+    ref, rg = _reference(divergence, _param(divergence, param), xs, xt, temperature)
+    assert (got >= 0).all(), f"negative value: {got.tolist()}"
+    err = (got.double() - ref).abs()
+    assert (err <= VALUE_RTOL * ref.abs() + VALUE_FLOOR).all(), f"values {got.tolist()} vs float64 {ref.tolist()}"
+    g_err = (g.double() - rg).norm(dim=-1)
+    bound = GRAD_RTOL * rg.norm(dim=-1) + GRAD_FLOOR
+    assert (g_err <= bound).all(), f"row gradient errors {(g_err / rg.norm(dim=-1)).tolist()}"
+
+
+# ------------------------------------------------------------------------------------------------
+# the examples of the report
+
+
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+def test_reported_examples(path):
+    eye = torch.eye(4)
+    xt = torch.tensor([[15.0, 0, 0, 0]])
+    xs = torch.tensor([[15.0, 0.5, 0, 0]])
+    tvd = nb.tvd(xs, xt, eye, eye, **_opts(path, "tvd"))
+    assert abs(float(tvd) - 1.98445059823e-07) < 1e-3 * 1.98445e-07
+    skew = nb.skew_kl(xs, xt, eye, eye, **_opts(path, "skew_kl", 0.1))
+    assert abs(float(skew) - 3.79291106432e-08) < 1e-3 * 3.793e-08
+    x = xs.clone().requires_grad_()
+    nb.forward_kl(x, xt, eye, eye, **_opts(path, "forward_kl")).backward()
+    ref = torch.tensor([[-1.98444938e-07, 1.98445060e-07, -6.0704768e-14, -6.0704768e-14]], dtype=torch.float64)
+    assert float((x.grad.double() - ref).norm() / ref.norm()) < 1e-3
+    assert abs(float(x.grad.double().sum())) < 1e-12  # a row's gradient sums to zero
+
+
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_reported_example_every_divergence(path, divergence):
+    xt = torch.tensor([[15.0, 0, 0, 0], [0, 0, 12.0, 1.0]])
+    xs = torch.tensor([[15.0, 0.5, 0, 0], [0.1, 0, 12.0, 0.9]])
+    _check(divergence, path, xs, xt, 1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# property test: gaps of 10-20 nats, T in [0.25, 2], student close to and far from the teacher
+
+TEMPERATURES = [0.25, 0.5, 0.75, 1.0, 1.5, 2.0]
+STUDENTS = ["close", "shifted", "same_top", "other_top", "equal"]
+
+
+def _confident_rows(seed, vocab, gaps, students, noise):
+    """Teacher rows with one logit `gap` above all others; students per `students` (one per row)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = len(students)
+    xt = torch.empty(rows, vocab)
+    xs = torch.empty(rows, vocab)
+    for i, (gap, kind) in enumerate(zip(gaps, students)):
+        top = int(torch.randint(vocab, (1,), generator=g))
+        base = float(torch.rand((), generator=g)) * 20 - 5
+        t = base - gap - torch.rand(vocab, generator=g).mul(3.0)
+        t[top] = base
+        if kind == "close":
+            s = t + noise * torch.randn(vocab, generator=g)
+        elif kind == "shifted":  # a large per-row shift: the log-sum-exps differ, the distributions barely
+            s = t + 7.0 + noise * torch.randn(vocab, generator=g)
+        elif kind == "equal":
+            s = t.clone()
+        else:
+            other = top if kind == "same_top" else (top + 1 + int(torch.randint(vocab - 1, (1,), generator=g))) % vocab
+            s = base - (gap * 0.7 + 2.0) - torch.rand(vocab, generator=g).mul(4.0)
+            s[other] = base + 1.0
+        xt[i], xs[i] = t, s
+    return xs, xt
+
+
+def _property(divergence, path, seed, vocab, gaps, students, noise, temperature, param):
+    xs, xt = _confident_rows(seed, vocab, gaps, students, noise)
+    _check(divergence, path, xs, xt, temperature, param)
+
+
+_row_case = dict(
+    seed=st.integers(0, 2**31 - 1),
+    vocab=st.integers(4, 80),
+    gaps=st.lists(st.floats(10.0, 20.0), min_size=5, max_size=5),
+    students=st.permutations(STUDENTS),
+    noise=st.sampled_from([1e-2, 3e-2, 0.1, 0.3]),
+    temperature=st.sampled_from(TEMPERATURES),
+    param=st.sampled_from([0.1, 0.5, 0.9]),
+)
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+@given(**_row_case)
+def test_confident_rows_torch(divergence, seed, vocab, gaps, students, noise, temperature, param):
+    _property(divergence, PATHS[0], seed, vocab, gaps, students, noise, temperature, param)
+
+
+@pytest.mark.parametrize("path", PATHS[1:], ids=PATH_IDS[1:])
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+@given(**_row_case)
+def test_confident_rows_triton(path, divergence, seed, vocab, gaps, students, noise, temperature, param):
+    _property(divergence, path, seed, vocab, gaps, students, noise, temperature, param)
+
+
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_cold_temperature_small_gap(path, divergence):
+    """A 4-nat logit gap at T = 0.25 is a 16-nat tempered gap: the same regime."""
+    xt = torch.tensor([[4.0, 0.0, 0.3, -1.0, 0.0, 0.1], [0.0, 0.0, 0.0, 0.0, 4.0, 0.0]])
+    xs = torch.tensor([[4.0, 0.2, 0.3, -1.0, 0.0, 0.1], [0.0, -0.1, 0.05, 0.0, 4.0, 0.02]])
+    _check(divergence, path, xs, xt, 0.25)
+
+
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_ties_at_the_top_are_not_confident(path, divergence):
+    """Two equal maxima: the tail counts the second one (tail >= 1), and the row is an ordinary one."""
+    xt = torch.tensor([[9.0, 9.0, 0.0, -2.0, 1.0], [3.0, 0.0, 3.0, 3.0, -1.0]])
+    xs = torch.tensor([[9.0, 8.0, 0.5, -2.0, 1.0], [3.0, 0.5, 2.9, 3.0, -1.0]])
+    _check(divergence, path, xs, xt, 1.0)
