@@ -316,10 +316,12 @@ def row_grad(
         pmq = p_minus_q(p, q, d)
         x = torch.where(sum_u >= 0, sum_u, 2.0 + sum_u)
         y = torch.where(sum_u >= 0, 2.0 - sum_u, -sum_u)
+        assert v_rest is not None, "tvd needs v_rest (B - A)"
         return 0.5 * q * torch.where(pmq < 0, x, torch.where(pmq > 0, -y, v_rest))
     _, v, _, _ = row_terms(name, lp, lq, d, param)
     q = lq.exp()
     g = v - q * sum_u
-    if top is None or v_rest is None or name == "forward_kl":  # forward_kl: sum_u = 0, v = q - p is the gradient
+    # forward_kl: sum_u = 0, v = q - p is the gradient
+    if top is None or v_rest is None or log_l is None or name == "forward_kl":
         return g
     return torch.where(top, v * -torch.expm1(-log_l) - q * v_rest, g)
