@@ -4,6 +4,10 @@ VENV ?= .venv
 # The CPU build of torch; on a CUDA machine override, e.g. `make TORCH_SPEC=torch test`.
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+# Inductor's on-disk graph caches outlive the code they were compiled from (a custom op's fake kernel is not in
+# their key): the checks compile afresh.
+export TORCHINDUCTOR_FX_GRAPH_CACHE := 0
+export TORCHINDUCTOR_AUTOGRAD_CACHE := 0
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # The no-Triton leg: torch and the core package only, installed as a user would (`pip install .`).
 NOTRITON_VENV ?= .venv-notriton
