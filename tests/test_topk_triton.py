@@ -143,13 +143,13 @@ def _triton_pieces(xs, ws, bs, ids, lp, labels, cfg):
     n = x.shape[0]
     valid = torch.isfinite(lp)
     row_ids = td.RowIds.build(ids, valid)
-    ones = torch.ones(n)
+    ones, zeros = torch.ones(n), torch.zeros(n)  # zeros: the states' tails (l = 1 + tail)
     ids_g = torch.cat([ids, labels.clamp_min(0)[:, None]], 1)
     lse = td.lse_range(x, w, b, cfg.temperature, True, outside=row_ids if cfg.tail else None)
     z = td.gather_logits(x, w, b, ids_g.contiguous())
     K = ids.shape[1]
     res, lse_s, lse_z, ce = tc.finish(
-        z[:, :K].reshape(-1), lp, valid, Online(lse[0], ones), Online(lse[1], ones), z[:, K], cfg
+        z[:, :K].reshape(-1), lp, valid, Online(lse[0], zeros), Online(lse[1], zeros), z[:, K], cfg
     )
     mask = ones
     total = combine_rows(res.kd, ce, mask, cfg)[0]

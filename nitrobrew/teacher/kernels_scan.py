@@ -61,12 +61,14 @@ def launch_scan_chunk(z: torch.Tensor, state: Online, inv_temp: float, group: in
     gmax = torch.empty(rows, n_groups, dtype=torch.float32, device=z.device)
     if rows and n_cols:
         block = max(group, min(BLOCK, next_pow2(n_cols)))
+        # The state keeps the mass outside the maximal entry (tail = l - 1); the kernel runs on l.
+        total = state.l.contiguous()
         launch(
             teacher_scan_kernel,
             (rows,),
             z,
             state.m,
-            state.l,
+            total,
             gmax,
             n_cols,
             n_groups,
@@ -77,4 +79,5 @@ def launch_scan_chunk(z: torch.Tensor, state: Online, inv_temp: float, group: in
             BLOCK=block,
             num_warps=4,
         )
+        state.tail.copy_(total - 1.0)
     return gmax
