@@ -1,9 +1,9 @@
 """Confident rows on a GPU (docs/design.md §2.6): accuracy against float64 in the random, peaked, close
 and confident regimes, and a same-process A/B of the fast mode's speed against the package as it was
-before the change (main at cbfcdda, loaded from `git archive` into a temporary package
+before the change (main at 016d9ba, loaded from `git archive` into a temporary package
 `nitrobrew_main`; --old-ref picks another commit, --old-dir a copy of an old nitrobrew/ folder).
 
-    python benchmarks/confident_rows_gpu.py [--old-ref cbfcdda] [--old-dir DIR] [--out PATH] [--tiny]
+    python benchmarks/confident_rows_gpu.py [--old-ref 016d9ba] [--old-dir DIR] [--out PATH] [--tiny]
 
 Accuracy: every divergence, fast and constant-memory modes, fp32 inputs, per-row values (max relative
 error, 1e-12 absolute floor; the smallest value, which must not be negative) and the row gradients of
@@ -38,7 +38,7 @@ from nitrobrew.environment import environment
 from nitrobrew.hidden import reference_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OLD_REF = "cbfcdda"  # main before the confident-rows change
+OLD_REF = "016d9ba"  # main before the confident-rows change
 PARAM = {"jsd": ("beta", 0.5), "skew_kl": ("alpha", 0.1), "skew_reverse_kl": ("alpha", 0.1)}
 
 
