@@ -150,6 +150,18 @@ def _pick_backend(backend: str, q_s, q_t, target: str) -> str:
     return ck.resolve_backend(backend, q_s.device)
 
 
+def _forward_kernel(cfg: Optional[dict], q_s, k_s, q_t, k_t, kpm, spec: AttnSpec) -> Optional[dict]:
+    """The Triton path's forward kernel: the Gluon one (Hopper, experimental) when it is asked for
+    (``block_config={"fwd_kernel": "gluon"}`` or NITROBREW_ATTN_GLUON=1) and supports the case,
+    else the Triton one. The choice travels in the block config."""
+    from .kernels_gluon import gluon_forward_enabled, gluon_forward_supported
+
+    if not gluon_forward_enabled(cfg):
+        return cfg
+    use = gluon_forward_supported(q_t, k_t, q_s, k_s, kpm, spec.is_causal, spec.causal_offset)
+    return {**(cfg or {}), "fwd_kernel": "gluon" if use else "triton"}
+
+
 def attention_kl(
     q_s: torch.Tensor,
     k_s: torch.Tensor,
@@ -210,7 +222,9 @@ def attention_kl(
         backend: "auto" (Triton on CUDA for fp16/bf16/fp32 per_head, else PyTorch), "torch",
             "triton" (on CPU only under TRITON_INTERPRET=1).
         chunk_size: key chunk of the PyTorch path (None = automatic).
-        block_config: Triton tile settings override (see ``kernels_fwd.DEFAULT_CONFIGS``).
+        block_config: Triton tile settings override (see ``kernels_fwd.DEFAULT_CONFIGS``); its
+            "fwd_kernel": "gluon" asks for the experimental Hopper forward (``kernels_gluon.py``),
+            "fwd_gluon": its (BM, BN, num_warps, stages).
 
     Returns:
         float32 loss (float64 when an input is float64 on the PyTorch path).
@@ -250,6 +264,8 @@ def attention_kl(
     )
     kpm = key_mask(key_padding_mask, kv_lengths, B, Nk, q_s.device)
     every_row = kpm is None and query_mask is None and Nk > 0 and (not is_causal or spec.causal_offset >= 0)
+    if impl == "triton":
+        block_config = _forward_kernel(block_config, q_s, k_s, q_t, k_t, kpm, spec)
     if impl == "triton" and every_row and reduction != "none" and B * H * Nq > 0:
         # every row sees a key and counts: the reduction is a known scale, done inside the Function
         from .triton_function import triton_total

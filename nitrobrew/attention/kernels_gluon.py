@@ -1,0 +1,344 @@
+"""Gluon forward of attention KL for Hopper (sm90): asynchronous warpgroup MMA under the softmax work.
+
+Experimental: used only where ``api.py`` selects it (opt-in; see ``gluon_forward_supported``); the
+Triton kernel of ``kernels_fwd.py`` stays the portable path and the reference it is tested against.
+
+Why: in Triton's ``tl.dot`` forward the two score GEMMs of a key block and the two exponentials per
+score run one after the other (benchmarks/results/attention/fwd_tma_h100.md). Here the program
+issues the next key block's two score GEMMs (``warpgroup_mma(..., is_async=True)``) and then does
+this block's online-KL update while the tensor cores work: FlashAttention-3's overlap of the score
+GEMM with the softmax of the previous block, within each warpgroup. The key tiles of both sides
+come through TMA into a ring of STAGES shared-memory buffers (one mbarrier per buffer); the query
+tiles stay in shared memory as the A operands.
+
+The math is the Triton forward's, op for op (docs/design.md §3): scores in log2 units (the scale
+folds in log2(e)), the centred online state (m_x, m_y, l_x, l_y, c), the unmasked key blocks
+first and the blocks that cut the causal diagonal or end past Nk masked, query blocks longest
+first; it writes KL (natural units) and both lse's (log2 units) per row, so the Triton backward
+runs on its outputs unchanged.
+
+Operands are viewed as 2-D [rows, head_dim] (the [B, H, N, D] tensors contiguous): a key tile that
+runs past Nk reads the next head's keys (masked out, finite), and TMA zero-fills past the end.
+Case: 16-bit inputs, head dims 16/32/64/128 (each side its own), no key padding mask, causal
+offsets >= 0, Nk > 0.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.5; the names below are those of Triton 3.6
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (16, 32, 64, 128)
+# (BM, BN, num_warps, STAGES): 8 warps = two warpgroups of 64 query rows each; BN = 64 keeps the
+# in-flight and the current score tiles of both sides (4 x 32 fp32 registers a thread) with room
+# for the update.
+DEFAULT_CONFIG = (128, 64, 8, 3)
+ENV_SWITCH = "NITROBREW_ATTN_GLUON"  # "1": use this forward where supported; "0" never
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _kl_update(
+        sx,
+        sy,
+        mx,
+        my,
+        lx,
+        ly,
+        c,
+        start_m,
+        start_n,
+        Nk,
+        causal_offset,
+        scale_x,
+        scale_y,
+        BM: gl.constexpr,
+        BN: gl.constexpr,
+        LAYOUT: gl.constexpr,
+        MASKED: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        X_FIXED: gl.constexpr,
+        Y_FIXED: gl.constexpr,
+    ):
+        """The row state after one key block (kernels_fwd._online_step, in Gluon layouts)."""
+        sx = sx * scale_x
+        sy = sy * scale_y
+        if MASKED:
+            cols = gl.expand_dims(start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, LAYOUT)), 0)
+            valid = cols < Nk
+            if CAUSAL:
+                rows = gl.expand_dims(start_m + gl.arange(0, BM, layout=gl.SliceLayout(1, LAYOUT)), 1)
+                valid = valid & (cols <= rows + causal_offset)
+            sxm = gl.where(valid, sx, float("-inf"))
+            sym = gl.where(valid, sy, float("-inf"))
+        else:
+            sxm = sx
+            sym = sy
+        if X_FIXED:
+            mx_new = mx
+        else:
+            mx_new = gl.maximum(mx, gl.max(sxm, 1))
+        if Y_FIXED:
+            my_new = my
+        else:
+            my_new = gl.maximum(my, gl.max(sym, 1))
+        rx = gl.expand_dims(mx_new, 1)
+        ry = gl.expand_dims(my_new, 1)
+        px = gl.exp2(sxm - rx)
+        py = gl.exp2(sym - ry)
+        d = (sx - rx) - (sy - ry)
+        ax = gl.exp2(mx - mx_new)
+        ay = gl.exp2(my - my_new)
+        c = ax * (c + lx * ((mx - mx_new) - (my - my_new))) + gl.sum(px * d, 1)
+        lx = lx * ax + gl.sum(px, 1)
+        ly = ly * ay + gl.sum(py, 1)
+        return mx_new, my_new, lx, ly, c
+
+    @gluon.jit
+    def _load_keys(kx_desc, ky_desc, kx_smem, ky_smem, ready, block, kx_row0, ky_row0, BN: gl.constexpr, pred):
+        """TMA both key tiles of key block `block` into buffer block % STAGES (if pred)."""
+        stage = block % kx_smem.shape[0]
+        bar = ready.index(stage)
+        mbarrier.expect(bar, kx_desc.block_type.nbytes + ky_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(kx_desc, [kx_row0 + block * BN, 0], bar, kx_smem.index(stage), pred=pred)
+        tma.async_copy_global_to_shared(ky_desc, [ky_row0 + block * BN, 0], bar, ky_smem.index(stage), pred=pred)
+
+    @gluon.jit
+    def _issue_scores(qx_smem, qy_smem, kx_smem, ky_smem, ready, block, zero):
+        """Wait for key block `block` and issue its two score GEMMs asynchronously."""
+        STAGES: gl.constexpr = kx_smem.shape[0]
+        stage = block % STAGES
+        mbarrier.wait(ready.index(stage), (block // STAGES) & 1)
+        sx = warpgroup_mma(qx_smem, kx_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+        sy = warpgroup_mma(qy_smem, ky_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+        return sx, sy
+
+    @gluon.jit
+    def attention_fwd_gluon_kernel(
+        qx_desc,
+        kx_desc,
+        qy_desc,
+        ky_desc,
+        LSEX_IN,
+        LSEY_IN,
+        KL_OUT,
+        LSEX_OUT,
+        LSEY_OUT,
+        H,
+        Nq,
+        Nk,
+        GX,
+        GY,
+        scale_x,
+        scale_y,
+        causal_offset,
+        BN: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        X_FIXED: gl.constexpr,
+        Y_FIXED: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        BM: gl.constexpr = qx_desc.block_type.shape[0]
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
+        )
+        row_layout: gl.constexpr = gl.SliceLayout(1, layout)
+
+        # longest query blocks first (causal); program = (query block, batch * head)
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        start_m = pid_m * BM
+        q_row0 = pid_bh * Nq + start_m
+        kx_row0 = (b * (H // GX) + h // GX) * Nk
+        ky_row0 = (b * (H // GY) + h // GY) * Nk
+
+        # key-loop bounds (kernels_tiles.key_ranges): blocks [0, n_full) unmasked, [n_full, n_blocks) masked
+        if CAUSAL:
+            hi = gl.minimum(Nk, start_m + BM + causal_offset)
+            full_hi = gl.minimum(Nk, start_m + 1 + causal_offset)
+        else:
+            hi = Nk
+            full_hi = Nk
+        full_hi = gl.minimum(full_hi, (Nk // BN) * BN)
+        n_full = gl.maximum(full_hi, 0) // BN
+        n_blocks = (hi + BN - 1) // BN
+
+        qx_smem = gl.allocate_shared_memory(qx_desc.dtype, qx_desc.block_type.shape, qx_desc.layout)
+        qy_smem = gl.allocate_shared_memory(qy_desc.dtype, qy_desc.block_type.shape, qy_desc.layout)
+        kx_smem = gl.allocate_shared_memory(kx_desc.dtype, [STAGES] + kx_desc.block_type.shape, kx_desc.layout)
+        ky_smem = gl.allocate_shared_memory(ky_desc.dtype, [STAGES] + ky_desc.block_type.shape, ky_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+
+        mbarrier.expect(q_bar, qx_desc.block_type.nbytes + qy_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(qx_desc, [q_row0, 0], q_bar, qx_smem)
+        tma.async_copy_global_to_shared(qy_desc, [q_row0, 0], q_bar, qy_smem)
+        for i in gl.static_range(STAGES):
+            _load_keys(kx_desc, ky_desc, kx_smem, ky_smem, ready, i, kx_row0, ky_row0, BN, i < n_blocks)
+
+        rows = start_m + gl.arange(0, BM, layout=row_layout)
+        row_ok = rows < Nq
+        flat = pid_bh.to(gl.int64) * Nq + rows
+        if X_FIXED:
+            mx = gl.load(LSEX_IN + flat, mask=row_ok, other=0.0).to(gl.float32) * 1.4426950408889634
+        else:
+            mx = gl.full([BM], -1.0e30, gl.float32, row_layout)
+        if Y_FIXED:
+            my = gl.load(LSEY_IN + flat, mask=row_ok, other=0.0).to(gl.float32) * 1.4426950408889634
+        else:
+            my = gl.full([BM], -1.0e30, gl.float32, row_layout)
+        lx = gl.zeros([BM], gl.float32, row_layout)
+        ly = gl.zeros([BM], gl.float32, row_layout)
+        c = gl.zeros([BM], gl.float32, row_layout)
+        zero = gl.zeros([BM, BN], gl.float32, layout)
+
+        mbarrier.wait(q_bar, 0)
+        sx, sy = _issue_scores(qx_smem, qy_smem, kx_smem, ky_smem, ready, 0, zero)
+        for j in range(0, n_blocks - 1):
+            sx, sy = warpgroup_mma_wait(num_outstanding=0, deps=(sx, sy))
+            # block j's buffer is free again: refill it with block j + STAGES
+            _load_keys(
+                kx_desc, ky_desc, kx_smem, ky_smem, ready, j + STAGES, kx_row0, ky_row0, BN, j + STAGES < n_blocks
+            )
+            # the tensor cores work on block j + 1 while this warpgroup updates the state with block j
+            sx_next, sy_next = _issue_scores(qx_smem, qy_smem, kx_smem, ky_smem, ready, j + 1, zero)
+            if j < n_full:
+                mx, my, lx, ly, c = _kl_update(
+                    sx, sy, mx, my, lx, ly, c, start_m, j * BN, Nk, causal_offset, scale_x, scale_y,
+                    BM, BN, layout, False, CAUSAL, X_FIXED, Y_FIXED,
+                )  # fmt: skip
+            else:
+                mx, my, lx, ly, c = _kl_update(
+                    sx, sy, mx, my, lx, ly, c, start_m, j * BN, Nk, causal_offset, scale_x, scale_y,
+                    BM, BN, layout, True, CAUSAL, X_FIXED, Y_FIXED,
+                )  # fmt: skip
+            sx = sx_next
+            sy = sy_next
+        sx, sy = warpgroup_mma_wait(num_outstanding=0, deps=(sx, sy))
+        last = n_blocks - 1
+        if last < n_full:
+            mx, my, lx, ly, c = _kl_update(
+                sx, sy, mx, my, lx, ly, c, start_m, last * BN, Nk, causal_offset, scale_x, scale_y,
+                BM, BN, layout, False, CAUSAL, X_FIXED, Y_FIXED,
+            )  # fmt: skip
+        else:
+            mx, my, lx, ly, c = _kl_update(
+                sx, sy, mx, my, lx, ly, c, start_m, last * BN, Nk, causal_offset, scale_x, scale_y,
+                BM, BN, layout, True, CAUSAL, X_FIXED, Y_FIXED,
+            )  # fmt: skip
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+
+        # row outputs (kernels_fwd._store_rows)
+        ok = (lx != 0) & (ly != 0)
+        lxs = gl.where(ok, lx, 1.0)
+        lys = gl.where(ok, ly, 1.0)
+        kl2 = c / lxs - gl.log2(lxs) + gl.log2(lys)
+        gl.store(KL_OUT + flat, gl.where(ok, kl2 * 0.6931471805599453, 0.0), mask=row_ok)
+        gl.store(LSEX_OUT + flat, gl.where(ok, mx + gl.log2(lxs), 0.0), mask=row_ok)
+        gl.store(LSEY_OUT + flat, gl.where(ok, my + gl.log2(lys), 0.0), mask=row_ok)
+
+
+def _sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def gluon_forward_supported(q_x, k_x, q_y, k_y, kpm, is_causal: bool, causal_offset: int) -> bool:
+    """Whether this forward can run the case: Gluon importable, an sm90 device, 16-bit inputs whose
+    [B, H, N, D] layout is contiguous, head dims 16/32/64/128, no key padding mask, causal offset
+    >= 0 (every row sees a key), Nk > 0, fewer than 2^31 rows."""
+    if not HAVE_GLUON or os.environ.get("TRITON_INTERPRET") == "1" or not _sm90(q_x.device):
+        return False
+    tensors = (q_x, k_x, q_y, k_y)
+    if kpm is not None or (is_causal and causal_offset < 0) or k_x.shape[2] == 0:
+        return False
+    if any(t.dtype not in (torch.float16, torch.bfloat16) or not t.is_contiguous() for t in tensors):
+        return False
+    if q_x.shape[-1] not in HEAD_DIMS or q_y.shape[-1] not in HEAD_DIMS:
+        return False
+    return all(t.shape[0] * t.shape[1] * t.shape[2] < 2**31 for t in tensors)
+
+
+def gluon_forward_enabled(cfg: Optional[dict]) -> bool:
+    """The opt-in: block_config={"fwd_kernel": "gluon"} or NITROBREW_ATTN_GLUON=1 (block_config
+    {"fwd_kernel": "triton"} or NITROBREW_ATTN_GLUON=0 keep the Triton forward)."""
+    choice = (cfg or {}).get("fwd_kernel")
+    if choice is not None:
+        return choice == "gluon"
+    return os.environ.get(ENV_SWITCH) == "1"
+
+
+def _gl_dtype(t: torch.Tensor):
+    return gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+
+
+def _desc(t: torch.Tensor, rows: int):
+    """TMA descriptor of a contiguous [B, H, N, D] tensor viewed as [B*H*N, D], tiles of [rows, D]."""
+    d = t.shape[-1]
+    flat = t.view(-1, d)
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], _gl_dtype(t))
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, d], layout)
+
+
+def launch_fwd_gluon(
+    q_x, k_x, q_y, k_y, lse_x_in, lse_y_in, kl, lse_x, lse_y, *, scales, causal, causal_offset, fixed, config=None
+) -> None:
+    """Fill kl, lse_x, lse_y ([B, H, Nq] float32; lse's in log2 units) as kernels_fwd's forward does.
+    scales: (x, y) in log2 units; fixed: (x, y) whether lse_x_in / lse_y_in give that side's fixed
+    shift (log2 units are formed in the kernel from natural-log inputs, as there)."""
+    BM, BN, warps, stages = config or DEFAULT_CONFIG
+    B, H, Nq, _ = q_x.shape
+    Nk = k_x.shape[2]
+    grid = ((Nq + BM - 1) // BM, B * H)
+    attention_fwd_gluon_kernel[grid](
+        _desc(q_x, BM),
+        _desc(k_x, BN),
+        _desc(q_y, BM),
+        _desc(k_y, BN),
+        lse_x_in,
+        lse_y_in,
+        kl,
+        lse_x,
+        lse_y,
+        H,
+        Nq,
+        Nk,
+        H // k_x.shape[1],
+        H // k_y.shape[1],
+        float(scales[0]),
+        float(scales[1]),
+        int(causal_offset) if causal else 0,
+        BN=BN,
+        STAGES=stages,
+        CAUSAL=bool(causal),
+        X_FIXED=bool(fixed[0]),
+        Y_FIXED=bool(fixed[1]),
+        num_warps=warps,
+    )

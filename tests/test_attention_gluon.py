@@ -1,0 +1,137 @@
+"""The experimental Gluon (Hopper) forward of attention KL: the selector everywhere, exactness on sm90.
+
+On a machine without an sm90 GPU or Gluon only the selector tests run (the Gluon path must never be
+taken there, whatever is asked); on an H100/H200 the forward's rows are compared with the Triton
+forward's and the loss and gradients with the float64 reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from attention_helpers import make_inputs, rel
+from nitrobrew.attention import api as attn_api
+from nitrobrew.attention import attention_kl, reference_attention_kl
+from nitrobrew.attention.common import AttnSpec
+
+kg = pytest.importorskip("nitrobrew.attention.kernels_gluon")
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(
+    not (kg.HAVE_GLUON and _sm90()) or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="the Gluon forward runs on sm90 only (not under the interpreter)",
+)
+
+
+def test_enabled_by_config_or_environment(monkeypatch):
+    monkeypatch.delenv(kg.ENV_SWITCH, raising=False)
+    assert not kg.gluon_forward_enabled(None)
+    assert kg.gluon_forward_enabled({"fwd_kernel": "gluon"})
+    monkeypatch.setenv(kg.ENV_SWITCH, "1")
+    assert kg.gluon_forward_enabled(None)
+    assert not kg.gluon_forward_enabled({"fwd_kernel": "triton"})
+    monkeypatch.setenv(kg.ENV_SWITCH, "0")
+    assert not kg.gluon_forward_enabled({})
+
+
+def test_unsupported_cases_fall_back():
+    q_s, k_s, q_t, k_t = make_inputs(B=1, H=2, Nq=8, Ds=16, Dt=16, dtype=torch.bfloat16)
+    # CPU tensors: never the Gluon path
+    assert not kg.gluon_forward_supported(q_t, k_t, q_s, k_s, None, True, 0)
+    spec = AttnSpec(
+        is_causal=True, causal_offset=0, scale_s=0.25, scale_t=0.25, direction="forward", target="per_head", chunk=None
+    )
+    cfg = attn_api._forward_kernel({"fwd_kernel": "gluon"}, q_s, k_s, q_t, k_t, None, spec)
+    assert cfg["fwd_kernel"] == "triton"
+    assert attn_api._forward_kernel(None, q_s, k_s, q_t, k_t, None, spec) is None
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton interpreter leg")
+def test_asking_for_gluon_off_sm90_gives_the_triton_result():
+    ins = make_inputs(B=1, H=2, Nq=21, Ds=16, Dt=32, dtype=torch.float32)
+    a = attention_kl(*ins, is_causal=True, backend="triton", block_config={"fwd_kernel": "gluon"})
+    b = attention_kl(*ins, is_causal=True, backend="triton")
+    assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ sm90 only
+
+CASES = [
+    # (B, H, hkv_s, hkv_t, Nq, Nk, Ds, Dt, causal, offset, dtype)
+    (1, 2, 2, 2, 256, 256, 128, 128, True, 0, torch.bfloat16),
+    (2, 3, 3, 3, 1000, 1000, 64, 64, True, 0, torch.bfloat16),  # N not a multiple of the tiles
+    (1, 4, 4, 4, 333, 333, 128, 128, False, 0, torch.bfloat16),
+    (1, 8, 2, 4, 517, 517, 64, 128, True, 0, torch.bfloat16),  # GQA, each side its own, head dims differ
+    (1, 2, 2, 2, 200, 461, 32, 128, True, 261, torch.float16),  # Nk > Nq, bottom-right aligned
+    (1, 2, 1, 2, 300, 300, 16, 64, True, 37, torch.bfloat16),  # causal offset, small head dim
+    (2, 2, 2, 2, 64, 64, 128, 128, True, 0, torch.bfloat16),  # one query block
+]
+
+
+def _cuda_inputs(case, seed=0):
+    B, H, hs, ht, Nq, Nk, Ds, Dt, _, _, dtype = case
+    ins = make_inputs(B=B, H=H, Nq=Nq, Nk=Nk, Ds=Ds, Dt=Dt, hkv_s=hs, hkv_t=ht, dtype=torch.float32, seed=seed)
+    return [t.to(device="cuda", dtype=dtype) for t in ins]
+
+
+@needs_sm90
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+def test_rows_match_the_triton_forward(case, direction):
+    q_s, k_s, q_t, k_t = _cuda_inputs(case)
+    causal, off = case[8], case[9]
+    kw = dict(is_causal=causal, causal_offset=off, direction=direction, reduction="none", backend="triton")
+    with torch.no_grad():
+        ref = attention_kl(q_s, k_s, q_t, k_t, **kw)
+        got = attention_kl(q_s, k_s, q_t, k_t, block_config={"fwd_kernel": "gluon"}, **kw)
+    assert kg.gluon_forward_supported(q_t, k_t, q_s, k_s, None, causal, off)
+    # the same math op for op; the MMA may sum a row's products in another order
+    assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+
+
+@needs_sm90
+@pytest.mark.parametrize("case", CASES[:5])
+def test_loss_and_gradients_against_float64(case):
+    q_s, k_s, q_t, k_t = _cuda_inputs(case, seed=1)
+    causal, off = case[8], case[9]
+    ins = [t.clone().requires_grad_(True) for t in (q_s, k_s)] + [q_t, k_t]
+    out = attention_kl(*ins, is_causal=causal, causal_offset=off, block_config={"fwd_kernel": "gluon"})
+    out.backward()
+    ref_ins = [t.detach().double().requires_grad_(i < 2) for i, t in enumerate((q_s, k_s, q_t, k_t))]
+    ref = reference_attention_kl(*ref_ins, is_causal=causal, causal_offset=off)
+    ref.backward()
+    assert rel(out, ref) <= 1e-5
+    for i in range(2):  # dS rounded to 16 bits before the dq/dk products, as in FlashAttention
+        assert rel(ins[i].grad, ref_ins[i].grad) <= 2e-2
+
+
+@needs_sm90
+def test_teacher_lse_given():
+    case = CASES[1]
+    q_s, k_s, q_t, k_t = _cuda_inputs(case, seed=2)
+    scale = q_t.shape[-1] ** -0.5
+    kt = k_t.repeat_interleave(q_t.shape[1] // k_t.shape[1], 1)
+    s = (q_t.double() @ kt.double().transpose(-1, -2)) * scale
+    s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    lse_t = torch.logsumexp(s, -1).float()
+    kw = dict(is_causal=True, reduction="none", backend="triton", lse_t=lse_t)
+    with torch.no_grad():
+        ref = attention_kl(q_s, k_s, q_t, k_t, **kw)
+        got = attention_kl(q_s, k_s, q_t, k_t, block_config={"fwd_kernel": "gluon"}, **kw)
+    assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+
+
+@needs_sm90
+def test_key_padding_mask_and_fp32_stay_on_triton():
+    q_s, k_s, q_t, k_t = _cuda_inputs(CASES[0])
+    kpm = torch.ones(1, 256, dtype=torch.bool, device="cuda")
+    assert not kg.gluon_forward_supported(q_t, k_t, q_s, k_s, kpm, True, 0)
+    assert not kg.gluon_forward_supported(q_t.float(), k_t.float(), q_s.float(), k_s.float(), None, True, 0)
+    assert not kg.gluon_forward_supported(q_t, k_t, q_s, k_s, None, True, -1)
+    assert not kg.gluon_forward_supported(q_t.transpose(1, 2), k_t, q_s, k_s, None, True, 0)
