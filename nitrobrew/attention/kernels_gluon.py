@@ -47,10 +47,11 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (16, 32, 64, 128)
-# (BM, BN, num_warps, STAGES): 8 warps = two warpgroups of 64 query rows each; BN = 64 keeps the
-# in-flight and the current score tiles of both sides (4 x 32 fp32 registers a thread) with room
-# for the update.
-DEFAULT_CONFIG = (128, 64, 8, 3)
+# (BM, BN, num_warps, STAGES): one warpgroup of 64 query rows; BN = 64 keeps the in-flight and the
+# current score tiles of both sides (4 x 32 fp32 registers a thread) with room for the update, and
+# two stages let two programs share an SM (registers and shared memory), whose GEMMs and updates
+# interleave. Measured on H100: benchmarks/results/attention/gluon_fwd_h100.md.
+DEFAULT_CONFIG = (64, 64, 4, 2)
 ENV_SWITCH = "NITROBREW_ATTN_GLUON"  # "1": use this forward where supported; "0" never
 
 
@@ -112,6 +113,42 @@ if HAVE_GLUON:
         lx = lx * ax + gl.sum(px, 1)
         ly = ly * ay + gl.sum(py, 1)
         return mx_new, my_new, lx, ly, c
+
+    @gluon.jit
+    def _kl_block(
+        sx,
+        sy,
+        mx,
+        my,
+        lx,
+        ly,
+        c,
+        start_m,
+        block,
+        n_full,
+        Nk,
+        causal_offset,
+        scale_x,
+        scale_y,
+        BM: gl.constexpr,
+        BN: gl.constexpr,
+        LAYOUT: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        X_FIXED: gl.constexpr,
+        Y_FIXED: gl.constexpr,
+    ):
+        """_kl_update of key block `block`: unmasked below n_full, masked from there on."""
+        if block < n_full:
+            mx, my, lx, ly, c = _kl_update(
+                sx, sy, mx, my, lx, ly, c, start_m, block * BN, Nk, causal_offset, scale_x, scale_y,
+                BM, BN, LAYOUT, False, CAUSAL, X_FIXED, Y_FIXED,
+            )  # fmt: skip
+        else:
+            mx, my, lx, ly, c = _kl_update(
+                sx, sy, mx, my, lx, ly, c, start_m, block * BN, Nk, causal_offset, scale_x, scale_y,
+                BM, BN, LAYOUT, True, CAUSAL, X_FIXED, Y_FIXED,
+            )  # fmt: skip
+        return mx, my, lx, ly, c
 
     @gluon.jit
     def _load_keys(kx_desc, ky_desc, kx_smem, ky_smem, ready, block, kx_row0, ky_row0, BN: gl.constexpr, pred):
@@ -218,38 +255,48 @@ if HAVE_GLUON:
         zero = gl.zeros([BM, BN], gl.float32, layout)
 
         mbarrier.wait(q_bar, 0)
-        sx, sy = _issue_scores(qx_smem, qy_smem, kx_smem, ky_smem, ready, 0, zero)
-        for j in range(0, n_blocks - 1):
-            sx, sy = warpgroup_mma_wait(num_outstanding=0, deps=(sx, sy))
-            # block j's buffer is free again: refill it with block j + STAGES
+        # Two sets of score tiles, a and b, take turns: while one block's GEMMs run on the tensor cores
+        # the other set's block updates the state. Unrolled by two so that a tile set is never copied
+        # while its GEMMs are in flight (a loop-carried copy makes ptxas serialize the wgmma's).
+        sxa, sya = _issue_scores(qx_smem, qy_smem, kx_smem, ky_smem, ready, 0, zero)
+        for p in range(0, (n_blocks - 1) // 2):
+            j = 2 * p
+            sxa, sya = warpgroup_mma_wait(num_outstanding=0, deps=(sxa, sya))
             _load_keys(
                 kx_desc, ky_desc, kx_smem, ky_smem, ready, j + STAGES, kx_row0, ky_row0, BN, j + STAGES < n_blocks
             )
-            # the tensor cores work on block j + 1 while this warpgroup updates the state with block j
-            sx_next, sy_next = _issue_scores(qx_smem, qy_smem, kx_smem, ky_smem, ready, j + 1, zero)
-            if j < n_full:
-                mx, my, lx, ly, c = _kl_update(
-                    sx, sy, mx, my, lx, ly, c, start_m, j * BN, Nk, causal_offset, scale_x, scale_y,
-                    BM, BN, layout, False, CAUSAL, X_FIXED, Y_FIXED,
-                )  # fmt: skip
-            else:
-                mx, my, lx, ly, c = _kl_update(
-                    sx, sy, mx, my, lx, ly, c, start_m, j * BN, Nk, causal_offset, scale_x, scale_y,
-                    BM, BN, layout, True, CAUSAL, X_FIXED, Y_FIXED,
-                )  # fmt: skip
-            sx = sx_next
-            sy = sy_next
-        sx, sy = warpgroup_mma_wait(num_outstanding=0, deps=(sx, sy))
-        last = n_blocks - 1
-        if last < n_full:
-            mx, my, lx, ly, c = _kl_update(
-                sx, sy, mx, my, lx, ly, c, start_m, last * BN, Nk, causal_offset, scale_x, scale_y,
-                BM, BN, layout, False, CAUSAL, X_FIXED, Y_FIXED,
+            sxb, syb = _issue_scores(qx_smem, qy_smem, kx_smem, ky_smem, ready, j + 1, zero)
+            mx, my, lx, ly, c = _kl_block(
+                sxa, sya, mx, my, lx, ly, c, start_m, j, n_full, Nk, causal_offset, scale_x, scale_y,
+                BM, BN, layout, CAUSAL, X_FIXED, Y_FIXED,
+            )  # fmt: skip
+            sxb, syb = warpgroup_mma_wait(num_outstanding=0, deps=(sxb, syb))
+            _load_keys(
+                kx_desc, ky_desc, kx_smem, ky_smem, ready, j + 1 + STAGES, kx_row0, ky_row0, BN,
+                j + 1 + STAGES < n_blocks,
+            )  # fmt: skip
+            sxa, sya = _issue_scores(qx_smem, qy_smem, kx_smem, ky_smem, ready, j + 2, zero)
+            mx, my, lx, ly, c = _kl_block(
+                sxb, syb, mx, my, lx, ly, c, start_m, j + 1, n_full, Nk, causal_offset, scale_x, scale_y,
+                BM, BN, layout, CAUSAL, X_FIXED, Y_FIXED,
+            )  # fmt: skip
+        # set a holds block 2 * ((n_blocks - 1) // 2); one or two blocks are left
+        sxa, sya = warpgroup_mma_wait(num_outstanding=0, deps=(sxa, sya))
+        if (n_blocks - 1) % 2 == 1:
+            sxb, syb = _issue_scores(qx_smem, qy_smem, kx_smem, ky_smem, ready, n_blocks - 1, zero)
+            mx, my, lx, ly, c = _kl_block(
+                sxa, sya, mx, my, lx, ly, c, start_m, n_blocks - 2, n_full, Nk, causal_offset, scale_x, scale_y,
+                BM, BN, layout, CAUSAL, X_FIXED, Y_FIXED,
+            )  # fmt: skip
+            sxb, syb = warpgroup_mma_wait(num_outstanding=0, deps=(sxb, syb))
+            mx, my, lx, ly, c = _kl_block(
+                sxb, syb, mx, my, lx, ly, c, start_m, n_blocks - 1, n_full, Nk, causal_offset, scale_x, scale_y,
+                BM, BN, layout, CAUSAL, X_FIXED, Y_FIXED,
             )  # fmt: skip
         else:
-            mx, my, lx, ly, c = _kl_update(
-                sx, sy, mx, my, lx, ly, c, start_m, last * BN, Nk, causal_offset, scale_x, scale_y,
-                BM, BN, layout, True, CAUSAL, X_FIXED, Y_FIXED,
+            mx, my, lx, ly, c = _kl_block(
+                sxa, sya, mx, my, lx, ly, c, start_m, n_blocks - 1, n_full, Nk, causal_offset, scale_x, scale_y,
+                BM, BN, layout, CAUSAL, X_FIXED, Y_FIXED,
             )  # fmt: skip
 
         mbarrier.invalidate(q_bar)
