@@ -169,9 +169,11 @@ def profile_parts(step, dev, shapes, steps=2) -> dict:
     parts = defaultdict(float)
     other = defaultdict(float)
     if dev.type == "cuda":
-        for e in events:
-            if e.device_type != torch.autograd.DeviceType.CUDA:
-                continue
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        if kernels:  # first kernel start to last kernel end: the device's busy span of the steps
+            span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+            parts["span (first kernel to last)"] = span
+        for e in kernels:
             us = e.time_range.elapsed_us()
             name = e.name
             if "hidden_stats_kernel" in name:
@@ -191,27 +193,29 @@ def profile_parts(step, dev, shapes, steps=2) -> dict:
         parent = e.cpu_parent
         if parent is not None and parent.name in GEMM_OPS:
             continue
-        key = shape_key(e.input_shapes, shapes)
+        key = shape_key(e.name, e.input_shapes, shapes)
         t = _dev_time(e) if dev.type == "cuda" else e.cpu_time_total
         parts[f"gemm {key}"] += t
     return {k: v / steps / 1e3 for k, v in parts.items()}, {k: v / steps / 1e3 for k, v in other.items()}
 
 
-def shape_key(input_shapes, shapes) -> str:
+def shape_key(name, input_shapes, shapes) -> str:
+    """Which of the four products a leaf matmul op is, from its operands: mm(a, b[, out]) and
+    addmm(self, a, b) (an out= tensor comes last and is not an operand)."""
     n_ds, n_dt, v = shapes
     mats = [tuple(s) for s in (input_shapes or []) if isinstance(s, (list, tuple)) and len(s) == 2]
-    ops = mats[-2:] if len(mats) >= 2 else mats
+    ops = mats[1:3] if name.startswith("aten::addmm") else mats[0:2]
     if len(ops) < 2:
         return "?"
     a, b = ops
-    if a[1] == n_ds and b[1] == v:
-        return "s = xs ws^T"
-    if a[1] == n_dt and b[1] == v:
-        return "t = xt wt^T"
     if a[1] == v:
         return "dX = G ws"
-    if a[0] == v or b[0] != v and a[1] != v and b[1] == n_ds:
+    if a[0] == v:
         return "dW += G^T xs"
+    if a[1] == n_ds:
+        return "s = xs ws^T"
+    if a[1] == n_dt:
+        return "t = xt wt^T"
     return f"{a}x{b}"
 
 
@@ -254,6 +258,7 @@ def run_case(div, n, v, ds, dt, dev, dtype, tries: bool, reps: int):
     print("|---|---|---|")
     for k, t in ms.items():
         print(f"| {k} | {t:.2f} | {t / ms['floor']:.3f} |")
+    span = parts.pop("span (first kernel to last)", None)
     total_k = sum(t for k, t in parts.items() if not k.startswith("gemm ") or k == "gemm (all)")
     print("\nGPU kernel time per step, by part (torch.profiler):\n")
     print("| part | ms | share of fast | x floor |")
@@ -262,6 +267,12 @@ def run_case(div, n, v, ds, dt, dev, dtype, tries: bool, reps: int):
         print(f"| {k} | {parts[k]:.3f} | {parts[k] / ms['fast fwd+bwd']:.3f} | {parts[k] / ms['floor']:.3f} |")
     gap = ms["fast fwd+bwd"] - total_k
     print(f"| gaps (step - kernels) | {gap:.3f} | {gap / ms['fast fwd+bwd']:.3f} | {gap / ms['floor']:.3f} |")
+    if span is not None:
+        idle = span - total_k
+        print(
+            f"\nprofiled steps: kernels {total_k:.3f} ms of a {span:.3f} ms busy span per step (idle between kernels "
+            f"{idle:.3f} ms); the timed step {ms['fast fwd+bwd']:.3f} ms"
+        )
     if other:
         print(
             "\nlargest 'other' kernels (ms per step): "

@@ -196,6 +196,9 @@ if HAVE_GLUON:
         num_warps: gl.constexpr,
     ):
         BM: gl.constexpr = qx_desc.block_type.shape[0]
+        # one warpgroup: its wgmma wait is what frees a key buffer for the next TMA load
+        gl.static_assert(num_warps == 4)
+        gl.static_assert(BM == 64)
         layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
         )
