@@ -186,7 +186,7 @@ KERNEL_FAMILIES = LOSS_FAMILIES + ("teacher",)
 
 
 def _is_jit(fn: ast.FunctionDef) -> bool:
-    return any(ast.unparse(d).split("(")[0] in ("triton.jit", "jit") for d in fn.decorator_list)
+    return any(ast.unparse(d).split("(")[0] in ("triton.jit", "gluon.jit", "jit") for d in fn.decorator_list)
 
 
 def _kernel_modules():

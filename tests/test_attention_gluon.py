@@ -29,27 +29,46 @@ needs_sm90 = pytest.mark.skipif(
 )
 
 
-def test_enabled_by_config_or_environment(monkeypatch):
+def test_enabled_by_config_environment_or_size(monkeypatch):
     monkeypatch.delenv(kg.ENV_SWITCH, raising=False)
-    assert not kg.gluon_forward_enabled(None)
-    assert kg.gluon_forward_enabled({"fwd_kernel": "gluon"})
+    monkeypatch.setattr(kg, "TRITON_VERSION", "3.6.0")
+    monkeypatch.setattr(kg, "FAILED", False)
+    assert not kg.gluon_forward_enabled(None, kg.AUTO_MIN_ROWS - 1)
+    assert kg.gluon_forward_enabled(None, kg.AUTO_MIN_ROWS)  # measured faster from there on
+    assert kg.gluon_forward_enabled({"fwd_kernel": "gluon"}, 16)
+    assert not kg.gluon_forward_enabled({"fwd_kernel": "triton"}, 1 << 20)
     monkeypatch.setenv(kg.ENV_SWITCH, "1")
-    assert kg.gluon_forward_enabled(None)
-    assert not kg.gluon_forward_enabled({"fwd_kernel": "triton"})
+    assert kg.gluon_forward_enabled(None, 16)
+    assert not kg.gluon_forward_enabled({"fwd_kernel": "triton"}, 16)
     monkeypatch.setenv(kg.ENV_SWITCH, "0")
-    assert not kg.gluon_forward_enabled({})
+    assert not kg.gluon_forward_enabled({}, 1 << 20)
+    monkeypatch.delenv(kg.ENV_SWITCH)
+    monkeypatch.setattr(kg, "TRITON_VERSION", "3.9.0")  # not the release it was measured with
+    assert not kg.gluon_forward_enabled(None, 1 << 20)
+
+
+def test_a_failed_launch_warns_once_and_stops_the_automatic_choice(monkeypatch):
+    monkeypatch.delenv(kg.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(kg, "TRITON_VERSION", "3.6.0")
+    monkeypatch.setattr(kg, "FAILED", False)
+    with pytest.warns(UserWarning, match="Gluon attention forward failed"):
+        kg.note_failure(RuntimeError("no such builtin"))
+    assert not kg.gluon_forward_enabled(None, 1 << 20)
+    kg.note_failure(RuntimeError("again"))  # no second warning (pytest's filter would turn it into an error)
 
 
 def test_unsupported_cases_fall_back():
     q_s, k_s, q_t, k_t = make_inputs(B=1, H=2, Nq=8, Ds=16, Dt=16, dtype=torch.bfloat16)
     # CPU tensors: never the Gluon path
-    assert not kg.gluon_forward_supported(q_t, k_t, q_s, k_s, None, True, 0)
+    assert not kg.gluon_forward_supported(q_t, k_t, q_s, k_s, kpm=None, is_causal=True, causal_offset=0)
     spec = AttnSpec(
         is_causal=True, causal_offset=0, scale_s=0.25, scale_t=0.25, direction="forward", target="per_head", chunk=None
     )
-    cfg = attn_api._forward_kernel({"fwd_kernel": "gluon"}, q_s, k_s, q_t, k_t, None, spec)
+    cfg = attn_api._forward_kernel({"fwd_kernel": "gluon"}, q_s, k_s, q_t, k_t, kpm=None, spec=spec)
     assert cfg["fwd_kernel"] == "triton"
-    assert attn_api._forward_kernel(None, q_s, k_s, q_t, k_t, None, spec) is None
+    assert attn_api._forward_kernel({"fwd_kernel": "triton"}, q_s, k_s, q_t, k_t, kpm=None, spec=spec) == {
+        "fwd_kernel": "triton"
+    }
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton interpreter leg")
@@ -88,9 +107,9 @@ def test_rows_match_the_triton_forward(case, direction):
     causal, off = case[8], case[9]
     kw = dict(is_causal=causal, causal_offset=off, direction=direction, reduction="none", backend="triton")
     with torch.no_grad():
-        ref = attention_kl(q_s, k_s, q_t, k_t, **kw)
+        ref = attention_kl(q_s, k_s, q_t, k_t, block_config={"fwd_kernel": "triton"}, **kw)
         got = attention_kl(q_s, k_s, q_t, k_t, block_config={"fwd_kernel": "gluon"}, **kw)
-    assert kg.gluon_forward_supported(q_t, k_t, q_s, k_s, None, causal, off)
+    assert kg.gluon_forward_supported(q_t, k_t, q_s, k_s, kpm=None, is_causal=causal, causal_offset=off)
     # the same math op for op; the MMA may sum a row's products in another order
     assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
 
@@ -131,7 +150,9 @@ def test_teacher_lse_given():
 def test_key_padding_mask_and_fp32_stay_on_triton():
     q_s, k_s, q_t, k_t = _cuda_inputs(CASES[0])
     kpm = torch.ones(1, 256, dtype=torch.bool, device="cuda")
-    assert not kg.gluon_forward_supported(q_t, k_t, q_s, k_s, kpm, True, 0)
-    assert not kg.gluon_forward_supported(q_t.float(), k_t.float(), q_s.float(), k_s.float(), None, True, 0)
-    assert not kg.gluon_forward_supported(q_t, k_t, q_s, k_s, None, True, -1)
-    assert not kg.gluon_forward_supported(q_t.transpose(1, 2), k_t, q_s, k_s, None, True, 0)
+    assert not kg.gluon_forward_supported(q_t, k_t, q_s, k_s, kpm=kpm, is_causal=True, causal_offset=0)
+    assert not kg.gluon_forward_supported(
+        q_t.float(), k_t.float(), q_s.float(), k_s.float(), kpm=None, is_causal=True, causal_offset=0
+    )
+    assert not kg.gluon_forward_supported(q_t, k_t, q_s, k_s, kpm=None, is_causal=True, causal_offset=-1)
+    assert not kg.gluon_forward_supported(q_t.transpose(1, 2), k_t, q_s, k_s, kpm=None, is_causal=True, causal_offset=0)

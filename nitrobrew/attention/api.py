@@ -150,15 +150,17 @@ def _pick_backend(backend: str, q_s, q_t, target: str) -> str:
     return ck.resolve_backend(backend, q_s.device)
 
 
-def _forward_kernel(cfg: Optional[dict], q_s, k_s, q_t, k_t, kpm, spec: AttnSpec) -> Optional[dict]:
-    """The Triton path's forward kernel: the Gluon one (Hopper, experimental) when it is asked for
-    (``block_config={"fwd_kernel": "gluon"}`` or NITROBREW_ATTN_GLUON=1) and supports the case,
-    else the Triton one. The choice travels in the block config."""
+def _forward_kernel(cfg: Optional[dict], q_s, k_s, q_t, k_t, *, kpm, spec: AttnSpec) -> Optional[dict]:
+    """The Triton path's forward kernel: the Gluon one (Hopper, ``kernels_gluon.py``) where it is asked
+    for (``block_config={"fwd_kernel": "gluon"}``, NITROBREW_ATTN_GLUON=1) or measured faster, and
+    supports the case; else the Triton one. The choice travels in the block config."""
     from .kernels_gluon import gluon_forward_enabled, gluon_forward_supported
 
-    if not gluon_forward_enabled(cfg):
+    if not gluon_forward_enabled(cfg, q_s.shape[2]):
         return cfg
-    use = gluon_forward_supported(q_t, k_t, q_s, k_s, kpm, spec.is_causal, spec.causal_offset)
+    use = gluon_forward_supported(
+        q_t, k_t, q_s, k_s, kpm=kpm, is_causal=spec.is_causal, causal_offset=spec.causal_offset
+    )
     return {**(cfg or {}), "fwd_kernel": "gluon" if use else "triton"}
 
 
@@ -223,8 +225,8 @@ def attention_kl(
             "triton" (on CPU only under TRITON_INTERPRET=1).
         chunk_size: key chunk of the PyTorch path (None = automatic).
         block_config: Triton tile settings override (see ``kernels_fwd.DEFAULT_CONFIGS``); its
-            "fwd_kernel": "gluon" asks for the experimental Hopper forward (``kernels_gluon.py``),
-            "fwd_gluon": its (BM, BN, num_warps, stages).
+            "fwd_kernel": "gluon" / "triton" picks the forward kernel on sm90 (default: the Gluon
+            one, ``kernels_gluon.py``, from Nq = 8192 on), "fwd_gluon": its tiles.
 
     Returns:
         float32 loss (float64 when an input is float64 on the PyTorch path).
@@ -265,7 +267,7 @@ def attention_kl(
     kpm = key_mask(key_padding_mask, kv_lengths, B, Nk, q_s.device)
     every_row = kpm is None and query_mask is None and Nk > 0 and (not is_causal or spec.causal_offset >= 0)
     if impl == "triton":
-        block_config = _forward_kernel(block_config, q_s, k_s, q_t, k_t, kpm, spec)
+        block_config = _forward_kernel(block_config, q_s, k_s, q_t, k_t, kpm=kpm, spec=spec)
     if impl == "triton" and every_row and reduction != "none" and B * H * Nq > 0:
         # every row sees a key and counts: the reduction is a known scale, done inside the Function
         from .triton_function import triton_total

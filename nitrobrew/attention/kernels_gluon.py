@@ -1,7 +1,9 @@
 """Gluon forward of attention KL for Hopper (sm90): asynchronous warpgroup MMA under the softmax work.
 
-Experimental: used only where ``api.py`` selects it (opt-in; see ``gluon_forward_supported``); the
-Triton kernel of ``kernels_fwd.py`` stays the portable path and the reference it is tested against.
+Experimental. ``api.py`` selects it on sm90 for the cases it supports (``gluon_forward_supported``)
+when asked, or by itself where it was measured faster (``gluon_forward_enabled``: Nq >= 8192 on the
+Triton release it was tested with); the Triton kernel of ``kernels_fwd.py`` stays the portable path
+and the reference it is tested against.
 
 Why: in Triton's ``tl.dot`` forward the two score GEMMs of a key block and the two exponentials per
 score run one after the other (benchmarks/results/attention/fwd_tma_h100.md). Here the program
@@ -26,6 +28,7 @@ offsets >= 0, Nk > 0.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -42,8 +45,10 @@ try:  # Gluon ships with Triton >= 3.5; the names below are those of Triton 3.6
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     HAVE_GLUON = True
+    TRITON_VERSION = __import__("triton").__version__
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
+    TRITON_VERSION = ""
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (16, 32, 64, 128)
@@ -53,6 +58,11 @@ HEAD_DIMS = (16, 32, 64, 128)
 # interleave. Measured on H100: benchmarks/results/attention/gluon_fwd_h100.md.
 DEFAULT_CONFIG = (64, 64, 4, 2)
 ENV_SWITCH = "NITROBREW_ATTN_GLUON"  # "1": use this forward where supported; "0" never
+# Chosen without being asked from this many query rows on (H100: 0.90-0.94x the Triton forward's
+# time at N = 8192-16384, slower at 2048-4096), on the Triton releases it was tested with.
+AUTO_MIN_ROWS = 8192
+TESTED_TRITON = ("3.6.",)
+FAILED = False  # set by note_failure
 
 
 if HAVE_GLUON:
@@ -320,7 +330,7 @@ def _sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def gluon_forward_supported(q_x, k_x, q_y, k_y, kpm, is_causal: bool, causal_offset: int) -> bool:
+def gluon_forward_supported(q_x, k_x, q_y, k_y, *, kpm, is_causal: bool, causal_offset: int) -> bool:
     """Whether this forward can run the case: Gluon importable, an sm90 device, 16-bit inputs whose
     [B, H, N, D] layout is contiguous, head dims 16/32/64/128, no key padding mask, causal offset
     >= 0 (every row sees a key), Nk > 0, fewer than 2^31 rows."""
@@ -336,13 +346,27 @@ def gluon_forward_supported(q_x, k_x, q_y, k_y, kpm, is_causal: bool, causal_off
     return all(t.shape[0] * t.shape[1] * t.shape[2] < 2**31 for t in tensors)
 
 
-def gluon_forward_enabled(cfg: Optional[dict]) -> bool:
-    """The opt-in: block_config={"fwd_kernel": "gluon"} or NITROBREW_ATTN_GLUON=1 (block_config
-    {"fwd_kernel": "triton"} or NITROBREW_ATTN_GLUON=0 keep the Triton forward)."""
+def gluon_forward_enabled(cfg: Optional[dict], n_queries: int) -> bool:
+    """Whether to ask for this forward: block_config {"fwd_kernel": "gluon" / "triton"} decides, then
+    NITROBREW_ATTN_GLUON ("1" / "0"); otherwise it is chosen where it was measured faster than the
+    Triton forward (Nq >= AUTO_MIN_ROWS) on a Triton release it was tested with."""
     choice = (cfg or {}).get("fwd_kernel")
     if choice is not None:
         return choice == "gluon"
-    return os.environ.get(ENV_SWITCH) == "1"
+    env = os.environ.get(ENV_SWITCH)
+    if env in ("0", "1"):
+        return env == "1"
+    return not FAILED and n_queries >= AUTO_MIN_ROWS and TRITON_VERSION.startswith(TESTED_TRITON)
+
+
+def note_failure(err: BaseException) -> None:
+    """A launch that failed (a Triton release whose Gluon differs): warn once, stop choosing it."""
+    global FAILED
+    if not FAILED:
+        warnings.warn(
+            f"the Gluon attention forward failed ({type(err).__name__}: {err}); using the Triton one", stacklevel=3
+        )
+    FAILED = True
 
 
 def _gl_dtype(t: torch.Tensor):
@@ -357,12 +381,10 @@ def _desc(t: torch.Tensor, rows: int):
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, d], layout)
 
 
-def launch_fwd_gluon(
-    q_x, k_x, q_y, k_y, lse_x_in, lse_y_in, kl, lse_x, lse_y, *, scales, causal, causal_offset, fixed, config=None
-) -> None:
-    """Fill kl, lse_x, lse_y ([B, H, Nq] float32; lse's in log2 units) as kernels_fwd's forward does.
-    scales: (x, y) in log2 units; fixed: (x, y) whether lse_x_in / lse_y_in give that side's fixed
-    shift (log2 units are formed in the kernel from natural-log inputs, as there)."""
+def launch_fwd_gluon(q_x, k_x, q_y, k_y, *, lse_in, out, scales, causal, causal_offset, fixed, config=None) -> None:
+    """Fill out = (kl, lse_x, lse_y) ([B, H, Nq] float32; lse's in log2 units) as kernels_fwd's
+    forward does. lse_in: (x, y) fixed log-sum-exps (natural log; read where fixed says so), scales:
+    (x, y) in log2 units, config: (BM, BN, num_warps, stages)."""
     BM, BN, warps, stages = config or DEFAULT_CONFIG
     B, H, Nq, _ = q_x.shape
     Nk = k_x.shape[2]
@@ -372,11 +394,8 @@ def launch_fwd_gluon(
         _desc(k_x, BN),
         _desc(q_y, BM),
         _desc(k_y, BN),
-        lse_x_in,
-        lse_y_in,
-        kl,
-        lse_x,
-        lse_y,
+        *lse_in,
+        *out,
         H,
         Nq,
         Nk,
