@@ -14,9 +14,8 @@ import torch
 from attention_helpers import make_inputs, rel
 from nitrobrew.attention import api as attn_api
 from nitrobrew.attention import attention_kl, reference_attention_kl
+from nitrobrew.attention import kernels_gluon as kg
 from nitrobrew.attention.common import AttnSpec
-
-kg = pytest.importorskip("nitrobrew.attention.kernels_gluon")
 
 
 def _sm90() -> bool:

@@ -55,7 +55,7 @@ HEAD_DIMS = (16, 32, 64, 128)
 # (BM, BN, num_warps, STAGES): one warpgroup of 64 query rows; BN = 64 keeps the in-flight and the
 # current score tiles of both sides (4 x 32 fp32 registers a thread) with room for the update, and
 # two stages let two programs share an SM (registers and shared memory), whose GEMMs and updates
-# interleave. Measured on H100: benchmarks/results/attention/gluon_fwd_h100.md.
+# interleave. Measured on H100: benchmarks/results/attention/gluon_fwd.md.
 DEFAULT_CONFIG = (64, 64, 4, 2)
 ENV_SWITCH = "NITROBREW_ATTN_GLUON"  # "1": use this forward where supported; "0" never
 # Chosen without being asked from this many query rows on (H100: 0.90-0.94x the Triton forward's
