@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 import math
 import os
 from collections import OrderedDict
@@ -42,16 +41,15 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..core.atomic_io import atomic_write_bytes
+from . import store
 from .store import (
-    _SHARD_SCHEMA,
     MANIFEST,
+    ManifestFormat,
     ShardInfo,
     ShardWriter,
     StoreError,
-    _check_fields,
     _is_int,
     _safetensors,
-    shard_name,
     verify_shard,
 )
 
@@ -175,10 +173,7 @@ def check_header(
         raise ValueError(f"num_sequences must be an int >= 0, got {num_sequences!r}")
 
 
-def validate_manifest(man, where: str, part: bool = False) -> None:
-    """Raise StoreError naming the first problem of a hidden store's manifest."""
-    _check_fields(man, _HEADER_SCHEMA, where)
-    cap = man.get("final_logit_softcapping")
+def _check_manifest_header(man: Dict, where: str) -> None:
     try:
         check_header(
             man["hidden_dtype"],
@@ -186,63 +181,33 @@ def validate_manifest(man, where: str, part: bool = False) -> None:
             man["vocab_size"],
             man["head_rows"],
             man["head_dtype"],
-            man["logit_scale"],
-            cap,
-            man["sequences_per_shard"],
-            man["num_sequences"],
+            logit_scale=man["logit_scale"],
+            softcap=man.get("final_logit_softcapping"),
+            sequences_per_shard=man["sequences_per_shard"],
+            num_sequences=man["num_sequences"],
         )
     except ValueError as err:
         raise StoreError(f"{where}: {err}") from None
     if len(man["head_sha256"]) != 64:
         raise StoreError(f"{where}: head_sha256 is malformed")
-    S, n = man["sequences_per_shard"], man["num_sequences"]
-    num_shards = (n + S - 1) // S
-    seen = set()
-    for pos, info in enumerate(man["shards"]):
-        _check_fields(info, _SHARD_SCHEMA, f"{where}: shards[{pos}]")
-        j = info["index"]
-        if not 0 <= j < num_shards or j in seen or info["file"] != shard_name(j):
-            raise StoreError(f"{where}: shards[{pos}] (index {j}, file {info['file']!r}) is not a shard of this store")
-        seen.add(j)
-        first, count = j * S, min((j + 1) * S, n) - j * S
-        if (info["first_sequence"], info["sequences"]) != (first, count):
-            raise StoreError(f"{where}: shard {j} must hold sequences [{first}, {first + count})")
-        if min(info["rows"], info["tokens"], info["bytes"]) < 0 or len(info["sha256"]) != 64:
-            raise StoreError(f"{where}: shard {j} has a negative size or a malformed sha256")
-    if [s["index"] for s in man["shards"]] != sorted(seen):
-        raise StoreError(f"{where}: shards must be listed by increasing index")
-    if man["complete"] and not part:
-        missing = sorted(set(range(num_shards)) - seen)
-        if missing:
-            raise StoreError(f"{where} is marked complete but lacks shards {missing[:8]} of {num_shards}")
+
+
+HIDDEN_MANIFEST = ManifestFormat(
+    name=FORMAT,
+    version=VERSION,
+    kind="hidden-state store",
+    header_schema=_HEADER_SCHEMA,
+    check_header=_check_manifest_header,
+    alignment=ALIGNMENT,
+)
 
 
 def read_manifest(path: str, name: str = MANIFEST) -> Dict:
-    mpath = os.path.join(path, name)
-    if not os.path.exists(mpath):
-        raise StoreError(f"{path!r} is not a hidden-state store: {name} is missing")
-    try:
-        with open(mpath) as f:
-            man = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise StoreError(f"{mpath} is not valid JSON ({err})") from err
-    if not isinstance(man, dict) or man.get("format") != FORMAT:
-        fmt = man.get("format") if isinstance(man, dict) else None
-        raise StoreError(f"{mpath} is not a {FORMAT} manifest (format={fmt!r})")
-    if man.get("version") != VERSION:
-        raise StoreError(f"{mpath} has format version {man.get('version')!r}; this nitrobrew reads {VERSION}")
-    validate_manifest(man, mpath, part=name != MANIFEST)
-    return man
+    """The hidden store's manifest (``store.read_manifest``: read and checked)."""
+    return store.read_manifest(path, name, fmt=HIDDEN_MANIFEST)
 
 
-def store_format(path: str) -> Optional[str]:
-    """The format named by the manifest of the directory `path` (None when there is none)."""
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            man = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return man.get("format") if isinstance(man, dict) else None
+store_format = store.manifest_format  # the format a directory's manifest names (None: no manifest)
 
 
 def verify_head(path: str, man: Dict) -> None:
@@ -268,6 +233,7 @@ class HiddenWriter(ShardWriter):
     """
 
     header_keys = HEADER_KEYS
+    manifest_format = HIDDEN_MANIFEST
 
     def __init__(
         self,
@@ -342,22 +308,6 @@ class HiddenWriter(ShardWriter):
             except StoreError:
                 pass
         atomic_write_bytes(fpath, self._head)
-
-    def _read(self, name: str) -> Dict:
-        return read_manifest(self.path, name)
-
-    def _fresh(self) -> Dict:
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            **self.header,
-            "alignment": ALIGNMENT,
-            "shards": [],
-            "complete": False,
-        }
-
-    def _validate(self, man: Dict, where: str) -> None:
-        validate_manifest(man, where)
 
     def write_shard(
         self,

@@ -41,7 +41,7 @@ import os
 import warnings
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -214,10 +214,8 @@ def _check_fields(obj, schema: Dict, where: str) -> None:
             raise StoreError(f"{where}: field {key!r} must be {kind.__name__}, got {value!r}")
 
 
-def validate_manifest(man, where: str, part: bool = False) -> None:
-    """Raise StoreError naming the first problem of a manifest (fields, types, ranges, shard list)."""
-    _check_fields(man, _HEADER_SCHEMA, where)
-    k, V, rows, S, n = man["k"], man["vocab_size"], man["head_rows"], man["sequences_per_shard"], man["num_sequences"]
+def _check_topk_header(man: Dict, where: str) -> None:
+    k, V, rows = man["k"], man["vocab_size"], man["head_rows"]
     if not 0 < V <= rows:
         raise StoreError(f"{where}: vocab_size {V} must be in [1, head_rows = {rows}]")
     if not 0 < k <= V:
@@ -230,6 +228,47 @@ def validate_manifest(man, where: str, part: bool = False) -> None:
         raise StoreError(
             f"{where}: id_dtype {man['id_dtype']!r} cannot hold a vocabulary of {V} (one of {sorted(ID_DTYPES)})"
         )
+
+
+@dataclass(frozen=True)
+class ManifestFormat:
+    """What sets one sharded format's manifest apart (the top-k store, the hidden store, a rollout set):
+    its name and version, what it is called in messages, its header's schema and checks, its shards'
+    file names, the alignment note it records, and whether a complete manifest's row and token totals
+    are checked against its shards. Everything else about a manifest is read and checked once, here."""
+
+    name: str
+    version: int
+    kind: str  # "top-k store": "'DIR' is not a top-k store"
+    header_schema: Dict[str, type]
+    check_header: Optional[Callable[[Dict, str], None]] = None  # raises StoreError
+    shard_file: Callable[[int], str] = shard_name
+    alignment: Optional[str] = None
+    check_totals: bool = False
+
+    def fresh(self, header: Dict) -> Dict:
+        """A new manifest with `header` and no shards."""
+        note = {} if self.alignment is None else {"alignment": self.alignment}
+        return {"format": self.name, "version": self.version, **header, **note, "shards": [], "complete": False}
+
+
+TOPK_MANIFEST = ManifestFormat(
+    name=FORMAT,
+    version=VERSION,
+    kind="top-k store",
+    header_schema=_HEADER_SCHEMA,
+    check_header=_check_topk_header,
+    alignment=ALIGNMENT,
+    check_totals=True,
+)
+
+
+def validate_manifest(man, where: str, part: bool = False, fmt: ManifestFormat = TOPK_MANIFEST) -> None:
+    """Raise StoreError naming the first problem of a manifest (fields, types, ranges, shard list)."""
+    _check_fields(man, fmt.header_schema, where)
+    if fmt.check_header is not None:
+        fmt.check_header(man, where)
+    S, n = man["sequences_per_shard"], man["num_sequences"]
     if S <= 0 or n < 0:
         raise StoreError(f"{where}: sequences_per_shard must be > 0 and num_sequences >= 0, got {S} and {n}")
     num_shards = (n + S - 1) // S
@@ -242,8 +281,9 @@ def validate_manifest(man, where: str, part: bool = False) -> None:
         if j in seen:
             raise StoreError(f"{where}: shard {j} is listed twice")
         seen.add(j)
-        if info["file"] != shard_name(j):  # also keeps a crafted manifest from naming files outside the store
-            raise StoreError(f"{where}: shard {j}'s file must be {shard_name(j)!r}, got {info['file']!r}")
+        name = fmt.shard_file(j)
+        if info["file"] != name:  # also keeps a crafted manifest from naming files outside the store
+            raise StoreError(f"{where}: shard {j}'s file must be {name!r}, got {info['file']!r}")
         first, count = j * S, min((j + 1) * S, n) - j * S
         if (info["first_sequence"], info["sequences"]) != (first, count):
             raise StoreError(
@@ -256,29 +296,40 @@ def validate_manifest(man, where: str, part: bool = False) -> None:
         missing = sorted(set(range(num_shards)) - seen)
         if missing:
             raise StoreError(f"{where} is marked complete but lacks shards {missing[:8]} of {num_shards}")
-        for key, field in (("num_rows", "rows"), ("num_tokens", "tokens")):
+        for key, field in (("num_rows", "rows"), ("num_tokens", "tokens")) if fmt.check_totals else ():
             if key in man and man[key] != sum(s[field] for s in man["shards"]):
                 raise StoreError(f"{where}: {key} {man[key]!r} is not the sum of its shards' {field}")
     if [s["index"] for s in man["shards"]] != sorted(seen):
         raise StoreError(f"{where}: shards must be listed by increasing index")
 
 
-def read_manifest(path: str, name: str = MANIFEST) -> Dict:
+def read_manifest(path: str, name: str = MANIFEST, fmt: ManifestFormat = TOPK_MANIFEST) -> Dict:
+    """The manifest `name` of the directory `path`, checked (``validate_manifest``) as one of `fmt`."""
     mpath = os.path.join(path, name)
     if not os.path.exists(mpath):
-        raise StoreError(f"{path!r} is not a top-k store: {name} is missing")
+        raise StoreError(f"{path!r} is not a {fmt.kind}: {name} is missing")
     try:
         with open(mpath) as f:
             man = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise StoreError(f"{mpath} is not valid JSON ({err})") from err
-    if not isinstance(man, dict) or man.get("format") != FORMAT:
-        fmt = man.get("format") if isinstance(man, dict) else None
-        raise StoreError(f"{mpath} is not a {FORMAT} manifest (format={fmt!r})")
-    if man.get("version") != VERSION:
-        raise StoreError(f"{mpath} has format version {man.get('version')!r}; this nitrobrew reads {VERSION}")
-    validate_manifest(man, mpath, part=name != MANIFEST)
+    if not isinstance(man, dict) or man.get("format") != fmt.name:
+        found = man.get("format") if isinstance(man, dict) else None
+        raise StoreError(f"{mpath} is not a {fmt.name} manifest (format={found!r})")
+    if man.get("version") != fmt.version:
+        raise StoreError(f"{mpath} has format version {man.get('version')!r}; this nitrobrew reads {fmt.version}")
+    validate_manifest(man, mpath, part=name != MANIFEST, fmt=fmt)
     return man
+
+
+def manifest_format(path: str) -> Optional[str]:
+    """The format named by the manifest of the directory `path` (None when there is none)."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            man = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return man.get("format") if isinstance(man, dict) else None
 
 
 def verify_shard(path: str, info: Dict) -> None:
@@ -327,10 +378,6 @@ def lock_store(path: str, num_parts: int = 1, part: int = 0) -> _Lock:
     )
 
 
-def _new_manifest(header: Dict) -> Dict:
-    return {"format": FORMAT, "version": VERSION, **header, "alignment": ALIGNMENT, "shards": [], "complete": False}
-
-
 def check_header(
     k,
     temperature,
@@ -366,10 +413,11 @@ def check_header(
 class ShardWriter:
     """What every sharded store's writer shares: the lock, the manifest (single or per part), resuming
     (completed shards are kept after their checksums are checked), atomic shards and the merge of the
-    parts. A store format subclasses it with its header check, ``_read`` / ``_fresh`` / ``_validate``
-    of its manifest, its ``header_keys`` and a ``write_shard`` that ends in ``_commit``."""
+    parts. A store format subclasses it with its header check, its ``manifest_format`` and ``header_keys``
+    and a ``write_shard`` that ends in ``_commit``."""
 
     header_keys: tuple = ()
+    manifest_format: ManifestFormat = TOPK_MANIFEST
 
     def _open_store(self, path: str, header: Dict, resume: bool, num_parts: int, part: int, lock) -> None:
         if not (_is_int(num_parts) and num_parts > 0 and _is_int(part) and 0 <= part < num_parts):
@@ -395,16 +443,16 @@ class ShardWriter:
     # -- the format's hooks
 
     def _read(self, name: str) -> Dict:
-        return read_manifest(self.path, name)
+        return read_manifest(self.path, name, fmt=self.manifest_format)
 
     def _fresh(self) -> Dict:
-        return _new_manifest(self.header)
+        return self.manifest_format.fresh(self.header)
 
     def _validate(self, man: Dict, where: str) -> None:
-        validate_manifest(man, where)
+        validate_manifest(man, where, fmt=self.manifest_format)
 
     def shard_file(self, index: int) -> str:
-        return shard_name(index)
+        return self.manifest_format.shard_file(index)
 
     # -- starting
 
