@@ -174,6 +174,37 @@ def test_corrupted_shard_and_head_are_detected(tmp_path, capsys):
     assert cli_main(["teacher-verify", str(tmp_path / "s"), "--quiet"]) == 0
 
 
+@pytest.mark.parametrize("fmt", ["hidden", "topk"])
+def test_readers_name_a_shard_unlike_its_manifest(tmp_path, fmt):
+    """Both stores' readers (store.ShardReader), the sha256 check off: a shard's tensors are checked on
+    opening, and the shard is named."""
+    from safetensors.torch import load_file, save_file
+
+    from nitrobrew.teacher.extract import extract_topk
+    from nitrobrew.teacher.store import TopKStore
+
+    path = str(tmp_path / "s")
+    if fmt == "hidden":
+        extract_hidden(_tiny_teacher(), _seqs(), path, hidden_dtype="float32", sequences_per_shard=4)
+        reader, rows = HiddenStore, "hidden"
+    else:
+        extract_topk(_tiny_teacher(), _seqs(), path, k=3, sequences_per_shard=4)
+        reader, rows = TopKStore, "topk_ids"
+    shard = os.path.join(path, "shard-00000.safetensors")
+    good = load_file(shard)
+    save_file({n: t for n, t in good.items() if n != rows}, shard)
+    with pytest.raises(StoreError, match=f"shard-00000.safetensors lacks tensors \\['{rows}'\\]"):
+        reader(path, verify=False)[0]
+    save_file(dict(good, **{rows: good[rows][:-1].contiguous()}), shard)
+    with pytest.raises(StoreError, match="shard-00000.safetensors does not match the manifest"):
+        reader(path, verify=False)[0]
+    with open(shard, "wb") as f:
+        f.write(b"not a safetensors file")
+    with pytest.raises(StoreError, match="shard-00000.safetensors cannot be read"):
+        reader(path, verify=False)[0]
+    assert reader(path, verify=False)[4]["input_ids"].tolist() == _seqs()[4]  # the other shards still read
+
+
 def test_two_writers(tmp_path):
     out = str(tmp_path / "s")
     teacher, seqs = _tiny_teacher(), _seqs()

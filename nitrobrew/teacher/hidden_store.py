@@ -31,11 +31,9 @@ the header (a resume with another teacher is refused).
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import math
 import os
-from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -46,11 +44,11 @@ from .store import (
     MANIFEST,
     ManifestFormat,
     ShardInfo,
+    ShardReader,
     ShardWriter,
     StoreError,
     _is_int,
     _safetensors,
-    verify_shard,
 )
 
 FORMAT = "nitrobrew-hidden"
@@ -369,7 +367,7 @@ def _offsets(sizes: List[int]) -> torch.Tensor:
     return torch.cumsum(torch.tensor([0] + sizes, dtype=torch.int64), 0)
 
 
-class HiddenStore:
+class HiddenStore(ShardReader):
     """Reads a hidden store: ``store[i]`` is sequence i as a dict of ``input_ids`` [L] (int64),
     ``prompt_length`` (int), ``hidden`` [rows, D] in the stored dtype (fp8 codes stay fp8: half the
     bytes to move; ``hidden_scale`` [rows] float32 with them), sliced from the memory-mapped shard.
@@ -378,41 +376,8 @@ class HiddenStore:
     and the head's when it is loaded; ``nitrobrew teacher-verify STORE`` checks everything up front.
     """
 
-    def __init__(self, path: str, verify: bool = True, allow_incomplete: bool = False, max_open_shards: int = 8):
-        self.path = path
-        self.manifest = read_manifest(path)
-        self.verify = verify
-        shards: List[Dict] = self.manifest["shards"]
-        if not self.manifest["complete"]:
-            if not allow_incomplete:
-                raise StoreError(
-                    f"store {path!r} is incomplete ({len(shards)} shards written): finish the "
-                    "extraction (it resumes), or pass allow_incomplete=True to read the written shards"
-                )
-            run = []
-            for i, s in enumerate(shards):
-                if s["index"] != i:
-                    break
-                run.append(s)
-            shards = run
-        self.shards = shards
-        self._starts = [s["first_sequence"] for s in shards]
-        self._len = sum(s["sequences"] for s in shards)
-        self.max_open_shards = max(1, int(max_open_shards))
-        self._open: "OrderedDict[int, tuple]" = OrderedDict()
-        self._verified: set = set()
-
-    def __getstate__(self):  # open file handles stay in their process (DataLoader workers reopen)
-        state = dict(self.__dict__)
-        state["_open"] = OrderedDict()
-        return state
-
-    def __len__(self) -> int:
-        return self._len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.manifest["vocab_size"]
+    manifest_format = HIDDEN_MANIFEST
+    small_tensors = ("input_ids", "seq_offsets", "prompt_lengths", "row_offsets")
 
     @property
     def hidden_dtype(self) -> str:
@@ -436,51 +401,19 @@ class HiddenStore:
         b = None if b is None else b.to(device=device, dtype=w.dtype)
         return LMHead(w, b, self.manifest["logit_scale"], self.manifest.get("final_logit_softcapping"))
 
-    def _shard(self, j: int):
-        if j in self._open:
-            self._open.move_to_end(j)
-            return self._open[j]
-        info = self.shards[j]
-        if self.verify and j not in self._verified:
-            verify_shard(self.path, info)
-            self._verified.add(j)
-        fpath = os.path.join(self.path, info["file"])
-        need = ("input_ids", "seq_offsets", "prompt_lengths", "row_offsets", "hidden") + (
-            ("hidden_scale",) if self.hidden_dtype == FP8 else ()
-        )
-        try:
-            from safetensors import safe_open
+    def _tensor_names(self) -> tuple:
+        return self.small_tensors + ("hidden",) + (("hidden_scale",) if self.hidden_dtype == FP8 else ())
 
-            handle = safe_open(fpath, framework="pt")
-            missing = [n for n in need if n not in set(handle.keys())]
-            if missing:
-                raise StoreError(f"shard {fpath} lacks tensors {missing}")
-            small = {n: handle.get_tensor(n) for n in ("input_ids", "seq_offsets", "prompt_lengths", "row_offsets")}
-            shape = list(handle.get_slice("hidden").get_shape())
-        except StoreError:
-            raise
-        except Exception as err:
-            raise StoreError(f"shard {fpath} cannot be read ({err})") from err
+    def _check_shard(self, fpath: str, info: Dict, small: Dict[str, torch.Tensor], handle) -> None:
+        shape = list(handle.get_slice("hidden").get_shape())
         want = [info["rows"], self.manifest["hidden_size"]]
         if shape != want or small["seq_offsets"].numel() != info["sequences"] + 1:
             raise StoreError(f"shard {fpath} does not match the manifest: hidden {shape}, expected {want}")
-        while len(self._open) >= self.max_open_shards:
-            self._open.popitem(last=False)
-        self._open[j] = (small, handle)
-        return self._open[j]
 
     def __getitem__(self, i: int) -> Dict:
-        if i < 0:
-            i += self._len
-        if not 0 <= i < self._len:
-            raise IndexError(f"sequence {i} out of range for a store of {self._len} sequences")
-        j = bisect.bisect_right(self._starts, i) - 1
-        small, handle = self._shard(j)
-        local = i - self.shards[j]["first_sequence"]
-        s0, s1 = int(small["seq_offsets"][local]), int(small["seq_offsets"][local + 1])
-        r0, r1 = int(small["row_offsets"][local]), int(small["row_offsets"][local + 1])
+        small, handle, local, input_ids, (r0, r1) = self._locate(i)
         item = {
-            "input_ids": small["input_ids"][s0:s1].long(),
+            "input_ids": input_ids,
             "prompt_length": int(small["prompt_lengths"][local]),
             "hidden": handle.get_slice("hidden")[r0:r1],
         }

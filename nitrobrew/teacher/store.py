@@ -776,21 +776,23 @@ def _manifest_bytes(man: Dict) -> bytes:
     return (json.dumps(man, indent=1, sort_keys=True) + "\n").encode()
 
 
-class TopKStore:
-    """Reads a store: ``store[i]`` is sequence i as a dict of ``input_ids`` [L] (int64),
-    ``topk_ids`` [L - 1, K] (int64) and ``topk_logprobs`` [L - 1, K] (float32).
+class ShardReader:
+    """What every sharded store's reader shares: the manifest (with ``allow_incomplete``, the leading run
+    of written shards), the shard of sequence i, each shard's size and sha256 checked the first time
+    this process opens it (``verify``), its tensors' presence, and the ``max_open_shards`` most recently
+    used shards kept open, memory-mapped. A format subclasses it with its ``manifest_format``, the
+    tensors a shard holds (``small_tensors`` are read whole when it opens), ``_check_shard`` and a
+    ``__getitem__`` on ``_locate``."""
 
-    With ``verify=True`` (default) each shard's size and sha256 are checked the first time this
-    process opens it; a missing, truncated or corrupted shard raises StoreError naming it.
-    ``nitrobrew topk-verify STORE`` checks a whole store up front.
-    """
+    manifest_format: ManifestFormat = TOPK_MANIFEST
+    small_tensors: tuple = ("input_ids", "seq_offsets", "row_offsets")
 
     def __init__(self, path: str, verify: bool = True, allow_incomplete: bool = False, max_open_shards: int = 8):
         self.path = path
-        self.manifest = read_manifest(path)
+        self.manifest = read_manifest(path, fmt=self.manifest_format)
         self.verify = verify
         shards: List[Dict] = self.manifest["shards"]
-        if not self.manifest.get("complete"):
+        if not self.manifest["complete"]:
             if not allow_incomplete:
                 raise StoreError(
                     f"store {path!r} is incomplete ({len(shards)} shards written): finish the "
@@ -815,23 +817,26 @@ class TopKStore:
         state["_open"] = OrderedDict()
         return state
 
-    @property
-    def k(self) -> int:
-        return self.manifest["k"]
-
-    @property
-    def temperature(self) -> float:
-        return self.manifest["temperature"]
+    def __len__(self) -> int:
+        return self._len
 
     @property
     def vocab_size(self) -> int:
         return self.manifest["vocab_size"]
 
-    def __len__(self) -> int:
-        return self._len
+    # -- the format's hooks
+
+    def _tensor_names(self) -> tuple:
+        """Every tensor a shard must hold."""
+        return self.small_tensors
+
+    def _check_shard(self, fpath: str, info: Dict, small: Dict[str, torch.Tensor], handle) -> None:
+        """StoreError when the opened shard's shapes do not match its manifest entry."""
+
+    # -- reading
 
     def _shard(self, j: int):
-        """(small tensors, lazy handle) of shard j; the top-k tensors are sliced from the memory-mapped file.
+        """(small tensors, lazy handle) of shard j; the row tensors are sliced from the memory-mapped file.
 
         Each shard's sha256 is checked once per process (not on every reopen: a shuffled epoch
         reopens shards many times), and the most recently used ``max_open_shards`` stay open.
@@ -844,36 +849,27 @@ class TopKStore:
             verify_shard(self.path, info)
             self._verified.add(j)
         fpath = os.path.join(self.path, info["file"])
-        K = self.manifest["k"]
         try:
             from safetensors import safe_open
 
             handle = safe_open(fpath, framework="pt")
             names = set(handle.keys())
-            need = ("input_ids", "seq_offsets", "row_offsets", "topk_ids", "topk_logprobs") + (
-                ("topk_lp_scale",) if self.manifest["logprob_dtype"] == QUANTIZED else ()
-            )
-            missing = [n for n in need if n not in names]
+            missing = [n for n in self._tensor_names() if n not in names]
             if missing:
                 raise StoreError(f"shard {fpath} lacks tensors {missing}")
-            small = {n: handle.get_tensor(n) for n in ("input_ids", "seq_offsets", "row_offsets")}
-            shapes = [list(handle.get_slice(n).get_shape())[:2] for n in ("topk_ids", "topk_logprobs")]
+            small = {n: handle.get_tensor(n) for n in self.small_tensors}
+            self._check_shard(fpath, info, small, handle)
         except StoreError:
             raise
         except Exception as err:
             raise StoreError(f"shard {fpath} cannot be read ({err})") from err
-        want = [info["rows"], K]
-        if shapes != [want, want] or small["seq_offsets"].numel() != info["sequences"] + 1:
-            raise StoreError(
-                f"shard {fpath} does not match the manifest: top-k tensors {shapes}, expected {want} "
-                f"(K = {K}), {small['seq_offsets'].numel() - 1} sequences, expected {info['sequences']}"
-            )
         while len(self._open) >= self.max_open_shards:
             self._open.popitem(last=False)
         self._open[j] = (small, handle)
         return self._open[j]
 
-    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+    def _locate(self, i: int):
+        """(small tensors, handle, index in the shard, input ids, rows [r0, r1)) of sequence i."""
         if i < 0:
             i += self._len
         if not 0 <= i < self._len:
@@ -883,8 +879,44 @@ class TopKStore:
         local = i - self.shards[j]["first_sequence"]
         s0, s1 = int(small["seq_offsets"][local]), int(small["seq_offsets"][local + 1])
         r0, r1 = int(small["row_offsets"][local]), int(small["row_offsets"][local + 1])
+        return small, handle, local, small["input_ids"][s0:s1].long(), (r0, r1)
+
+
+class TopKStore(ShardReader):
+    """Reads a store: ``store[i]`` is sequence i as a dict of ``input_ids`` [L] (int64),
+    ``topk_ids`` [L - 1, K] (int64) and ``topk_logprobs`` [L - 1, K] (float32).
+
+    With ``verify=True`` (default) each shard's size and sha256 are checked the first time this
+    process opens it; a missing, truncated or corrupted shard raises StoreError naming it.
+    ``nitrobrew topk-verify STORE`` checks a whole store up front.
+    """
+
+    @property
+    def k(self) -> int:
+        return self.manifest["k"]
+
+    @property
+    def temperature(self) -> float:
+        return self.manifest["temperature"]
+
+    def _tensor_names(self) -> tuple:
+        scale = ("topk_lp_scale",) if self.manifest["logprob_dtype"] == QUANTIZED else ()
+        return self.small_tensors + ("topk_ids", "topk_logprobs") + scale
+
+    def _check_shard(self, fpath: str, info: Dict, small: Dict[str, torch.Tensor], handle) -> None:
+        K = self.manifest["k"]
+        shapes = [list(handle.get_slice(n).get_shape())[:2] for n in ("topk_ids", "topk_logprobs")]
+        want = [info["rows"], K]
+        if shapes != [want, want] or small["seq_offsets"].numel() != info["sequences"] + 1:
+            raise StoreError(
+                f"shard {fpath} does not match the manifest: top-k tensors {shapes}, expected {want} "
+                f"(K = {K}), {small['seq_offsets'].numel() - 1} sequences, expected {info['sequences']}"
+            )
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        _, handle, _, input_ids, (r0, r1) = self._locate(i)
         return {
-            "input_ids": small["input_ids"][s0:s1].long(),
+            "input_ids": input_ids,
             "topk_ids": unpack_ids(handle.get_slice("topk_ids")[r0:r1]),
             "topk_logprobs": self._logprobs(handle, r0, r1),
         }
