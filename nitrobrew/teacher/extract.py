@@ -499,12 +499,51 @@ def extract_topk(
         if lock is not None:
             lock.release()
         raise
+
+    def score(seqs, a, b, on_tokens):
+        ids, lp = teacher_topk(teacher, seqs, k, temperature, batch_tokens, chunk=chunk, on_tokens=on_tokens)
+        return {"topk_ids": ids, "topk_logprobs": lp}
+
+    return _extract_shards(
+        writer, corpus, n=n, shard_tokens=shard_tokens, score=score, progress=progress, log=log, desc="top-k"
+    )
+
+
+def _extract_shards(
+    writer,
+    corpus: Corpus,
+    *,
+    n: int,
+    shard_tokens: List[int],
+    score: Callable,
+    progress: bool,
+    log: Optional[Callable[[str], None]],
+    desc: str,
+    overlap: bool = False,
+) -> Dict:
+    """The shard loop of both extractions: the writer's shards not yet written, in order, each scored by
+    ``score(seqs, first, last, on_tokens)`` (the keyword arguments of the writer's ``write_shard``
+    beside the tokens) and written; then the store (or this part) is finished and the writer closed.
+
+    `overlap`: shards are serialized, hashed and written by one thread while the teacher scores the
+    next one (one shard in flight, written in order), so that the store's bytes cost (almost) no
+    teacher time. Returns the manifest plus "extract_seconds" and "extracted_tokens"."""
+    from concurrent.futures import ThreadPoolExecutor
+
     bar = None
+    pool = ThreadPoolExecutor(1, thread_name_prefix=f"{desc}-store-writer") if overlap else None
+    pending = None
+
+    def write(j, seqs, rows, a, b):
+        writer.write_shard(j, [torch.tensor(s, dtype=torch.int32) for s in seqs], **rows)
+        if log:
+            log(f"shard {j}: sequences [{a}, {b}) written ({bar.rate()})")
+
     try:
         todo = {j for j in range(writer.num_shards) if writer.owns(j) and not writer.done(j)}
-        bar = _Progress(sum(shard_tokens[j] for j in todo), progress, log)
+        bar = _Progress(sum(shard_tokens[j] for j in todo), progress, log, desc=desc)
         seen = 0
-        for j, seqs in _shard_groups(corpus.records(), sequences_per_shard) if todo else ():
+        for j, seqs in _shard_groups(corpus.records(), writer.header["sequences_per_shard"]) if todo else ():
             seen += len(seqs)
             if j not in todo:
                 if log and writer.owns(j):
@@ -515,14 +554,27 @@ def extract_topk(
                 raise StoreError(
                     f"the corpus changed while it was read: shard {j} has {len(seqs)} sequences, expected {b - a}"
                 )
-            ids, lp = teacher_topk(teacher, seqs, k, temperature, batch_tokens, chunk, on_tokens=bar.update)
-            writer.write_shard(j, [torch.tensor(s, dtype=torch.int32) for s in seqs], ids, lp)
-            if log:
-                log(f"shard {j}: sequences [{a}, {b}) written ({bar.rate()})")
+            rows = score(seqs, a, b, bar.update)
+            if pool is None:
+                write(j, seqs, rows, a, b)
+                continue
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(write, j, seqs, rows, a, b)
+        if pending is not None:
+            pending.result()
+            pending = None
         if todo and seen != n:
             raise StoreError(f"the corpus changed while it was read: {seen} sequences, {n} when checked")
         man = dict(writer.finish())
     finally:
+        if pending is not None:  # an interruption: the shard in flight completes (or not) atomically
+            try:
+                pending.result()
+            except BaseException:
+                pass
+        if pool is not None:
+            pool.shutdown(wait=True)
         writer.close()
         if bar is not None:
             bar.close()
@@ -652,58 +704,23 @@ def extract_hidden(
         if lock is not None:
             lock.release()
         raise
-    bar = None
-    # Shards are serialized, hashed and written by one thread while the teacher runs the next shard:
-    # the store's bytes cost (almost) no teacher time. One shard in flight, written in order.
-    from concurrent.futures import ThreadPoolExecutor
 
-    pool = ThreadPoolExecutor(1, thread_name_prefix="hidden-store-writer")
-    pending = None
+    def score(seqs, a, b, on_tokens):
+        plen = None if prompt_lengths is None else [int(p) for p in prompt_lengths[a:b]]
+        rows, scales = teacher_hidden(teacher, seqs, plen, hidden_dtype, batch_tokens, on_tokens=on_tokens)
+        return {"hidden": rows, "prompt_lengths": plen, "scales": scales}
 
-    def write(j, seqs, rows, plen, scales, a, b):
-        writer.write_shard(j, [torch.tensor(s, dtype=torch.int32) for s in seqs], rows, plen, scales=scales)
-        if log:
-            log(f"shard {j}: sequences [{a}, {b}) written ({bar.rate()})")
-
-    try:
-        todo = {j for j in range(writer.num_shards) if writer.owns(j) and not writer.done(j)}
-        bar = _Progress(sum(shard_tokens[j] for j in todo), progress, log, desc="hidden")
-        seen = 0
-        for j, seqs in _shard_groups(corpus.records(), sequences_per_shard) if todo else ():
-            seen += len(seqs)
-            if j not in todo:
-                if log and writer.owns(j):
-                    log(f"shard {j}: already written, skipped")
-                continue
-            a, b = writer.shard_range(j)
-            if len(seqs) != b - a:
-                raise StoreError(
-                    f"the corpus changed while it was read: shard {j} has {len(seqs)} sequences, expected {b - a}"
-                )
-            plen = None if prompt_lengths is None else [int(p) for p in prompt_lengths[a:b]]
-            rows, scales = teacher_hidden(teacher, seqs, plen, hidden_dtype, batch_tokens, on_tokens=bar.update)
-            if pending is not None:
-                pending.result()
-            pending = pool.submit(write, j, seqs, rows, plen, scales, a, b)
-        if pending is not None:
-            pending.result()
-            pending = None
-        if todo and seen != n:
-            raise StoreError(f"the corpus changed while it was read: {seen} sequences, {n} when checked")
-        man = dict(writer.finish())
-    finally:
-        if pending is not None:  # an interruption: the shard in flight completes (or not) atomically
-            try:
-                pending.result()
-            except BaseException:
-                pass
-        pool.shutdown(wait=True)
-        writer.close()
-        if bar is not None:
-            bar.close()
-    man["extract_seconds"] = time.perf_counter() - bar.t0
-    man["extracted_tokens"] = bar.done
-    return man
+    return _extract_shards(
+        writer,
+        corpus,
+        n=n,
+        shard_tokens=shard_tokens,
+        score=score,
+        progress=progress,
+        log=log,
+        desc="hidden",
+        overlap=True,
+    )
 
 
 # ------------------------------------------------------------------------------------------- CLI
