@@ -339,6 +339,19 @@ def _batches(lengths: Sequence[int], batch_tokens: int):
         yield start, len(lengths)
 
 
+def _teacher_states(teacher: Teacher, group: Sequence[Sequence[int]]) -> Tensor:
+    """The teacher's final hidden states [B, L, D] of `group`, padded on the right to the longest, L."""
+    emb_rows, L = teacher.weight.shape[0], max(len(s) for s in group)
+    ids = torch.zeros(len(group), L, dtype=torch.long)
+    mask = torch.zeros(len(group), L, dtype=torch.long)
+    for i, s in enumerate(group):
+        if s and (min(s) < 0 or max(s) >= emb_rows):
+            raise ValueError(f"a sequence holds token ids outside [0, {emb_rows}) (the teacher's vocabulary)")
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
+    return teacher.hidden_fn(ids.to(teacher.device), mask.to(teacher.device))
+
+
 @torch.no_grad()
 def teacher_topk(
     teacher: Teacher,
@@ -353,8 +366,6 @@ def teacher_topk(
     """Per sequence: (ids [L - 1, k] int64, log-probs [L - 1, k] fp32), on the CPU."""
     out_ids: List[Tensor] = []
     out_lp: List[Tensor] = []
-    dev = teacher.device
-    emb_rows = teacher.weight.shape[0]
     for b0, b1 in _batches([len(s) for s in seqs], batch_tokens):
         group = seqs[b0:b1]
         L = max(len(s) for s in group)
@@ -363,14 +374,7 @@ def teacher_topk(
                 out_ids.append(torch.zeros(0, k, dtype=torch.int64))
                 out_lp.append(torch.zeros(0, k, dtype=torch.float32))
             continue
-        ids = torch.zeros(len(group), L, dtype=torch.long)
-        mask = torch.zeros(len(group), L, dtype=torch.long)
-        for i, s in enumerate(group):
-            if s and (min(s) < 0 or max(s) >= emb_rows):
-                raise ValueError(f"a sequence holds token ids outside [0, {emb_rows}) (the teacher's vocabulary)")
-            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-            mask[i, : len(s)] = 1
-        hidden = teacher.hidden_fn(ids.to(dev), mask.to(dev))
+        hidden = _teacher_states(teacher, group)
         # rows 0..len-2 of each sequence, packed
         sel = [(i, max(len(s) - 1, 0)) for i, s in enumerate(group)]
         rows = torch.cat([hidden[i, :n] for i, n in sel]) if any(n for _, n in sel) else hidden[:0, 0]
@@ -603,9 +607,7 @@ def teacher_hidden(
 
     out: List[Tensor] = []
     scales: Optional[List[Tensor]] = [] if hidden_dtype == FP8 else None
-    dev = teacher.device
     D = teacher.weight.shape[1]
-    emb_rows = teacher.weight.shape[0]
     starts = [row_start(p) for p in (prompt_lengths if prompt_lengths is not None else [0] * len(seqs))]
     for b0, b1 in _batches([len(s) for s in seqs], batch_tokens):
         group = seqs[b0:b1]
@@ -618,15 +620,7 @@ def teacher_hidden(
             if on_tokens:
                 on_tokens(sum(len(s) for s in group))
             continue
-        L = max(len(s) for s in group)
-        ids = torch.zeros(len(group), L, dtype=torch.long)
-        mask = torch.zeros(len(group), L, dtype=torch.long)
-        for i, s in enumerate(group):
-            if s and (min(s) < 0 or max(s) >= emb_rows):
-                raise ValueError(f"a sequence holds token ids outside [0, {emb_rows}) (the teacher's vocabulary)")
-            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-            mask[i, : len(s)] = 1
-        hidden = teacher.hidden_fn(ids.to(dev), mask.to(dev))
+        hidden = _teacher_states(teacher, group)
         rows = torch.cat([hidden[i, a : a + n] for i, (a, n) in enumerate(sel)])
         if scales is not None:
             codes, scale = quantize_fp8(rows)
