@@ -49,6 +49,7 @@ from .store import (
     StoreError,
     _is_int,
     _safetensors,
+    row_start,
 )
 
 FORMAT = "nitrobrew-hidden"
@@ -122,11 +123,6 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype 
 def bytes_per_position(hidden_size: int, hidden_dtype: str) -> int:
     """Stored bytes of one position's row (the offsets and tokens add ~12 bytes per sequence)."""
     return {"float32": 4, "bfloat16": 2, FP8: 1}[hidden_dtype] * hidden_size + (4 if hidden_dtype == FP8 else 0)
-
-
-def row_start(prompt_length: int) -> int:
-    """The first stored position of a sequence whose first `prompt_length` tokens are its prompt."""
-    return max(int(prompt_length) - 1, 0)
 
 
 # ------------------------------------------------------------------------------------------ head

@@ -105,6 +105,12 @@ def part_manifest_name(part: int, num_parts: int) -> str:
     return f"manifest.part-{part:05d}-of-{num_parts:05d}.json"
 
 
+def row_start(prompt_length: int) -> int:
+    """The first counted position of a sequence whose first `prompt_length` tokens are its prompt (a
+    rollout's): only the positions that predict completion tokens count."""
+    return max(int(prompt_length) - 1, 0)
+
+
 def quantize_logprobs(lp: torch.Tensor):
     """uint8 codes [R, K] and a float32 scale [R, 2] = (top, step) with
     ``lp ~ top - (code * step)^2``; code 255 stands for -inf (a padding entry).
