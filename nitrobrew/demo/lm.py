@@ -461,7 +461,7 @@ def run_demo(
             methods.remove(name)
     os.makedirs(out, exist_ok=True)
     _check_or_save_config(cfg, out, resume)
-    runner = Runner(cfg, out, dev, resume, progress, stop_after)
+    runner = Runner(cfg, out, dev, resume=resume, progress=progress, stop_after=stop_after)
     t_start = time.perf_counter()
 
     data = make_data(cfg)
@@ -482,8 +482,8 @@ def run_demo(
             teacher,
             cfg.teacher_steps,
             lambda idx, step: distill_loss(teacher, None, train_dev[idx], kd_weight=0.0, ce_weight=1.0).loss,
-            data,
-            f"teacher ({_params(teacher) / 1e6:.2f}M params)",
+            data=data,
+            desc=f"teacher ({_params(teacher) / 1e6:.2f}M params)",
         )
     }
     teacher.eval().requires_grad_(False)
@@ -575,8 +575,8 @@ def run_demo(
             student,
             cfg.student_steps,
             loss_fn,
-            data,
-            f"student: {LABELS[method]} ({_params(student) / 1e6:.2f}M params)",
+            data=data,
+            desc=f"student: {LABELS[method]} ({_params(student) / 1e6:.2f}M params)",
         )
 
     results = {

@@ -123,7 +123,7 @@ def streaming_topk(
                 z = z / temperature
             state.update(z)
             gmax, scale = _group_max(z, group), 1.0
-        cand = _chunk_candidates(z, gmax, best_v[:, -1], k, group, scale)
+        cand = _chunk_candidates(z, gmax, best_v[:, -1], k, group=group, scale=scale)
         if cand is None:
             continue
         v, i = cand
@@ -379,7 +379,14 @@ def teacher_topk(
         sel = [(i, max(len(s) - 1, 0)) for i, s in enumerate(group)]
         rows = torch.cat([hidden[i, :n] for i, n in sel]) if any(n for _, n in sel) else hidden[:0, 0]
         top_i, top_lp = streaming_topk(
-            rows, teacher.weight, teacher.bias, k, temperature, teacher.vocab_size, chunk, backend
+            rows,
+            teacher.weight,
+            teacher.bias,
+            k,
+            temperature,
+            vocab_size=teacher.vocab_size,
+            chunk=chunk,
+            backend=backend,
         )
         top_i, top_lp = top_i.cpu(), top_lp.cpu()
         r = 0
@@ -479,7 +486,16 @@ def extract_topk(
     head_rows = teacher.weight.shape[0]
     V = teacher.vocab_size or head_rows
     try:
-        check_header(k, temperature, V, head_rows, logprob_dtype, sequences_per_shard, 0, id_dtype)
+        check_header(
+            k,
+            temperature,
+            V,
+            head_rows,
+            logprob_dtype,
+            sequences_per_shard=sequences_per_shard,
+            num_sequences=0,
+            id_dtype=id_dtype,
+        )
         check_sizes(batch_tokens, chunk)
         n, shard_tokens = checked or corpus.check(head_rows, sequences_per_shard)
         writer = TopKWriter(
@@ -538,7 +554,8 @@ def _extract_shards(
     pool = ThreadPoolExecutor(1, thread_name_prefix=f"{desc}-store-writer") if overlap else None
     pending = None
 
-    def write(j, seqs, rows, a, b):
+    def write(j, seqs, rows):
+        a, b = writer.shard_range(j)
         writer.write_shard(j, [torch.tensor(s, dtype=torch.int32) for s in seqs], **rows)
         if log:
             log(f"shard {j}: sequences [{a}, {b}) written ({bar.rate()})")
@@ -560,11 +577,11 @@ def _extract_shards(
                 )
             rows = score(seqs, a, b, bar.update)
             if pool is None:
-                write(j, seqs, rows, a, b)
+                write(j, seqs, rows)
                 continue
             if pending is not None:
                 pending.result()
-            pending = pool.submit(write, j, seqs, rows, a, b)
+            pending = pool.submit(write, j, seqs, rows)
         if pending is not None:
             pending.result()
             pending = None
@@ -671,7 +688,15 @@ def extract_hidden(
     try:
         check_sizes(batch_tokens, None)
         check_header(
-            hidden_dtype, D, V, head_rows, "float32", teacher.logit_scale, teacher.softcap, sequences_per_shard, 0
+            hidden_dtype,
+            D,
+            V,
+            head_rows,
+            "float32",
+            logit_scale=teacher.logit_scale,
+            softcap=teacher.softcap,
+            sequences_per_shard=sequences_per_shard,
+            num_sequences=0,
         )
         n, shard_tokens = checked or corpus.check(head_rows, sequences_per_shard)
         if prompt_lengths is not None and len(prompt_lengths) != n:
@@ -900,11 +925,30 @@ def _run(args: argparse.Namespace, prog: str = "topk-extract", open_data=None) -
     if kind == "topk":
         if args.k > V:
             return fail(f"--k {args.k} is larger than the vocabulary ({V}: {note})")
-        check_header(args.k, args.temperature, V, rows, args.logprob_dtype, args.sequences_per_shard, 0, args.id_dtype)
+        check_header(
+            args.k,
+            args.temperature,
+            V,
+            rows,
+            args.logprob_dtype,
+            sequences_per_shard=args.sequences_per_shard,
+            num_sequences=0,
+            id_dtype=args.id_dtype,
+        )
     else:
         from .hidden_store import check_header as check_hidden_header
 
-        check_hidden_header(store_dtype, 1, V, rows, "float32", 1.0, None, args.sequences_per_shard, 0)
+        check_hidden_header(
+            store_dtype,
+            1,
+            V,
+            rows,
+            "float32",
+            logit_scale=1.0,
+            softcap=None,
+            sequences_per_shard=args.sequences_per_shard,
+            num_sequences=0,
+        )
     check_sizes(args.batch_tokens, args.chunk_v)
     claimed = open_data(args.data) if open_data is not None else None
     prompt_lengths = None

@@ -258,10 +258,10 @@ class HiddenWriter(ShardWriter):
             vocab_size,
             int(weight.shape[0]),
             head_dtype,
-            logit_scale,
-            softcap,
-            sequences_per_shard,
-            num_sequences,
+            logit_scale=logit_scale,
+            softcap=softcap,
+            sequences_per_shard=sequences_per_shard,
+            num_sequences=num_sequences,
         )
         if bias is not None and tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"the head's bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
@@ -282,7 +282,7 @@ class HiddenWriter(ShardWriter):
             "source": source or {},
             "num_sequences": int(num_sequences),
         }
-        self._open_store(path, header, resume, num_parts, part, lock)
+        self._open_store(path, header, resume=resume, num_parts=num_parts, part=part, lock=lock)
         try:
             if self.num_parts == 1:
                 self._write_head()

@@ -124,7 +124,7 @@ class RolloutWriter(ShardWriter):
             "source": source or {},
             "num_sequences": int(num_sequences),
         }
-        self._open_store(path, header, resume, num_parts, part, lock)
+        self._open_store(path, header, resume=resume, num_parts=num_parts, part=part, lock=lock)
 
     def write_shard(self, index: int, prompts: Sequence[List[int]], completions: Sequence[List[int]]):
         self.check_index(index)

@@ -688,7 +688,16 @@ class TopKWriter(ShardWriter):
         lock: Optional[_Lock] = None,
         id_dtype: str = "int32",
     ):
-        check_header(k, temperature, vocab_size, head_rows, logprob_dtype, sequences_per_shard, num_sequences, id_dtype)
+        check_header(
+            k,
+            temperature,
+            vocab_size,
+            head_rows,
+            logprob_dtype,
+            sequences_per_shard=sequences_per_shard,
+            num_sequences=num_sequences,
+            id_dtype=id_dtype,
+        )
         header = {
             "model": model,
             "k": int(k),
@@ -701,7 +710,7 @@ class TopKWriter(ShardWriter):
             "num_sequences": int(num_sequences),
             "id_dtype": id_dtype,
         }
-        self._open_store(path, header, resume, num_parts, part, lock)
+        self._open_store(path, header, resume=resume, num_parts=num_parts, part=part, lock=lock)
 
     def write_shard(
         self,
