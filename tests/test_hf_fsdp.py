@@ -7,15 +7,12 @@ is never gathered: rows are gathered and the loss is vocab-parallel over the ran
 """
 
 import copy
-import json
-import multiprocessing
 import os
-import socket
-import tempfile
-import traceback
 
 import pytest
 import torch
+
+from gloo_ranks import run_ranks
 
 pytest.importorskip("transformers")
 dist = pytest.importorskip("torch.distributed")
@@ -147,49 +144,17 @@ def trainer_loss(rank, tmp, apart=False):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
-def worker(rank, port, outdir):
-    torch.set_num_threads(1)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank)
-    )
-    failures = []
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        for name, fn in (
-            ("teacher replicated", lambda: plain_loop(rank, False)),
-            ("teacher sharded", lambda: plain_loop(rank, True)),
-            ("head sharded (vocab-parallel), teacher replicated", lambda: plain_loop(rank, False, True)),
-            ("head sharded (vocab-parallel), teacher too", lambda: plain_loop(rank, True, True, True)),
-            ("student's head gathered, teacher's sharded", lambda: plain_loop(rank, True, False, True)),
-            ("trainer's loss", lambda: trainer_loss(rank, os.path.join(outdir, "run"))),
-            ("trainer's loss, head sharded", lambda: trainer_loss(rank, os.path.join(outdir, "run2"), True)),
-        ):
-            try:
-                fn()
-            except Exception:
-                failures.append(f"[rank {rank}] {name}: {traceback.format_exc(limit=-3)}")
-        dist.destroy_process_group()
-    except Exception:
-        failures.append(f"[rank {rank}] {traceback.format_exc()}")
-    with open(os.path.join(outdir, f"{rank}.json"), "w") as f:
-        json.dump(failures, f)
+def cases(rank, outdir):
+    return [
+        ("teacher replicated", lambda: plain_loop(rank, False)),
+        ("teacher sharded", lambda: plain_loop(rank, True)),
+        ("head sharded (vocab-parallel), teacher replicated", lambda: plain_loop(rank, False, True)),
+        ("head sharded (vocab-parallel), teacher too", lambda: plain_loop(rank, True, True, True)),
+        ("student's head gathered, teacher's sharded", lambda: plain_loop(rank, True, False, True)),
+        ("trainer's loss", lambda: trainer_loss(rank, os.path.join(outdir, "run"))),
+        ("trainer's loss, head sharded", lambda: trainer_loss(rank, os.path.join(outdir, "run2"), True)),
+    ]
 
 
 def test_fsdp2_gradients_equal_one_process():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory() as outdir:
-        procs = [ctx.Process(target=worker, args=(r, port, outdir), daemon=True) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-            if p.is_alive():
-                p.kill()
-        failures = []
-        for r in range(WORLD):
-            path = os.path.join(outdir, f"{r}.json")
-            failures += json.load(open(path)) if os.path.exists(path) else [f"rank {r}: no result (hung or crashed)"]
-    assert not failures, "\n".join(failures)
+    run_ranks(cases, world=WORLD, timeout=120)

@@ -10,15 +10,12 @@ input embeddings ("Invariant encountered: value was None") before nitrobrew shar
 """
 
 import copy
-import json
-import multiprocessing
 import os
-import socket
-import tempfile
-import traceback
 
 import pytest
 import torch
+
+from gloo_ranks import run_ranks
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -102,48 +99,12 @@ def one_step(rank, tmp, wrap, shard_teacher):
         torch.testing.assert_close(before[n] - after[n], q.grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
-def worker(rank, port, outdir):
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    torch.set_num_threads(1)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(WORLD),
-        OMP_NUM_THREADS="1",
-    )
-    failures = []
-    try:
-        for i, (name, wrap, shard_teacher) in enumerate(VARIANTS):
-            try:
-                one_step(rank, os.path.join(outdir, f"run{i}"), wrap, shard_teacher)
-            except Exception:
-                failures.append(f"[rank {rank}] {name}: {traceback.format_exc(limit=-4)}")
-    except Exception:
-        failures.append(f"[rank {rank}] {traceback.format_exc()}")
-    with open(os.path.join(outdir, f"{rank}.json"), "w") as f:
-        json.dump(failures, f)
+def cases(rank, outdir):
+    return [
+        (name, lambda i=i, wrap=wrap, shard=shard: one_step(rank, os.path.join(outdir, f"run{i}"), wrap, shard))
+        for i, (name, wrap, shard) in enumerate(VARIANTS)
+    ]
 
 
 def test_trainer_under_accelerate_fsdp2_plugin():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory() as outdir:
-        procs = [ctx.Process(target=worker, args=(r, port, outdir), daemon=True) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(240)
-            if p.is_alive():
-                p.kill()
-        failures = []
-        for r in range(WORLD):
-            path = os.path.join(outdir, f"{r}.json")
-            failures += json.load(open(path)) if os.path.exists(path) else [f"rank {r}: no result (hung or crashed)"]
-    assert not failures, "\n".join(failures)
+    run_ranks(cases, world=WORLD, timeout=240, init_group=False)  # accelerate joins the process group

@@ -174,6 +174,101 @@ def test_corrupted_shard_and_head_are_detected(tmp_path, capsys):
     assert cli_main(["teacher-verify", str(tmp_path / "s"), "--quiet"]) == 0
 
 
+@pytest.mark.parametrize("fmt", ["hidden", "topk"])
+def test_readers_name_a_shard_unlike_its_manifest(tmp_path, fmt):
+    """Both stores' readers (store.ShardReader), the sha256 check off: a shard's tensors are checked on
+    opening, and the shard is named."""
+    from safetensors.torch import load_file, save_file
+
+    from nitrobrew.teacher.extract import extract_topk
+    from nitrobrew.teacher.store import TopKStore
+
+    path = str(tmp_path / "s")
+    if fmt == "hidden":
+        extract_hidden(_tiny_teacher(), _seqs(), path, hidden_dtype="float32", sequences_per_shard=4)
+        reader, rows = HiddenStore, "hidden"
+    else:
+        extract_topk(_tiny_teacher(), _seqs(), path, k=3, sequences_per_shard=4)
+        reader, rows = TopKStore, "topk_ids"
+    shard = os.path.join(path, "shard-00000.safetensors")
+    good = load_file(shard)
+    save_file({n: t for n, t in good.items() if n != rows}, shard)
+    with pytest.raises(StoreError, match=f"shard-00000.safetensors lacks tensors \\['{rows}'\\]"):
+        reader(path, verify=False)[0]
+    save_file(dict(good, **{rows: good[rows][:-1].contiguous()}), shard)
+    with pytest.raises(StoreError, match="shard-00000.safetensors does not match the manifest"):
+        reader(path, verify=False)[0]
+    with open(shard, "wb") as f:
+        f.write(b"not a safetensors file")
+    with pytest.raises(StoreError, match="shard-00000.safetensors cannot be read"):
+        reader(path, verify=False)[0]
+    assert reader(path, verify=False)[4]["input_ids"].tolist() == _seqs()[4]  # the other shards still read
+
+
+def _rewrite_shard(path, tensors):
+    """Replace shard 0 and record its new size and sha256: only the content checks can object."""
+    from safetensors.torch import save_file
+
+    from nitrobrew.teacher.store import sha256_file
+
+    shard = os.path.join(path, "shard-00000.safetensors")
+    save_file(tensors, shard)
+    mpath = os.path.join(path, "manifest.json")
+    man = json.loads(open(mpath).read())
+    man["shards"][0].update(bytes=os.path.getsize(shard), sha256=sha256_file(shard))
+    with open(mpath, "w") as f:
+        json.dump(man, f)
+    return shard
+
+
+@pytest.mark.parametrize("fmt", ["hidden", "topk"])
+def test_verify_reads_each_shards_contents(tmp_path, capsys, fmt):
+    """teacher-verify / topk-verify (one walk over the shards, one report): a shard whose size and sha256
+    match the manifest is still read, and each content problem is a line naming it."""
+    from safetensors.torch import load_file
+
+    from nitrobrew.teacher.extract import extract_topk
+    from nitrobrew.teacher.hidden_verify import verify_hidden_store
+    from nitrobrew.teacher.verify import verify_store
+
+    path = str(tmp_path / "s")
+    if fmt == "hidden":
+        extract_hidden(_tiny_teacher(), _seqs(), path, hidden_dtype="float32", sequences_per_shard=4)
+        command, verify, rows = "teacher-verify", verify_hidden_store, "hidden"
+    else:
+        extract_topk(_tiny_teacher(), _seqs(), path, k=3, sequences_per_shard=4)
+        command, verify, rows = "topk-verify", verify_store, "topk_logprobs"
+    assert cli_main([command, path]) == 0
+    out = capsys.readouterr().out
+    assert "shard-00002.safetensors: ok" in out and "ok: 3 shards, 11 sequences" in out
+    if fmt == "hidden":
+        assert (
+            "head.safetensors: ok" in out and f"of width {D} in float32" in out and f"head {V} x {D} (float32)" in out
+        )
+    else:
+        assert "K = 3, float32 log-probs" in out
+    good = load_file(os.path.join(path, "shard-00000.safetensors"))
+    shard = _rewrite_shard(path, dict(good, extra=torch.zeros(1)))
+    assert verify(path) == [f"{shard}: tensors {sorted([*good, 'extra'])}, expected {sorted(good)}"]
+    _rewrite_shard(path, dict(good, row_offsets=good["row_offsets"].int()))
+    assert verify(path) == [f"{shard}: row_offsets is torch.int32, expected torch.int64"]
+    ids = good["input_ids"].clone()
+    ids[0] = V
+    _rewrite_shard(path, dict(good, input_ids=torch.cat([ids, ids[:1]])))
+    n = good["input_ids"].numel()
+    assert verify(path) == [
+        f"{shard}: {n + 1} tokens, offsets say {n}, manifest {n}",
+        f"{shard}: input ids outside [0, {V})",
+    ]
+    bad = good[rows].clone()
+    bad[0, 0] = float("nan")
+    _rewrite_shard(path, dict(good, **{rows: bad}))
+    nan = "hidden states hold NaN or infinite values" if fmt == "hidden" else "log-probs must be <= 0 and not NaN"
+    assert verify(path) == [f"{shard}: {nan}"]
+    assert cli_main([command, path, "--quiet"]) == 1
+    assert f"nitrobrew {command}: {shard}: {nan}" in capsys.readouterr().err
+
+
 def test_two_writers(tmp_path):
     out = str(tmp_path / "s")
     teacher, seqs = _tiny_teacher(), _seqs()

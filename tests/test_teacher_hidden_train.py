@@ -124,6 +124,34 @@ def test_prompt_positions_do_not_count(tmp_path):
     torch.testing.assert_close(stored.loss, live.loss, rtol=1e-6, atol=1e-7)
 
 
+def test_both_collators_pad_and_shift_alike():
+    """TopKCollator and HiddenCollator share their padding (data.PaddingCollator): the same tokens and
+    prompts give the same input_ids, attention_mask and labels; each places its own rows."""
+    from nitrobrew.teacher.data import TopKCollator
+
+    g = torch.Generator().manual_seed(0)
+    tokens, plen, K, D = [7, 1, 0, 5, 6], [3, 0, 0, 1, 6], 2, 3
+    topk, hidden = [], []
+    for n, p in zip(tokens, plen):
+        ids = torch.randint(0, VOCAB, (n,), generator=g)
+        rows = max(n - 1 - max(p - 1, 0), 0)
+        topk.append(dict(input_ids=ids, prompt_length=p, topk_ids=torch.zeros(max(n - 1, 0), K, dtype=torch.long)))
+        topk[-1]["topk_logprobs"] = torch.randn(max(n - 1, 0), K, generator=g)
+        hidden.append(dict(input_ids=ids, prompt_length=p, hidden=torch.randn(rows, D, generator=g)))
+    kw = dict(pad_token_id=9, ignore_index=-7, pad_to_multiple_of=4)
+    a, b = TopKCollator(**kw)(topk), HiddenCollator(**kw)(hidden)
+    assert a["input_ids"].shape == (5, 8)
+    for key in ("input_ids", "attention_mask", "labels"):
+        assert torch.equal(a[key], b[key]), key
+    for i, (n, p) in enumerate(zip(tokens, plen)):
+        ids, start = topk[i]["input_ids"], max(p - 1, 0)
+        want = torch.full((8,), -7)
+        want[start : max(n - 1, start)] = ids[start + 1 :]
+        assert torch.equal(a["labels"][i], want) and a["input_ids"][i, n:].eq(9).all()
+        assert torch.equal(a["topk_logprobs"][i, : max(n - 1, 0)], topk[i]["topk_logprobs"])
+        assert torch.equal(b["teacher_hidden"][i, start : start + hidden[i]["hidden"].shape[0]], hidden[i]["hidden"])
+
+
 def test_stored_teacher_errors():
     student = _qwen2(1, hidden=24)
     ids = torch.randint(0, VOCAB, (2, 5))

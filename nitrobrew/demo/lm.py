@@ -461,7 +461,7 @@ def run_demo(
             methods.remove(name)
     os.makedirs(out, exist_ok=True)
     _check_or_save_config(cfg, out, resume)
-    runner = Runner(cfg, out, dev, resume, progress, stop_after)
+    runner = Runner(cfg, out, dev, resume=resume, progress=progress, stop_after=stop_after)
     t_start = time.perf_counter()
 
     data = make_data(cfg)
@@ -482,18 +482,29 @@ def run_demo(
             teacher,
             cfg.teacher_steps,
             lambda idx, step: distill_loss(teacher, None, train_dev[idx], kd_weight=0.0, ce_weight=1.0).loss,
-            data,
-            f"teacher ({_params(teacher) / 1e6:.2f}M params)",
+            data=data,
+            desc=f"teacher ({_params(teacher) / 1e6:.2f}M params)",
         )
     }
     teacher.eval().requires_grad_(False)
 
-    store = None
+    # The students trained from a store: its dataset, its collator and the teacher's signal in a batch.
+    stores: Dict[str, Tuple] = {}
+
+    def from_topk(dataset):
+        return lambda b: dict(
+            divergence="topk",
+            topk_ids=b["topk_ids"],
+            topk_logprobs=b["topk_logprobs"],
+            topk_tail=cfg.topk_tail,
+            teacher_temperature=dataset.temperature,
+        )
+
     if "topk" in methods:
         from ..teacher.data import TopKCollator, TopKDataset
 
         store = TopKDataset(extract_store(runner, teacher, data))
-        collate = TopKCollator()
+        stores["topk"] = (store, TopKCollator(), from_topk(store))
     offline = None
     if any(m in OFFLINE for m in methods):
         from ..teacher.data import TopKCollator, TopKDataset
@@ -504,8 +515,13 @@ def run_demo(
         del initial
         hidden_store = HiddenDataset(offline["paths"]["hidden_store"])
         hidden_head = hidden_store.load_head(dev)  # once, on the device: no teacher model in these students' loop
-        rollout_topk = TopKDataset(offline["paths"]["rollout_topk_store"])
-        collate_hidden, collate_topk = HiddenCollator(), TopKCollator()
+        stores["offline_hidden_reverse_kl"] = (
+            hidden_store,
+            HiddenCollator(),
+            lambda b: dict(teacher_hidden=b["teacher_hidden"], teacher_head=hidden_head, divergence="reverse_kl"),
+        )
+        rollout_topk = TopKDataset(offline["paths"]["rollout_topk_store"])  # the prompt's positions do not count
+        stores["offline_topk"] = (rollout_topk, TopKCollator(), from_topk(rollout_topk))
 
     for method in methods:
         student = make_model(cfg, cfg.student_hidden, cfg.student_layers, cfg.seed + 20, dev)
@@ -515,48 +531,17 @@ def run_demo(
         def loss_fn(idx, step, method=method, student=student, engine=engine):
             if method == "hard_labels":
                 return distill_loss(student, None, train_dev[idx], kd_weight=0.0, ce_weight=1.0).loss
-            if method == "topk":
-                b = collate([store[int(i)] for i in idx])
+            if method in stores:
+                dataset, collate, signal = stores[method]
+                b = {k: v.to(dev) for k, v in collate([dataset[int(i)] for i in idx]).items()}
                 return distill_loss(
                     student,
                     None,
-                    b["input_ids"].to(dev),
-                    b["attention_mask"].to(dev),
-                    targets=b["labels"].to(dev),
-                    divergence="topk",
-                    topk_ids=b["topk_ids"].to(dev),
-                    topk_logprobs=b["topk_logprobs"].to(dev),
-                    topk_tail=cfg.topk_tail,
+                    b["input_ids"],
+                    b["attention_mask"],
+                    targets=b["labels"],
                     temperature=cfg.temperature,
-                    teacher_temperature=store.temperature,
-                ).loss
-            if method == "offline_hidden_reverse_kl":
-                b = collate_hidden([hidden_store[int(i)] for i in idx])
-                return distill_loss(
-                    student,
-                    None,
-                    b["input_ids"].to(dev),
-                    b["attention_mask"].to(dev),
-                    targets=b["labels"].to(dev),
-                    teacher_hidden=b["teacher_hidden"].to(dev),
-                    teacher_head=hidden_head,
-                    divergence="reverse_kl",
-                    temperature=cfg.temperature,
-                ).loss
-            if method == "offline_topk":
-                b = collate_topk([rollout_topk[int(i)] for i in idx])  # the prompt's positions do not count
-                return distill_loss(
-                    student,
-                    None,
-                    b["input_ids"].to(dev),
-                    b["attention_mask"].to(dev),
-                    targets=b["labels"].to(dev),
-                    divergence="topk",
-                    topk_ids=b["topk_ids"].to(dev),
-                    topk_logprobs=b["topk_logprobs"].to(dev),
-                    topk_tail=cfg.topk_tail,
-                    temperature=cfg.temperature,
-                    teacher_temperature=rollout_topk.temperature,
+                    **signal(b),
                 ).loss
             if method in ON_POLICY:
                 # The student completes each sequence's first prompt_len tokens (seeded by the step:
@@ -590,8 +575,8 @@ def run_demo(
             student,
             cfg.student_steps,
             loss_fn,
-            data,
-            f"student: {LABELS[method]} ({_params(student) / 1e6:.2f}M params)",
+            data=data,
+            desc=f"student: {LABELS[method]} ({_params(student) / 1e6:.2f}M params)",
         )
 
     results = {

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..core.reduction import IGNORE_INDEX
-from .store import TopKStore
+from .store import TopKStore, row_start
 
 
 class TopKDataset(torch.utils.data.Dataset):
@@ -90,8 +90,11 @@ def _rollout_prompts(source: Dict, n: int) -> Optional[List[int]]:
     return lengths
 
 
-class TopKCollator:
-    """Pads a list of dataset items into one batch (see the module docstring for the layout)."""
+class PaddingCollator:
+    """What the stores' collators share: items padded on the right to the longest (or to a multiple
+    of ``pad_to_multiple_of``) into ``input_ids``, ``attention_mask`` and the shifted ``labels``
+    (``ignore_index`` at a rollout's prompt, at each sequence's last position and at padding). A
+    store's collator adds its checks (``_check``) and its rows (``_rows``)."""
 
     def __init__(
         self, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX, pad_to_multiple_of: Optional[int] = None
@@ -100,17 +103,10 @@ class TopKCollator:
         self.ignore_index = ignore_index
         self.pad_to_multiple_of = pad_to_multiple_of
 
-    def __call__(self, items: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    def __call__(self, items: List[Dict]) -> Dict[str, torch.Tensor]:
         if not items:
             raise ValueError("cannot collate an empty batch")
-        K = items[0]["topk_ids"].shape[-1]
-        for it in items:
-            n = it["input_ids"].numel()
-            if tuple(it["topk_ids"].shape) != (max(n - 1, 0), K) or it["topk_logprobs"].shape != it["topk_ids"].shape:
-                raise ValueError(
-                    f"item with {n} tokens must carry ({max(n - 1, 0)}, {K}) top-k rows, got "
-                    f"{tuple(it['topk_ids'].shape)} / {tuple(it['topk_logprobs'].shape)}"
-                )
+        self._check(items)
         L = max(it["input_ids"].numel() for it in items)
         if self.pad_to_multiple_of:
             m = self.pad_to_multiple_of
@@ -119,22 +115,43 @@ class TopKCollator:
         input_ids = torch.full((B, L), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros(B, L, dtype=torch.long)
         labels = torch.full((B, L), self.ignore_index, dtype=torch.long)
+        for b, it in enumerate(items):
+            ids = it["input_ids"].long()
+            n, start = ids.numel(), row_start(it.get("prompt_length", 0))
+            input_ids[b, :n] = ids
+            attention_mask[b, :n] = 1
+            if n - 1 > start:
+                labels[b, start : n - 1] = ids[start + 1 :]
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, **self._rows(items, L)}
+
+    def _check(self, items: List[Dict]) -> None:
+        """ValueError naming an item whose rows do not fit its tokens."""
+
+    def _rows(self, items: List[Dict], L: int) -> Dict[str, torch.Tensor]:
+        """The store's rows of the batch, [B, L, ...]."""
+        return {}
+
+
+class TopKCollator(PaddingCollator):
+    """Pads a list of dataset items into one batch (see the module docstring for the layout)."""
+
+    def _check(self, items: List[Dict]) -> None:
+        K = items[0]["topk_ids"].shape[-1]
+        for it in items:
+            n = it["input_ids"].numel()
+            if tuple(it["topk_ids"].shape) != (max(n - 1, 0), K) or it["topk_logprobs"].shape != it["topk_ids"].shape:
+                raise ValueError(
+                    f"item with {n} tokens must carry ({max(n - 1, 0)}, {K}) top-k rows, got "
+                    f"{tuple(it['topk_ids'].shape)} / {tuple(it['topk_logprobs'].shape)}"
+                )
+
+    def _rows(self, items: List[Dict], L: int) -> Dict[str, torch.Tensor]:
+        B, K = len(items), items[0]["topk_ids"].shape[-1]
         topk_ids = torch.zeros(B, L, K, dtype=torch.long)
         topk_lp = torch.full((B, L, K), float("-inf"), dtype=torch.float32)
         for b, it in enumerate(items):
-            ids = it["input_ids"].long()
-            n = ids.numel()
-            input_ids[b, :n] = ids
-            attention_mask[b, :n] = 1
-            if n > 1:
-                labels[b, : n - 1] = ids[1:]
-                labels[b, : max(int(it.get("prompt_length", 0)) - 1, 0)] = self.ignore_index  # a rollout's prompt
+            n = it["input_ids"].numel()
+            if n > 1:  # every position's row is stored, a rollout's prompt too (its labels do not count)
                 topk_ids[b, : n - 1] = it["topk_ids"]
                 topk_lp[b, : n - 1] = it["topk_logprobs"].float()
-        return {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "labels": labels,
-            "topk_ids": topk_ids,
-            "topk_logprobs": topk_lp,
-        }
+        return {"topk_ids": topk_ids, "topk_logprobs": topk_lp}

@@ -123,7 +123,7 @@ def streaming_topk(
                 z = z / temperature
             state.update(z)
             gmax, scale = _group_max(z, group), 1.0
-        cand = _chunk_candidates(z, gmax, best_v[:, -1], k, group, scale)
+        cand = _chunk_candidates(z, gmax, best_v[:, -1], k, group=group, scale=scale)
         if cand is None:
             continue
         v, i = cand
@@ -339,6 +339,19 @@ def _batches(lengths: Sequence[int], batch_tokens: int):
         yield start, len(lengths)
 
 
+def _teacher_states(teacher: Teacher, group: Sequence[Sequence[int]]) -> Tensor:
+    """The teacher's final hidden states [B, L, D] of `group`, padded on the right to the longest, L."""
+    emb_rows, L = teacher.weight.shape[0], max(len(s) for s in group)
+    ids = torch.zeros(len(group), L, dtype=torch.long)
+    mask = torch.zeros(len(group), L, dtype=torch.long)
+    for i, s in enumerate(group):
+        if s and (min(s) < 0 or max(s) >= emb_rows):
+            raise ValueError(f"a sequence holds token ids outside [0, {emb_rows}) (the teacher's vocabulary)")
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
+    return teacher.hidden_fn(ids.to(teacher.device), mask.to(teacher.device))
+
+
 @torch.no_grad()
 def teacher_topk(
     teacher: Teacher,
@@ -353,8 +366,6 @@ def teacher_topk(
     """Per sequence: (ids [L - 1, k] int64, log-probs [L - 1, k] fp32), on the CPU."""
     out_ids: List[Tensor] = []
     out_lp: List[Tensor] = []
-    dev = teacher.device
-    emb_rows = teacher.weight.shape[0]
     for b0, b1 in _batches([len(s) for s in seqs], batch_tokens):
         group = seqs[b0:b1]
         L = max(len(s) for s in group)
@@ -363,19 +374,19 @@ def teacher_topk(
                 out_ids.append(torch.zeros(0, k, dtype=torch.int64))
                 out_lp.append(torch.zeros(0, k, dtype=torch.float32))
             continue
-        ids = torch.zeros(len(group), L, dtype=torch.long)
-        mask = torch.zeros(len(group), L, dtype=torch.long)
-        for i, s in enumerate(group):
-            if s and (min(s) < 0 or max(s) >= emb_rows):
-                raise ValueError(f"a sequence holds token ids outside [0, {emb_rows}) (the teacher's vocabulary)")
-            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-            mask[i, : len(s)] = 1
-        hidden = teacher.hidden_fn(ids.to(dev), mask.to(dev))
+        hidden = _teacher_states(teacher, group)
         # rows 0..len-2 of each sequence, packed
         sel = [(i, max(len(s) - 1, 0)) for i, s in enumerate(group)]
         rows = torch.cat([hidden[i, :n] for i, n in sel]) if any(n for _, n in sel) else hidden[:0, 0]
         top_i, top_lp = streaming_topk(
-            rows, teacher.weight, teacher.bias, k, temperature, teacher.vocab_size, chunk, backend
+            rows,
+            teacher.weight,
+            teacher.bias,
+            k,
+            temperature,
+            vocab_size=teacher.vocab_size,
+            chunk=chunk,
+            backend=backend,
         )
         top_i, top_lp = top_i.cpu(), top_lp.cpu()
         r = 0
@@ -475,7 +486,16 @@ def extract_topk(
     head_rows = teacher.weight.shape[0]
     V = teacher.vocab_size or head_rows
     try:
-        check_header(k, temperature, V, head_rows, logprob_dtype, sequences_per_shard, 0, id_dtype)
+        check_header(
+            k,
+            temperature,
+            V,
+            head_rows,
+            logprob_dtype,
+            sequences_per_shard=sequences_per_shard,
+            num_sequences=0,
+            id_dtype=id_dtype,
+        )
         check_sizes(batch_tokens, chunk)
         n, shard_tokens = checked or corpus.check(head_rows, sequences_per_shard)
         writer = TopKWriter(
@@ -499,12 +519,52 @@ def extract_topk(
         if lock is not None:
             lock.release()
         raise
+
+    def score(seqs, a, b, on_tokens):
+        ids, lp = teacher_topk(teacher, seqs, k, temperature, batch_tokens, chunk=chunk, on_tokens=on_tokens)
+        return {"topk_ids": ids, "topk_logprobs": lp}
+
+    return _extract_shards(
+        writer, corpus, n=n, shard_tokens=shard_tokens, score=score, progress=progress, log=log, desc="top-k"
+    )
+
+
+def _extract_shards(
+    writer,
+    corpus: Corpus,
+    *,
+    n: int,
+    shard_tokens: List[int],
+    score: Callable,
+    progress: bool,
+    log: Optional[Callable[[str], None]],
+    desc: str,
+    overlap: bool = False,
+) -> Dict:
+    """The shard loop of both extractions: the writer's shards not yet written, in order, each scored by
+    ``score(seqs, first, last, on_tokens)`` (the keyword arguments of the writer's ``write_shard``
+    beside the tokens) and written; then the store (or this part) is finished and the writer closed.
+
+    `overlap`: shards are serialized, hashed and written by one thread while the teacher scores the
+    next one (one shard in flight, written in order), so that the store's bytes cost (almost) no
+    teacher time. Returns the manifest plus "extract_seconds" and "extracted_tokens"."""
+    from concurrent.futures import ThreadPoolExecutor
+
     bar = None
+    pool = ThreadPoolExecutor(1, thread_name_prefix=f"{desc}-store-writer") if overlap else None
+    pending = None
+
+    def write(j, seqs, rows):
+        a, b = writer.shard_range(j)
+        writer.write_shard(j, [torch.tensor(s, dtype=torch.int32) for s in seqs], **rows)
+        if log:
+            log(f"shard {j}: sequences [{a}, {b}) written ({bar.rate()})")
+
     try:
         todo = {j for j in range(writer.num_shards) if writer.owns(j) and not writer.done(j)}
-        bar = _Progress(sum(shard_tokens[j] for j in todo), progress, log)
+        bar = _Progress(sum(shard_tokens[j] for j in todo), progress, log, desc=desc)
         seen = 0
-        for j, seqs in _shard_groups(corpus.records(), sequences_per_shard) if todo else ():
+        for j, seqs in _shard_groups(corpus.records(), writer.header["sequences_per_shard"]) if todo else ():
             seen += len(seqs)
             if j not in todo:
                 if log and writer.owns(j):
@@ -515,14 +575,27 @@ def extract_topk(
                 raise StoreError(
                     f"the corpus changed while it was read: shard {j} has {len(seqs)} sequences, expected {b - a}"
                 )
-            ids, lp = teacher_topk(teacher, seqs, k, temperature, batch_tokens, chunk, on_tokens=bar.update)
-            writer.write_shard(j, [torch.tensor(s, dtype=torch.int32) for s in seqs], ids, lp)
-            if log:
-                log(f"shard {j}: sequences [{a}, {b}) written ({bar.rate()})")
+            rows = score(seqs, a, b, bar.update)
+            if pool is None:
+                write(j, seqs, rows)
+                continue
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(write, j, seqs, rows)
+        if pending is not None:
+            pending.result()
+            pending = None
         if todo and seen != n:
             raise StoreError(f"the corpus changed while it was read: {seen} sequences, {n} when checked")
         man = dict(writer.finish())
     finally:
+        if pending is not None:  # an interruption: the shard in flight completes (or not) atomically
+            try:
+                pending.result()
+            except BaseException:
+                pass
+        if pool is not None:
+            pool.shutdown(wait=True)
         writer.close()
         if bar is not None:
             bar.close()
@@ -551,9 +624,7 @@ def teacher_hidden(
 
     out: List[Tensor] = []
     scales: Optional[List[Tensor]] = [] if hidden_dtype == FP8 else None
-    dev = teacher.device
     D = teacher.weight.shape[1]
-    emb_rows = teacher.weight.shape[0]
     starts = [row_start(p) for p in (prompt_lengths if prompt_lengths is not None else [0] * len(seqs))]
     for b0, b1 in _batches([len(s) for s in seqs], batch_tokens):
         group = seqs[b0:b1]
@@ -566,15 +637,7 @@ def teacher_hidden(
             if on_tokens:
                 on_tokens(sum(len(s) for s in group))
             continue
-        L = max(len(s) for s in group)
-        ids = torch.zeros(len(group), L, dtype=torch.long)
-        mask = torch.zeros(len(group), L, dtype=torch.long)
-        for i, s in enumerate(group):
-            if s and (min(s) < 0 or max(s) >= emb_rows):
-                raise ValueError(f"a sequence holds token ids outside [0, {emb_rows}) (the teacher's vocabulary)")
-            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-            mask[i, : len(s)] = 1
-        hidden = teacher.hidden_fn(ids.to(dev), mask.to(dev))
+        hidden = _teacher_states(teacher, group)
         rows = torch.cat([hidden[i, a : a + n] for i, (a, n) in enumerate(sel)])
         if scales is not None:
             codes, scale = quantize_fp8(rows)
@@ -625,7 +688,15 @@ def extract_hidden(
     try:
         check_sizes(batch_tokens, None)
         check_header(
-            hidden_dtype, D, V, head_rows, "float32", teacher.logit_scale, teacher.softcap, sequences_per_shard, 0
+            hidden_dtype,
+            D,
+            V,
+            head_rows,
+            "float32",
+            logit_scale=teacher.logit_scale,
+            softcap=teacher.softcap,
+            sequences_per_shard=sequences_per_shard,
+            num_sequences=0,
         )
         n, shard_tokens = checked or corpus.check(head_rows, sequences_per_shard)
         if prompt_lengths is not None and len(prompt_lengths) != n:
@@ -652,58 +723,23 @@ def extract_hidden(
         if lock is not None:
             lock.release()
         raise
-    bar = None
-    # Shards are serialized, hashed and written by one thread while the teacher runs the next shard:
-    # the store's bytes cost (almost) no teacher time. One shard in flight, written in order.
-    from concurrent.futures import ThreadPoolExecutor
 
-    pool = ThreadPoolExecutor(1, thread_name_prefix="hidden-store-writer")
-    pending = None
+    def score(seqs, a, b, on_tokens):
+        plen = None if prompt_lengths is None else [int(p) for p in prompt_lengths[a:b]]
+        rows, scales = teacher_hidden(teacher, seqs, plen, hidden_dtype, batch_tokens, on_tokens=on_tokens)
+        return {"hidden": rows, "prompt_lengths": plen, "scales": scales}
 
-    def write(j, seqs, rows, plen, scales, a, b):
-        writer.write_shard(j, [torch.tensor(s, dtype=torch.int32) for s in seqs], rows, plen, scales=scales)
-        if log:
-            log(f"shard {j}: sequences [{a}, {b}) written ({bar.rate()})")
-
-    try:
-        todo = {j for j in range(writer.num_shards) if writer.owns(j) and not writer.done(j)}
-        bar = _Progress(sum(shard_tokens[j] for j in todo), progress, log, desc="hidden")
-        seen = 0
-        for j, seqs in _shard_groups(corpus.records(), sequences_per_shard) if todo else ():
-            seen += len(seqs)
-            if j not in todo:
-                if log and writer.owns(j):
-                    log(f"shard {j}: already written, skipped")
-                continue
-            a, b = writer.shard_range(j)
-            if len(seqs) != b - a:
-                raise StoreError(
-                    f"the corpus changed while it was read: shard {j} has {len(seqs)} sequences, expected {b - a}"
-                )
-            plen = None if prompt_lengths is None else [int(p) for p in prompt_lengths[a:b]]
-            rows, scales = teacher_hidden(teacher, seqs, plen, hidden_dtype, batch_tokens, on_tokens=bar.update)
-            if pending is not None:
-                pending.result()
-            pending = pool.submit(write, j, seqs, rows, plen, scales, a, b)
-        if pending is not None:
-            pending.result()
-            pending = None
-        if todo and seen != n:
-            raise StoreError(f"the corpus changed while it was read: {seen} sequences, {n} when checked")
-        man = dict(writer.finish())
-    finally:
-        if pending is not None:  # an interruption: the shard in flight completes (or not) atomically
-            try:
-                pending.result()
-            except BaseException:
-                pass
-        pool.shutdown(wait=True)
-        writer.close()
-        if bar is not None:
-            bar.close()
-    man["extract_seconds"] = time.perf_counter() - bar.t0
-    man["extracted_tokens"] = bar.done
-    return man
+    return _extract_shards(
+        writer,
+        corpus,
+        n=n,
+        shard_tokens=shard_tokens,
+        score=score,
+        progress=progress,
+        log=log,
+        desc="hidden",
+        overlap=True,
+    )
 
 
 # ------------------------------------------------------------------------------------------- CLI
@@ -889,11 +925,30 @@ def _run(args: argparse.Namespace, prog: str = "topk-extract", open_data=None) -
     if kind == "topk":
         if args.k > V:
             return fail(f"--k {args.k} is larger than the vocabulary ({V}: {note})")
-        check_header(args.k, args.temperature, V, rows, args.logprob_dtype, args.sequences_per_shard, 0, args.id_dtype)
+        check_header(
+            args.k,
+            args.temperature,
+            V,
+            rows,
+            args.logprob_dtype,
+            sequences_per_shard=args.sequences_per_shard,
+            num_sequences=0,
+            id_dtype=args.id_dtype,
+        )
     else:
         from .hidden_store import check_header as check_hidden_header
 
-        check_hidden_header(store_dtype, 1, V, rows, "float32", 1.0, None, args.sequences_per_shard, 0)
+        check_hidden_header(
+            store_dtype,
+            1,
+            V,
+            rows,
+            "float32",
+            logit_scale=1.0,
+            softcap=None,
+            sequences_per_shard=args.sequences_per_shard,
+            num_sequences=0,
+        )
     check_sizes(args.batch_tokens, args.chunk_v)
     claimed = open_data(args.data) if open_data is not None else None
     prompt_lengths = None

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .data import PaddingCollator
 from .hidden_store import HiddenStore, row_start
 
 
@@ -63,17 +64,10 @@ class HiddenDataset(torch.utils.data.Dataset):
         return self.store.head(device, dtype)
 
 
-class HiddenCollator:
+class HiddenCollator(PaddingCollator):
     """Pads dataset items into one batch (see the module docstring for the layout)."""
 
-    def __init__(self, pad_token_id: int = 0, ignore_index: int = -100, pad_to_multiple_of: Optional[int] = None):
-        self.pad_token_id = pad_token_id
-        self.ignore_index = ignore_index
-        self.pad_to_multiple_of = pad_to_multiple_of
-
-    def __call__(self, items: List[Dict]) -> Dict[str, torch.Tensor]:
-        if not items:
-            raise ValueError("cannot collate an empty batch")
+    def _check(self, items: List[Dict]) -> None:
         D, dtype = items[0]["hidden"].shape[-1], items[0]["hidden"].dtype
         fp8 = "hidden_scale" in items[0]
         for it in items:
@@ -84,30 +78,21 @@ class HiddenCollator:
                     f"item with {n} tokens and prompt {it.get('prompt_length', 0)} must carry ({rows}, {D}) "
                     f"{dtype} rows, got {tuple(it['hidden'].shape)} {it['hidden'].dtype}"
                 )
-        L = max(it["input_ids"].numel() for it in items)
-        if self.pad_to_multiple_of:
-            m = self.pad_to_multiple_of
-            L = (L + m - 1) // m * m
-        B = len(items)
-        input_ids = torch.full((B, L), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros(B, L, dtype=torch.long)
-        labels = torch.full((B, L), self.ignore_index, dtype=torch.long)
+
+    def _rows(self, items: List[Dict], L: int) -> Dict[str, torch.Tensor]:
+        B, D, dtype = len(items), items[0]["hidden"].shape[-1], items[0]["hidden"].dtype
+        fp8 = "hidden_scale" in items[0]
         hidden = torch.zeros(B, L, D, dtype=dtype)
         scale = torch.ones(B, L, dtype=torch.float32) if fp8 else None
         for b, it in enumerate(items):
-            ids = it["input_ids"].long()
-            n, start = ids.numel(), row_start(it.get("prompt_length", 0))
-            input_ids[b, :n] = ids
-            attention_mask[b, :n] = 1
+            n, start = it["input_ids"].numel(), row_start(it.get("prompt_length", 0))
             if n - 1 > start:
-                labels[b, start : n - 1] = ids[start + 1 :]
                 hidden[b, start : n - 1] = it["hidden"]
-                if fp8:
+                if scale is not None:
                     scale[b, start : n - 1] = it["hidden_scale"]
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "teacher_hidden": hidden}
-        if fp8:
-            batch["teacher_hidden_scale"] = scale
-        return batch
+        return (
+            {"teacher_hidden": hidden} if scale is None else {"teacher_hidden": hidden, "teacher_hidden_scale": scale}
+        )
 
 
 def hidden_loader(

@@ -31,28 +31,25 @@ the header (a resume with another teacher is refused).
 
 from __future__ import annotations
 
-import bisect
 import hashlib
-import json
 import math
 import os
-from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from ..core.atomic_io import atomic_write_bytes
+from . import store
 from .store import (
-    _SHARD_SCHEMA,
     MANIFEST,
+    ManifestFormat,
     ShardInfo,
+    ShardReader,
     ShardWriter,
     StoreError,
-    _check_fields,
     _is_int,
     _safetensors,
-    shard_name,
-    verify_shard,
+    row_start,
 )
 
 FORMAT = "nitrobrew-hidden"
@@ -128,11 +125,6 @@ def bytes_per_position(hidden_size: int, hidden_dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2, FP8: 1}[hidden_dtype] * hidden_size + (4 if hidden_dtype == FP8 else 0)
 
 
-def row_start(prompt_length: int) -> int:
-    """The first stored position of a sequence whose first `prompt_length` tokens are its prompt."""
-    return max(int(prompt_length) - 1, 0)
-
-
 # ------------------------------------------------------------------------------------------ head
 
 
@@ -175,10 +167,7 @@ def check_header(
         raise ValueError(f"num_sequences must be an int >= 0, got {num_sequences!r}")
 
 
-def validate_manifest(man, where: str, part: bool = False) -> None:
-    """Raise StoreError naming the first problem of a hidden store's manifest."""
-    _check_fields(man, _HEADER_SCHEMA, where)
-    cap = man.get("final_logit_softcapping")
+def _check_manifest_header(man: Dict, where: str) -> None:
     try:
         check_header(
             man["hidden_dtype"],
@@ -186,63 +175,33 @@ def validate_manifest(man, where: str, part: bool = False) -> None:
             man["vocab_size"],
             man["head_rows"],
             man["head_dtype"],
-            man["logit_scale"],
-            cap,
-            man["sequences_per_shard"],
-            man["num_sequences"],
+            logit_scale=man["logit_scale"],
+            softcap=man.get("final_logit_softcapping"),
+            sequences_per_shard=man["sequences_per_shard"],
+            num_sequences=man["num_sequences"],
         )
     except ValueError as err:
         raise StoreError(f"{where}: {err}") from None
     if len(man["head_sha256"]) != 64:
         raise StoreError(f"{where}: head_sha256 is malformed")
-    S, n = man["sequences_per_shard"], man["num_sequences"]
-    num_shards = (n + S - 1) // S
-    seen = set()
-    for pos, info in enumerate(man["shards"]):
-        _check_fields(info, _SHARD_SCHEMA, f"{where}: shards[{pos}]")
-        j = info["index"]
-        if not 0 <= j < num_shards or j in seen or info["file"] != shard_name(j):
-            raise StoreError(f"{where}: shards[{pos}] (index {j}, file {info['file']!r}) is not a shard of this store")
-        seen.add(j)
-        first, count = j * S, min((j + 1) * S, n) - j * S
-        if (info["first_sequence"], info["sequences"]) != (first, count):
-            raise StoreError(f"{where}: shard {j} must hold sequences [{first}, {first + count})")
-        if min(info["rows"], info["tokens"], info["bytes"]) < 0 or len(info["sha256"]) != 64:
-            raise StoreError(f"{where}: shard {j} has a negative size or a malformed sha256")
-    if [s["index"] for s in man["shards"]] != sorted(seen):
-        raise StoreError(f"{where}: shards must be listed by increasing index")
-    if man["complete"] and not part:
-        missing = sorted(set(range(num_shards)) - seen)
-        if missing:
-            raise StoreError(f"{where} is marked complete but lacks shards {missing[:8]} of {num_shards}")
+
+
+HIDDEN_MANIFEST = ManifestFormat(
+    name=FORMAT,
+    version=VERSION,
+    kind="hidden-state store",
+    header_schema=_HEADER_SCHEMA,
+    check_header=_check_manifest_header,
+    alignment=ALIGNMENT,
+)
 
 
 def read_manifest(path: str, name: str = MANIFEST) -> Dict:
-    mpath = os.path.join(path, name)
-    if not os.path.exists(mpath):
-        raise StoreError(f"{path!r} is not a hidden-state store: {name} is missing")
-    try:
-        with open(mpath) as f:
-            man = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise StoreError(f"{mpath} is not valid JSON ({err})") from err
-    if not isinstance(man, dict) or man.get("format") != FORMAT:
-        fmt = man.get("format") if isinstance(man, dict) else None
-        raise StoreError(f"{mpath} is not a {FORMAT} manifest (format={fmt!r})")
-    if man.get("version") != VERSION:
-        raise StoreError(f"{mpath} has format version {man.get('version')!r}; this nitrobrew reads {VERSION}")
-    validate_manifest(man, mpath, part=name != MANIFEST)
-    return man
+    """The hidden store's manifest (``store.read_manifest``: read and checked)."""
+    return store.read_manifest(path, name, fmt=HIDDEN_MANIFEST)
 
 
-def store_format(path: str) -> Optional[str]:
-    """The format named by the manifest of the directory `path` (None when there is none)."""
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            man = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return man.get("format") if isinstance(man, dict) else None
+store_format = store.manifest_format  # the format a directory's manifest names (None: no manifest)
 
 
 def verify_head(path: str, man: Dict) -> None:
@@ -268,6 +227,7 @@ class HiddenWriter(ShardWriter):
     """
 
     header_keys = HEADER_KEYS
+    manifest_format = HIDDEN_MANIFEST
 
     def __init__(
         self,
@@ -298,10 +258,10 @@ class HiddenWriter(ShardWriter):
             vocab_size,
             int(weight.shape[0]),
             head_dtype,
-            logit_scale,
-            softcap,
-            sequences_per_shard,
-            num_sequences,
+            logit_scale=logit_scale,
+            softcap=softcap,
+            sequences_per_shard=sequences_per_shard,
+            num_sequences=num_sequences,
         )
         if bias is not None and tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"the head's bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
@@ -322,7 +282,7 @@ class HiddenWriter(ShardWriter):
             "source": source or {},
             "num_sequences": int(num_sequences),
         }
-        self._open_store(path, header, resume, num_parts, part, lock)
+        self._open_store(path, header, resume=resume, num_parts=num_parts, part=part, lock=lock)
         try:
             if self.num_parts == 1:
                 self._write_head()
@@ -342,22 +302,6 @@ class HiddenWriter(ShardWriter):
             except StoreError:
                 pass
         atomic_write_bytes(fpath, self._head)
-
-    def _read(self, name: str) -> Dict:
-        return read_manifest(self.path, name)
-
-    def _fresh(self) -> Dict:
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            **self.header,
-            "alignment": ALIGNMENT,
-            "shards": [],
-            "complete": False,
-        }
-
-    def _validate(self, man: Dict, where: str) -> None:
-        validate_manifest(man, where)
 
     def write_shard(
         self,
@@ -419,7 +363,7 @@ def _offsets(sizes: List[int]) -> torch.Tensor:
     return torch.cumsum(torch.tensor([0] + sizes, dtype=torch.int64), 0)
 
 
-class HiddenStore:
+class HiddenStore(ShardReader):
     """Reads a hidden store: ``store[i]`` is sequence i as a dict of ``input_ids`` [L] (int64),
     ``prompt_length`` (int), ``hidden`` [rows, D] in the stored dtype (fp8 codes stay fp8: half the
     bytes to move; ``hidden_scale`` [rows] float32 with them), sliced from the memory-mapped shard.
@@ -428,41 +372,8 @@ class HiddenStore:
     and the head's when it is loaded; ``nitrobrew teacher-verify STORE`` checks everything up front.
     """
 
-    def __init__(self, path: str, verify: bool = True, allow_incomplete: bool = False, max_open_shards: int = 8):
-        self.path = path
-        self.manifest = read_manifest(path)
-        self.verify = verify
-        shards: List[Dict] = self.manifest["shards"]
-        if not self.manifest["complete"]:
-            if not allow_incomplete:
-                raise StoreError(
-                    f"store {path!r} is incomplete ({len(shards)} shards written): finish the "
-                    "extraction (it resumes), or pass allow_incomplete=True to read the written shards"
-                )
-            run = []
-            for i, s in enumerate(shards):
-                if s["index"] != i:
-                    break
-                run.append(s)
-            shards = run
-        self.shards = shards
-        self._starts = [s["first_sequence"] for s in shards]
-        self._len = sum(s["sequences"] for s in shards)
-        self.max_open_shards = max(1, int(max_open_shards))
-        self._open: "OrderedDict[int, tuple]" = OrderedDict()
-        self._verified: set = set()
-
-    def __getstate__(self):  # open file handles stay in their process (DataLoader workers reopen)
-        state = dict(self.__dict__)
-        state["_open"] = OrderedDict()
-        return state
-
-    def __len__(self) -> int:
-        return self._len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.manifest["vocab_size"]
+    manifest_format = HIDDEN_MANIFEST
+    small_tensors = ("input_ids", "seq_offsets", "prompt_lengths", "row_offsets")
 
     @property
     def hidden_dtype(self) -> str:
@@ -486,51 +397,19 @@ class HiddenStore:
         b = None if b is None else b.to(device=device, dtype=w.dtype)
         return LMHead(w, b, self.manifest["logit_scale"], self.manifest.get("final_logit_softcapping"))
 
-    def _shard(self, j: int):
-        if j in self._open:
-            self._open.move_to_end(j)
-            return self._open[j]
-        info = self.shards[j]
-        if self.verify and j not in self._verified:
-            verify_shard(self.path, info)
-            self._verified.add(j)
-        fpath = os.path.join(self.path, info["file"])
-        need = ("input_ids", "seq_offsets", "prompt_lengths", "row_offsets", "hidden") + (
-            ("hidden_scale",) if self.hidden_dtype == FP8 else ()
-        )
-        try:
-            from safetensors import safe_open
+    def _tensor_names(self) -> tuple:
+        return self.small_tensors + ("hidden",) + (("hidden_scale",) if self.hidden_dtype == FP8 else ())
 
-            handle = safe_open(fpath, framework="pt")
-            missing = [n for n in need if n not in set(handle.keys())]
-            if missing:
-                raise StoreError(f"shard {fpath} lacks tensors {missing}")
-            small = {n: handle.get_tensor(n) for n in ("input_ids", "seq_offsets", "prompt_lengths", "row_offsets")}
-            shape = list(handle.get_slice("hidden").get_shape())
-        except StoreError:
-            raise
-        except Exception as err:
-            raise StoreError(f"shard {fpath} cannot be read ({err})") from err
+    def _check_shard(self, fpath: str, info: Dict, small: Dict[str, torch.Tensor], handle) -> None:
+        shape = list(handle.get_slice("hidden").get_shape())
         want = [info["rows"], self.manifest["hidden_size"]]
         if shape != want or small["seq_offsets"].numel() != info["sequences"] + 1:
             raise StoreError(f"shard {fpath} does not match the manifest: hidden {shape}, expected {want}")
-        while len(self._open) >= self.max_open_shards:
-            self._open.popitem(last=False)
-        self._open[j] = (small, handle)
-        return self._open[j]
 
     def __getitem__(self, i: int) -> Dict:
-        if i < 0:
-            i += self._len
-        if not 0 <= i < self._len:
-            raise IndexError(f"sequence {i} out of range for a store of {self._len} sequences")
-        j = bisect.bisect_right(self._starts, i) - 1
-        small, handle = self._shard(j)
-        local = i - self.shards[j]["first_sequence"]
-        s0, s1 = int(small["seq_offsets"][local]), int(small["seq_offsets"][local + 1])
-        r0, r1 = int(small["row_offsets"][local]), int(small["row_offsets"][local + 1])
+        small, handle, local, input_ids, (r0, r1) = self._locate(i)
         item = {
-            "input_ids": small["input_ids"][s0:s1].long(),
+            "input_ids": input_ids,
             "prompt_length": int(small["prompt_lengths"][local]),
             "hidden": handle.get_slice("hidden")[r0:r1],
         }

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List
+
+from . import verify
 
 # torch and the store code (which imports torch) are imported where they are used, so that
 # `nitrobrew teacher-verify --help` and a bad argument answer without loading torch.
@@ -19,7 +21,6 @@ from typing import Callable, Dict, List, Optional
 
 def _check_contents(path: str, info: Dict, man: Dict) -> List[str]:
     import torch
-    from safetensors import safe_open
 
     from .hidden_store import FP8, HIDDEN_DTYPES, row_start
 
@@ -33,14 +34,9 @@ def _check_contents(path: str, info: Dict, man: Dict) -> List[str]:
     }
     if man["hidden_dtype"] == FP8:
         want["hidden_scale"] = torch.float32
-    with safe_open(fpath, framework="pt") as f:
-        names = set(f.keys())
-        if names != set(want):
-            return [f"{fpath}: tensors {sorted(names)}, expected {sorted(want)}"]
-        t = {n: f.get_tensor(n) for n in want}
-    bad = [f"{n} is {t[n].dtype}, expected {d}" for n, d in want.items() if t[n].dtype != d]
-    if bad:
-        return [f"{fpath}: " + "; ".join(bad)]
+    t, bad = verify.read_shard(fpath, want)
+    if t is None:
+        return bad
     n, D = info["sequences"], man["hidden_size"]
     so, ro, plen, h = t["seq_offsets"], t["row_offsets"], t["prompt_lengths"], t["hidden"]
     if so.shape != (n + 1,) or ro.shape != (n + 1,) or plen.shape != (n,) or h.dim() != 2 or h.shape[1] != D:
@@ -51,69 +47,53 @@ def _check_contents(path: str, info: Dict, man: Dict) -> List[str]:
     starts = torch.tensor([row_start(p) for p in plen.tolist()], dtype=torch.int64)
     if so[0] != 0 or ro[0] != 0 or not torch.equal(ro.diff(), (lengths - 1 - starts).clamp(min=0)):
         return [f"{fpath}: offsets are inconsistent (L tokens with prompt P must have L - 1 - max(P - 1, 0) rows)"]
-    out = []
-    if so[-1] != t["input_ids"].numel() or so[-1] != info["tokens"]:
-        out.append(f"{fpath}: {t['input_ids'].numel()} tokens, offsets say {int(so[-1])}, manifest {info['tokens']}")
-    if ro[-1] != h.shape[0] or h.shape[0] != info["rows"]:
-        out.append(f"{fpath}: {h.shape[0]} rows, offsets say {int(ro[-1])}, manifest {info['rows']}")
+    out = verify.count_problems(fpath, info, t, h.shape[0])
     if h.numel() and not torch.isfinite(h.float()).all():
         out.append(f"{fpath}: hidden states hold NaN or infinite values")
     if man["hidden_dtype"] == FP8:
         s = t["hidden_scale"]
         if s.shape != (h.shape[0],) or not (torch.isfinite(s).all() and (s > 0).all()):
             out.append(f"{fpath}: hidden_scale must be [{h.shape[0]}], finite and > 0")
-    tok = t["input_ids"]
-    if tok.numel() and (tok.min() < 0 or tok.max() >= man["head_rows"]):
-        out.append(f"{fpath}: input ids outside [0, {man['head_rows']})")
-    return out
+    return out + verify.token_problems(fpath, t, man)
 
 
-def verify_hidden_store(path: str, log: Optional[Callable[[str], None]] = None) -> List[str]:
-    """Every problem of the hidden store at `path` (empty list: all good)."""
-    from .hidden_store import HEAD_FILE, HiddenStore, read_manifest
-    from .store import StoreError, verify_shard
+def _check_head(path: str, man: Dict, log: verify.Log) -> List[str]:
+    from .hidden_store import HEAD_FILE, HiddenStore
+    from .store import StoreError
 
-    try:
-        man = read_manifest(path)
-    except StoreError as err:
-        return [str(err)]
-    problems = [] if man["complete"] else [f"{path}: the store is incomplete ({len(man['shards'])} shards written)"]
     try:
         HiddenStore(path, verify=False, allow_incomplete=True).head()
         if log:
             log(f"{HEAD_FILE}: ok")
     except StoreError as err:
-        problems.append(str(err))
+        return [str(err)]
     except Exception as err:
-        problems.append(f"{os.path.join(path, HEAD_FILE)}: cannot be read ({err})")
-    for info in man["shards"]:
-        try:
-            verify_shard(path, info)
-            found = _check_contents(path, info, man)
-        except StoreError as err:
-            found = [str(err)]
-        except Exception as err:
-            found = [f"{os.path.join(path, info['file'])}: cannot be read ({err})"]
-        problems += found
-        if log:
-            log(f"{info['file']}: {'ok' if not found else 'FAILED'}")
-    return problems
+        return [f"{os.path.join(path, HEAD_FILE)}: cannot be read ({err})"]
+    return []
+
+
+def verify_hidden_store(path: str, log: verify.Log = None) -> List[str]:
+    """Every problem of the hidden store at `path` (empty list: all good)."""
+    from .hidden_store import read_manifest
+
+    return verify.check_store(path, read_manifest, _check_contents, log, check_more=_check_head)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = __doc__.splitlines()[0]
-    p.add_argument("store", help="the store directory")
-    p.add_argument("--quiet", action="store_true", help="print problems only")
+    verify.add_arguments(p, description=__doc__.splitlines()[0])
+
+
+def _describe(man: Dict, footprint: str) -> str:
+    return (
+        f" of width {man['hidden_size']} in {man['hidden_dtype']}, {footprint}, head {man['head_rows']} x "
+        f"{man['hidden_size']} ({man['head_dtype']})"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from .hidden_store import FORMAT, read_manifest, store_format
-    from .store import _safetensors
 
-    try:
-        _safetensors()
-    except ImportError as err:
-        print(f"nitrobrew teacher-verify: error: {err}", file=sys.stderr)
+    if verify.safetensors_missing("teacher-verify"):
         return 2
     fmt = store_format(args.store)
     if fmt is None:
@@ -123,20 +103,5 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     if fmt != FORMAT:  # a top-k store (topk-verify names a foreign format)
-        from . import verify
-
         return verify.run(args)
-    problems = verify_hidden_store(args.store, log=None if args.quiet else print)
-    for line in problems:
-        print(f"nitrobrew teacher-verify: {line}", file=sys.stderr)
-    if problems:
-        return 1
-    man = read_manifest(args.store)
-    size = sum(s["bytes"] for s in man["shards"])
-    rows = max(man.get("num_rows", 0), 1)
-    print(
-        f"{args.store}: ok: {len(man['shards'])} shards, {man['num_sequences']} sequences, {man.get('num_rows', 0)} "
-        f"rows of width {man['hidden_size']} in {man['hidden_dtype']}, {size} bytes ({size / rows:.1f} "
-        f"bytes/position), head {man['head_rows']} x {man['hidden_size']} ({man['head_dtype']})"
-    )
-    return 0
+    return verify.report(args, "teacher-verify", verify_hidden_store, read_manifest, _describe)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import math
 import os
 import sys
@@ -33,15 +32,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import store
 from .inputs import Corpus, open_corpus
 from .store import (
-    _SHARD_SCHEMA,
     MANIFEST,
+    ManifestFormat,
     ShardWriter,
     StoreError,
-    _check_fields,
     _is_int,
     lock_store,
+    manifest_format,
     sha256_file,
     verify_shard,
 )
@@ -76,55 +76,26 @@ def shard_file(index: int) -> str:
     return f"shard-{index:05d}.parquet"
 
 
-def validate_manifest(man, where: str, part: bool = False) -> None:
-    _check_fields(man, _HEADER_SCHEMA, where)
-    S, n = man["sequences_per_shard"], man["num_sequences"]
-    if not (S > 0 and n >= 0):
-        raise StoreError(f"{where}: sequences_per_shard must be > 0 and num_sequences >= 0")
-    num_shards = (n + S - 1) // S
-    seen = []
-    for pos, info in enumerate(man["shards"]):
-        _check_fields(info, _SHARD_SCHEMA, f"{where}: shards[{pos}]")
-        j = info["index"]
-        if not 0 <= j < num_shards or j in seen or info["file"] != shard_file(j):
-            raise StoreError(f"{where}: shards[{pos}] (index {j}, file {info['file']!r}) is not a shard of this set")
-        if (info["first_sequence"], info["sequences"]) != (j * S, min((j + 1) * S, n) - j * S):
-            raise StoreError(f"{where}: shard {j} does not hold the prompts of its index")
-        seen.append(j)
-    if seen != sorted(seen):
-        raise StoreError(f"{where}: shards must be listed by increasing index")
-    if man["complete"] and not part and len(seen) != num_shards:
-        raise StoreError(f"{where} is marked complete but lacks shards")
+ROLLOUT_MANIFEST = ManifestFormat(
+    name=FORMAT, version=VERSION, kind="rollout set", header_schema=_HEADER_SCHEMA, shard_file=shard_file
+)
 
 
 def read_manifest(path: str, name: str = MANIFEST) -> Dict:
-    mpath = os.path.join(path, name)
-    if not os.path.exists(mpath):
-        raise StoreError(f"{path!r} is not a rollout set: {name} is missing")
-    try:
-        with open(mpath) as f:
-            man = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise StoreError(f"{mpath} is not valid JSON ({err})") from err
-    if not isinstance(man, dict) or man.get("format") != FORMAT or man.get("version") != VERSION:
-        raise StoreError(f"{mpath} is not a {FORMAT} manifest of version {VERSION}")
-    validate_manifest(man, mpath, part=name != MANIFEST)
-    return man
+    """A rollout set's manifest (``store.read_manifest``: read and checked)."""
+    return store.read_manifest(path, name, fmt=ROLLOUT_MANIFEST)
 
 
 def is_rollouts(path: str) -> bool:
     """Whether `path` is a rollout directory (its manifest names the format)."""
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            return json.load(f).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+    return manifest_format(path) == FORMAT
 
 
 class RolloutWriter(ShardWriter):
     """Rollout shards (parquet) with the teacher store's guarantees (``store.ShardWriter``)."""
 
     header_keys = HEADER_KEYS
+    manifest_format = ROLLOUT_MANIFEST
 
     def __init__(
         self,
@@ -153,19 +124,7 @@ class RolloutWriter(ShardWriter):
             "source": source or {},
             "num_sequences": int(num_sequences),
         }
-        self._open_store(path, header, resume, num_parts, part, lock)
-
-    def _read(self, name: str) -> Dict:
-        return read_manifest(self.path, name)
-
-    def _fresh(self) -> Dict:
-        return {"format": FORMAT, "version": VERSION, **self.header, "shards": [], "complete": False}
-
-    def _validate(self, man: Dict, where: str) -> None:
-        validate_manifest(man, where)
-
-    def shard_file(self, index: int) -> str:
-        return shard_file(index)
+        self._open_store(path, header, resume=resume, num_parts=num_parts, part=part, lock=lock)
 
     def write_shard(self, index: int, prompts: Sequence[List[int]], completions: Sequence[List[int]]):
         self.check_index(index)

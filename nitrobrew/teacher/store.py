@@ -41,7 +41,7 @@ import os
 import warnings
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -103,6 +103,12 @@ def shard_name(index: int) -> str:
 
 def part_manifest_name(part: int, num_parts: int) -> str:
     return f"manifest.part-{part:05d}-of-{num_parts:05d}.json"
+
+
+def row_start(prompt_length: int) -> int:
+    """The first counted position of a sequence whose first `prompt_length` tokens are its prompt (a
+    rollout's): only the positions that predict completion tokens count."""
+    return max(int(prompt_length) - 1, 0)
 
 
 def quantize_logprobs(lp: torch.Tensor):
@@ -214,10 +220,8 @@ def _check_fields(obj, schema: Dict, where: str) -> None:
             raise StoreError(f"{where}: field {key!r} must be {kind.__name__}, got {value!r}")
 
 
-def validate_manifest(man, where: str, part: bool = False) -> None:
-    """Raise StoreError naming the first problem of a manifest (fields, types, ranges, shard list)."""
-    _check_fields(man, _HEADER_SCHEMA, where)
-    k, V, rows, S, n = man["k"], man["vocab_size"], man["head_rows"], man["sequences_per_shard"], man["num_sequences"]
+def _check_topk_header(man: Dict, where: str) -> None:
+    k, V, rows = man["k"], man["vocab_size"], man["head_rows"]
     if not 0 < V <= rows:
         raise StoreError(f"{where}: vocab_size {V} must be in [1, head_rows = {rows}]")
     if not 0 < k <= V:
@@ -230,6 +234,47 @@ def validate_manifest(man, where: str, part: bool = False) -> None:
         raise StoreError(
             f"{where}: id_dtype {man['id_dtype']!r} cannot hold a vocabulary of {V} (one of {sorted(ID_DTYPES)})"
         )
+
+
+@dataclass(frozen=True)
+class ManifestFormat:
+    """What sets one sharded format's manifest apart (the top-k store, the hidden store, a rollout set):
+    its name and version, what it is called in messages, its header's schema and checks, its shards'
+    file names, the alignment note it records, and whether a complete manifest's row and token totals
+    are checked against its shards. Everything else about a manifest is read and checked once, here."""
+
+    name: str
+    version: int
+    kind: str  # "top-k store": "'DIR' is not a top-k store"
+    header_schema: Dict[str, type]
+    check_header: Optional[Callable[[Dict, str], None]] = None  # raises StoreError
+    shard_file: Callable[[int], str] = shard_name
+    alignment: Optional[str] = None
+    check_totals: bool = False
+
+    def fresh(self, header: Dict) -> Dict:
+        """A new manifest with `header` and no shards."""
+        note = {} if self.alignment is None else {"alignment": self.alignment}
+        return {"format": self.name, "version": self.version, **header, **note, "shards": [], "complete": False}
+
+
+TOPK_MANIFEST = ManifestFormat(
+    name=FORMAT,
+    version=VERSION,
+    kind="top-k store",
+    header_schema=_HEADER_SCHEMA,
+    check_header=_check_topk_header,
+    alignment=ALIGNMENT,
+    check_totals=True,
+)
+
+
+def validate_manifest(man, where: str, part: bool = False, fmt: ManifestFormat = TOPK_MANIFEST) -> None:
+    """Raise StoreError naming the first problem of a manifest (fields, types, ranges, shard list)."""
+    _check_fields(man, fmt.header_schema, where)
+    if fmt.check_header is not None:
+        fmt.check_header(man, where)
+    S, n = man["sequences_per_shard"], man["num_sequences"]
     if S <= 0 or n < 0:
         raise StoreError(f"{where}: sequences_per_shard must be > 0 and num_sequences >= 0, got {S} and {n}")
     num_shards = (n + S - 1) // S
@@ -242,8 +287,9 @@ def validate_manifest(man, where: str, part: bool = False) -> None:
         if j in seen:
             raise StoreError(f"{where}: shard {j} is listed twice")
         seen.add(j)
-        if info["file"] != shard_name(j):  # also keeps a crafted manifest from naming files outside the store
-            raise StoreError(f"{where}: shard {j}'s file must be {shard_name(j)!r}, got {info['file']!r}")
+        name = fmt.shard_file(j)
+        if info["file"] != name:  # also keeps a crafted manifest from naming files outside the store
+            raise StoreError(f"{where}: shard {j}'s file must be {name!r}, got {info['file']!r}")
         first, count = j * S, min((j + 1) * S, n) - j * S
         if (info["first_sequence"], info["sequences"]) != (first, count):
             raise StoreError(
@@ -256,29 +302,40 @@ def validate_manifest(man, where: str, part: bool = False) -> None:
         missing = sorted(set(range(num_shards)) - seen)
         if missing:
             raise StoreError(f"{where} is marked complete but lacks shards {missing[:8]} of {num_shards}")
-        for key, field in (("num_rows", "rows"), ("num_tokens", "tokens")):
+        for key, field in (("num_rows", "rows"), ("num_tokens", "tokens")) if fmt.check_totals else ():
             if key in man and man[key] != sum(s[field] for s in man["shards"]):
                 raise StoreError(f"{where}: {key} {man[key]!r} is not the sum of its shards' {field}")
     if [s["index"] for s in man["shards"]] != sorted(seen):
         raise StoreError(f"{where}: shards must be listed by increasing index")
 
 
-def read_manifest(path: str, name: str = MANIFEST) -> Dict:
+def read_manifest(path: str, name: str = MANIFEST, fmt: ManifestFormat = TOPK_MANIFEST) -> Dict:
+    """The manifest `name` of the directory `path`, checked (``validate_manifest``) as one of `fmt`."""
     mpath = os.path.join(path, name)
     if not os.path.exists(mpath):
-        raise StoreError(f"{path!r} is not a top-k store: {name} is missing")
+        raise StoreError(f"{path!r} is not a {fmt.kind}: {name} is missing")
     try:
         with open(mpath) as f:
             man = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise StoreError(f"{mpath} is not valid JSON ({err})") from err
-    if not isinstance(man, dict) or man.get("format") != FORMAT:
-        fmt = man.get("format") if isinstance(man, dict) else None
-        raise StoreError(f"{mpath} is not a {FORMAT} manifest (format={fmt!r})")
-    if man.get("version") != VERSION:
-        raise StoreError(f"{mpath} has format version {man.get('version')!r}; this nitrobrew reads {VERSION}")
-    validate_manifest(man, mpath, part=name != MANIFEST)
+    if not isinstance(man, dict) or man.get("format") != fmt.name:
+        found = man.get("format") if isinstance(man, dict) else None
+        raise StoreError(f"{mpath} is not a {fmt.name} manifest (format={found!r})")
+    if man.get("version") != fmt.version:
+        raise StoreError(f"{mpath} has format version {man.get('version')!r}; this nitrobrew reads {fmt.version}")
+    validate_manifest(man, mpath, part=name != MANIFEST, fmt=fmt)
     return man
+
+
+def manifest_format(path: str) -> Optional[str]:
+    """The format named by the manifest of the directory `path` (None when there is none)."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            man = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return man.get("format") if isinstance(man, dict) else None
 
 
 def verify_shard(path: str, info: Dict) -> None:
@@ -327,10 +384,6 @@ def lock_store(path: str, num_parts: int = 1, part: int = 0) -> _Lock:
     )
 
 
-def _new_manifest(header: Dict) -> Dict:
-    return {"format": FORMAT, "version": VERSION, **header, "alignment": ALIGNMENT, "shards": [], "complete": False}
-
-
 def check_header(
     k,
     temperature,
@@ -366,10 +419,11 @@ def check_header(
 class ShardWriter:
     """What every sharded store's writer shares: the lock, the manifest (single or per part), resuming
     (completed shards are kept after their checksums are checked), atomic shards and the merge of the
-    parts. A store format subclasses it with its header check, ``_read`` / ``_fresh`` / ``_validate``
-    of its manifest, its ``header_keys`` and a ``write_shard`` that ends in ``_commit``."""
+    parts. A store format subclasses it with its header check, its ``manifest_format`` and ``header_keys``
+    and a ``write_shard`` that ends in ``_commit``."""
 
     header_keys: tuple = ()
+    manifest_format: ManifestFormat = TOPK_MANIFEST
 
     def _open_store(self, path: str, header: Dict, resume: bool, num_parts: int, part: int, lock) -> None:
         if not (_is_int(num_parts) and num_parts > 0 and _is_int(part) and 0 <= part < num_parts):
@@ -395,16 +449,16 @@ class ShardWriter:
     # -- the format's hooks
 
     def _read(self, name: str) -> Dict:
-        return read_manifest(self.path, name)
+        return read_manifest(self.path, name, fmt=self.manifest_format)
 
     def _fresh(self) -> Dict:
-        return _new_manifest(self.header)
+        return self.manifest_format.fresh(self.header)
 
     def _validate(self, man: Dict, where: str) -> None:
-        validate_manifest(man, where)
+        validate_manifest(man, where, fmt=self.manifest_format)
 
     def shard_file(self, index: int) -> str:
-        return shard_name(index)
+        return self.manifest_format.shard_file(index)
 
     # -- starting
 
@@ -634,7 +688,16 @@ class TopKWriter(ShardWriter):
         lock: Optional[_Lock] = None,
         id_dtype: str = "int32",
     ):
-        check_header(k, temperature, vocab_size, head_rows, logprob_dtype, sequences_per_shard, num_sequences, id_dtype)
+        check_header(
+            k,
+            temperature,
+            vocab_size,
+            head_rows,
+            logprob_dtype,
+            sequences_per_shard=sequences_per_shard,
+            num_sequences=num_sequences,
+            id_dtype=id_dtype,
+        )
         header = {
             "model": model,
             "k": int(k),
@@ -647,7 +710,7 @@ class TopKWriter(ShardWriter):
             "num_sequences": int(num_sequences),
             "id_dtype": id_dtype,
         }
-        self._open_store(path, header, resume, num_parts, part, lock)
+        self._open_store(path, header, resume=resume, num_parts=num_parts, part=part, lock=lock)
 
     def write_shard(
         self,
@@ -728,21 +791,23 @@ def _manifest_bytes(man: Dict) -> bytes:
     return (json.dumps(man, indent=1, sort_keys=True) + "\n").encode()
 
 
-class TopKStore:
-    """Reads a store: ``store[i]`` is sequence i as a dict of ``input_ids`` [L] (int64),
-    ``topk_ids`` [L - 1, K] (int64) and ``topk_logprobs`` [L - 1, K] (float32).
+class ShardReader:
+    """What every sharded store's reader shares: the manifest (with ``allow_incomplete``, the leading run
+    of written shards), the shard of sequence i, each shard's size and sha256 checked the first time
+    this process opens it (``verify``), its tensors' presence, and the ``max_open_shards`` most recently
+    used shards kept open, memory-mapped. A format subclasses it with its ``manifest_format``, the
+    tensors a shard holds (``small_tensors`` are read whole when it opens), ``_check_shard`` and a
+    ``__getitem__`` on ``_locate``."""
 
-    With ``verify=True`` (default) each shard's size and sha256 are checked the first time this
-    process opens it; a missing, truncated or corrupted shard raises StoreError naming it.
-    ``nitrobrew topk-verify STORE`` checks a whole store up front.
-    """
+    manifest_format: ManifestFormat = TOPK_MANIFEST
+    small_tensors: tuple = ("input_ids", "seq_offsets", "row_offsets")
 
     def __init__(self, path: str, verify: bool = True, allow_incomplete: bool = False, max_open_shards: int = 8):
         self.path = path
-        self.manifest = read_manifest(path)
+        self.manifest = read_manifest(path, fmt=self.manifest_format)
         self.verify = verify
         shards: List[Dict] = self.manifest["shards"]
-        if not self.manifest.get("complete"):
+        if not self.manifest["complete"]:
             if not allow_incomplete:
                 raise StoreError(
                     f"store {path!r} is incomplete ({len(shards)} shards written): finish the "
@@ -767,23 +832,26 @@ class TopKStore:
         state["_open"] = OrderedDict()
         return state
 
-    @property
-    def k(self) -> int:
-        return self.manifest["k"]
-
-    @property
-    def temperature(self) -> float:
-        return self.manifest["temperature"]
+    def __len__(self) -> int:
+        return self._len
 
     @property
     def vocab_size(self) -> int:
         return self.manifest["vocab_size"]
 
-    def __len__(self) -> int:
-        return self._len
+    # -- the format's hooks
+
+    def _tensor_names(self) -> tuple:
+        """Every tensor a shard must hold."""
+        return self.small_tensors
+
+    def _check_shard(self, fpath: str, info: Dict, small: Dict[str, torch.Tensor], handle) -> None:
+        """StoreError when the opened shard's shapes do not match its manifest entry."""
+
+    # -- reading
 
     def _shard(self, j: int):
-        """(small tensors, lazy handle) of shard j; the top-k tensors are sliced from the memory-mapped file.
+        """(small tensors, lazy handle) of shard j; the row tensors are sliced from the memory-mapped file.
 
         Each shard's sha256 is checked once per process (not on every reopen: a shuffled epoch
         reopens shards many times), and the most recently used ``max_open_shards`` stay open.
@@ -796,36 +864,27 @@ class TopKStore:
             verify_shard(self.path, info)
             self._verified.add(j)
         fpath = os.path.join(self.path, info["file"])
-        K = self.manifest["k"]
         try:
             from safetensors import safe_open
 
             handle = safe_open(fpath, framework="pt")
             names = set(handle.keys())
-            need = ("input_ids", "seq_offsets", "row_offsets", "topk_ids", "topk_logprobs") + (
-                ("topk_lp_scale",) if self.manifest["logprob_dtype"] == QUANTIZED else ()
-            )
-            missing = [n for n in need if n not in names]
+            missing = [n for n in self._tensor_names() if n not in names]
             if missing:
                 raise StoreError(f"shard {fpath} lacks tensors {missing}")
-            small = {n: handle.get_tensor(n) for n in ("input_ids", "seq_offsets", "row_offsets")}
-            shapes = [list(handle.get_slice(n).get_shape())[:2] for n in ("topk_ids", "topk_logprobs")]
+            small = {n: handle.get_tensor(n) for n in self.small_tensors}
+            self._check_shard(fpath, info, small, handle)
         except StoreError:
             raise
         except Exception as err:
             raise StoreError(f"shard {fpath} cannot be read ({err})") from err
-        want = [info["rows"], K]
-        if shapes != [want, want] or small["seq_offsets"].numel() != info["sequences"] + 1:
-            raise StoreError(
-                f"shard {fpath} does not match the manifest: top-k tensors {shapes}, expected {want} "
-                f"(K = {K}), {small['seq_offsets'].numel() - 1} sequences, expected {info['sequences']}"
-            )
         while len(self._open) >= self.max_open_shards:
             self._open.popitem(last=False)
         self._open[j] = (small, handle)
         return self._open[j]
 
-    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+    def _locate(self, i: int):
+        """(small tensors, handle, index in the shard, input ids, rows [r0, r1)) of sequence i."""
         if i < 0:
             i += self._len
         if not 0 <= i < self._len:
@@ -835,8 +894,44 @@ class TopKStore:
         local = i - self.shards[j]["first_sequence"]
         s0, s1 = int(small["seq_offsets"][local]), int(small["seq_offsets"][local + 1])
         r0, r1 = int(small["row_offsets"][local]), int(small["row_offsets"][local + 1])
+        return small, handle, local, small["input_ids"][s0:s1].long(), (r0, r1)
+
+
+class TopKStore(ShardReader):
+    """Reads a store: ``store[i]`` is sequence i as a dict of ``input_ids`` [L] (int64),
+    ``topk_ids`` [L - 1, K] (int64) and ``topk_logprobs`` [L - 1, K] (float32).
+
+    With ``verify=True`` (default) each shard's size and sha256 are checked the first time this
+    process opens it; a missing, truncated or corrupted shard raises StoreError naming it.
+    ``nitrobrew topk-verify STORE`` checks a whole store up front.
+    """
+
+    @property
+    def k(self) -> int:
+        return self.manifest["k"]
+
+    @property
+    def temperature(self) -> float:
+        return self.manifest["temperature"]
+
+    def _tensor_names(self) -> tuple:
+        scale = ("topk_lp_scale",) if self.manifest["logprob_dtype"] == QUANTIZED else ()
+        return self.small_tensors + ("topk_ids", "topk_logprobs") + scale
+
+    def _check_shard(self, fpath: str, info: Dict, small: Dict[str, torch.Tensor], handle) -> None:
+        K = self.manifest["k"]
+        shapes = [list(handle.get_slice(n).get_shape())[:2] for n in ("topk_ids", "topk_logprobs")]
+        want = [info["rows"], K]
+        if shapes != [want, want] or small["seq_offsets"].numel() != info["sequences"] + 1:
+            raise StoreError(
+                f"shard {fpath} does not match the manifest: top-k tensors {shapes}, expected {want} "
+                f"(K = {K}), {small['seq_offsets'].numel() - 1} sequences, expected {info['sequences']}"
+            )
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        _, handle, _, input_ids, (r0, r1) = self._locate(i)
         return {
-            "input_ids": small["input_ids"][s0:s1].long(),
+            "input_ids": input_ids,
             "topk_ids": unpack_ids(handle.get_slice("topk_ids")[r0:r1]),
             "topk_logprobs": self._logprobs(handle, r0, r1),
         }
