@@ -27,13 +27,21 @@ forward's collectives, waiting for the slower rank included), gradient pass (gra
 dW GEMMs), dX all-reduce, and the whole step.
 
 Columns: ms = median fwd+bwd time (CUDA events after warm-up; the max over ranks); peak MiB =
-peak allocated memory during one fwd+bwd above what was allocated before (max over ranks);
+peak allocated memory during one fwd+bwd above what was allocated before (max over ranks; on a CPU
+the live tensor bytes, nitrobrew.core.memory.TensorMemoryTracker);
 speedup = single GPU torch ms / this ms (ideal for vocab-parallel: P); vs auto = single GPU auto
 ms / this ms (the single-GPU Triton path: the target for vocab-parallel is >= 0.9 P); rel err = the largest of
 |L - L_1| / |L_1|, ||dX - dX_1|| / ||dX_1||, ||dW_r - dW_1[r]|| / ||dW_1[r]|| against the
 single-GPU torch path on the same inputs (bf16 gradients: ~4e-3 is the rounding of the output);
 bytes/call = payload bytes one rank hands to collectives in one fwd+bwd (nitrobrew.parallel.
 count_comm), checked against the formula (nitrobrew.hidden.vocab_parallel.comm_bytes); bytes/token = that / N.
+
+Memory per rank (the second table): each rank's peak beside one GPU's Triton path (single GPU auto) on
+the same inputs, and the buffers that make them up, from the plans both paths use
+(nitrobrew.hidden.triton_function.make_plan): one pair of fp32 logit slabs (rows of a block x the
+vocabulary held, 8 bytes per entry), dW (the head's rows x Ds, in the head's dtype unless fp32 fits the
+budget), dX (one GPU: the input dtype; a rank: fp32, the partial sums the ranks all-reduce) and the
+student rows with ignored rows zeroed (a copy of xs). Target: every rank at or below one GPU.
 
 NVLink multicast (NVLS) is never used: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
 NVSHMEM_DISABLE_NVLS=1 are set before torch is imported, and the script refuses to run if the
@@ -67,6 +75,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import nitrobrew as nb  # noqa: E402
 from nitrobrew import divergences as dv  # noqa: E402
 from nitrobrew.bench.common import Row, environment, is_oom, rel_err, write_csv  # noqa: E402
+from nitrobrew.core.memory import peak_mib  # noqa: E402
 from nitrobrew.hidden.vocab_parallel import comm_bytes  # noqa: E402
 from nitrobrew.parallel import count_comm, time_phases  # noqa: E402
 from nitrobrew.parallel.comm import _record as record_bytes  # noqa: E402
@@ -177,16 +186,32 @@ def timed(fn, device, warmup, reps):
 
 
 def peak(fn, device):
-    """Peak MiB above the memory allocated before the call (CUDA only), max over ranks."""
-    if device.type != "cuda":
-        return None
-    gc.collect()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return reduce_max((torch.cuda.max_memory_allocated() - base) / 2**20, device)
+    """Peak MiB above the memory allocated before the call, per rank (CUDA: the allocator's statistics;
+    CPU: the live tensor bytes)."""
+    mine = torch.tensor([peak_mib(fn, device)], dtype=torch.float64, device=device)
+    parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    return [float(p.item()) for p in parts]
+
+
+def predicted_mib(n, vocab, ds, dtype, world, memory_budget=None):
+    """The buffers of one fwd+bwd's peak (MiB) for one GPU's fast Triton plan and for a rank of the
+    vocab-parallel one (vocab blocks of ceil(V / world)); xs has ignored rows (a masked copy)."""
+    from nitrobrew.hidden.triton_function import make_plan
+
+    item = torch.tensor([], dtype=dtype).element_size()
+    out = {}
+    for who, v, dx_bytes in (("one GPU", vocab, item), ("per rank", -(-vocab // world), 4)):
+        plan = make_plan(n, v, ds, dtype, "fast", None, memory_budget, "mean")
+        parts = {
+            "slabs": min(plan.row_chunk, n) * v * 8,
+            "dW": v * ds * (4 if plan.dw_fp32 else item),
+            "dX": n * ds * dx_bytes,
+            "masked rows": n * ds * item,
+        }
+        out[who] = {k: b / 2**20 for k, b in parts.items()}
+        out[who]["total"] = sum(out[who].values())
+    return out
 
 
 def _barrier(device):
@@ -305,7 +330,7 @@ def main(argv=None) -> int:
 
                 try:
                     ms = timed(step, device, args.warmup, args.reps)
-                    mib = peak(step, device)
+                    per_rank = peak(step, device)
                 except Exception as e:  # noqa: BLE001
                     if not is_oom(e):
                         failures.append(f"N={N} {div} {m} timing: {traceback.format_exc()}")
@@ -318,6 +343,7 @@ def main(argv=None) -> int:
                 )
                 spread_loss = reduce_max(res[0].item(), device) + reduce_max(-res[0].item(), device)
                 extra = {"bytes_per_call": float(res[3]), "bytes_per_token": res[3] / N}
+                extra.update({f"peak_mib_rank{r}": v for r, v in enumerate(per_rank)})
                 note = ""
                 if m == "vocab-parallel":
                     extra["bytes_formula"] = float(pred["total"])
@@ -330,7 +356,16 @@ def main(argv=None) -> int:
                         note = f"rel err {err:.1e} > {MAX_REL_ERR}"
                         failures.append(f"N={N} {div}: vocab-parallel {note}")
                 rows.append(
-                    Row("vocab-parallel", m, dict(size), ms=ms, peak_mib=mib, rel_err=err, note=note, extra=extra)
+                    Row(
+                        "vocab-parallel",
+                        m,
+                        dict(size),
+                        ms=ms,
+                        peak_mib=max(per_rank),
+                        rel_err=err,
+                        note=note,
+                        extra=extra,
+                    )
                 )
                 if m == "vocab-parallel":
                     for r, ph in enumerate(phase_ms(step, device, args.reps)):
@@ -366,9 +401,10 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         text = _table(rows)
         phases = _phase_table(phase_rows)
-        print(text + "\n\n" + phases)
+        memory = _memory_table(rows, args, dtype, world)
+        print(text + "\n\n" + memory + "\n\n" + phases)
         write_csv(os.path.join(args.out, "distributed_nccl.csv"), rows, env)
-        _markdown(os.path.join(args.out, "distributed_nccl.md"), text, env, args, failures, phases)
+        _markdown(os.path.join(args.out, "distributed_nccl.md"), text, env, args, failures, phases, memory)
         if failures:
             print("FAILURES:\n" + "\n".join(failures), flush=True)
     ok = reduce_max(len(failures), device) == 0
@@ -410,6 +446,30 @@ def _phase_table(phase_rows):
     for N, div, r, ph in phase_rows:
         vals = [f"{v:.2f}" for v in ph[:-1]] + [f"{sum(ph[:-1]):.2f}", f"{ph[-1]:.2f}"]
         lines.append("| " + " | ".join([str(N), div, str(r), *vals]) + " |")
+    return "\n".join(lines)
+
+
+def _memory_table(rows, args, dtype, world):
+    """Each rank's peak beside one GPU's Triton path, with the predicted buffers of both."""
+    head = ["N", "div", "one GPU (auto)", *(f"rank {r}" for r in range(world)), "max rank / one GPU"]
+    head += ["predicted one GPU", "predicted per rank", "per rank: slabs + dW + dX fp32 + masked rows"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r.method != "vocab-parallel" or r.peak_mib is None:
+            continue
+        one = next((o for o in rows if o.method == "single GPU auto" and o.size == r.size), None)
+        one_mib = None if one is None else one.peak_mib
+        pred = predicted_mib(r.size["N"], args.vocab, args.ds, dtype, world)
+        parts = pred["per rank"]
+        cells = [str(r.size["N"]), r.size["div"], "-" if one_mib is None else f"{one_mib:.0f}"]
+        cells += [f"{r.extra.get(f'peak_mib_rank{k}', float('nan')):.0f}" for k in range(world)]
+        cells.append("-" if not one_mib else f"{r.peak_mib / one_mib:.2f}")
+        if one_mib is None:  # no Triton path here (a CPU): the prediction is the Triton plans'
+            cells += ["-", "-", "-"]
+        else:
+            cells += [f"{pred['one GPU']['total']:.0f}", f"{parts['total']:.0f}"]
+            cells.append(" + ".join(f"{parts[k]:.0f}" for k in ("slabs", "dW", "dX", "masked rows")))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -473,7 +533,7 @@ def _fmt_bytes(b):
     return f"{b:.0f} B"
 
 
-def _markdown(path, table, env, args, failures, phases=""):
+def _markdown(path, table, env, args, failures, phases="", memory=""):
     with open(path, "w") as f:
         f.write("# Vocab-parallel hidden-state losses over NCCL\n\n")
         f.write(
@@ -489,6 +549,13 @@ def _markdown(path, table, env, args, failures, phases=""):
             "(nitrobrew.parallel.count_comm; equals nitrobrew.hidden.vocab_parallel.comm_bytes).\n\n"
         )
         f.write(table + "\n")
+        if memory:
+            f.write(
+                "\n## Memory per rank (MiB above the inputs, one fwd+bwd)\n\n"
+                "Each rank's peak beside one GPU's Triton path on the same inputs; predicted: the buffers of the "
+                "fast plans (one fp32 logit slab pair, dW in the head's dtype, dX: the input dtype on one GPU, fp32 "
+                "on a rank, the masked copy of xs). Target: every rank at or below one GPU.\n\n" + memory + "\n"
+            )
         if phases:
             f.write(
                 "\n## Per-rank phases of the vocab-parallel call (ms, CUDA events, median)\n\n"

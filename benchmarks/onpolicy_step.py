@@ -12,19 +12,28 @@ downloads), bf16, SDPA attention. Prompts of P = 256 tokens, completions of G = 
    P + G - 64 tokens, so each timed step reads about the KV cache of P + G tokens, as the floor assumes), the
    prefill is timed apart (a 1-step call) and subtracted, and a full generation of G tokens is extrapolated
    as prefill(P) + G x (ms per step): an upper bound for the dynamic cache, whose early steps read less.
-2. The step, at B = 8 and 64 (prompts x completions of P + G tokens): on-policy (generation, extrapolated
-   as above, with the fastest engine + the training step on the generated tokens) against the off-policy
-   (teacher-forced) step on the same number of tokens (teacher forward, student forward + backward with
-   gradient checkpointing, ``distill_loss(divergence="jsd")``, AdamW) and against an SFT step (CE only).
-3. With two GPUs visible: asynchronous rollouts (the static engine on a copy of the student on cuda:1,
-   staleness 1, training on cuda:0), the measured steady-state step time over ``--async-windows`` windows;
-   ``--async-same-gpu`` also times the copy on the training GPU (its own stream, sharing the GPU).
+2. The step, at B = 8 and 64 (prompts x completions of P + G tokens): the off-policy (teacher-forced) step
+   on the same number of tokens (teacher forward, student forward + backward with gradient checkpointing,
+   ``distill_loss(divergence="jsd")``, AdamW), an SFT step (CE only), and the on-policy step: extrapolated
+   (the fastest engine's generation, from part 1, + the off-policy step) and, with ``--sync-windows`` > 0,
+   measured (the static engine on the training student generates G tokens, then the step trains on them).
+3. Asynchronous rollouts, measured (``nitrobrew.hf.generation.AsyncRollouts``, staleness 1, as
+   ``generation_async: true`` runs them): a copy of the student (``copy.deepcopy``, as the trainer makes it)
+   with the static engine generates window k+1 in a background thread, on its own CUDA stream, while the
+   student trains on window k; after each optimizer step the weights are copied into it. On the second GPU
+   (cuda:1, when two are visible) and, with ``--async-same-gpu``, on the training GPU itself. The first window
+   (compilation in the thread) is not timed; the step time is the median of ``--async-windows`` windows
+   after it (each: waiting for the window's completions, the training step, and the weight sync, which
+   waits for the next window's generation); also recorded: the weight copy alone (timed apart), the
+   staleness of every window, the generation time per window and the peak memory of both devices.
 
 vLLM cannot be installed on the lent GPUs (no package index there; its wheels pin another torch): its rows
 say so; where it is installed, ``--backends hf static vllm`` measures it the same way.
 
   python benchmarks/onpolicy_step.py                     # CUDA, the shapes above (under 8 minutes, one H100)
   python benchmarks/onpolicy_step.py --profile           # also a torch.profiler table of decode steps
+  python benchmarks/onpolicy_step.py --backends static --decode-batches --step-batches 64 \
+      --sync-windows 2 --async-windows 4 --async-same-gpu  # 2 GPUs: sync vs async at B = 64 (~4 minutes)
   python benchmarks/onpolicy_step.py --tiny --out DIR    # CPU, tiny shapes, seconds (CI)
 
 Writes onpolicy_step.md and onpolicy_step.csv (and profile_decode.txt) into --out
@@ -45,10 +54,14 @@ from typing import Dict, List, Optional
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run from a checkout
+
+from nitrobrew.bench.models import QWEN2_VOCAB, STUDENT_1P5B, TEACHER_7B, qwen2_model  # noqa: E402
+
 REAL = dict(
-    vocab=152064,
-    student=(28, 1536, 12, 2, 8960),
-    teacher=(28, 3584, 28, 4, 18944),
+    vocab=QWEN2_VOCAB,
+    student=STUDENT_1P5B,
+    teacher=TEACHER_7B,
     dtype="bfloat16",
     prompt=256,
     gen=512,
@@ -76,11 +89,18 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny models on CPU, seconds (CI)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "onpolicy"))
     p.add_argument("--backends", nargs="+", default=["hf", "static", "vllm"], help="engines to measure")
-    p.add_argument("--decode-batches", type=int, nargs="+", default=None)
-    p.add_argument("--step-batches", type=int, nargs="+", default=None)
+    p.add_argument("--decode-batches", type=int, nargs="*", default=None, help="none: no decode table")
+    p.add_argument("--step-batches", type=int, nargs="*", default=None, help="none: no step table")
     p.add_argument("--decode-steps", type=int, default=None, help="decode steps timed per measurement")
+    p.add_argument("--step-repeats", type=int, default=None, help="timed repeats of the off-policy and SFT steps")
+    p.add_argument(
+        "--sync-windows", type=int, default=0, help="measured synchronous on-policy steps per batch (0: none)"
+    )
     p.add_argument("--async-windows", type=int, default=3, help="windows timed with asynchronous rollouts")
-    p.add_argument("--no-async", action="store_true", help="skip the two-GPU asynchronous variant")
+    p.add_argument(
+        "--async-batches", type=int, nargs="*", default=None, help="batches of the asynchronous variants (64)"
+    )
+    p.add_argument("--no-async", action="store_true", help="skip the asynchronous variants")
     p.add_argument(
         "--async-same-gpu",
         action="store_true",
@@ -99,28 +119,7 @@ def hbm_bandwidth(name: str) -> Optional[float]:
 
 
 def build(shape, vocab: int, dtype, dev, seed: int):
-    import transformers
-
-    layers, width, heads, kv, mlp = shape
-    cfg = transformers.Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=width,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        intermediate_size=mlp,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(dev):
-            model = transformers.Qwen2ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
+    model = qwen2_model(shape, vocab, dtype, dev, seed, max_positions=8192)
     model.generation_config.eos_token_id = None  # every row runs the full length
     model.generation_config.pad_token_id = 0
     return model
@@ -267,76 +266,173 @@ def time_train(student, teacher, opt, batch, dev, sft=False, repeats=1) -> float
     return statistics.median(times)
 
 
-def measure_steps(student, teacher, opt, cfg, dev, decode_rows) -> List[Dict]:
+def error_note(err: BaseException) -> str:
+    kind = "OOM" if "out of memory" in str(err).lower() else "error"
+    return f"{kind}: {type(err).__name__}: {' '.join(str(err).split())[:200]}"
+
+
+def measure_steps(student, teacher, opt, cfg, dev, decode_rows, repeats: int) -> List[Dict]:
+    """The off-policy and SFT steps at each batch, and the on-policy step extrapolated from the decode rows."""
     rows = []
     for B in cfg["step_batches"]:
-        row = dict(part="step", batch=B, note="")
-        try:
-            batch = training_batch(B, cfg, dev, seed=B)
-            off = time_train(student, teacher, opt, batch, dev)
-            sft = time_train(student, teacher, opt, batch, dev, sft=True)
-            row.update(off_policy_s=off, sft_s=sft)
-            # The fastest engine's extrapolated generation at this batch (decode rows of the same batch).
-            gens = [r for r in decode_rows if r.get("batch") == B and r.get("gen_s_extrapolated")]
-            if gens:
-                best = min(gens, key=lambda r: r["gen_s_extrapolated"])
-                on = best["gen_s_extrapolated"] + off
-                row.update(
+        batch = training_batch(B, cfg, dev, seed=B)
+        for kind in ("off-policy", "SFT"):
+            row = dict(part="step", kind=kind, batch=B, note="")
+            try:
+                row["step_s"] = time_train(student, teacher, opt, batch, dev, sft=kind == "SFT", repeats=repeats)
+            except Exception as err:  # noqa: BLE001 - reported in the row
+                row["note"] = error_note(err)
+            rows.append(row)
+        off = rows[-2].get("step_s")
+        # The fastest engine's extrapolated generation at this batch (decode rows of the same batch).
+        gens = [r for r in decode_rows if r.get("batch") == B and r.get("gen_s_extrapolated")]
+        if gens and off:
+            best = min(gens, key=lambda r: r["gen_s_extrapolated"])
+            gen = best["gen_s_extrapolated"]
+            rows.append(
+                dict(
+                    part="step",
+                    kind="on-policy, extrapolated",
                     backend=best["backend"],
-                    gen_s=best["gen_s_extrapolated"],
-                    on_policy_s=on,
-                    on_over_off=on / off,
-                    on_over_sft=on / sft,
-                    gen_fraction=best["gen_s_extrapolated"] / on,
+                    batch=B,
+                    gen_s=gen,
+                    train_s=off,
+                    step_s=gen + off,
+                    note="",
                 )
-        except Exception as err:  # noqa: BLE001
-            row["note"] = f"error: {type(err).__name__}: {str(err)[:160]}"
+            )
+        del batch
         free(dev)
-        rows.append(row)
     return rows
+
+
+def measure_sync(student, teacher, opt, cfg, dev, batch: int, windows: int, backend: str = "static") -> Dict:
+    """The synchronous on-policy step, measured: the engine on the training student generates G tokens for
+    the window's prompts, then the step trains on them (the first window compiles: not timed)."""
+    from nitrobrew.hf.generation import Sampling
+    from nitrobrew.hf.onpolicy import assemble
+
+    row = dict(part="step", kind="on-policy, synchronous", backend=backend, batch=batch, note="")
+    engine, why = make_engine(backend, student)
+    if engine is None:
+        row["note"] = why
+        return row
+    P, G = cfg["prompt"], cfg["gen"]
+    s = Sampling(max_new_tokens=G, temperature=1.0, pad_token_id=0, seed=0)
+    parts = []
+    try:
+        for k in range(windows + 1):
+            ids, mask = prompts(batch, P, cfg["vocab"], dev, seed=200 + k)
+            sync(dev)
+            t0 = time.perf_counter()
+            c = engine.generate(ids, mask, s)
+            sync(dev)
+            t1 = time.perf_counter()
+            b = assemble(ids, mask, c, 0)
+            train_step(student, teacher, opt, (b.input_ids, b.attention_mask, b.labels))
+            sync(dev)
+            if k:
+                parts.append((time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1))
+        row.update(
+            step_s=statistics.median(p[0] for p in parts),
+            gen_s=statistics.median(p[1] for p in parts),
+            train_s=statistics.median(p[2] for p in parts),
+            windows=len(parts),
+            window_steps=" ".join(f"{p[0]:.3f}" for p in parts),
+            recompiles=getattr(engine, "recompiles", 0),
+        )
+    except Exception as err:  # noqa: BLE001 - reported in the row
+        row["note"] = error_note(err)
+    finally:
+        engine.sleep()
+        del engine
+        free(dev)
+    return row
 
 
 # ---------------------------------------------------------------- 3. asynchronous rollouts
 
 
-def measure_async(student, teacher, opt, cfg, windows: int, batch: int, gen_device: str = "cuda:1") -> Dict:
-    """Training on cuda:0 while the static engine on a copy of the student on ``gen_device`` generates the next
-    window (on cuda:0 itself: on a stream of its own, sharing the GPU with training)."""
+def measure_async(
+    student, teacher, opt, cfg, windows: int, batch: int, gen_device: str, compile_mode: Optional[str] = None
+) -> Dict:
+    """Training on the student's device while the static engine on a copy of the student on ``gen_device``
+    generates the next window in a background thread (on the training device itself: on a stream of its own,
+    sharing the GPU with training). See the module docstring, part 3."""
     import copy
 
     from nitrobrew.hf.generation import Sampling, StaticCacheGenerator
     from nitrobrew.hf.generation.async_rollouts import AsyncRollouts
     from nitrobrew.hf.onpolicy import assemble
 
-    row = dict(part="async", backend=f"static on {gen_device}", batch=batch, note="")
     dev0, dev1 = next(student.parameters()).device, torch.device(gen_device)
+    same = dev1 == dev0 or (dev0.type == "cuda" and dev1.type == "cuda" and (dev1.index or 0) == dev0.index)
+    where = f"static on {gen_device}" + (" (the training device)" if same else "")
+    row = dict(part="step", kind="on-policy, async", backend=where, batch=batch, note="")
+    if compile_mode:
+        row["note"] = f"compile_mode {compile_mode!r} (no CUDA graphs)"
     P, G = cfg["prompt"], cfg["gen"]
-    replica = copy.deepcopy(student).to(dev1).requires_grad_(False)
-    engine = StaticCacheGenerator(replica)
+    replica = copy.deepcopy(student).to(dev1).requires_grad_(False)  # as the trainer makes it
+    engine = StaticCacheGenerator(replica, compile_mode=compile_mode)
     s = Sampling(max_new_tokens=G, temperature=1.0, pad_token_id=0, seed=0)
-    windows_prompts = [prompts(batch, P, cfg["vocab"], dev1, seed=100 + k) for k in range(windows + 2)]
-    # Warm-up on the copy at the timed shapes (compilation, CUDA graphs) before timing.
-    engine.generate(*windows_prompts[0], s)
-    times = []
-    with AsyncRollouts(engine, staleness=1) as rollouts:
-        ahead = 0
-        for k in range(windows + 1):
-            while ahead < min(k + 2, windows + 1):
-                rollouts.submit(*windows_prompts[ahead], s)
-                ahead += 1
-            sync(dev0)
+    devices = [dev0] if same else [dev0, dev1]
+
+    def sync_all():
+        for d in devices:
+            sync(d)
+
+    try:
+        copies = []
+        for _ in range(3):  # the weight copy alone (the first allocates nothing: in place)
+            sync_all()
             t0 = time.perf_counter()
-            c = rollouts.result(k)
-            ids, mask = windows_prompts[k]
-            b = assemble(ids.to(dev0), mask.to(dev0), c, 0)
-            train_step(student, teacher, opt, (b.input_ids, b.attention_mask, b.labels))
-            rollouts.sync_weights(student)
-            sync(dev0)
-            if k:  # window 0 waits for a whole generation: not the steady state
-                times.append(time.perf_counter() - t0)
-    row.update(on_policy_s=statistics.median(times), windows=len(times))
-    del engine, replica
-    free(dev1)
+            engine.sync_weights(student)
+            sync_all()
+            copies.append(time.perf_counter() - t0)
+        for d in devices:
+            if d.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(d)
+        window_prompts = [prompts(batch, P, cfg["vocab"], dev0, seed=100 + k) for k in range(windows + 1)]
+        parts, lags = [], []
+        with AsyncRollouts(engine, staleness=1) as rollouts:
+            ahead = 0
+            for k in range(windows + 1):
+                while ahead < min(k + 2, windows + 1):  # window k + 1 is queued before window k trains
+                    rollouts.submit(*window_prompts[ahead], s)
+                    ahead += 1
+                sync(dev0)
+                t0 = time.perf_counter()
+                c = rollouts.result(k, timeout=600)
+                t1 = time.perf_counter()
+                lags.append(rollouts.version - c.weight_version)
+                ids, mask = window_prompts[k]
+                b = assemble(ids, mask, c, 0)
+                train_step(student, teacher, opt, (b.input_ids, b.attention_mask, b.labels))
+                sync(dev0)
+                t2 = time.perf_counter()
+                rollouts.sync_weights(student)  # waits for window k + 1's generation, then copies the weights
+                sync_all()
+                t3 = time.perf_counter()
+                if k:  # window 0 waits for a whole generation and the thread's compilation: not timed
+                    parts.append((t3 - t0, t1 - t0, t2 - t1, t3 - t2, c.seconds))
+        mem = {d: torch.cuda.max_memory_allocated(d) / 2**30 for d in devices if d.type == "cuda"}
+        row.update(
+            step_s=statistics.median(p[0] for p in parts),
+            wait_s=statistics.median(p[1] for p in parts),
+            train_s=statistics.median(p[2] for p in parts),
+            sync_s=statistics.median(p[3] for p in parts),
+            gen_s=statistics.median(p[4] for p in parts),
+            copy_ms=1e3 * statistics.median(copies),
+            staleness=" ".join(str(v) for v in lags),
+            windows=len(parts),
+            window_steps=" ".join(f"{p[0]:.3f}" for p in parts),
+            recompiles=engine.recompiles,
+            mem_train_gib=mem.get(dev0),
+            mem_gen_gib=mem.get(dev1) if not same else None,
+        )
+    finally:
+        del engine, replica
+        free(dev1)
     return row
 
 
@@ -373,6 +469,7 @@ def profile_decode(engine, ids, mask, dev, out_dir: str) -> str:
 
 COLUMNS = [
     "part",
+    "kind",
     "backend",
     "batch",
     "ms_per_step",
@@ -383,14 +480,19 @@ COLUMNS = [
     "gen_s_extrapolated",
     "compiles_warmup",
     "recompiles",
+    "step_s",
     "gen_s",
-    "off_policy_s",
-    "sft_s",
-    "on_policy_s",
-    "on_over_off",
-    "on_over_sft",
-    "gen_fraction",
+    "train_s",
+    "wait_s",
+    "sync_s",
+    "copy_ms",
+    "staleness",
     "windows",
+    "window_steps",
+    "x_off",
+    "x_sft",
+    "mem_train_gib",
+    "mem_gen_gib",
     "note",
 ]
 
@@ -399,8 +501,20 @@ def fmt(v, p=2):
     return "-" if v in (None, "") else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
 
 
+def add_ratios(rows: List[Dict]) -> None:
+    """Each step row against the off-policy and SFT steps of its batch (measured in the same run)."""
+    for r in rows:
+        if r["part"] != "step" or not r.get("step_s"):
+            continue
+        for kind, key in (("off-policy", "x_off"), ("SFT", "x_sft")):
+            base = next((b.get("step_s") for b in rows if b.get("kind") == kind and b["batch"] == r["batch"]), None)
+            if base:
+                r[key] = r["step_s"] / base
+
+
 def write(rows: List[Dict], env: Dict[str, str], cfg, bw, out: str, seconds: float) -> List[str]:
     os.makedirs(out, exist_ok=True)
+    add_ratios(rows)
     paths = [os.path.join(out, "onpolicy_step.csv"), os.path.join(out, "onpolicy_step.md")]
     with open(paths[0], "w", newline="") as f:
         w = csv.writer(f)
@@ -416,39 +530,59 @@ def write(rows: List[Dict], env: Dict[str, str], cfg, bw, out: str, seconds: flo
         f"completions of G = {cfg['gen']}. "
         + ", ".join(f"{k} {v}" for k, v in sorted(env.items()))
         + (f". HBM bandwidth taken as {bw / 1e12:.2f} TB/s." if bw else ". No HBM bandwidth known here: no floor."),
-        "",
-        f"Decode: {cfg['decode_steps']} steps timed at the end of the context (prompts of P + G - "
-        f"{cfg['decode_steps']}), the prefill subtracted; floor = (student weights + KV of P + G tokens per row) / "
-        "HBM bandwidth; a generation of G tokens extrapolated as prefill(P) + G x ms/step; recompiles: graphs "
-        "compiled after warm-up.",
-        "",
-        "| engine | B | ms / step | floor ms | x floor | new tokens/s | prefill(P) ms | generation of G (s) | "
-        "graphs at warm-up | recompiles | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in (r for r in rows if r["part"] == "decode"):
+    decode = [r for r in rows if r["part"] == "decode"]
+    if decode:
+        lines += [
+            "",
+            f"Decode: {cfg['decode_steps']} steps timed at the end of the context (prompts of P + G - "
+            f"{cfg['decode_steps']}), the prefill subtracted; floor = (student weights + KV of P + G tokens per row) "
+            "/ HBM bandwidth; a generation of G tokens extrapolated as prefill(P) + G x ms/step; recompiles: graphs "
+            "compiled after warm-up.",
+            "",
+            "| engine | B | ms / step | floor ms | x floor | new tokens/s | prefill(P) ms | generation of G (s) | "
+            "graphs at warm-up | recompiles | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+    for r in decode:
         lines.append(
             f"| {r['backend']} | {r['batch']} | {fmt(r.get('ms_per_step'))} | {fmt(r.get('floor_ms'))} | "
             f"{fmt(r.get('x_floor'), 1)} | {fmt(r.get('tokens_per_s'), 0)} | {fmt(r.get('prefill_ms'), 1)} | "
             f"{fmt(r.get('gen_s_extrapolated'))} | {fmt(r.get('compiles_warmup'))} | {fmt(r.get('recompiles'))} | "
             f"{r.get('note', '')} |"
         )
-    lines += [
-        "",
-        "Step: off-policy = teacher forward + student forward/backward (gradient checkpointing) + "
-        "distill_loss(jsd) + AdamW on B rows of P + G tokens; SFT = CE only on the same rows; on-policy = the "
-        "fastest engine's generation of G tokens (extrapolated) + the off-policy step; async = measured, "
-        "generation on cuda:1 overlapped with training on cuda:0 (staleness 1).",
-        "",
-        "| B | engine | generation s | off-policy step s | SFT step s | on-policy step s | on / off | on / SFT | "
-        "generating | note |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in (r for r in rows if r["part"] in ("step", "async")):
+    steps = [r for r in rows if r["part"] == "step"]
+    if steps:
+        lines += [
+            "",
+            "Step: off-policy = teacher forward + student forward/backward (gradient checkpointing) + "
+            "distill_loss(jsd) + AdamW on B rows of P + G tokens (only the G completion tokens count); SFT = CE only "
+            "on the same rows; on-policy, extrapolated = the fastest engine's generation of G tokens (decode table) + "
+            "the off-policy step; on-policy, synchronous = measured: the static engine on the training student "
+            "generates G tokens, then the step trains on them (median of the windows after the first); on-policy, "
+            "async = measured, `AsyncRollouts` (staleness 1): a copy of the student generates window k+1 in a "
+            "background thread on its own CUDA stream while window k trains, then the weights are copied into it; "
+            "step = the median over the windows after the first of (waiting for the window's completions + the "
+            "training step + the weight sync, which waits for the next window's generation). training s: the step "
+            "on the generated tokens; weight copy: the copy into the generating copy alone, timed apart; staleness: "
+            "optimizer steps between the weights that generated each window and those that trained on it (window 0 "
+            "first); peak GiB: max allocated on the training / generating device during the windows.",
+            "",
+            "| B | step | engine | step s | generation s | training s | weight copy ms | staleness | windows | "
+            "x off-policy | x SFT | peak GiB (train / gen) | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+    for r in steps:
+        mem = "-"
+        if r.get("mem_train_gib") is not None:
+            mem = f"{r['mem_train_gib']:.1f}" + (
+                f" / {r['mem_gen_gib']:.1f}" if r.get("mem_gen_gib") is not None else " (both)"
+            )
         lines.append(
-            f"| {r['batch']} | {r.get('backend', '-')} | {fmt(r.get('gen_s'))} | {fmt(r.get('off_policy_s'))} | "
-            f"{fmt(r.get('sft_s'))} | {fmt(r.get('on_policy_s'))} | {fmt(r.get('on_over_off'), 1)} | "
-            f"{fmt(r.get('on_over_sft'), 1)} | {fmt(r.get('gen_fraction'))} | {r.get('note', '')} |"
+            f"| {r['batch']} | {r.get('kind', '-')} | {r.get('backend', '-')} | {fmt(r.get('step_s'), 3)} | "
+            f"{fmt(r.get('gen_s'), 3)} | {fmt(r.get('train_s'), 3)} | {fmt(r.get('copy_ms'), 1)} | "
+            f"{r.get('staleness') or '-'} | {fmt(r.get('windows'))} | {fmt(r.get('x_off'), 2)} | "
+            f"{fmt(r.get('x_sft'), 2)} | {mem} | {r.get('note', '')} |"
         )
     lines += ["", f"Whole run: {seconds:.0f} s."]
     with open(paths[1], "w") as f:
@@ -458,7 +592,6 @@ def write(rows: List[Dict], env: Dict[str, str], cfg, bw, out: str, seconds: flo
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, ROOT)
     from nitrobrew.environment import environment, package_version
 
     t_start = time.perf_counter()
@@ -475,11 +608,13 @@ def main(argv=None) -> int:
     env["transformers"] = package_version("transformers")
     env["vllm"] = package_version("vllm")
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    if dev.type == "cuda" and torch.cuda.device_count() > 1:
+        env["devices"] = f"{torch.cuda.device_count()} x {name}"
     bw = hbm_bandwidth(name)
     print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     print(f"HBM bandwidth: {bw / 1e12:.2f} TB/s ({name})" if bw else f"HBM bandwidth: unknown ({name})", flush=True)
     if args.tiny:
-        torch.set_num_threads(min(2, torch.get_num_threads()))
+        torch.set_num_threads(1)  # tiny ops: threads of one op wait on each other on a busy CPU
     student = build(cfg["student"], cfg["vocab"], dtype, dev, seed=0)
     teacher = build(cfg["teacher"], cfg["vocab"], dtype, dev, seed=1).requires_grad_(False).eval()
     if bw:
@@ -491,14 +626,21 @@ def main(argv=None) -> int:
         )
     rows: List[Dict] = []
     failed = False
+
+    def report(row):
+        nonlocal failed
+        failed |= row["note"].startswith("error")
+        rows.append(row)
+        # written after every row: a run cut short by a time limit keeps what it measured
+        write(rows, env, cfg=cfg, bw=bw, out=args.out, seconds=time.perf_counter() - t_start)
+
     for B in cfg["decode_batches"]:
         for name_ in args.backends:
             profiled = args.profile and name_ == "static" and B == (64 if 64 in cfg["decode_batches"] else B)
             row = measure_decode(
                 name_, student, B, cfg=cfg, dev=dev, floor_bw=bw, profile_dir=args.out if profiled else None
             )
-            failed |= row["note"].startswith("error")
-            rows.append(row)
+            report(row)
             print(
                 f"decode {name_:7s} B={B:4d}: {fmt(row.get('ms_per_step'))} ms/step "
                 f"(floor {fmt(row.get('floor_ms'))}, x{fmt(row.get('x_floor'), 1)}), "
@@ -510,36 +652,66 @@ def main(argv=None) -> int:
     student.config.use_cache = False
     student.train()
     opt = torch.optim.AdamW(student.parameters(), lr=1e-6)
-    for row in measure_steps(student, teacher, opt, cfg=cfg, dev=dev, decode_rows=rows):
-        failed |= row["note"].startswith("error")
-        rows.append(row)
-        print(
-            f"step B={row['batch']}: on-policy {fmt(row.get('on_policy_s'))} s, off-policy "
-            f"{fmt(row.get('off_policy_s'))} s, SFT {fmt(row.get('sft_s'))} s, on/off "
-            f"{fmt(row.get('on_over_off'), 1)} {row['note']}",
-            flush=True,
-        )
-    gen_devices = ["cpu"] if dev.type == "cpu" and not args.no_async else []  # the code path, on a CPU
+    repeats = args.step_repeats or (2 if dev.type == "cuda" else 1)
+    decode_rows = [r for r in rows if r["part"] == "decode"]
+    for row in measure_steps(student, teacher, opt, cfg=cfg, dev=dev, decode_rows=decode_rows, repeats=repeats):
+        report(row)
+        print(f"step B={row['batch']} {row['kind']}: {fmt(row.get('step_s'), 3)} s {row['note']}", flush=True)
+    engines = [b for b in args.backends if not b.startswith("vllm")]
+    sync_engine = "static" if "static" in engines else (engines[0] if engines else None)
+    if args.sync_windows > 0 and sync_engine:
+        for B in cfg["step_batches"]:
+            row = measure_sync(
+                student, teacher, opt, cfg=cfg, dev=dev, batch=B, windows=args.sync_windows, backend=sync_engine
+            )
+            report(row)
+            print(
+                f"on-policy, synchronous B={B}: {fmt(row.get('step_s'), 3)} s (generation "
+                f"{fmt(row.get('gen_s'), 3)} s) {row['note']}",
+                flush=True,
+            )
+    gen_devices = [] if args.no_async else ["cpu"] if dev.type == "cpu" else []  # on a CPU: the code path
     if dev.type == "cuda" and not args.no_async:
         gen_devices = (["cuda:1"] if torch.cuda.device_count() >= 2 else []) + (
-            ["cuda:0"] if args.async_same_gpu else []
+            [str(dev)] if args.async_same_gpu else []
         )
         if torch.cuda.device_count() < 2:
-            rows.append(dict(part="async", batch="-", note="not measured on a second GPU: one GPU visible"))
-    for gen_device in gen_devices:
-        B = 64 if 64 in cfg["step_batches"] else cfg["step_batches"][-1]
-        try:
-            row = measure_async(
-                student, teacher, opt, cfg=cfg, windows=args.async_windows, batch=B, gen_device=gen_device
+            report(dict(part="step", kind="on-policy, async", batch="-", note="not measured on a second GPU: one GPU"))
+    batches = args.async_batches
+    if batches is None:
+        batches = [64 if 64 in cfg["step_batches"] else (cfg["step_batches"] or [64])[-1]]
+    for B in batches:
+        for gen_device in gen_devices:
+            try:
+                row = measure_async(
+                    student, teacher, opt, cfg=cfg, windows=args.async_windows, batch=B, gen_device=gen_device
+                )
+            except Exception as err:  # noqa: BLE001 - reported in the row, then once more without CUDA graphs
+                print(f"async B={B} ({gen_device}) failed: {error_note(err)}", flush=True)
+                report(dict(part="step", kind="on-policy, async", backend=gen_device, batch=B, note=error_note(err)))
+                if not gen_device.startswith("cuda"):
+                    continue
+                try:
+                    row = measure_async(
+                        student,
+                        teacher,
+                        opt,
+                        cfg=cfg,
+                        windows=args.async_windows,
+                        batch=B,
+                        gen_device=gen_device,
+                        compile_mode="default",
+                    )
+                except Exception as err2:  # noqa: BLE001
+                    row = dict(part="step", kind="on-policy, async", backend=gen_device, batch=B)
+                    row["note"] = "without CUDA graphs: " + error_note(err2)
+            report(row)
+            print(
+                f"on-policy, async B={B} ({gen_device}): {fmt(row.get('step_s'), 3)} s, generation "
+                f"{fmt(row.get('gen_s'), 3)} s, copy {fmt(row.get('copy_ms'), 1)} ms, staleness "
+                f"{row.get('staleness', '-')} {row['note']}",
+                flush=True,
             )
-            off = next((r.get("off_policy_s") for r in rows if r["part"] == "step" and r["batch"] == B), None)
-            if off:
-                row["on_over_off"] = row["on_policy_s"] / off
-        except Exception as err:  # noqa: BLE001
-            row = dict(part="async", batch=B, note=f"error: {type(err).__name__}: {str(err)[:160]}")
-            failed = True
-        rows.append(row)
-        print(f"async B={B} ({gen_device}): step {fmt(row.get('on_policy_s'))} s {row['note']}", flush=True)
     for path in write(rows, env, cfg=cfg, bw=bw, out=args.out, seconds=time.perf_counter() - t_start):
         print("wrote " + path)
     return 1 if failed else 0

@@ -38,10 +38,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from nitrobrew.bench.models import QWEN2_VOCAB, STUDENT_1P5B, TEACHER_7B, qwen2_model  # noqa: E402
+
 REAL = dict(
-    vocab=152064,
-    teacher=(28, 3584, 28, 4, 18944),
-    student=(28, 1536, 12, 2, 8960),
+    vocab=QWEN2_VOCAB,
+    teacher=TEACHER_7B,
+    student=STUDENT_1P5B,
     lens=[4096, 16384],
     extract_tokens=131072,
     extract_len=2048,
@@ -81,30 +83,7 @@ def parse_args(argv=None):
 
 
 def build(shape, vocab, dtype, dev, seed):
-    import transformers
-
-    layers, width, heads, kv, mlp = shape
-    cfg = transformers.Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=width,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        intermediate_size=mlp,
-        max_position_embeddings=1 << 16,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(dev):
-            model = transformers.Qwen2ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
-    return model
+    return qwen2_model(shape, vocab, dtype, dev, seed, max_positions=1 << 16, use_cache=False)
 
 
 def sync(dev):

@@ -1,5 +1,6 @@
 """benchmarks/onpolicy_step.py --tiny: runs on CPU in seconds and writes its table."""
 
+import csv
 import os
 import sys
 
@@ -14,14 +15,35 @@ import onpolicy_step  # noqa: E402
 
 def test_tiny_run_writes_the_tables(tmp_path):
     argv = ["--tiny", "--out", str(tmp_path), "--decode-batches", "2", "--backends", "hf", "static", "vllm"]
+    argv += ["--sync-windows", "1", "--async-windows", "2"]
     assert onpolicy_step.main([*argv, "--profile"]) == 0
     md = (tmp_path / "onpolicy_step.md").read_text()
-    for text in ("| hf | 2 |", "| static | 2 |", "| vllm | 2 |", "not installed", "on / off", "commit"):
+    for text in ("| hf | 2 |", "| static | 2 |", "| vllm | 2 |", "not installed", "x off-policy", "commit"):
         assert text in md, text
-    rows = (tmp_path / "onpolicy_step.csv").read_text().splitlines()
-    assert len(rows) == 1 + 3 + 1 + 1  # header, three decode rows, one step row, the async row (CPU thread)
-    assert "| 2 | static on cpu |" in md
+    rows = list(csv.DictReader(open(tmp_path / "onpolicy_step.csv")))
+    # three decode rows; off-policy, SFT, on-policy extrapolated and measured; the async row (a CPU thread)
+    assert [r["part"] for r in rows] == ["decode"] * 3 + ["step"] * 5
+    steps = {r["kind"]: r for r in rows[3:]}
+    assert list(steps) == [
+        "off-policy",
+        "SFT",
+        "on-policy, extrapolated",
+        "on-policy, synchronous",
+        "on-policy, async",
+    ]
+    async_row = steps["on-policy, async"]
+    assert async_row["backend"] == "static on cpu (the training device)" and async_row["windows"] == "2"
+    assert async_row["staleness"] == "0 1 1"  # window 0 with the first weights, then one step behind
+    for kind in ("on-policy, synchronous", "on-policy, async"):
+        assert float(steps[kind]["step_s"]) > 0 and float(steps[kind]["x_off"]) > 0, kind
+    assert "| 2 | on-policy, async | static on cpu (the training device) |" in md
     assert "decode steps" in (tmp_path / "profile_decode.txt").read_text()
+
+
+def test_decode_and_step_tables_can_be_skipped(tmp_path):
+    argv = ["--tiny", "--out", str(tmp_path), "--decode-batches", "--step-batches", "--no-async"]
+    assert onpolicy_step.main(argv) == 0
+    assert list(csv.DictReader(open(tmp_path / "onpolicy_step.csv"))) == []
 
 
 def test_floor_bandwidth_by_device_name():

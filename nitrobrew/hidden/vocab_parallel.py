@@ -191,6 +191,7 @@ def fused_forward(
                 return tuple(st2[:, k] for k in (tr.PHI_SUM, tr.V_SUM, tr.V2_SUM, tr.V3_SUM))
 
         rs = _merged_stats(_first_pass_from_state(st, cfg), cfg, group, second_pass)
+        del second_pass  # it holds this block's slabs: gone before the next block's are made
         stats.append(rs)
         if empty:
             continue

@@ -15,6 +15,11 @@ Which weights generate which window is therefore fixed by the order of the train
 with seeded sampling (an engine that ``seeds_itself``) the rollouts, and the training on them, are the same
 from run to run.
 
+On CUDA the thread generates on a stream of its own (it overlaps training on the same device, or runs on a
+second one). The copy of new weights runs on the trainer's streams; the thread's stream waits for it (an
+event) before the next generation reads them, and the thread synchronizes its stream before a window's
+completions are handed over (they are then kept alive for the stream that takes them, ``record_stream``).
+
 Staleness and the divergences. The completions of a window come from a policy up to ``staleness`` steps
 older than the student that trains on them. Losses weighted by the teacher's distribution (forward KL, and
 JSD / skew KL towards it) score every token by the teacher and are robust to it; student-weighted reverse
@@ -38,6 +43,22 @@ from .base import Completions, Sampling
 def _parameters(engine):
     model = getattr(engine, "model", None)
     return model.parameters() if isinstance(model, torch.nn.Module) else iter(())
+
+
+def _copy_done(device: Optional[torch.device], model: torch.nn.Module):
+    """After a weight copy into an engine on ``device``: a CUDA event on that device's current stream (a copy
+    from another GPU is ordered before it by the copy itself), for the thread's stream to wait on; a copy to
+    the CPU from a CUDA model (asynchronous) is waited for here."""
+    if device is None:
+        return None
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
+    source = next(iter(model.parameters()), None)
+    if source is not None and source.is_cuda:
+        torch.cuda.current_stream(source.device).synchronize()
+    return None
 
 
 class StalenessError(RuntimeError):
@@ -66,6 +87,7 @@ class AsyncRollouts:
         self._finished: set = set()
         self._windows: List[int] = []  # the window of each job
         self._stream = None
+        self._weights_ready = None  # a CUDA event: the last weight copy into the engine's device is done
         self._jobs: "queue.Queue" = queue.Queue()
         self._cond = threading.Condition()
         self._engine_lock = threading.Lock()
@@ -130,6 +152,7 @@ class AsyncRollouts:
             self._cond.wait_for(lambda: self._generated_below(new - self.base + self.staleness) or self._closed)
         with self._engine_lock:
             self.engine.sync_weights(model)
+            self._weights_ready = _copy_done(self._engine_device(), model)
         with self._cond:
             self.version = new
             self._cond.notify_all()
@@ -148,10 +171,13 @@ class AsyncRollouts:
         self.close()
 
     # -- the thread -------------------------------------------------------------------------------
+    def _engine_device(self) -> Optional[torch.device]:
+        p = next(iter(_parameters(self.engine)), None)
+        return None if p is None else p.device
+
     def _side_stream(self, ids: torch.Tensor):
-        """A CUDA stream of the thread's own, so that generation can overlap training on the same device (the
-        engines synchronize before they return)."""
-        device = next(iter(_parameters(self.engine)), ids).device
+        """A CUDA stream of the thread's own, so that generation can overlap training on the same device."""
+        device = self._engine_device() or ids.device
         if device.type != "cuda":
             return contextlib.nullcontext()
         if self._stream is None:
@@ -177,7 +203,13 @@ class AsyncRollouts:
                 with self._engine_lock, self._side_stream(ids):
                     if ready is not None:
                         torch.cuda.current_stream(ids.device).wait_event(ready)
-                    out = self.engine.generate(ids, mask, sampling)
+                    if self._stream is not None:
+                        if self._weights_ready is not None:  # the copied weights are in before they are read
+                            self._stream.wait_event(self._weights_ready)
+                        out = self.engine.generate(ids, mask, sampling)
+                        self._stream.synchronize()  # the completions are whole before the trainer takes them
+                    else:
+                        out = self.engine.generate(ids, mask, sampling)
             except BaseException as err:  # handed to the trainer by result()
                 out = err
             with self._cond:
