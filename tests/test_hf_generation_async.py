@@ -1,6 +1,7 @@
 """Asynchronous rollouts on CPU: two model copies, a background thread, the staleness bound, determinism."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -92,3 +93,23 @@ def test_a_late_window_is_refused_and_errors_reach_the_trainer():
             rollouts.result(j, timeout=60)
     with pytest.raises(ValueError, match="staleness"):
         AsyncRollouts(engine, staleness=-1)
+
+
+def test_rollout_thread_has_cuda_graph_tree_state():
+    # torch <= 2.11 sets the CUDA-graph trees' per-thread state up in the main thread and autograd's threads
+    # only: a CUDA-graphed compiled decode in the rollout thread failed with a bare AssertionError.
+    from torch._inductor import cudagraph_trees
+
+    from nitrobrew.hf.generation.async_rollouts import _init_compile_thread_state
+
+    seen = {}
+
+    def probe():
+        seen["before"] = hasattr(cudagraph_trees.local, "tree_manager_containers")
+        _init_compile_thread_state()
+        seen["after"] = isinstance(getattr(cudagraph_trees.local, "tree_manager_containers", None), dict)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    assert seen == {"before": False, "after": True}

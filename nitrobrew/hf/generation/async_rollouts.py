@@ -61,6 +61,27 @@ def _copy_done(device: Optional[torch.device], model: torch.nn.Module):
     return None
 
 
+def _init_compile_thread_state() -> None:
+    """Give this thread the per-thread state of torch.compile's CUDA-graph trees. Torch sets it up for the main
+    thread and autograd's threads only; in any other thread a CUDA-graphed compiled call (the static engine's
+    decode step) fails on torch <= 2.11 with a bare AssertionError."""
+    try:
+        from torch._inductor import cudagraph_trees
+    except Exception:  # no inductor: nothing is compiled with CUDA graphs
+        return
+    local = getattr(cudagraph_trees, "local", None)
+    if local is None or hasattr(local, "tree_manager_containers"):
+        return
+    init = getattr(cudagraph_trees, "_initialize_tls", None)
+    if init is not None:
+        init(local)
+    else:
+        import collections
+
+        local.tree_manager_containers = {}
+        local.tree_manager_locks = collections.defaultdict(threading.Lock)
+
+
 class StalenessError(RuntimeError):
     """A window's completions are older than the staleness bound allows."""
 
@@ -128,7 +149,7 @@ class AsyncRollouts:
                 raise TimeoutError(f"window {j} was not generated within {timeout} s")
             out = self._results.pop(j)
         if isinstance(out, BaseException):
-            raise RuntimeError(f"generation of window {j} failed: {out}") from out
+            raise RuntimeError(f"generation of window {j} failed: {type(out).__name__}: {out}") from out
         if out.ids.is_cuda:  # made on the thread's stream, used on the caller's: keep them until it is done
             stream = torch.cuda.current_stream(out.ids.device)
             for t in (out.ids, out.mask, out.logprobs):
@@ -188,6 +209,7 @@ class AsyncRollouts:
         return all(j in self._finished for j in range(self._submitted) if self._windows[j] < window)
 
     def _run(self) -> None:
+        _init_compile_thread_state()
         while True:
             job = self._jobs.get()
             if job is None:
