@@ -107,8 +107,8 @@ def test_shuffled_reads_hash_each_shard_once(tmp_path, monkeypatch):
 def _llama_without_tokenizer(tmp_path):
     pytest.importorskip("transformers")
     d = tmp_path / "llama"
-    shape = dict(hidden=32, layers=1, intermediate_size=48, max_position_embeddings=64)
-    causal_lm("Llama", vocab=97, **shape, head_scale=1.0).save_pretrained(d)
+    model = causal_lm("Llama", vocab=97, hidden=32, layers=1, intermediate_size=48, positions=64, head_scale=1.0)
+    model.save_pretrained(d)
     # a converted checkpoint: a tokenizer config without the vocabulary files (its tokenizer has 3 tokens)
     (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
     return str(d)

@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 K, T = 8, 1.5
-SHAPE = dict(hidden=32, intermediate_size=48, max_position_embeddings=64)  # the teachers: 2 layers, 4 heads
+SHAPE = dict(hidden=32, intermediate_size=48, positions=64)  # the teachers: 2 layers, 4 heads
 
 
 def _saved(model, path):
@@ -38,13 +38,13 @@ def _saved(model, path):
 
 def _llama(tmp_path, tie=False):
     # realistic logit spreads (a fresh init gives near-uniform distributions)
-    model = causal_lm("Llama", vocab=97, **SHAPE, tie_word_embeddings=tie, head_scale=1.0 if tie else 60.0)
+    model = causal_lm("Llama", vocab=97, **SHAPE, tie=tie, head_scale=1.0 if tie else 60.0)
     return _saved(model.eval(), tmp_path / "llama")
 
 
 def _qwen_padded(tmp_path):
     """A teacher whose head has 128 rows for a 100-token vocabulary (tied embeddings)."""
-    model = causal_lm("Qwen2", vocab=128, **SHAPE, tie_word_embeddings=True, seed=1, head_scale=1.0).eval()
+    model = causal_lm("Qwen2", vocab=128, **SHAPE, tie=True, seed=1, head_scale=1.0).eval()
     with torch.no_grad():  # give the padded rows the largest logits: they must still be excluded
         model.get_output_embeddings().weight[100:] *= 8
     return _saved(model, tmp_path / "qwen")

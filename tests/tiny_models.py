@@ -13,18 +13,25 @@ def causal_lm(
     layers: int = 2,
     heads: int = 4,
     kv_heads: int = 2,
+    positions: int | None = None,
+    tie: bool | None = None,
     seed: int = 0,
     head_scale: float = 8.0,
     **config,
 ):
     """A ``<arch>ForCausalLM`` ("Llama", "Qwen2", ...) from ``torch.manual_seed(seed)``, its intermediate size
-    2 * hidden unless ``config`` says otherwise. The head (tied embeddings with it) is multiplied by
-    ``head_scale``: a fresh init gives near-uniform next-token distributions, trained models spread their
-    logits over several units."""
+    2 * hidden unless ``config`` says otherwise; ``positions`` (max_position_embeddings) and ``tie``
+    (tie_word_embeddings) keep the config's defaults where None. The head (tied embeddings with it) is
+    multiplied by ``head_scale``: a fresh init gives near-uniform next-token distributions, trained models spread
+    their logits over several units."""
     import transformers
 
     torch.manual_seed(seed)
     config.setdefault("intermediate_size", 2 * hidden)
+    if positions is not None:
+        config["max_position_embeddings"] = positions
+    if tie is not None:
+        config["tie_word_embeddings"] = tie
     cfg = getattr(transformers, f"{arch}Config")(
         vocab_size=vocab,
         hidden_size=hidden,
