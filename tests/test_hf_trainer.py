@@ -5,6 +5,7 @@ parameter change is minus the accumulated gradient, which is compared with a flo
 """
 
 import copy
+import json
 import math
 
 import pytest
@@ -56,6 +57,22 @@ def args(tmp_path, **kw):
     says otherwise."""
     one = dict(max_steps=1, per_device_train_batch_size=1, gradient_accumulation_steps=1, report_to=[], seed=0)
     return DistillationArguments(**{"output_dir": str(tmp_path), **one, **SGD_STEP, **CPU_QUIET, **kw})
+
+
+def save_run(root, lengths=(6, 9, 5, 7), low=0, prompt_tokens=2):
+    """A folder for `nitrobrew train`: student_model() and teacher_model() saved in root/student and root/teacher,
+    and root/data.jsonl with a sequence of each length (token ids drawn from [low, V), seed 0), labelled -100 on
+    its first prompt_tokens tokens (no labels where prompt_tokens is None)."""
+    student_model().save_pretrained(root / "student")
+    teacher_model().save_pretrained(root / "teacher")
+    g = torch.Generator().manual_seed(0)
+    with open(root / "data.jsonl", "w") as f:
+        for n in lengths:
+            row = {"input_ids": torch.randint(low, V, (n,), generator=g).tolist()}
+            if prompt_tokens is not None:
+                row["labels"] = [IGNORE_INDEX] * prompt_tokens + row["input_ids"][prompt_tokens:]
+            f.write(json.dumps(row) + "\n")
+    return root
 
 
 def sgd_step_gradient(tmp_path, data, student, teacher, collator=collate, generate_fn=None, **kw):
