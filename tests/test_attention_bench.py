@@ -3,36 +3,18 @@
 import csv
 
 from attention_helpers import one_thread  # noqa: F401
+from cli_helpers import cli_args
 from nitrobrew.cli import main
+
+
+def bench_attention(**options):
+    """`nitrobrew bench attention` on CPU, one head of 8 and one timed run unless `options` say otherwise."""
+    return cli_args("bench", "attention", **{**dict(device="cpu", heads=1, head_dim=8, reps=1, warmup=0), **options})
 
 
 def test_bench_attention_cpu(tmp_path, capsys):
     out_csv, out_md = tmp_path / "a.csv", tmp_path / "a.md"
-    rc = main(
-        [
-            "bench",
-            "attention",
-            "--device",
-            "cpu",
-            "--seq-lens",
-            "48",
-            "96",
-            "--heads",
-            "2",
-            "--head-dim",
-            "16",
-            "--accuracy-n",
-            "32",
-            "--reps",
-            "1",
-            "--warmup",
-            "0",
-            "--csv",
-            str(out_csv),
-            "--md",
-            str(out_md),
-        ]
-    )
+    rc = main(bench_attention(seq_lens=(48, 96), heads=2, head_dim=16, accuracy_n=32, csv=out_csv, md=out_md))
     assert rc == 0
     text = capsys.readouterr().out
     assert "fwd+bwd / SDPA default" in text and "nitrobrew" in text
@@ -52,39 +34,8 @@ def test_bench_attention_regimes_and_sdpa_kernel(tmp_path, capsys):
     """--regimes: score-map regimes run every method on the same tensors, lm is a skipped row; the
     SDPA rows name their backend and the op the profiler saw it dispatch to."""
     out_csv, out_md = tmp_path / "a.csv", tmp_path / "a.md"
-    rc = main(
-        [
-            "bench",
-            "attention",
-            "--device",
-            "cpu",
-            "--seq-lens",
-            "256",
-            "--heads",
-            "1",
-            "--head-dim",
-            "8",
-            "--accuracy-n",
-            "0",
-            "--reps",
-            "1",
-            "--warmup",
-            "0",
-            "--methods",
-            "torch",
-            "sdpa",
-            "sdpa-flash",
-            "--regimes",
-            "lm",
-            "flat",
-            "spread",
-            "peaked",
-            "--csv",
-            str(out_csv),
-            "--md",
-            str(out_md),
-        ]
-    )
+    methods, regimes = ("torch", "sdpa", "sdpa-flash"), ("lm", "flat", "spread", "peaked")
+    rc = main(bench_attention(seq_lens=256, accuracy_n=0, methods=methods, regimes=regimes, csv=out_csv, md=out_md))
     assert rc == 0
     rows = list(csv.DictReader(open(out_csv)))
     assert rows[0]["regime"] == "lm" and rows[0]["note"].startswith("skipped: ") and rows[0]["ms"] == ""
@@ -108,33 +59,6 @@ def test_bench_attention_failure_exits_nonzero(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ab, "naive_kl", broken)
     out_csv = tmp_path / "a.csv"
-    assert (
-        main(
-            [
-                "bench",
-                "attention",
-                "--device",
-                "cpu",
-                "--seq-lens",
-                "32",
-                "--heads",
-                "1",
-                "--head-dim",
-                "8",
-                "--accuracy-n",
-                "0",
-                "--reps",
-                "1",
-                "--warmup",
-                "0",
-                "--methods",
-                "naive",
-                "sdpa",
-                "--csv",
-                str(out_csv),
-            ]
-        )
-        == 1
-    )
+    assert main(bench_attention(seq_lens=32, accuracy_n=0, methods=("naive", "sdpa"), csv=out_csv)) == 1
     by = {r["method"]: r for r in csv.DictReader(open(out_csv))}
     assert by["naive"]["note"].startswith("failed: RuntimeError") and by["sdpa"]["ms"]

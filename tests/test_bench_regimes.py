@@ -9,12 +9,14 @@ import sys
 import pytest
 import torch
 
+from cli_helpers import cli_args
 from nitrobrew.bench import common
 from nitrobrew.bench import regimes as rg
 from nitrobrew.cli import main
 
 CPU = torch.device("cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(device="cpu", reps=1, warmup=0)  # the benches' CPU runs: one timed repetition, no warm-up
 
 
 def test_parse_names_aliases_and_errors():
@@ -65,9 +67,11 @@ def test_real_regime_is_a_decoder_run():
     assert float(d.xt.norm(dim=-1).mean()) == pytest.approx(8.0, rel=0.2)
 
 
-def _no_triton(*argv):
-    """Run the CLI in a fresh process where `import triton` fails, as on a CPU install without it."""
-    code = f"import sys; sys.modules['triton'] = None\nfrom nitrobrew.cli import main\nsys.exit(main({list(argv)!r}))"
+def _no_triton(*words, **options):
+    """Run the CLI (`cli_args(*words, **options)`) in a fresh process where `import triton` fails, as on a CPU
+    install without it."""
+    argv = cli_args(*words, **options)
+    code = f"import sys; sys.modules['triton'] = None\nfrom nitrobrew.cli import main\nsys.exit(main({argv!r}))"
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TRITON_INTERPRET", None)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
@@ -75,36 +79,8 @@ def _no_triton(*argv):
 
 def test_benches_run_without_triton(tmp_path):
     out = tmp_path / "t.csv"
-    res = _no_triton(
-        "bench",
-        "topk",
-        "--device",
-        "cpu",
-        "--vocab",
-        "200",
-        "--seq-lens",
-        "16",
-        "--d-model",
-        "8",
-        "--ks",
-        "4",
-        "--reps",
-        "1",
-        "--warmup",
-        "0",
-        "--ref-rows",
-        "4",
-        "--methods",
-        "torch-full",
-        "torch-topk",
-        "full",
-        "topk",
-        "--regimes",
-        "lm",
-        "peaked",
-        "--csv",
-        str(out),
-    )
+    topk = dict(vocab=200, seq_lens=16, d_model=8, ks=4, ref_rows=4, regimes=("lm", "peaked"), csv=out)
+    res = _no_triton("bench", "topk", **TINY, **topk, methods=("torch-full", "torch-topk", "full", "topk"))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "ModuleNotFoundError" not in res.stdout + res.stderr
     import csv
@@ -113,49 +89,10 @@ def test_benches_run_without_triton(tmp_path):
     for g in ("lm", "peaked"):
         assert float(rows[g, "torch-full K=4"]["ms"]) > 0 and float(rows[g, "torch-topk K=4"]["ms"]) > 0
         assert rows[g, "full K=4"]["note"].startswith("skipped: Triton not installed")
-    res = _no_triton(
-        "bench",
-        "--device",
-        "cpu",
-        "--vocab",
-        "128",
-        "--d-models",
-        "8",
-        "8",
-        "--seq-lens",
-        "16",
-        "--reps",
-        "1",
-        "--warmup",
-        "0",
-        "--ref-rows",
-        "4",
-        "--methods",
-        "torch",
-        "fast",
-    )
+    res = _no_triton("bench", **TINY, vocab=128, d_models=(8, 8), seq_lens=16, ref_rows=4, methods=("torch", "fast"))
     assert res.returncode == 0 and "skipped: Triton not installed" in res.stdout, res.stdout[-2000:] + res.stderr
-    res = _no_triton(
-        "bench",
-        "attention",
-        "--device",
-        "cpu",
-        "--seq-lens",
-        "32",
-        "--heads",
-        "1",
-        "--head-dim",
-        "8",
-        "--accuracy-n",
-        "16",
-        "--reps",
-        "1",
-        "--warmup",
-        "0",
-        "--methods",
-        "nitrobrew",
-        "sdpa",
-    )
+    attention = dict(seq_lens=32, heads=1, head_dim=8, accuracy_n=16, methods=("nitrobrew", "sdpa"))
+    res = _no_triton("bench", "attention", **TINY, **attention)
     assert res.returncode == 0 and "fwd+bwd / SDPA default" in res.stdout, res.stdout[-2000:] + res.stderr
 
 
@@ -214,31 +151,8 @@ def test_demo_regime_reads_a_demo_run(tmp_path, monkeypatch):
     assert torch.equal(d.wt, teacher.lm_head.weight.detach())
     assert 0 < d.entropy < math.log(cfg.vocab)
     path = tmp_path / "h.csv"
-    assert (
-        main(
-            [
-                "bench",
-                "--device",
-                "cpu",
-                "--seq-lens",
-                "40",
-                "--methods",
-                "naive",
-                "torch",
-                "--reps",
-                "1",
-                "--warmup",
-                "0",
-                "--ref-rows",
-                "8",
-                "--regimes",
-                "demo",
-                "--csv",
-                str(path),
-            ]
-        )
-        == 0
-    )
+    argv = cli_args("bench", **TINY, seq_lens=40, methods=("naive", "torch"), ref_rows=8, regimes="demo", csv=path)
+    assert main(argv) == 0
     import csv
 
     rows = list(csv.DictReader(open(path)))

@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-transformers = pytest.importorskip("transformers")
-from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+pytest.importorskip("transformers")
 
 from nitrobrew.hf import (  # noqa: E402
     IGNORE_INDEX,
@@ -21,46 +20,17 @@ from nitrobrew.hf import (  # noqa: E402
     lm_head,
     shift_labels,
 )
+from tiny_models import causal_lm, scale_logits  # noqa: E402
 
 V = 97
 
 
 def llama(hidden=32, vocab=V, tie=False, seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-    )
-    return _spread(LlamaForCausalLM(cfg))
+    return causal_lm("Llama", vocab=vocab, hidden=hidden, seed=seed, positions=64, tie=tie)
 
 
 def qwen2(hidden=48, vocab=V, seed=1):
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return _spread(Qwen2ForCausalLM(cfg))
-
-
-def _spread(model):
-    # Random init gives near-uniform next-token distributions; scale the head (and the tied
-    # embeddings with it) so that logits spread over several units, as in trained models.
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
-    return model
+    return causal_lm("Qwen2", vocab=vocab, hidden=hidden, seed=seed, positions=64, tie=True)
 
 
 def batch(seed=0, B=3, N=11):
@@ -104,6 +74,21 @@ def reference(
     return (kd_weight * kd + ce_weight * ce).sum(), len(targets)
 
 
+def check_against_reference(student, teacher, inputs, divergence, temperature, ce_weight):
+    """distill_loss on ``inputs`` (ids, mask, labels) against the float64 reference: the loss and the student's
+    gradients. Returns distill_loss's output and the reference's count of targets."""
+    out = distill_loss(student, teacher, *inputs, divergence=divergence, temperature=temperature, ce_weight=ce_weight)
+    out.loss.backward()
+    grads = [p.grad.clone() for p in student.parameters()]
+    student.zero_grad()
+    ref_sum, n = reference(student, teacher, *inputs, divergence, T=temperature, ce_weight=ce_weight)
+    (ref_sum / n).backward()
+    torch.testing.assert_close(out.loss.double(), ref_sum.detach() / n, rtol=1e-5, atol=1e-6)
+    for g, p in zip(grads, student.parameters()):
+        torch.testing.assert_close(g, p.grad.float(), rtol=1e-4, atol=1e-6)
+    return out, n
+
+
 @pytest.mark.parametrize("make", [llama, lambda: llama(tie=True), qwen2], ids=["llama", "llama-tied", "qwen2"])
 def test_hidden_states_and_head_reproduce_logits(make):
     model = make().eval()
@@ -125,20 +110,8 @@ def test_tied_head_is_the_embedding():
 
 
 def test_logit_scale_is_folded_in():
-    torch.manual_seed(0)
-    cfg = GraniteConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        logits_scaling=4.0,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-    )
-    model = GraniteForCausalLM(cfg).eval()
+    special = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    model = causal_lm("Granite", vocab=V, hidden=32, layers=1, head_scale=1.0, logits_scaling=4.0, **special).eval()
     ids, mask, _ = batch()
     assert lm_head(model).scale == 0.25
     check_head(model, ids, mask)
@@ -150,22 +123,8 @@ def test_logit_scale_is_folded_in():
 
 
 def gemma2(hidden=32, vocab=V, seed=5, cap=3.0):
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Gemma2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        final_logit_softcapping=cap,
-        attn_logit_softcapping=50.0,
-        attn_implementation="eager",
-    )
-    return _spread(Gemma2ForCausalLM(cfg))
+    caps = dict(final_logit_softcapping=cap, attn_logit_softcapping=50.0, attn_implementation="eager")
+    return causal_lm("Gemma2", vocab=vocab, hidden=hidden, heads=2, kv_heads=1, seed=seed, head_dim=16, **caps)
 
 
 def test_final_logit_softcapping_is_applied():
@@ -176,29 +135,13 @@ def test_final_logit_softcapping_is_applied():
     assert lm_head(student).softcap == 3.0
     check_head(student.eval(), ids, mask)
     student.train()
-    out = distill_loss(student, teacher, ids, mask, labels, divergence="jsd", temperature=2.0, ce_weight=0.3)
-    out.loss.backward()
-    grads = [p.grad.clone() for p in student.parameters()]
-    student.zero_grad()
-    ref_sum, n = reference(student, teacher, ids, mask, labels, "jsd", T=2.0, ce_weight=0.3)
-    (ref_sum / n).backward()
-    torch.testing.assert_close(out.loss.double(), ref_sum.detach() / n, rtol=1e-5, atol=1e-6)
-    for g, p in zip(grads, student.parameters()):
-        torch.testing.assert_close(g, p.grad.float(), rtol=1e-4, atol=1e-6)
+    check_against_reference(student, teacher, (ids, mask, labels), "jsd", temperature=2.0, ce_weight=0.3)
     uncapped = llama()
     assert lm_head(uncapped).softcap is None
 
 
 def test_check_head_detects_unknown_logit_transform():
-    model = llama().eval()
-    forward = model.forward
-
-    def doubled(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        out.logits = out.logits * 2
-        return out
-
-    model.forward = doubled
+    model = scale_logits(llama().eval(), 2)
     ids, mask, _ = batch()
     with pytest.raises(ValueError, match="differ from model"):
         check_head(model, ids, mask)
@@ -230,19 +173,10 @@ def test_ce_matches_transformers_own_shifted_loss():
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_distill_loss_values_and_gradients(divergence, temperature):
     student, teacher = llama(seed=3), qwen2(seed=4).eval()
-    ids, mask, labels = batch(seed=5)
-    out = distill_loss(
-        student, teacher, ids, mask, labels, divergence=divergence, temperature=temperature, ce_weight=0.3
+    out, n = check_against_reference(
+        student, teacher, batch(seed=5), divergence, temperature=temperature, ce_weight=0.3
     )
-    out.loss.backward()
-    grads = [p.grad.clone() for p in student.parameters()]
-    student.zero_grad()
-    ref_sum, n = reference(student, teacher, ids, mask, labels, divergence, T=temperature, ce_weight=0.3)
-    (ref_sum / n).backward()
     assert int(out.n_tokens) == n
-    torch.testing.assert_close(out.loss.double(), ref_sum.detach() / n, rtol=1e-5, atol=1e-6)
-    for g, p in zip(grads, student.parameters()):
-        torch.testing.assert_close(g, p.grad.float(), rtol=1e-4, atol=1e-6)
     assert all(p.grad is None for p in teacher.parameters())
 
 

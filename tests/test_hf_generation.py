@@ -6,7 +6,6 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from nitrobrew.hf.generation import (  # noqa: E402
     DynamicCacheGenerator,
@@ -16,26 +15,14 @@ from nitrobrew.hf.generation import (  # noqa: E402
     make_generator,
 )
 from nitrobrew.hf.generation.sampler import NUCLEUS_CANDIDATES, processed_logits, sample  # noqa: E402
+from tiny_models import causal_lm  # noqa: E402
 
 V = 96
 
 
 def qwen2(seed=0):
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # peaked rows: greedy ties are out of reach of rounding
-    return model
+    # the head scaled by 8: peaked rows, greedy ties are out of reach of rounding
+    return causal_lm("Qwen2", vocab=V, hidden=32, positions=256, tie=False, seed=seed)
 
 
 def prompts(batch=3, length=7, seed=0):

@@ -16,7 +16,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("yaml")
 pytest.importorskip("datasets")
 from nitrobrew.hf.train_cli import parse  # noqa: E402
-from test_hf_trainer import V, student_model, teacher_model  # noqa: E402
+from test_hf_trainer import save_run  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the launch checks of a machine without a GPU")
@@ -24,13 +24,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the launch ch
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("launch")
-    student_model().save_pretrained(root / "student")
-    teacher_model().save_pretrained(root / "teacher")
-    g = torch.Generator().manual_seed(0)
-    with open(root / "data.jsonl", "w") as f:
-        for n in (6, 9, 5, 7, 8, 6, 5, 9):
-            f.write(json.dumps({"input_ids": torch.randint(0, V, (n,), generator=g).tolist()}) + "\n")
+    root = save_run(tmp_path_factory.mktemp("launch"), lengths=(6, 9, 5, 7, 8, 6, 5, 9), prompt_tokens=None)
     (root / "cfg.yaml").write_text(
         "student: student\nteacher: teacher\ndata: data.jsonl\noutput_dir: out\nmax_steps: 2\n"
         "per_device_train_batch_size: 2\nlogging_steps: 1\nsave_strategy: 'no'\nreport_to: none\n"

@@ -7,34 +7,18 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from nitrobrew.hf import IGNORE_INDEX, DistillationTrainer, distill_loss, on_policy_batch  # noqa: E402
 from test_hf import reference  # noqa: E402
-from test_hf_trainer import V, args, teacher_model  # noqa: E402
+from test_hf_trainer import V, args, collate, save_run, sgd_step_gradient, teacher_model  # noqa: E402
+from tiny_models import causal_lm  # noqa: E402
 
 EOS, PAD = 3, 0
 
 
 def student(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-        bos_token_id=None,
-    )
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return model
+    config = dict(positions=64, tie=False, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None)
+    return causal_lm("Llama", vocab=V, hidden=16, layers=1, heads=2, kv_heads=1, seed=seed, **config)
 
 
 def prompts(seed=0):
@@ -160,30 +144,8 @@ def prompt_data(seed=0):
     return items
 
 
-def collate(items):
-    N = max(len(it["input_ids"]) for it in items)
-    ids = torch.full((len(items), N), PAD)
-    labels = torch.full((len(items), N), IGNORE_INDEX)
-    mask = torch.zeros_like(ids)
-    for b, it in enumerate(items):
-        n = len(it["input_ids"])
-        ids[b, :n], labels[b, :n], mask[b, :n] = torch.tensor(it["input_ids"]), torch.tensor(it["labels"]), 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
 def train_once(tmp_path, model, teacher, **kw):
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    generate_fn = kw.pop("generate_fn", None)
-    trainer = DistillationTrainer(
-        model=model,
-        teacher_model=teacher,
-        generate_fn=generate_fn,
-        args=args(tmp_path, per_device_train_batch_size=2, **kw),
-        train_dataset=prompt_data(),
-        data_collator=collate,
-    )
-    trainer.train()
-    return {n: before[n] - p.detach() for n, p in model.named_parameters()}, trainer
+    return sgd_step_gradient(tmp_path, prompt_data(), model, teacher, per_device_train_batch_size=2, **kw)
 
 
 def test_lmbda_zero_is_the_plain_trainer(tmp_path, monkeypatch):
@@ -262,6 +224,19 @@ def window_data(n=4, seed=0):
     return items
 
 
+def record_inputs(trainer, key):
+    """A list that gets inputs[key] of each micro-batch the trainer's compute_loss sees."""
+    seen = []
+    compute = trainer.compute_loss
+
+    def spy(model, inputs, *a, **k):
+        seen.append(inputs[key].clone())
+        return compute(model, inputs, *a, **k)
+
+    trainer.compute_loss = spy
+    return seen
+
+
 def test_one_generation_per_window(tmp_path):
     """Gradient accumulation of 2: both micro-batches' prompts go to the engine in one call, each prompt
     num_generations times, and come back split into their micro-batches."""
@@ -289,14 +264,7 @@ def test_one_generation_per_window(tmp_path):
         train_dataset=window_data(),
         data_collator=collate,
     )
-    seen = []
-    compute = trainer.compute_loss
-
-    def spy(model, inputs, *a, **k):
-        seen.append(inputs["labels"].clone())
-        return compute(model, inputs, *a, **k)
-
-    trainer.compute_loss = spy
+    seen = record_inputs(trainer, "labels")
     trainer.train()
     assert len(calls) == 1 and calls[0].shape[0] == 8  # 2 micro-batches x 2 prompts x 2 generations
     assert [s.shape[0] for s in seen] == [4, 4]
@@ -334,7 +302,6 @@ def test_generation_arguments_are_checked(tmp_path):
 
 
 def async_run(tmp_path, **kw):
-    calls = []
     trainer = DistillationTrainer(
         model=student(seed=15),
         teacher_model=teacher_model(seed=16),
@@ -353,13 +320,7 @@ def async_run(tmp_path, **kw):
         train_dataset=window_data(12),
         data_collator=collate,
     )
-    compute = trainer.compute_loss
-
-    def spy(model, inputs, *a, **k):
-        calls.append(inputs["input_ids"].clone())
-        return compute(model, inputs, *a, **k)
-
-    trainer.compute_loss = spy
+    calls = record_inputs(trainer, "input_ids")
     trainer.train()
     return calls, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer
 
@@ -401,15 +362,8 @@ def test_nitrobrew_train_on_policy_with_each_backend(tmp_path, extra):
     pytest.importorskip("datasets")
     from nitrobrew.cli import main
     from test_hf_train_cli import write_config
-    from test_hf_trainer import student_model
 
-    student_model().save_pretrained(tmp_path / "student")
-    teacher_model().save_pretrained(tmp_path / "teacher")
-    g = torch.Generator().manual_seed(0)
-    with open(tmp_path / "data.jsonl", "w") as f:
-        for n in (6, 9, 5, 7):
-            ids = torch.randint(4, V, (n,), generator=g).tolist()
-            f.write(json.dumps({"input_ids": ids, "labels": [-100, -100] + ids[2:]}) + "\n")
+    save_run(tmp_path, low=4)
     path = write_config(tmp_path, "run")
     assert main(["train", str(path), "--lmbda", "1", *extra]) == 0
     history = [h for h in json.load(open(tmp_path / "run" / "trainer_state.json"))["log_history"] if "loss" in h]

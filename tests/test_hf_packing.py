@@ -5,32 +5,20 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DataCollatorWithFlattening  # noqa: E402
 
-from nitrobrew.hf import IGNORE_INDEX, DistillationTrainer, distill_loss  # noqa: E402
+from nitrobrew.hf import IGNORE_INDEX, distill_loss  # noqa: E402
 from nitrobrew.hf.packing import block_causal_mask, document_ids, document_targets, model_inputs  # noqa: E402
-from test_hf_trainer import V, args, collate, sequences  # noqa: E402
+from test_hf_trainer import V, assert_grads_close, collate, sequences, sgd_step_gradient  # noqa: E402
+from tiny_models import causal_lm  # noqa: E402
 
 LENGTHS = (7, 5, 4)
+SAME = dict(rtol=1e-5, atol=1e-6)  # packed and padded: the same rows, computed in other layouts
 
 
 def model(hidden, impl, seed):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=hidden == 24,
-        attn_implementation=impl,
-    )
-    m = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        m.get_output_embeddings().weight.mul_(8.0)
-    return m
+    shape = dict(heads=2, kv_heads=1, positions=32, tie=hidden == 24, attn_implementation=impl)
+    return causal_lm("Llama", vocab=V, hidden=hidden, **shape, seed=seed)
 
 
 def docs(seed=0):
@@ -77,8 +65,7 @@ def test_packed_equals_unpacked(impl, divergence):
     assert int(p.n_tokens) == int(u.n_tokens) == sum(n - 1 for n in LENGTHS)
     for a, b in zip(p[:3], u[:3]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-    for n in gu:
-        torch.testing.assert_close(gp[n], gu[n], rtol=1e-5, atol=1e-6, msg=n)
+    assert_grads_close(gp, gu, **SAME)
     # Without position_ids the documents see each other and the last token of one predicts the next.
     leaky = distill_loss(model(16, impl, seed=0), teacher, packed, divergence=divergence, ce_weight=0.5)
     assert int(leaky.n_tokens) == packed.shape[1] - 1 and abs(float(leaky.loss.detach()) - float(u.loss)) > 1e-3
@@ -106,8 +93,7 @@ def test_packed_topk_equals_unpacked():
     (p, gp), (u, gu) = results
     assert int(p.n_tokens) == int(u.n_tokens)
     torch.testing.assert_close(p.loss, u.loss, rtol=1e-6, atol=1e-6)
-    for n in gu:
-        torch.testing.assert_close(gp[n], gu[n], rtol=1e-5, atol=1e-6, msg=n)
+    assert_grads_close(gp, gu, **SAME)
 
 
 def test_unhonoured_inputs_raise():
@@ -131,19 +117,11 @@ def test_trainer_packed_equals_padded(tmp_path):
     got = {}
     for name, collator in (("packed", DataCollatorWithFlattening()), ("padded", collate)):
         student, teacher = model(16, "sdpa", seed=0), model(24, "sdpa", seed=1)
-        before = {n: p.detach().clone() for n, p in student.named_parameters()}
-        DistillationTrainer(
-            model=student,
-            teacher_model=teacher,
-            args=args(tmp_path / name, per_device_train_batch_size=3, ce_weight=0.3),
-            train_dataset=data,
-            data_collator=collator,
-        ).train()
-        got[name] = {n: before[n] - p.detach() for n, p in student.named_parameters()}
+        step = dict(collator=collator, per_device_train_batch_size=3, ce_weight=0.3)
+        got[name], _ = sgd_step_gradient(tmp_path / name, data, student, teacher, **step)
     batch = DataCollatorWithFlattening()(data)
     assert "position_ids" in batch and "attention_mask" not in batch and (batch["labels"] == IGNORE_INDEX).sum() == 3
-    for n in got["padded"]:
-        torch.testing.assert_close(got["packed"][n], got["padded"][n], rtol=1e-5, atol=1e-6, msg=n)
+    assert_grads_close(got["packed"], got["padded"], **SAME)
 
 
 def test_trainer_topk_packed_equals_padded(tmp_path):
@@ -163,17 +141,9 @@ def test_trainer_topk_packed_equals_padded(tmp_path):
 
     got = {}
     for name, collator in (("packed", packed), ("padded", TopKCollator())):
-        student = model(16, "sdpa", seed=0)
-        before = {n: p.detach().clone() for n, p in student.named_parameters()}
-        DistillationTrainer(
-            model=student,
-            args=args(tmp_path / name, per_device_train_batch_size=3, divergence="topk"),
-            train_dataset=dataset,
-            data_collator=collator,
-        ).train()
-        got[name] = {n: before[n] - p.detach() for n, p in student.named_parameters()}
-    for n in got["padded"]:
-        torch.testing.assert_close(got["packed"][n], got["padded"][n], rtol=1e-5, atol=1e-6, msg=n)
+        step = dict(collator=collator, per_device_train_batch_size=3, divergence="topk")
+        got[name], _ = sgd_step_gradient(tmp_path / name, dataset, model(16, "sdpa", seed=0), None, **step)
+    assert_grads_close(got["packed"], got["padded"], **SAME)
 
 
 def test_flash_attention_gets_the_varlen_kwargs():

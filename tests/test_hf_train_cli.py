@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -11,7 +10,7 @@ pytest.importorskip("yaml")
 pytest.importorskip("datasets")
 from nitrobrew.cli import main  # noqa: E402
 from nitrobrew.hf.train_cli import parse, yaml_argv  # noqa: E402
-from test_hf_trainer import V, student_model, teacher_model  # noqa: E402
+from test_hf_trainer import V, save_run  # noqa: E402
 
 CONFIG = """\
 student: {student}
@@ -41,15 +40,7 @@ seed: 3
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    student_model().save_pretrained(root / "student")
-    teacher_model().save_pretrained(root / "teacher")
-    g = torch.Generator().manual_seed(0)
-    with open(root / "data.jsonl", "w") as f:
-        for n in (6, 9, 5, 7):
-            ids = torch.randint(0, V, (n,), generator=g).tolist()
-            f.write(json.dumps({"input_ids": ids, "labels": [-100, -100] + ids[2:]}) + "\n")
-    return root
+    return save_run(tmp_path_factory.mktemp("train"))
 
 
 def write_config(root, name, packing=False, **extra):

@@ -5,55 +5,30 @@ parameter change is minus the accumulated gradient, which is compared with a flo
 """
 
 import copy
+import json
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from nitrobrew.hf import IGNORE_INDEX, DistillationArguments, DistillationTrainer  # noqa: E402
+from tiny_models import causal_lm, scale_logits  # noqa: E402
 
 V = 61
+ONE_LAYER = dict(layers=1, heads=2, kv_heads=1, positions=32)
 
 
 def student_model(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # logits spread over several units
-    return model
+    return causal_lm("Llama", vocab=V, hidden=16, **ONE_LAYER, tie=False, seed=seed)
 
 
 def teacher_model(seed=1, vocab=V):
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=24,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-    )
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return model
+    return causal_lm("Qwen2", vocab=vocab, hidden=24, **ONE_LAYER, tie=True, seed=seed)
 
 
 def sequences(lengths, seed=0):
@@ -62,45 +37,54 @@ def sequences(lengths, seed=0):
 
 
 def collate(items):
-    """Right padding; labels = input ids, -100 at padding (as DataCollatorForLanguageModeling)."""
-    N = max(len(it["input_ids"]) for it in items)
-    ids = torch.zeros(len(items), N, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, it in enumerate(items):
-        ids[b, : len(it["input_ids"])] = torch.tensor(it["input_ids"])
-        mask[b, : len(it["input_ids"])] = 1
-    labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    """Right padding with 0; labels = the item's labels, else its input ids (as DataCollatorForLanguageModeling),
+    -100 at padding."""
+    rows = [torch.tensor(it["input_ids"]) for it in items]
+    labels = [torch.tensor(it.get("labels", it["input_ids"])) for it in items]
+    return {
+        "input_ids": pad_sequence(rows, batch_first=True),
+        "attention_mask": pad_sequence([torch.ones_like(r) for r in rows], batch_first=True),
+        "labels": pad_sequence(labels, batch_first=True, padding_value=IGNORE_INDEX),
+    }
+
+
+SGD_STEP = dict(optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0)
+CPU_QUIET = dict(use_cpu=True, dataloader_num_workers=0, save_strategy="no", logging_steps=1, disable_tqdm=True)
 
 
 def args(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=1,
-        max_steps=1,
-        learning_rate=1.0,
-        lr_scheduler_type="constant",
-        optim="sgd",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        save_strategy="no",
-        report_to=[],
-        logging_steps=1,
-        use_cpu=True,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        seed=0,
-    )
-    base.update(kw)
-    return DistillationArguments(**base)
+    """One step of plain SGD with lr 1 (no momentum, decay, clipping or schedule) on one sequence, unless ``kw``
+    says otherwise."""
+    one = dict(max_steps=1, per_device_train_batch_size=1, gradient_accumulation_steps=1, report_to=[], seed=0)
+    return DistillationArguments(**{"output_dir": str(tmp_path), **one, **SGD_STEP, **CPU_QUIET, **kw})
 
 
-def sgd_step_gradient(tmp_path, data, student, teacher, **kw):
+def save_run(root, lengths=(6, 9, 5, 7), low=0, prompt_tokens=2):
+    """A folder for `nitrobrew train`: student_model() and teacher_model() saved in root/student and root/teacher,
+    and root/data.jsonl with a sequence of each length (token ids drawn from [low, V), seed 0), labelled -100 on
+    its first prompt_tokens tokens (no labels where prompt_tokens is None)."""
+    student_model().save_pretrained(root / "student")
+    teacher_model().save_pretrained(root / "teacher")
+    g = torch.Generator().manual_seed(0)
+    with open(root / "data.jsonl", "w") as f:
+        for n in lengths:
+            row = {"input_ids": torch.randint(low, V, (n,), generator=g).tolist()}
+            if prompt_tokens is not None:
+                row["labels"] = [IGNORE_INDEX] * prompt_tokens + row["input_ids"][prompt_tokens:]
+            f.write(json.dumps(row) + "\n")
+    return root
+
+
+def sgd_step_gradient(tmp_path, data, student, teacher, collator=collate, generate_fn=None, **kw):
     """-(change of each student parameter) after one optimizer step with lr 1: the gradient used."""
     before = {n: p.detach().clone() for n, p in student.named_parameters()}
     trainer = DistillationTrainer(
-        model=student, teacher_model=teacher, args=args(tmp_path, **kw), train_dataset=data, data_collator=collate
+        model=student,
+        teacher_model=teacher,
+        generate_fn=generate_fn,
+        args=args(tmp_path, **kw),
+        train_dataset=data,
+        data_collator=collator,
     )
     trainer.train()
     return {n: before[n] - p.detach() for n, p in student.named_parameters()}, trainer
@@ -124,9 +108,9 @@ def reference_gradient(student, teacher, data, kd_weight=1.0, ce_weight=0.0, T=1
     return {n: p.grad.float() for n, p in s64.named_parameters()}
 
 
-def assert_grads_close(got, want):
+def assert_grads_close(got, want, rtol=2e-4, atol=2e-6):
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=2e-4, atol=2e-6, msg=name)
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=name)
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
@@ -229,15 +213,7 @@ def test_padded_teacher_head(tmp_path):
 
 
 def test_check_heads_runs_on_the_first_batch(tmp_path):
-    student = student_model()
-    forward = student.forward
-
-    def scaled(*a, **kw):
-        out = forward(*a, **kw)
-        out.logits = out.logits * 3
-        return out
-
-    student.forward = scaled
+    student = scale_logits(student_model(), 3)
     with pytest.raises(ValueError, match="differ from model"):
         sgd_step_gradient(tmp_path, sequences([6, 6]), student, teacher_model())
 

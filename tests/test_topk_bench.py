@@ -4,37 +4,20 @@ import csv
 
 import pytest
 
+from cli_helpers import cli_args
 from nitrobrew.cli import main as cli_main
+
+# The bench's tiny CPU sizes: one sequence length, one K, one timed run, 8 rows against float64.
+TINY = dict(vocab=300, seq_lens=16, d_model=16, ks=4, reps=1, warmup=0, ref_rows=8)
+
+
+def bench_topk(**options):
+    return cli_args("bench", "topk", **{**TINY, **options})
 
 
 def test_bench_topk_cpu(tmp_path, capsys):
     out = tmp_path / "topk.csv"
-    assert (
-        cli_main(
-            [
-                "bench",
-                "topk",
-                "--vocab",
-                "300",
-                "--seq-lens",
-                "16",
-                "32",
-                "--d-model",
-                "16",
-                "--ks",
-                "4",
-                "--reps",
-                "1",
-                "--warmup",
-                "0",
-                "--ref-rows",
-                "8",
-                "--csv",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    assert cli_main(bench_topk(seq_lens=(16, 32), csv=out)) == 0
     rows = list(csv.DictReader(open(out)))
     assert {r["method"] for r in rows} == {"torch-full K=4", "torch-topk K=4"}
     assert {int(r["N"]) for r in rows} == {16, 32}
@@ -50,10 +33,7 @@ def test_bench_topk_cpu(tmp_path, capsys):
 def test_bench_topk_extract_only(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "e.csv"
-    assert (
-        cli_main(["bench", "topk", "--extract-only", "--vocab", "300", "--ks", "4", "--reps", "2", "--csv", str(out)])
-        == 0
-    )
+    assert cli_main(cli_args("bench", "topk", extract_only=True, vocab=300, ks=4, reps=2, csv=out)) == 0
     rows = list(csv.DictReader(open(out)))
     assert [r["method"] for r in rows][0] == "teacher forward + logits"
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
@@ -68,37 +48,7 @@ def test_bench_topk_triton_methods_under_the_interpreter(tmp_path):
     if not ck.interpreter_enabled():
         pytest.skip("needs TRITON_INTERPRET=1 (make test sets it)")
     out = tmp_path / "topk.csv"
-    assert (
-        cli_main(
-            [
-                "bench",
-                "topk",
-                "--device",
-                "cpu",
-                "--vocab",
-                "300",
-                "--seq-lens",
-                "16",
-                "--d-model",
-                "16",
-                "--ks",
-                "4",
-                "--reps",
-                "1",
-                "--warmup",
-                "0",
-                "--ref-rows",
-                "8",
-                "--methods",
-                "full",
-                "full-64m",
-                "topk",
-                "--csv",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    assert cli_main(bench_topk(device="cpu", methods=("full", "full-64m", "topk"), csv=out)) == 0
     rows = {r["method"]: r for r in csv.DictReader(open(out))}
     assert set(rows) == {"full K=4", "full-64m K=4", "topk K=4"}
     assert all(r["note"].split(":")[0] not in ("skipped", "error") for r in rows.values())
@@ -111,44 +61,9 @@ def test_bench_topk_regimes_and_baselines(tmp_path, capsys):
     """Every regime named runs every method on the same tensors; rows that cannot run here (CCE needs
     CUDA, the Triton methods need CUDA or the interpreter) are notes and the exit status stays 0."""
     out = tmp_path / "topk.csv"
-    assert (
-        cli_main(
-            [
-                "bench",
-                "topk",
-                "--device",
-                "cpu",
-                "--vocab",
-                "300",
-                "--seq-lens",
-                "16",
-                "--d-model",
-                "16",
-                "--ks",
-                "4",
-                "--reps",
-                "1",
-                "--warmup",
-                "0",
-                "--ref-rows",
-                "8",
-                "--regimes",
-                "lm",
-                "flat",
-                "spread",
-                "peaked",
-                "--methods",
-                "floor",
-                "cce",
-                "cce-exact",
-                "torch-full",
-                "topk-graph",
-                "--csv",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    regimes = ("lm", "flat", "spread", "peaked")
+    methods = ("floor", "cce", "cce-exact", "torch-full", "topk-graph")
+    assert cli_main(bench_topk(device="cpu", regimes=regimes, methods=methods, csv=out)) == 0
     rows = list(csv.DictReader(open(out)))
     assert [r["regime"] for r in rows[::5]] == ["lm", "flat", "spread", "peaked"]
     ent = {r["regime"]: float(r["teacher_entropy"]) for r in rows}
@@ -169,26 +84,4 @@ def test_bench_topk_failure_exits_nonzero(tmp_path, monkeypatch):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(tb, "_step", broken)
-    assert (
-        cli_main(
-            [
-                "bench",
-                "topk",
-                "--vocab",
-                "300",
-                "--seq-lens",
-                "16",
-                "--d-model",
-                "16",
-                "--ks",
-                "4",
-                "--reps",
-                "1",
-                "--warmup",
-                "0",
-                "--ref-rows",
-                "0",
-            ]
-        )
-        == 1
-    )
+    assert cli_main(bench_topk(ref_rows=0)) == 1

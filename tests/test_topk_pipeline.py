@@ -10,11 +10,14 @@ import stat
 import pytest
 import torch
 
+from cli_helpers import cli_args
 from nitrobrew.cli import main as cli_main
 from nitrobrew.teacher import store as store_mod
 from nitrobrew.teacher.data import TopKDataset
 from nitrobrew.teacher.extract import Teacher, extract_topk
 from nitrobrew.teacher.store import StoreError, TopKStore, TopKWriter
+from teacher_helpers import flip_bits, interrupted
+from tiny_models import causal_lm
 
 pytest.importorskip("safetensors")
 K, T = 4, 1.0
@@ -102,19 +105,10 @@ def test_shuffled_reads_hash_each_shard_once(tmp_path, monkeypatch):
 
 
 def _llama_without_tokenizer(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
+    pytest.importorskip("transformers")
     d = tmp_path / "llama"
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    model = causal_lm("Llama", vocab=97, hidden=32, layers=1, intermediate_size=48, positions=64, head_scale=1.0)
+    model.save_pretrained(d)
     # a converted checkpoint: a tokenizer config without the vocabulary files (its tokenizer has 3 tokens)
     (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
     return str(d)
@@ -129,47 +123,12 @@ def test_vocabulary_from_the_model_not_an_empty_tokenizer(tmp_path, capsys):
     mdir = _llama_without_tokenizer(tmp_path)
     data = _jsonl(tmp_path / "d.jsonl", _seqs(5, vocab=97))
     out = str(tmp_path / "s")
-    assert (
-        cli_main(
-            [
-                "topk-extract",
-                "--model",
-                mdir,
-                "--data",
-                data,
-                "--out",
-                out,
-                "--k",
-                "64",
-                "--device",
-                "cpu",
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
+    assert cli_main(cli_args("topk-extract", model=mdir, data=data, out=out, k=64, device="cpu", no_progress=True)) == 0
     assert "vocabulary: 97 (config.vocab_size" in capsys.readouterr().out
     man = TopKStore(out).manifest
     assert (man["vocab_size"], man["k"]) == (97, 64)
     # K above the vocabulary is refused before anything is loaded or written
-    assert (
-        cli_main(
-            [
-                "topk-extract",
-                "--model",
-                mdir,
-                "--data",
-                data,
-                "--out",
-                str(tmp_path / "s2"),
-                "--k",
-                "98",
-                "--device",
-                "cpu",
-            ]
-        )
-        == 2
-    )
+    assert cli_main(cli_args("topk-extract", model=mdir, data=data, out=tmp_path / "s2", k=98, device="cpu")) == 2
     assert "--k 98 is larger than the vocabulary (97" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "s2")
 
@@ -215,24 +174,7 @@ def test_a_second_extraction_into_the_same_store_fails_at_once(tmp_path, capsys)
         mdir = _llama_without_tokenizer(tmp_path)
         data = _jsonl(tmp_path / "d.jsonl", _seqs(3, vocab=97))
         capsys.readouterr()
-        assert (
-            cli_main(
-                [
-                    "topk-extract",
-                    "--model",
-                    mdir,
-                    "--data",
-                    data,
-                    "--out",
-                    str(tmp_path / "c"),
-                    "--k",
-                    "2",
-                    "--device",
-                    "cpu",
-                ]
-            )
-            == 2
-        )
+        assert cli_main(cli_args("topk-extract", model=mdir, data=data, out=tmp_path / "c", k=2, device="cpu")) == 2
         err = capsys.readouterr().err
         assert "another extraction is writing into" in err and len(err.strip().splitlines()) == 1
     finally:
@@ -346,22 +288,8 @@ def test_bad_data_is_found_first_and_named_by_line(tmp_path, capsys, monkeypatch
     )
     out = tmp_path / "s"
     capsys.readouterr()
-    argv = [
-        "topk-extract",
-        "--model",
-        mdir,
-        "--data",
-        data,
-        "--out",
-        str(out),
-        "--k",
-        "4",
-        "--sequences-per-shard",
-        "3",
-        "--device",
-        "cpu",
-    ]
-    assert cli_main(argv) == 2
+    flags = dict(model=mdir, out=out, k=4, sequences_per_shard=3, device="cpu")
+    assert cli_main(cli_args("topk-extract", data=data, **flags)) == 2
     err = capsys.readouterr().err
     assert "d.jsonl:7: token id 97 is outside [0, 97)" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err  # one clear line
@@ -379,7 +307,7 @@ def test_bad_data_is_found_first_and_named_by_line(tmp_path, capsys, monkeypatch
         (str(tmp_path / "d.csv"), "unknown"),
         (str(tmp_path / "e.jsonl"), "e.jsonl:2: not valid JSON"),
     ):
-        assert cli_main(argv[:3] + ["--data", data_arg] + argv[5:]) == 2
+        assert cli_main(cli_args("topk-extract", data=data_arg, **flags)) == 2
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1
     assert cli_main(["topk-extract", "--model", str(tmp_path / "nope"), "--data", data, "--out", str(out)]) == 2
@@ -422,10 +350,7 @@ def test_demo_checkpoints_are_checksummed(tmp_path):
     fresh = torch.nn.Linear(4, 3)
     assert load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters())) == {"step": 1}
     assert torch.equal(fresh.weight, model.weight)
-    raw = bytearray(open(path, "rb").read())
-    flipped = bytearray(raw)
-    flipped[-5] ^= 0x01  # one bit of the last tensor
-    open(path, "wb").write(bytes(flipped))
+    raw = flip_bits(path, -5, mask=0x01)  # one bit of the last tensor
     with pytest.raises(CheckpointError, match="ck.safetensors is corrupted: its sha256"):
         load_checkpoint(path, torch.nn.Linear(4, 3))
     open(path, "wb").write(bytes(raw[:40]))  # a header cut short
@@ -450,14 +375,8 @@ def test_demo_size_flags_are_validated(flag, capsys):
 
 def test_shards_in_parts_reproduce_the_single_process_store(tmp_path):
     teacher, seqs = _tiny_teacher(), _seqs(23)
-    kw = dict(
-        k=K,
-        temperature=1.3,
-        sequences_per_shard=4,
-        batch_tokens=16,
-        logprob_dtype="bfloat16",
-        source={"path": "corpus"},
-    )
+    sizes = dict(sequences_per_shard=4, batch_tokens=16)
+    kw = dict(k=K, temperature=1.3, logprob_dtype="bfloat16", source={"path": "corpus"}, **sizes)
     single = extract_topk(teacher, seqs, str(tmp_path / "one"), **kw)
     assert single["complete"] and len(single["shards"]) == 6
     # part 1 of 2 first: the store is not complete until part 0 has run too
@@ -471,18 +390,8 @@ def test_shards_in_parts_reproduce_the_single_process_store(tmp_path):
     # three parts, the last one resumed after an interruption
     extract_topk(teacher, seqs, str(tmp_path / "three"), num_parts=3, part=2, **kw)
     extract_topk(teacher, seqs, str(tmp_path / "three"), num_parts=3, part=0, **kw)
-    calls = {"n": 0}
-
-    def flaky(ids, mask):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-        return teacher.hidden_fn(ids, mask)
-
     with pytest.raises(KeyboardInterrupt):
-        extract_topk(
-            Teacher(flaky, teacher.weight, None, "toy", 30), seqs, str(tmp_path / "three"), num_parts=3, part=1, **kw
-        )
+        extract_topk(interrupted(teacher, at_call=2), seqs, str(tmp_path / "three"), num_parts=3, part=1, **kw)
     extract_topk(teacher, seqs, str(tmp_path / "three"), num_parts=3, part=1, **kw)
     assert _files(tmp_path / "one") == _files(tmp_path / "three")
     # a part run into a complete store has nothing to do; another split is refused while parts exist
@@ -497,24 +406,8 @@ def test_shards_in_parts_reproduce_the_single_process_store(tmp_path):
 def test_cli_shards_and_torchrun_environment(tmp_path, capsys, monkeypatch):
     mdir = _llama_without_tokenizer(tmp_path)
     data = _jsonl(tmp_path / "d.jsonl", _seqs(7, vocab=97))
-    base = [
-        "topk-extract",
-        "--model",
-        mdir,
-        "--data",
-        data,
-        "--k",
-        "4",
-        "--sequences-per-shard",
-        "2",
-        "--logprob-dtype",
-        "float16",
-        "--id-dtype",
-        "uint16",
-        "--device",
-        "cpu",
-        "--no-progress",
-    ]
+    flags = dict(k=4, sequences_per_shard=2, logprob_dtype="float16", id_dtype="uint16", device="cpu", no_progress=True)
+    base = cli_args("topk-extract", model=mdir, data=data, **flags)
     assert cli_main(base + ["--out", str(tmp_path / "one")]) == 0
     assert cli_main(base + ["--out", str(tmp_path / "two"), "--num-shards", "2", "--shard-index", "1"]) == 0
     assert "complete once every part has run" in capsys.readouterr().out
@@ -533,10 +426,7 @@ def test_verify_command(tmp_path, capsys):
     _write_store(tmp_path / "s", n_shards=3)
     assert cli_main(["topk-verify", str(tmp_path / "s")]) == 0
     assert "ok: 3 shards" in capsys.readouterr().out
-    shard = tmp_path / "s" / "shard-00002.safetensors"
-    raw = bytearray(shard.read_bytes())
-    raw[-2] ^= 0xFF
-    shard.write_bytes(bytes(raw))
+    flip_bits(tmp_path / "s" / "shard-00002.safetensors", -2)
     assert cli_main(["topk-verify", str(tmp_path / "s"), "--quiet"]) == 1
     err = capsys.readouterr().err
     assert "shard-00002.safetensors is corrupted" in err and "Traceback" not in err
@@ -663,28 +553,8 @@ def test_text_chat_and_datasets_inputs(tmp_path, capsys):
     # end to end: text through the CLI with --tokenizer; the manifest names the tokenizer
     mdir = _llama_without_tokenizer(tmp_path)
     out = str(tmp_path / "s")
-    assert (
-        cli_main(
-            [
-                "topk-extract",
-                "--model",
-                mdir,
-                "--tokenizer",
-                tdir,
-                "--data",
-                str(f),
-                "--chat-template",
-                "--out",
-                out,
-                "--k",
-                "4",
-                "--device",
-                "cpu",
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
+    flags = dict(chat_template=True, out=out, k=4, device="cpu", no_progress=True)
+    assert cli_main(cli_args("topk-extract", model=mdir, tokenizer=tdir, data=f, **flags)) == 0
     man = TopKStore(out).manifest
     assert man["source"]["chat_template"] is True and man["num_sequences"] == 2
     assert man["source"]["tokenizer"] == tdir
@@ -740,25 +610,8 @@ def test_hub_id_from_the_local_cache(tmp_path, monkeypatch, capsys):
     with pytest.raises(FileNotFoundError, match="nor in the local Hugging Face cache"):
         resolve_model("acme/absent")
     data = _jsonl(tmp_path / "d.jsonl", _seqs(3, vocab=97))
-    assert (
-        cli_main(
-            [
-                "topk-extract",
-                "--model",
-                "acme/tiny",
-                "--data",
-                data,
-                "--out",
-                str(tmp_path / "s"),
-                "--k",
-                "4",
-                "--device",
-                "cpu",
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
+    flags = dict(out=tmp_path / "s", k=4, device="cpu", no_progress=True)
+    assert cli_main(cli_args("topk-extract", model="acme/tiny", data=data, **flags)) == 0
 
 
 def test_datasets_folder_of_files_streamed_and_shard_flags(tmp_path, capsys):
@@ -769,20 +622,8 @@ def test_datasets_folder_of_files_streamed_and_shard_flags(tmp_path, capsys):
     _jsonl(tmp_path / "folder" / "a.jsonl", [[1, 2], [3]])
     assert read_all(open_corpus(str(tmp_path / "folder"))) == [[1, 2], [3]]
     mdir = _llama_without_tokenizer(tmp_path)
-    argv = [
-        "topk-extract",
-        "--model",
-        mdir,
-        "--data",
-        str(tmp_path / "folder"),
-        "--out",
-        str(tmp_path / "s"),
-        "--k",
-        "4",
-        "--device",
-        "cpu",
-        "--no-progress",
-    ]
+    flags = dict(out=tmp_path / "s", k=4, device="cpu", no_progress=True)
+    argv = cli_args("topk-extract", model=mdir, data=tmp_path / "folder", **flags)
     assert cli_main(argv + ["--num-shards", "2"]) == 2  # which part is this process?
     assert "needs --shard-index" in capsys.readouterr().err
     assert cli_main(argv) == 0
@@ -809,17 +650,9 @@ def test_packed_ids(tmp_path, id_dtype, nbytes):
         assert torch.equal(a[i]["topk_ids"], b[i]["topk_ids"])
         assert torch.equal(a[i]["topk_logprobs"], b[i]["topk_logprobs"])
     assert cli_main(["topk-verify", str(tmp_path / "p"), "--quiet"]) == 0
+    too_wide = dict(vocab_size=70000, head_rows=70000, id_dtype="uint16")  # ids up to 69999 in two bytes
     with pytest.raises(ValueError, match="id_dtype must be one of"):
-        TopKWriter(
-            str(tmp_path / "x"),
-            model="m",
-            k=2,
-            temperature=1.0,
-            vocab_size=70000,
-            head_rows=70000,
-            num_sequences=1,
-            id_dtype="uint16",
-        )
+        TopKWriter(str(tmp_path / "x"), model="m", k=2, temperature=1.0, num_sequences=1, **too_wide)
     assert not (tmp_path / "x").exists()
 
 

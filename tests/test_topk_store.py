@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from cli_helpers import cli_args
 from nitrobrew.cli import main as cli_main
 from nitrobrew.core.memory import TensorMemoryTracker
 from nitrobrew.teacher.data import TopKCollator, TopKDataset
@@ -20,52 +21,33 @@ from nitrobrew.teacher.extract import (
 )
 from nitrobrew.teacher.store import StoreError, TopKStore
 from nitrobrew.topk import topk_kl
+from teacher_helpers import flip_bits, interrupted
+from tiny_models import causal_lm
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 K, T = 8, 1.5
+SHAPE = dict(hidden=32, intermediate_size=48, positions=64)  # the teachers: 2 layers, 4 heads
+
+
+def _saved(model, path):
+    model.save_pretrained(path)
+    return model, str(path)
 
 
 def _llama(tmp_path, tie=False):
-    cfg = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # realistic logit spreads (a fresh init gives near-uniform distributions)
-        model.get_output_embeddings().weight.mul_(1.0 if tie else 60.0)
-    d = tmp_path / "llama"
-    model.save_pretrained(d)
-    return model, str(d)
+    # realistic logit spreads (a fresh init gives near-uniform distributions)
+    model = causal_lm("Llama", vocab=97, **SHAPE, tie=tie, head_scale=1.0 if tie else 60.0)
+    return _saved(model.eval(), tmp_path / "llama")
 
 
 def _qwen_padded(tmp_path):
     """A teacher whose head has 128 rows for a 100-token vocabulary (tied embeddings)."""
-    cfg = transformers.Qwen2Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(1)
-    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    model = causal_lm("Qwen2", vocab=128, **SHAPE, tie=True, seed=1, head_scale=1.0).eval()
     with torch.no_grad():  # give the padded rows the largest logits: they must still be excluded
         model.get_output_embeddings().weight[100:] *= 8
-    d = tmp_path / "qwen"
-    model.save_pretrained(d)
-    return model, str(d)
+    return _saved(model, tmp_path / "qwen")
 
 
 def _corpus(tmp_path, vocab=97, n=7, seed=0):
@@ -89,32 +71,8 @@ def test_cli_extract_matches_direct_forward(tmp_path, capsys):
     model, mdir = _llama(tmp_path)
     seqs, data = _corpus(tmp_path)
     out = str(tmp_path / "store")
-    assert (
-        cli_main(
-            [
-                "topk-extract",
-                "--model",
-                mdir,
-                "--data",
-                data,
-                "--out",
-                out,
-                "--k",
-                str(K),
-                "--temperature",
-                str(T),
-                "--sequences-per-shard",
-                "3",
-                "--device",
-                "cpu",
-                "--batch-tokens",
-                "20",
-                "--chunk-v",
-                "13",
-            ]
-        )
-        == 0
-    )
+    flags = dict(k=K, temperature=T, sequences_per_shard=3, device="cpu", batch_tokens=20, chunk_v=13)
+    assert cli_main(cli_args("topk-extract", model=mdir, data=data, out=out, **flags)) == 0
     assert "tokens/s" in capsys.readouterr().out
     store = TopKStore(out)
     man = store.manifest
@@ -165,16 +123,8 @@ def test_resume_after_interruption_and_corruption(tmp_path):
     model, mdir = _llama(tmp_path, tie=True)
     seqs, _ = _corpus(tmp_path)
     teacher = load_hf_teacher(mdir)
-    calls = {"n": 0}
-
-    def flaky(ids, mask):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt  # the extraction is killed in the middle of shard 2
-        return teacher.hidden_fn(ids, mask)
-
     out = str(tmp_path / "store")
-    broken = Teacher(flaky, teacher.weight, None, teacher.name, teacher.vocab_size)
+    broken = interrupted(teacher, at_call=3)  # the extraction is killed in the middle of shard 2
     with pytest.raises(KeyboardInterrupt):
         extract_topk(broken, seqs, out, k=K, temperature=T, sequences_per_shard=2, batch_tokens=12)
     man = json.load(open(os.path.join(out, "manifest.json")))
@@ -198,9 +148,7 @@ def test_resume_after_interruption_and_corruption(tmp_path):
         extract_topk(teacher, seqs, out, k=4, temperature=T, sequences_per_shard=2)
     # corruption and truncation are detected and name the shard
     shard = os.path.join(out, "shard-00001.safetensors")
-    raw = bytearray(open(shard, "rb").read())
-    raw[-3] ^= 0xFF
-    open(shard, "wb").write(bytes(raw))
+    raw = flip_bits(shard, -3)
     with pytest.raises(StoreError, match="shard-00001.safetensors is corrupted"):
         TopKStore(out)[2]
     open(shard, "wb").write(bytes(raw[:100]))
@@ -336,15 +284,7 @@ def test_writer_reader_and_extract_errors(tmp_path):
     teacher = Teacher(lambda ids, mask: torch.zeros(*ids.shape, 4), torch.randn(10, 4), None, "t", 10)
     with pytest.raises(ValueError, match=r"sequence 0: token id 30 is outside \[0, 10\)"):
         extract_topk(teacher, [[1, 2, 30]], str(tmp_path / "d"), k=2)
-    cfg = transformers.LlamaConfig(
-        vocab_size=16,
-        hidden_size=8,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    model = transformers.LlamaForCausalLM(cfg)
+    model = causal_lm("Llama", vocab=16, hidden=8, layers=1, heads=2, kv_heads=1, intermediate_size=8, head_scale=1.0)
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(NotImplementedError, match="final_logit_softcapping"):
         teacher_from_hf(model)
