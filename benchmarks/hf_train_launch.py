@@ -256,6 +256,9 @@ def main(argv) -> int:
         print(__doc__)
         return 2
     if argv[0] == "prepare":
+        if len(argv) < 2 or argv[1].startswith("-"):  # `prepare --help` must not prepare a folder "--help"
+            print(__doc__)
+            return 0 if "-h" in argv or "--help" in argv else 2
         name = "real" if "--real" in argv else "small" if "--small" in argv else "default"
 
         def value(flag):

@@ -13,6 +13,8 @@
 #             per GPU) under accelerate launch (FSDP2, head apart) and torchrun (root-wrapped)
 #                                                                         -> results/parallel/hf_train_launch.md  ~6 min
 #   fsdp2_trainer, plain_loop, rank_death: the earlier runs (results/parallel/), ~1, 2 and 1.5 min
+# ASYNC_SAME_GPU= (set, empty) leaves out the async run on the training GPU; TRAIN_PREPARE_FLAGS adds flags to
+# `hf_train_launch.py prepare --real` (e.g. "--length 1024 --steps 250").
 # Stages run in the order given; a stage that cannot start with 30 s of the budget left is skipped
 # (RUN_2GPU_BUDGET_S, default 510 s: the command ends before 9 minutes). Writes the results into
 # benchmarks/results/..., the logs, env.txt and summary.txt (each stage: exit status, seconds) into
@@ -44,7 +46,7 @@ if [ "${CPU_CHECK:-0}" = 1 ]; then
 else
     MEMORY_FLAGS=(--tokens 4096,16384)
     ONPOLICY_FLAGS=()
-    PREPARE_FLAGS=(--real)
+    PREPARE_FLAGS=(--real ${TRAIN_PREPARE_FLAGS:-})  # e.g. TRAIN_PREPARE_FLAGS="--length 1024 --steps 250"
     ACCELERATE=($PY -m accelerate.commands.launch --config_file)
 fi
 
@@ -109,7 +111,7 @@ for stage in "$@"; do
     async)
         WRITTEN+=("$RES/onpolicy/async_b64")
         part async 330 $PY benchmarks/onpolicy_step.py --backends static --decode-batches --step-batches 64 \
-            --sync-windows 2 --async-windows 4 --async-same-gpu --out "$RES/onpolicy/async_b64" "${ONPOLICY_FLAGS[@]}"
+            --sync-windows 2 --async-windows 4 ${ASYNC_SAME_GPU---async-same-gpu} --out "$RES/onpolicy/async_b64" "${ONPOLICY_FLAGS[@]}"
         ;;
     async8)
         WRITTEN+=("$RES/onpolicy/async_b8")
