@@ -116,11 +116,15 @@ class Online:
     def recentre(self, ref_new: Tensor, l: Tensor, log_scale: Tensor) -> None:
         """Refer a and r (on a sum of weights l) to a new reference and rescale them by e^log_scale:
         a = (a - l D) s, r = e^D r s + l s expm1(D), D = ref_new - ref, s = e^log_scale (the factor e^D s
-        taken in one exp: it stays finite where e^D alone would not)."""
+        taken in one exp: it stays finite where e^D alone would not; s expm1(D) as -expm1(-D) e^D s, or -s
+        where expm1(-D) is huge)."""
         shift = torch.where(l > 0, ref_new - self.ref, torch.zeros_like(ref_new))
         scale = torch.exp(log_scale)
         self.a = (self.a - l * shift) * scale
-        r = torch.exp(shift + log_scale) * self.r + l * scale * torch.expm1(shift)
+        es = torch.exp(shift + log_scale)
+        far = shift < -FAR_NATS
+        em = torch.where(far, -scale, -torch.expm1(torch.where(far, 0.0, -shift)) * es)
+        r = es * self.r + l * em
         self.r = torch.where(scale > 0, r, torch.zeros_like(r))
         self.ref = ref_new
 

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from .. import divergences as dv
 from . import checks as ck
+from . import online
 from .launch import next_pow2
 
 FORWARD_KL = tl.constexpr(dv.DIVERGENCE_IDS["forward_kl"])
@@ -39,7 +40,7 @@ def xmul(w, x):
 @triton.jit
 def logaddexp(a, b):
     mx = tl.maximum(a, b)
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    mx_safe = tl.where(tl.abs(mx) == float("inf"), 0.0, mx)  # +inf: inf, not inf - inf
     return mx_safe + tl.log(tl.exp(a - mx_safe) + tl.exp(b - mx_safe))
 
 
@@ -162,6 +163,7 @@ def row_block(n_cols: int, cap: int = 0) -> int:
 # terms of divergences.row_terms / row_grad, in Triton.
 
 LOG2 = tl.constexpr(math.log(2.0))
+FAR = tl.constexpr(online.FAR_NATS)  # beyond: the lost sum (core.online.FAR_NATS)
 MIX_SWITCH = tl.constexpr(dv.MIX_SWITCH)
 
 
@@ -178,7 +180,7 @@ def mixlog(d, w, log_w, log_1mw):
     """log(w e^d + 1 - w) for a weight w in [0, 1] (divergences.mixlog)."""
     small = tl.abs(d) <= MIX_SWITCH
     near = log1p(w * expm1(tl.where(small, d, 0.0)))
-    far = logaddexp(d + log_w, log_1mw + 0.0 * d)
+    far = logaddexp(d + log_w, log_1mw + tl.zeros_like(d))
     out = tl.where(small, near, far)
     out = tl.where(w <= 0.0, 0.0, out)
     return tl.where(w >= 1.0, d, out)
@@ -197,8 +199,8 @@ def row_terms(lp, lq, d, param, log_a, log_1ma, DIVERGENCE: tl.constexpr):
     d = tl.where(d == d, d, 0.0)
     p = tl.exp(lp)
     q = tl.exp(lq)
-    v2 = 0.0 * d
-    v3 = 0.0 * d
+    v2 = tl.zeros_like(d)
+    v3 = tl.zeros_like(d)
     if DIVERGENCE == FORWARD_KL:
         phi = xmul(p, -d)
         v = -p_minus_q(p, q, d)
@@ -290,9 +292,17 @@ def merge_tail2(m0, t0, m1, t1):
 @triton.jit
 def recentre(acc, rel, ref, ref_new, l, log_scale):
     """The centred sums (a, r on a weight sum l, referred to ref) referred to ref_new and rescaled by
-    e^log_scale (core.online.Online.recentre); nothing where l = 0 or the scale is 0."""
+    e^log_scale (core.online.Online.recentre), and whether r could be kept: where the scale is 0 (the
+    sums underflow) or r's terms would grow by more than e^FAR_NATS (the other side at ref_new lies that
+    far below the other side at ref), r is -l e^log_scale (every entry moved to the lost sum: the caller
+    moves the other side's mass there); nothing where l = 0."""
     shift = tl.where(l > 0, ref_new - ref, 0.0)
     scale = tl.exp(log_scale)
     a = (acc - l * shift) * scale
-    r = tl.exp(tl.minimum(shift + log_scale, 80.0)) * rel + l * expm1(tl.minimum(shift, 80.0)) * scale
-    return a, tl.where(scale > 0, r, 0.0)
+    # e^shift scale in one exp (shift may be +-100 nats where the scale is tiny), and scale expm1(shift) =
+    # -expm1(-shift) e^shift scale: no cancellation (-scale where expm1(-shift) is huge)
+    grow = shift + log_scale
+    es = tl.exp(tl.minimum(grow, FAR))
+    r = es * rel + l * tl.where(shift < -FAR, -scale, -expm1(tl.minimum(-shift, FAR)) * es)
+    ok = (scale > 0) & (grow <= FAR)
+    return a, tl.where(ok, r, -l * scale), ok

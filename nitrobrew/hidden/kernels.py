@@ -66,24 +66,24 @@ def _kl_lanes_to_row(m_o, t_o, acc, rel, ref, m_x, t_x, lost, mo0, to0, a0, r0, 
     """The lane merge of the accumulating side o (max, tail, centred a and r, their reference) and the
     other side x (max, tail, b), then with the row's carried state. a and r are referred to the d of the
     lane (or state) that holds o's max (core.online.Online.recentre); wherever o's sums underflow on the
-    merged scale (a lane, or the carried state or this tile's, far below the row's max), x's mass there
-    is lost to r: it moves to b."""
+    merged scale (a lane, or the carried state or this tile's, far below the row's max) or r would grow
+    by more than e^FAR_NATS in the re-referencing, x's mass there is lost to r: it moves to b."""
     mo, to_r, sc_o = lanes_tail(m_o, t_o)
     ref_r = tl.max(tl.where(m_o == mo, ref, float("-inf")), axis=0)
     ref_r = tl.where(ref_r == float("-inf"), 0.0, ref_r)
     mo_safe = tl.where(mo == float("-inf"), 0.0, mo)
-    a_l, r_l = recentre(acc, rel, ref, ref_r, t_o + 1.0, m_o - mo_safe)
+    a_l, r_l, ok_l = recentre(acc, rel, ref, ref_r, t_o + 1.0, m_o - mo_safe)
     a_r = tl.sum(a_l, axis=0)
     r_r = tl.sum(r_l, axis=0)
     mx, tx_r, sc_x = lanes_tail(m_x, t_x)
-    b_r = tl.sum(tl.where(sc_x > 0, tl.where(sc_o > 0, lost, t_x + 1.0) * sc_x, 0.0), axis=0)
+    b_r = tl.sum(tl.where(sc_x > 0, tl.where(ok_l, lost, t_x + 1.0) * sc_x, 0.0), axis=0)
     mo_new, to_new, so_old, so_row = merge_tail2(mo0, to0, mo, to_r)
     ref_new = tl.where(mo >= mo0, ref_r, ref0)
     so_safe = tl.where(mo_new == float("-inf"), 0.0, mo_new)
-    a0n, r0n = recentre(a0, r0, ref0, ref_new, to0 + 1.0, mo0 - so_safe)
-    a1n, r1n = recentre(a_r, r_r, ref_r, ref_new, to_r + 1.0, mo - so_safe)
+    a0n, r0n, ok0 = recentre(a0, r0, ref0, ref_new, to0 + 1.0, mo0 - so_safe)
+    a1n, r1n, ok1 = recentre(a_r, r_r, ref_r, ref_new, to_r + 1.0, mo - so_safe)
     mx_new, tx_new, sx_old, sx_row = merge_tail2(mx0, tx0, mx, tx_r)
-    b_new = tl.where(so_old > 0, b0, tx0 + 1.0) * sx_old + tl.where(so_row > 0, b_r, tx_r + 1.0) * sx_row
+    b_new = tl.where(ok0, b0, tx0 + 1.0) * sx_old + tl.where(ok1, b_r, tx_r + 1.0) * sx_row
     return mo_new, to_new, a0n + a1n, r0n + r1n, ref_new, mx_new, tx_new, b_new
 
 
@@ -155,21 +155,33 @@ def hidden_stats_kernel(
             s = z * inv_temp
             if DIVERGENCE == REVERSE_KL:  # the side p that accumulates: the student
                 l_old = t_s + 1.0
+                ly_old = t_t + 1.0
+                y_top = m_s - ref  # the other side's logit at the lane's max (ref = own - other there)
                 m_s, t_s, w, sc, up = lane_tail(m_s, t_s, s)
                 m_t, t_t, w_x, sc_x, _up = lane_tail(m_t, t_t, t)
+                y = t
                 dd = s - t
             else:  # the teacher
                 l_old = t_t + 1.0
+                ly_old = t_s + 1.0
+                y_top = m_t - ref
                 m_t, t_t, w, sc, up = lane_tail(m_t, t_t, t)
                 m_s, t_s, w_x, sc_x, _up = lane_tail(m_s, t_s, s)
+                y = s
                 dd = t - s
             shift = dd - ref
-            # one expm1 serves both branches: expm1(-shift) on the others, e^shift = 1 / (1 + it) and
-            # expm1(shift) where the lane's max moves here (its reference becomes dd)
-            e1 = expm1(tl.minimum(-shift, 80.0))
-            inv = 1.0 / tl.maximum(1.0 + e1, 1e-30)
-            em = tl.where(e1 > 1.0, inv - 1.0, -e1 * inv)
+            # one expm1 serves both branches: expm1(-shift) on the others, and where the lane's max moves
+            # here (its reference becomes dd) the re-referenced r = e^shift sc (r + l) - l sc, with e^shift sc
+            # = e^grow, grow = y_top - y, in one exp and sc expm1(shift) = -expm1(-shift) e^grow (no
+            # cancellation; -sc where expm1(-shift) is huge). Where r's terms would grow by more than
+            # e^FAR_NATS (the other side lies that far below at the new max), every earlier entry of the lane
+            # moves to the lost sum instead: r keeps -w for each, `lost` takes the other side's whole mass.
+            grow = y_top - y
+            e1 = expm1(tl.minimum(-shift, FAR_NATS))
+            esc = tl.exp(tl.minimum(grow, FAR_NATS))
+            em_sc = tl.where(shift < -FAR_NATS, -sc, -e1 * esc)
             re = up & (tl.abs(dd) < float("inf"))
+            far_up = re & (grow > FAR_NATS)
             keep = w > 0  # w = 0 where dd may be infinite
             # the other side's mass goes to `lost` (on its own scale) where p underflowed, and where
             # w e^-(dd - ref) could overflow (ref - dd > FAR_NATS: rel keeps only -w there)
@@ -177,10 +189,10 @@ def hidden_stats_kernel(
             # the lane's max jumps later; an entry that becomes the reference is itself near in rel's terms)
             near = (re | (keep & (-shift <= FAR_NATS))) & (-dd <= FAR_NATS)
             acc = tl.where(re, (acc - l_old * shift) * sc, acc * sc + tl.where(keep, w * shift, 0.0))
-            rel_re = (inv * rel + l_old * em) * sc - tl.where(near, 0.0, 1.0)
+            rel_re = tl.where(far_up, -l_old * sc, esc * rel + l_old * em_sc) - tl.where(near, 0.0, 1.0)
             rel = tl.where(re, rel_re, rel * sc + tl.where(near, w * e1, -w))
             ref = tl.where(re, dd, ref)
-            lost = lost * sc_x + tl.where(near, 0.0, w_x)
+            lost = tl.where(far_up, ly_old, lost) * sc_x + tl.where(near, 0.0, w_x)
             if RAW_LSE:
                 m_z, t_z, _w, _sc, _up = lane_tail(m_z, t_z, z)
             if HAS_LABELS:
@@ -267,7 +279,7 @@ def hidden_stats_kernel(
                 v2_sum += tl.where(valid, v2, 0.0)
                 v3_sum += tl.where(valid, v3, 0.0)
             else:  # v without the student's top entry
-                v2_sum += tl.where(valid & ((s != m_s) | (ll_s + 0.0 * s >= LOG2)), v, 0.0)
+                v2_sum += tl.where(valid & ((s != m_s) | (ll_s + tl.zeros_like(s) >= LOG2)), v, 0.0)
         tl.store(st + C_PHI_SUM, tl.load(st + C_PHI_SUM) + tl.sum(phi_sum, axis=0))
         tl.store(st + C_V_SUM, tl.load(st + C_V_SUM) + tl.sum(v_sum, axis=0))
         tl.store(st + C_V2_SUM, tl.load(st + C_V2_SUM) + tl.sum(v2_sum, axis=0))
@@ -307,7 +319,7 @@ def _grad_tile(
     lq = (s - m_s) - ll_s
     lp = (t - m_t) - ll_t
     d = ((s - t) - c) - g_row
-    top = (s == m_s) & (ll_s + 0.0 * s < LOG2)  # the student's max, where it is a single entry
+    top = (s == m_s) & (ll_s + tl.zeros_like(s) < LOG2)  # the student's max, where it is a single entry
     g = row_grad(lp, lq, d, top, ll_s, param, log_a, log_1ma, sum_u, v_rest, DIVERGENCE)
     # an ignored row (scale 0) gets exactly 0, even where its divergence is infinite
     g = tl.where(kd_scale != 0.0, g * kd_scale, 0.0)
