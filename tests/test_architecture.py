@@ -292,18 +292,12 @@ POSITIONAL_TODO = {
     "hidden/triton_function.py": 16,
     "hidden/vocab_parallel.py": 15,
     "core/online.py": 1,
-    "bench/attention.py": 10,
-    "bench/hidden.py": 9,
-    "bench/topk.py": 7,
-    "bench/regimes.py": 6,
     "teacher/extract.py": 8,
     "teacher/hidden_store.py": 3,
     "teacher/store.py": 2,
     "teacher/rollout.py": 1,
     "demo/lm.py": 3,
-    "hf/generation/transformers_engine.py": 2,
     "integrations/trl.py": 2,
-    "environment.py": 1,
     "core/launch.py": 1,  # for good: the compiled kernel's launcher (a C function) takes positions only
 }
 MAX_POSITIONAL = 5
