@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-from typing import Dict
+from typing import Dict, Sequence
 
 import torch
 
@@ -40,7 +40,7 @@ def environment() -> Dict[str, str]:
     return info
 
 
-def _git(root: str, *args: str) -> str:
+def _git(root: str, args: Sequence[str]) -> str:
     return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=5).stdout.strip()
 
 
@@ -50,11 +50,11 @@ def nitrobrew_commit() -> str:
     else the installed version. "+dirty": the package's files differ from the commit."""
     pkg = os.path.dirname(os.path.abspath(__file__))  # .../nitrobrew
     try:
-        top = _git(pkg, "rev-parse", "--show-toplevel")
+        top = _git(pkg, ["rev-parse", "--show-toplevel"])
         if top and os.path.samefile(os.path.join(top, "nitrobrew"), pkg):
-            head = _git(top, "rev-parse", "--short", "HEAD")
+            head = _git(top, ["rev-parse", "--short", "HEAD"])
             if head:
-                dirty = _git(top, "status", "--porcelain", "--untracked-files=no", "--", "nitrobrew")
+                dirty = _git(top, ["status", "--porcelain", "--untracked-files=no", "--", "nitrobrew"])
                 return head + ("+dirty" if dirty else "")
     except Exception:
         pass

@@ -150,8 +150,8 @@ def test_error_columns_catch_a_wrong_loss():
     d = hb.make_data("random", 32, 256, 16, 24, torch.float32, torch.device("cpu"), seed=1)
     ref = hb.reference(d, 32, "forward_kl", 1.0)
 
-    def wrong(xs, xt, ws, wt, labels, div, T):  # the KL the wrong way round
-        return bl.naive_loss(xs, xt, ws, wt, "reverse_kl", 0.0, T)
+    def wrong(xs, xt, ws, wt, labels, divergence, temperature):  # the KL the wrong way round
+        return bl.naive_loss(xs, xt, ws, wt, "reverse_kl", 0.0, temperature)
 
     assert hb.accuracy(wrong, d, 32, "forward_kl", 1.0, ref)["err_dx"] > 0.1
 
@@ -162,7 +162,7 @@ def test_oom_and_errors_become_notes(tmp_path, monkeypatch):
     def fake(key, chunk_v, device, *rest):
         if key == "naive":
 
-            def oom(*a):
+            def oom(*a, **k):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
 
             return oom
@@ -181,7 +181,7 @@ def test_a_failing_method_makes_the_exit_status_nonzero(tmp_path, monkeypatch, c
     def fake(key, chunk_v, device, *rest):
         if key == "naive":
 
-            def broken(*a):
+            def broken(*a, **k):
                 raise RuntimeError("boom")
 
             return broken

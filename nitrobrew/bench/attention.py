@@ -277,11 +277,11 @@ def _warm_case(task: Tuple) -> str:
         dev = torch.device(os.environ.get("NITROBREW_BENCH_DEVICE", "cuda"))
         dtype = DTYPES[dtype_name]
         N = 256
-        ins = [t.requires_grad_(i < 2) for i, t in enumerate(make_inputs(B, H, Hkv, N, D, dtype, dev))]
+        ins = [t.requires_grad_(i < 2) for i, t in enumerate(make_inputs(B, H, Hkv, N, D, dtype=dtype, dev=dev))]
         if kind == "compile":
             fn = torch.compile(naive_kl, dynamic=True)
             fn(*ins, causal, direction).backward()
-            fn2 = make_inputs(B, H, Hkv, 512, D, dtype, dev)
+            fn2 = make_inputs(B, H, Hkv, 512, D, dtype=dtype, dev=dev)
             fn(*[t.requires_grad_(i < 2) for i, t in enumerate(fn2)], causal, direction).backward()
         else:
             from ..attention import attention_kl
@@ -357,7 +357,7 @@ def tune(args, dev, dtype, B, H, Hkv, D, causal) -> Tuple[Dict, List[Row]]:
     from ..attention.triton_function import Side, triton_backward, triton_forward
 
     N = args.tune_n
-    q_s, k_s, q_t, k_t = make_inputs(B, H, Hkv, N, D, dtype, dev, args.seed)
+    q_s, k_s, q_t, k_t = make_inputs(B, H, Hkv, N, D, dtype=dtype, dev=dev, seed=args.seed)
     scale = D**-0.5
     spec = AttnSpec(is_causal=causal, causal_offset=0, scale_s=scale, scale_t=scale, direction="forward")
     X, Y = Side(q_t, k_t, scale), Side(q_s, k_s, scale)
@@ -372,7 +372,9 @@ def tune(args, dev, dtype, B, H, Hkv, D, causal) -> Tuple[Dict, List[Row]]:
                 fn = lambda c=c: triton_forward(X, Y, None, spec, cfg=c)  # noqa: E731
             else:
                 need = dict(qx=False, kx=False, qy=kind == "dq", ky=kind == "dk")
-                fn = lambda c=c, need=need: triton_backward(X, Y, None, spec, lsx, lsy, kl, g, need, cfg=c)  # noqa: E731
+                fn = lambda c=c, need=need: triton_backward(  # noqa: E731
+                    X, Y, None, spec, lsx, lsy=lsy, kl=kl, g=g, need=need, cfg=c
+                )
             row = Row("tune", f"{kind} {cfg}", dict(N=N, B=B, H=H, D=D))
             try:
                 row.ms = time_ms(fn, dev, warmup=2, reps=10)
@@ -395,7 +397,7 @@ def accuracy(args, dev, dtype, B, H, Hkv, D, causal, methods, cfg) -> List[Row]:
     N = args.accuracy_n
     rows = []
     for kind in ("spread", "close"):
-        ins = rg.make_attention(kind, B, H, Hkv, N, D, dtype, dev, args.seed + 1, causal)[0]
+        ins = rg.make_attention(kind, B, H, Hkv, N, D=D, dtype=dtype, dev=dev, seed=args.seed + 1, causal=causal)[0]
         ref = [t.double().requires_grad_(i < 2) for i, t in enumerate(ins)]
         lr = reference_attention_kl(*ref, is_causal=causal, direction=args.direction)
         lr.backward()
@@ -483,14 +485,32 @@ def run_speed(args, dev, dtype, B, H, Hkv, D, causal, methods, cfg, env) -> List
     for regime in rg.parse(args.regimes):
         for N in args.seq_lens:
             try:
-                ins, ent = rg.make_attention(regime, B, H, Hkv, N, D, dtype, dev, args.seed, causal)
+                ins, ent = rg.make_attention(
+                    regime, B, H, Hkv, N, D=D, dtype=dtype, dev=dev, seed=args.seed, causal=causal
+                )
             except rg.RegimeUnavailable as err:
                 print(f"regime {regime}: skipped ({err})", flush=True)
                 rows.append(Row("attention", "-", dict(regime=regime), note=f"skipped: {err}"))
                 break
             print(f"regime {regime}: teacher mean row entropy {ent:.2f} nats (N={N})", flush=True)
             rows += _speed_at(
-                args, dev, dtype, B, H, Hkv, D, N, causal, methods, cfg, env, regime, ent, ins, compiled, rows
+                args,
+                dev,
+                dtype,
+                B,
+                H,
+                Hkv=Hkv,
+                D=D,
+                N=N,
+                causal=causal,
+                methods=methods,
+                cfg=cfg,
+                env=env,
+                regime=regime,
+                ent=ent,
+                ins=ins,
+                compiled=compiled,
+                done=rows,
             )
     return rows
 
@@ -773,11 +793,11 @@ def run(args) -> int:
             )
         print(f"parallel checks / compile warm-up: {time.time() - t1:.1f} s", flush=True)
     if dev.type == "cuda" and args.tune:
-        cfg, tune_rows = tune(args, dev, dtype, B, H, Hkv, D, causal)
+        cfg, tune_rows = tune(args, dev, dtype, B, H, Hkv=Hkv, D=D, causal=causal)
         rows += tune_rows
     if args.accuracy_n:
-        rows += accuracy(args, dev, dtype, B, H, Hkv, D, causal, methods, cfg)
-    rows += run_speed(args, dev, dtype, B, H, Hkv, D, causal, methods, cfg, env)
+        rows += accuracy(args, dev, dtype, B, H, Hkv=Hkv, D=D, causal=causal, methods=methods, cfg=cfg)
+    rows += run_speed(args, dev, dtype, B, H, Hkv=Hkv, D=D, causal=causal, methods=methods, cfg=cfg, env=env)
     print_table([r for r in rows if r.mode == "attention"], ["regime", "N", "B", "H", "D"])
     print(f"SDPA default backend: {env.get('sdpa_default', '-')}")
     for r in ratios(rows):

@@ -228,17 +228,23 @@ def _loss_fn(key: str, chunk_v: Optional[int], device: torch.device, filter_eps:
     if key in NITROBREW:
         return _nitro_call(key, chunk_v, filter_eps)
     if key == "naive":
-        return lambda xs, xt, ws, wt, labels, div, T: bl.naive_loss(xs, xt, ws, wt, div, PARAMS.get(div, 0.0), T)
+        return lambda xs, xt, ws, wt, labels, divergence, temperature: bl.naive_loss(
+            xs, xt, ws, wt, divergence=divergence, param=PARAMS.get(divergence, 0.0), temperature=temperature
+        )
     if key == "compile":
         fn = bl.naive_compiled()
-        return lambda xs, xt, ws, wt, labels, div, T: fn(xs, xt, ws, wt, div, PARAMS.get(div, 0.0), T)
+        return lambda xs, xt, ws, wt, labels, divergence, temperature: fn(
+            xs, xt, ws, wt, divergence=divergence, param=PARAMS.get(divergence, 0.0), temperature=temperature
+        )
     if key == "liger-chunked":
         compiled = device.type == "cuda"
-        return lambda xs, xt, ws, wt, labels, div, T: bl.liger_chunked(xs, xt, ws, wt, labels, T, compiled)
+        return lambda xs, xt, ws, wt, labels, divergence, temperature: bl.liger_chunked(
+            xs, xt, ws, wt, labels, temperature=temperature, compiled=compiled
+        )
     if key == "liger-fused":
-        return lambda xs, xt, ws, wt, labels, div, T: bl.liger_fused(xs, xt, ws, wt, T)
+        return lambda xs, xt, ws, wt, labels, divergence, temperature: bl.liger_fused(xs, xt, ws, wt, temperature)
     if key == "cce":
-        return lambda xs, xt, ws, wt, labels, div, T: bl.cce_student_ce(xs, ws, labels)
+        return lambda xs, xt, ws, wt, labels, divergence, temperature: bl.cce_student_ce(xs, ws, labels)
     raise KeyError(key)
 
 
@@ -320,7 +326,7 @@ def accuracy(fn, d: Data, rows: int, divergence: str, temperature: float, ref: R
     saved = d.ws.grad
     d.ws.grad = None
     try:
-        loss = fn(xs, d.xt[:rows], d.ws, d.wt, d.labels[:rows], divergence, temperature)
+        loss = fn(xs, d.xt[:rows], d.ws, d.wt, d.labels[:rows], divergence=divergence, temperature=temperature)
         loss.backward()
         val = float(loss.detach())
         out = {
@@ -503,7 +509,7 @@ def _run(args) -> int:
                     continue
                 try:
                     if key == "floor":
-                        _time_floor(row, data, device, dtype, warmup, reps)
+                        _time_floor(row, data, device, dtype, warmup=warmup, reps=reps)
                         floor_ms = row.ms
                         row.size["divergence"] = "-"
                     else:
@@ -515,12 +521,12 @@ def _run(args) -> int:
                                 refs[ce] = reference(data, ref_rows, div, T, ce=ce)
                                 _free(device)
                             t0 = time.perf_counter()
-                            acc = accuracy(fn, data, ref_rows, div, T, refs[ce])
+                            acc = accuracy(fn, data, ref_rows, div, T, ref=refs[ce])
                             acc_s = time.perf_counter() - t0
                             row.extra.update(acc)
                             row.rel_err = max(acc["err_loss"], acc["err_dx"], acc["err_dw"])
                             _free(device)
-                        _time_loss(row, fn, data, div, T, device, warmup, reps)
+                        _time_loss(row, fn, data, div, T, device=device, warmup=warmup, reps=reps)
                         row.extra["first_s"] = max(row.extra["first_s"], acc_s)
                         if key == "cce":
                             row.note = (row.note + "; " if row.note else "") + "student CE only, not KD"
@@ -547,7 +553,7 @@ def _run(args) -> int:
         for n in seq_lens:
             _free(device)
             try:
-                data = make_data(regime, n, vocab, ds, dt, dtype, device, args.seed)
+                data = make_data(regime, n, vocab, ds, dt, dtype=dtype, device=device, seed=args.seed)
             except rg.RegimeUnavailable as err:
                 print(f"regime {regime}: skipped ({err})", flush=True)
                 rows.append(Row(mode="hidden", method="-", size={"N": n, "regime": regime}, note=f"skipped: {err}"))
@@ -624,7 +630,7 @@ def _time_loss(row: Row, fn, d: Data, div: str, T: float, device, warmup: int, r
         # inputs and their (allocated) gradients counts only what the method needs besides them.
         d.xs.grad = None
         d.ws.grad = None
-        fn(d.xs, d.xt, d.ws, d.wt, d.labels, div, T).backward()
+        fn(d.xs, d.xt, d.ws, d.wt, d.labels, divergence=div, temperature=T).backward()
 
     _measure(row, step, device, warmup, reps)
 

@@ -135,7 +135,7 @@ def make_hidden(
     """Inputs of one regime (module doc); random normal everywhere, never zeros."""
     regime = ALIASES.get(regime, regime)
     if regime == "real":
-        return _real_hidden(n, vocab, ds, dt, dtype, device, seed)
+        return _real_hidden(n, vocab, ds, dt, dtype, device=device, seed=seed)
     if regime == "demo":
         return demo_hidden(n, dtype, device, seed)
     if regime not in STUDENT_NOISE:
@@ -169,7 +169,15 @@ def make_hidden(
     xs, ws = (hs @ ps).to(dtype), (a @ ps).to(dtype)
     del a, h, hs, pt, ps
     labels = torch.randint(0, vocab, (n,), generator=gen, device=device)
-    return Data(xs.requires_grad_(), xt, ws.requires_grad_(), wt, labels, regime, teacher_entropy(xt, wt, calib_rows))
+    return Data(
+        xs=xs.requires_grad_(),
+        xt=xt,
+        ws=ws.requires_grad_(),
+        wt=wt,
+        labels=labels,
+        regime=regime,
+        entropy=teacher_entropy(xt, wt, calib_rows),
+    )
 
 
 def _qwen2_config(d: int, vocab: int):
@@ -213,10 +221,18 @@ def _real_hidden(n, vocab, ds, dt, dtype, device, seed) -> Data:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     ids = torch.randint(0, vocab, (n,), generator=gen, device=device)
-    xt, wt = decoder_states(dt, vocab, ids, dtype, device, seed)
-    xs, ws = decoder_states(ds, vocab, ids, dtype, device, seed + 1)
+    xt, wt = decoder_states(dt, vocab, ids, dtype, device, seed=seed)
+    xs, ws = decoder_states(ds, vocab, ids, dtype, device, seed=seed + 1)
     labels = torch.roll(ids, -1)  # the next token: what a CE term would use
-    return Data(xs.requires_grad_(), xt, ws.requires_grad_(), wt, labels, "real", teacher_entropy(xt, wt))
+    return Data(
+        xs=xs.requires_grad_(),
+        xt=xt,
+        ws=ws.requires_grad_(),
+        wt=wt,
+        labels=labels,
+        regime="real",
+        entropy=teacher_entropy(xt, wt),
+    )
 
 
 DEMO_RUN_ENV = "NITROBREW_DEMO_RUN"
@@ -264,7 +280,15 @@ def demo_hidden(n: int, dtype, device, seed: int = 0, run: Optional[str] = None)
     ws = stud.lm_head.weight.detach().to(dtype).clone()
     labels = torch.roll(ids.reshape(-1), -1)[: xs.shape[0]]
     del teacher, stud
-    return Data(xs.requires_grad_(), xt, ws.requires_grad_(), wt, labels, "demo", teacher_entropy(xt, wt))
+    return Data(
+        xs=xs.requires_grad_(),
+        xt=xt,
+        ws=ws.requires_grad_(),
+        wt=wt,
+        labels=labels,
+        regime="demo",
+        entropy=teacher_entropy(xt, wt),
+    )
 
 
 # ---------------------------------------------------------------- attention score maps

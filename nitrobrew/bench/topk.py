@@ -173,7 +173,7 @@ def make_inputs(N: int, V: int, D: int, K: int, dtype, dev, seed: int = 0, regim
     returns (xs, ws, ids, lp, labels, teacher entropy)."""
     from ..teacher.extract import streaming_topk
 
-    d = rg.make_hidden(regime, N, V, D, D, dtype, dev, seed)
+    d = rg.make_hidden(regime, N, V, D, D, dtype=dtype, device=dev, seed=seed)
     if K >= d.ws.shape[0]:
         raise rg.RegimeUnavailable(f"K = {K} is not below the regime's vocabulary ({d.ws.shape[0]})")
     ids, lp = streaming_topk(d.xt, d.wt, None, K)
@@ -295,7 +295,7 @@ def _accuracy(method, xs, ws, ids, lp, labels, rows: int) -> Optional[float]:
     from ..topk import reference_topk_loss
 
     x, i, p, lab = xs[:rows], ids[:rows], lp[:rows], labels[:rows]
-    loss, dx, dw = _step(method, x, ws, i, p, lab)()
+    loss, dx, dw = _step(method, x, ws, i, p, labels=lab)()
     x64 = x.detach().double().requires_grad_()
     w64 = ws.detach().double().requires_grad_()
     if method.startswith("cce"):
@@ -330,14 +330,14 @@ def topk_bytes(N, V, D, K, esize) -> int:
 def _measure(row: Row, method, xs, ws, ids, lp, labels, dev, warmup, reps, ref_rows) -> None:
     step = None
     try:
-        step = _step(method, xs, ws, ids, lp, labels)
+        step = _step(method, xs, ws, ids, lp, labels=labels)
         row.ms = time_ms(step, dev, warmup=warmup, reps=reps)
         row.peak_mib = None if method == "topk-graph" else peak_mib(step, dev)
         # the step allocates dX and dW anew: report the peak above them too
         if row.peak_mib is not None and method != "floor":
             grads = (xs.numel() + ws.numel()) * xs.element_size() / 2**20
             row.extra["above_grads_mib"] = row.peak_mib - grads
-        row.rel_err = _accuracy(method, xs, ws, ids, lp, labels, ref_rows)
+        row.rel_err = _accuracy(method, xs, ws, ids, lp, labels=labels, rows=ref_rows)
     except Exception as err:  # one failing method must not stop the others
         row.ms = None
         row.note = ("OOM" if is_oom(err) else f"error: {type(err).__name__}: {err}")[:160]
@@ -378,7 +378,9 @@ def run_loss(args, env: Dict[str, str]) -> List[Row]:
             base: Dict[str, float] = {}
             for K in ks:
                 try:
-                    xs, ws, ids, lp, labels, ent = make_inputs(N, V, D, K, dtype, dev, args.seed, regime)
+                    xs, ws, ids, lp, labels, ent = make_inputs(
+                        N, V, D, K, dtype, dev=dev, seed=args.seed, regime=regime
+                    )
                 except rg.RegimeUnavailable as err:
                     rows.append(Row("topk", "-", {"regime": regime, "N": N}, note=f"skipped: {err}"))
                     print(f"regime {regime}: skipped ({err})", flush=True)
@@ -401,15 +403,15 @@ def run_loss(args, env: Dict[str, str]) -> List[Row]:
                             xs,
                             ws,
                             ids,
-                            lp,
-                            labels,
-                            dev,
-                            warmup,
-                            reps,
-                            args.ref_rows if N == seq_lens[0] else 0,
-                        )  # accuracy: not N-dependent
+                            lp=lp,
+                            labels=labels,
+                            dev=dev,
+                            warmup=warmup,
+                            reps=reps,
+                            ref_rows=args.ref_rows if N == seq_lens[0] else 0,  # accuracy: not N-dependent
+                        )
                     if row.ms is not None:
-                        _ratios(row, label, method, base, n, v, d, K, xs.element_size(), bw)
+                        _ratios(row, label, method, base, n, V=v, D=d, K=K, esize=xs.element_size(), bw=bw)
                     rows.append(row)
                     print(
                         f"  {label} {regime} N={N}: {row.ms} ms, {row.peak_mib} MiB, err {row.rel_err} {row.note}",

@@ -167,6 +167,12 @@ def interpreter_enabled() -> bool:
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Map "auto" to a concrete backend; validate that "triton" can run on this device."""
     check_backend(backend)
+    return backend_for(backend, device)
+
+
+def backend_for(backend: str, device: torch.device) -> str:
+    """``resolve_backend`` for a backend name already checked (a validation that checked every option
+    first resolves it here without checking the name again)."""
     if backend == "torch":
         return "torch"
     if backend == "auto":

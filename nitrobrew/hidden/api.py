@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Tuple, Union
 
 import torch
 from typing_extensions import TypedDict, Unpack
@@ -11,10 +11,8 @@ from .. import divergences as dv
 from ..core import checks as ck
 from ..core.outputs import DistillOutput
 from ..core.reduction import IGNORE_INDEX, reduce_rows
-from . import grad_filter as gf
-from .config import LossConfig
 from .custom_op import compiled_distill
-from .validation import check_hidden_tensors, check_loss_options, prepare_rows
+from .validation import HiddenCall, validate
 
 Tensor = torch.Tensor
 
@@ -42,38 +40,6 @@ class HiddenOptions(TypedDict, total=False):
     softcap_t: Optional[float]
     return_parts: bool
     process_group: Any
-
-
-def _validate(xs, xt, ws, wt, options: HiddenOptions) -> int:
-    """Check everything before any kernel runs; return the vocabulary size to use."""
-    o = options
-    labels, vocab_size = o["labels"], o["vocab_size"]
-    check_hidden_tensors(xs=xs, xt=xt, ws=ws, wt=wt, bs=o["bs"], bt=o["bt"], labels=labels)
-    if vocab_size is None:
-        if ws.shape[0] != wt.shape[0]:
-            raise ValueError(
-                f"student vocab {ws.shape[0]} != teacher vocab {wt.shape[0]}: pass vocab_size=N to "
-                "compare the first N entries of both heads (never zero-pad a head)"
-            )
-        vocab_size = ws.shape[0]
-    elif not (ck.is_int(vocab_size) and 0 < vocab_size <= min(ws.shape[0], wt.shape[0])):
-        raise ValueError(f"vocab_size must be an int in [1, {min(ws.shape[0], wt.shape[0])}], got {vocab_size!r}")
-    check_loss_options(
-        temperature=o["temperature"],
-        reduction=o["reduction"],
-        chunk_V=o["chunk_V"],
-        backend=o["backend"],
-        kd_weight=o["kd_weight"],
-        ce_weight=o["ce_weight"],
-        labels=labels,
-        softcap_s=o["softcap_s"],
-        softcap_t=o["softcap_t"],
-    )
-    ck.check_mode(o["mode"], o["memory_budget"])
-    gf.check_grad_filter(o["grad_filter"])
-    if o["ce_weight"] != 0 and labels is not None:  # labels are checked present for ce_weight != 0
-        ck.check_ids_in_range("labels", labels, vocab_size, o["ignore_index"])
-    return vocab_size
 
 
 def hidden_loss(
@@ -116,7 +82,7 @@ def hidden_loss(
         xs, xt, ws, wt, bs, bt, labels, process_group = unwrap(
             xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels, process_group=process_group
         )
-    options: HiddenOptions = dict(  # the options once: checked by _validate, handed on as they are
+    options: HiddenOptions = dict(  # the options once: checked by validate, handed on as they are
         labels=labels,
         ignore_index=ignore_index,
         temperature=temperature,
@@ -141,74 +107,43 @@ def hidden_loss(
         from .vocab_parallel import parallel_hidden_loss
 
         return parallel_hidden_loss(xs, xt, ws, wt, divergence=divergence, **options, **params)
-    name, param = ck.divergence_param(divergence, params)
-    V = _validate(xs, xt, ws, wt, options)
-    impl = ck.resolve_backend(backend, xs.device)
-
-    lead = xs.shape[:-1]
-    x_s, x_t, ws, wt, bs, bt, ce_labels, mask = prepare_rows(
-        xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt, labels=labels, ignore_index=ignore_index, ce_weight=ce_weight, used=V
-    )
-    cfg = LossConfig.build(
-        divergence=name,
-        param=param,
-        temperature=temperature,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        chunk_V=chunk_V,
-        filter_eps=gf.resolve_eps(grad_filter, xs.dtype),
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-    )
-    # float64 always takes the PyTorch path; so does an empty batch (nothing to launch: loss 0, zero grads)
-    use_triton = impl == "triton" and xs.dtype != torch.float64 and x_s.shape[0] > 0
-    if cfg.filter_eps is not None and not use_triton:
-        gf.check_not_capturing(xs.device)  # the Triton filter needs no host sync; the PyTorch one does
-    if torch.compiler.is_compiling():
-        # one registered op with a registered backward: the traced step keeps a single graph
-        out = compiled_distill(
-            xs=x_s,
-            xt=x_t,
-            ws=ws,
-            wt=wt,
-            bs=bs,
-            bt=bt,
-            labels=ce_labels,
-            mask=mask,
-            cfg=cfg,
-            impl="triton" if use_triton else "torch",
-            reduction=reduction,
-            mode=mode,
-            memory_budget=memory_budget,
-        )
-    elif use_triton:
-        # the Triton path reduces inside its autograd Function (it forms gradients in the forward)
-        from .triton_function import triton_distill
-
-        out = triton_distill(
-            xs=x_s,
-            xt=x_t,
-            ws=ws,
-            wt=wt,
-            bs=bs,
-            bt=bt,
-            labels=ce_labels,
-            mask=mask,
-            cfg=cfg,
-            reduction=reduction,
-            mode=mode,
-            memory_budget=memory_budget,
-        )
-    else:
-        from .chunked import chunked_rows
-
-        rows = chunked_rows(xs=x_s, xt=x_t, ws=ws, wt=wt, bs=bs, bt=bt, labels=ce_labels, mask=mask, cfg=cfg)
-        out = tuple(reduce_rows(r, mask, reduction, lead) for r in rows)
-    total, kd, ce = (r.reshape(lead) for r in out) if reduction == "none" else out
+    call = validate(xs, xt, ws, wt, divergence=divergence, params=params, options=options)
+    out = _run(call)
+    total, kd, ce = (r.reshape(call.lead) for r in out) if call.reduction == "none" else out
     if return_parts:
         return DistillOutput(total, kd, ce)
     return total
+
+
+def _run(call: HiddenCall) -> Tuple[Tensor, Tensor, Tensor]:
+    """(total, kd, ce) reduced (per row for "none") from the path the checked call names."""
+    if torch.compiler.is_compiling():
+        # one registered op with a registered backward: the traced step keeps a single graph
+        return compiled_distill(call)
+    ops = call.ops
+    if call.impl == "triton":
+        # the Triton path reduces inside its autograd Function (it forms gradients in the forward)
+        from .triton_function import triton_distill
+
+        return triton_distill(
+            xs=ops.xs,
+            xt=ops.xt,
+            ws=ops.ws,
+            wt=ops.wt,
+            bs=ops.bs,
+            bt=ops.bt,
+            labels=call.labels,
+            mask=call.mask,
+            cfg=call.cfg,
+            reduction=call.reduction,
+            mode=call.mode,
+            memory_budget=call.memory_budget,
+        )
+    from .chunked import chunked_rows
+
+    rows = chunked_rows(ops, labels=call.labels, mask=call.mask, cfg=call.cfg)
+    total, kd, ce = (reduce_rows(r, call.mask, call.reduction, call.lead) for r in rows)
+    return total, kd, ce
 
 
 _COMMON_DOC = """

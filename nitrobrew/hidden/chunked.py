@@ -322,7 +322,7 @@ class TorchLocal:
     wrapper (vocab-parallel) merges across ranks. ``triton_function.TritonLocal`` has the same interface."""
 
     def __init__(self, xs, ws, cfg: LossConfig, memory_budget=None):
-        self.chunk = max(1, cfg.chunk_V or auto_chunk_v(xs.shape[0], max(ws.shape[0], 1)))
+        self.chunk = max(1, cfg.chunk_V or auto_chunk_v(xs.shape[0], max(ws.shape[0], 1), device=xs.device))
 
     def first_pass(self, ops: Operands, labels, cfg: LossConfig) -> FirstPass:
         return first_pass(ops, labels, cfg, 0, ops.vocab, chunk=self.chunk)
@@ -341,7 +341,7 @@ class ChunkedDistill(PartsFunction):
 
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig):
-        chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0])
+        chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0], device=xs.device)
         st = compute_stats(Operands(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt), labels, cfg, chunk)
         total, kd, ce = combine_rows(st.kd, st.ce, mask, cfg)
         ctx.save_for_backward(xs, xt, ws, wt, bs, bt, labels, mask)
@@ -367,6 +367,6 @@ class ChunkedDistill(PartsFunction):
         return ChunkedDistill.input_grads(ctx, dx.to(xs.dtype) if ctx.needs_input_grad[0] else None, dw, db)
 
 
-def chunked_rows(xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig):
-    """Entry used by the public API: flattened inputs, returns per-row (total, kd, ce)."""
-    return ChunkedDistill.apply(xs, xt, ws, wt, bs, bt, labels, mask, cfg)
+def chunked_rows(ops: Operands, *, labels, mask, cfg: LossConfig):
+    """Entry used by the public API (checked operands, rows flattened): per-row (total, kd, ce)."""
+    return ChunkedDistill.apply(*ops, labels, mask, cfg)

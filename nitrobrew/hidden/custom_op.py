@@ -12,7 +12,7 @@ the eager autograd Functions, so the two paths agree bit for bit.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
@@ -23,47 +23,73 @@ from ..core.reduction import combine_rows, reduce_rows, row_scales, row_upstream
 from .chunked import RowNorm, RowStats, backward_chunks, compute_stats
 from .config import LossConfig, Operands
 
+if TYPE_CHECKING:
+    from .validation import HiddenCall
+
 Tensor = torch.Tensor
 _NONE = -1  # stands for None in the integer options (custom ops take no Optional[int] defaults here)
 
 
-def _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t) -> LossConfig:
-    # negative floats stand for None (filter off, no softcap)
-    return LossConfig(
-        divergence,
-        param,
-        temperature,
-        kd_weight,
-        ce_weight,
-        None if chunk_V == _NONE else chunk_V,
-        None if filter_eps < 0 else filter_eps,
-        None if softcap_s < 0 else softcap_s,
-        None if softcap_t < 0 else softcap_t,
+def _op_options(call: "HiddenCall") -> dict:
+    """The checked call's options as the ops' scalar arguments (``_OPTION_NAMES``): -1 stands for None
+    (custom ops take no Optional[int] defaults here), negative floats too (filter off, no softcap)."""
+    cfg = call.cfg
+    return dict(
+        divergence=cfg.divergence,
+        param=float(cfg.param),
+        temperature=cfg.temperature,
+        kd_weight=cfg.kd_weight,
+        ce_weight=cfg.ce_weight,
+        chunk_V=_NONE if cfg.chunk_V is None else cfg.chunk_V,
+        filter_eps=-1.0 if cfg.filter_eps is None else cfg.filter_eps,
+        softcap_s=-1.0 if cfg.softcap_s is None else cfg.softcap_s,
+        softcap_t=-1.0 if cfg.softcap_t is None else cfg.softcap_t,
+        impl=call.impl,
+        reduction=call.reduction,
+        mode=call.mode or "",
+        memory_budget=_NONE if call.memory_budget is None else call.memory_budget,
     )
 
 
-def _plan(xs, ws, cfg: LossConfig, reduction: str, mode: str, memory_budget: int):
+def _cfg(
+    *, divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t
+) -> LossConfig:
+    """``_op_options`` back to the LossConfig."""
+    return LossConfig(
+        divergence=divergence,
+        param=param,
+        temperature=temperature,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        chunk_V=None if chunk_V == _NONE else chunk_V,
+        filter_eps=None if filter_eps < 0 else filter_eps,
+        softcap_s=None if softcap_s < 0 else softcap_s,
+        softcap_t=None if softcap_t < 0 else softcap_t,
+    )
+
+
+def _plan(xs, ws, cfg: LossConfig, *, reduction: str, mode: str, memory_budget: int):
     from .triton_function import make_plan
 
     return make_plan(
-        xs.shape[0],
-        ws.shape[0],
-        ws.shape[1],
-        xs.dtype,
-        mode or None,
-        cfg.chunk_V,
-        None if memory_budget == _NONE else memory_budget,
-        reduction,
+        n=xs.shape[0],
+        v=ws.shape[0],
+        ds=ws.shape[1],
+        dtype=xs.dtype,
+        mode=mode or None,
+        chunk_V=cfg.chunk_V,
+        memory_budget=None if memory_budget == _NONE else memory_budget,
+        reduction=reduction,
     )
 
 
-def _precomputes(impl: str, xs, ws, cfg, reduction, mode, memory_budget, need_grad) -> bool:
+def _precomputes(impl: str, xs, ws, cfg, *, reduction, mode, memory_budget, need_grad) -> bool:
     """Whether the forward forms the gradients itself (Triton fast mode, scalar reduction)."""
     return (
         impl == "triton"
         and need_grad
         and reduction != "none"
-        and _plan(xs, ws, cfg, reduction, mode, memory_budget).mode == "fast"
+        and _plan(xs, ws, cfg, reduction=reduction, mode=mode, memory_budget=memory_budget).mode == "fast"
     )
 
 
@@ -77,7 +103,16 @@ def _pack_stats(rs: RowStats) -> Tensor:
 
 
 def _unpack_stats(stats: Tensor) -> RowStats:
-    return RowStats(stats[0], stats[1], stats[2], stats[3], None, None, norm=RowNorm(*stats[4:10]), v_rest=stats[10])
+    return RowStats(
+        lse_s=stats[0],
+        lse_t=stats[1],
+        lse_z=stats[2],
+        sum_u=stats[3],
+        kd=None,
+        ce=None,
+        norm=RowNorm(*stats[4:10]),
+        v_rest=stats[10],
+    )
 
 
 def _empty(like: Tensor) -> Tensor:
@@ -110,17 +145,28 @@ def hidden_distill(
     need_grad: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(total, kd, ce, stats, dx, dw, db): unused entries are empty tensors."""
-    cfg = _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t)
+    cfg = _cfg(
+        divergence=divergence,
+        param=param,
+        temperature=temperature,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        chunk_V=chunk_V,
+        filter_eps=filter_eps,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
+    )
     if labels is not None:  # the eager path checked them before tracing could not (data-dependent)
         ck.check_ids_in_range("labels", labels, ws.shape[0], -1)
+    ops = Operands(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt)
     if impl == "triton":
         from .triton_function import distill_forward
 
-        plan = _plan(xs, ws, cfg, reduction, mode, memory_budget)
-        out, grads, rs = distill_forward(Operands(xs, xt, ws, wt, bs, bt), labels, mask, cfg, plan, need_grad)
+        plan = _plan(xs, ws, cfg, reduction=reduction, mode=mode, memory_budget=memory_budget)
+        out, grads, rs = distill_forward(ops, labels, mask, cfg, plan=plan, need_grad=need_grad)
     else:
-        chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0])
-        rs = compute_stats(Operands(xs, xt, ws, wt, bs, bt), labels, cfg, chunk)
+        chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0], device=xs.device)
+        rs = compute_stats(ops, labels, cfg, chunk)
         out = tuple(reduce_rows(r, mask, reduction, (xs.shape[0],)) for r in combine_rows(rs.kd, rs.ce, mask, cfg))
         grads = None
     if grads is not None:
@@ -158,8 +204,20 @@ def _(
     n = xs.shape[0]
     shape = (n,) if reduction == "none" else ()
     out = tuple(xs.new_empty(shape, dtype=acc) for _ in range(3))
-    cfg = _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t)
-    if _precomputes(impl, xs, ws, cfg, reduction, mode, memory_budget, need_grad):
+    cfg = _cfg(
+        divergence=divergence,
+        param=param,
+        temperature=temperature,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        chunk_V=chunk_V,
+        filter_eps=filter_eps,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
+    )
+    if _precomputes(
+        impl, xs, ws, cfg, reduction=reduction, mode=mode, memory_budget=memory_budget, need_grad=need_grad
+    ):
         db = _empty(xs) if bs is None else torch.empty_like(bs)
         return (*out, out[0].new_empty((0,)), torch.empty_like(xs), torch.empty_like(ws), db)
     return (*out, xs.new_empty((N_STATS, n), dtype=acc), _empty(xs), _empty(ws), _empty(xs))
@@ -192,19 +250,30 @@ def hidden_distill_backward(
     memory_budget: int,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dx, dw, db) recomputed from the row statistics; db is empty without a bias."""
-    cfg = _cfg(divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t)
+    cfg = _cfg(
+        divergence=divergence,
+        param=param,
+        temperature=temperature,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        chunk_V=chunk_V,
+        filter_eps=filter_eps,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
+    )
     rs = _unpack_stats(stats)
+    ops = Operands(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt)
     if impl == "triton":
         from .triton_function import distill_backward
 
-        plan = _plan(xs, ws, cfg, reduction, mode, memory_budget)
-        dx, dw, db = distill_backward(Operands(xs, xt, ws, wt, bs, bt), labels, mask, rs, cfg, plan, grad_total)
+        plan = _plan(xs, ws, cfg, reduction=reduction, mode=mode, memory_budget=memory_budget)
+        dx, dw, db = distill_backward(ops, labels, mask, rs, cfg, plan=plan, grad_total=grad_total)
     else:
         kd_scale, ce_scale = row_scales(
             row_upstream(grad_total, mask, reduction, xs.shape[0]).to(stats.dtype), mask.to(stats.dtype), cfg
         )
-        chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0])
-        dx, dw, db = backward_chunks(Operands(xs, xt, ws, wt, bs, bt), labels, rs, cfg, kd_scale, ce_scale, chunk)
+        chunk = cfg.chunk_V or auto_chunk_v(xs.shape[0], ws.shape[0], device=xs.device)
+        dx, dw, db = backward_chunks(ops, labels, rs, cfg, kd_scale, ce_scale=ce_scale, chunk=chunk)
         dx = dx.to(xs.dtype)
     return dx, dw, _empty(xs) if db is None else db
 
@@ -233,7 +302,7 @@ _OPTION_NAMES = (
 
 def _setup_context(ctx, inputs, output):
     xs, xt, ws, wt, bs, bt, labels, mask, *options, need_grad = inputs
-    ctx.options = options
+    ctx.options = dict(zip(_OPTION_NAMES, options))
     ctx.precomputed = output[4].numel() > 0 or output[5].numel() > 0
     if ctx.precomputed:
         ctx.save_for_backward(output[4], output[5], output[6] if bs is not None else None)
@@ -247,7 +316,19 @@ def _backward(ctx, grad_total, _gkd, _gce, *_grad_saved):
         grads = tuple(None if g is None else g * grad_total.to(g.dtype) for g in ctx.saved_tensors)
     else:
         stats, xs, xt, ws, wt, bs, bt, labels, mask = ctx.saved_tensors
-        grads = hidden_distill_backward(grad_total, stats, xs, xt, ws, wt, bs, bt, labels, mask, *ctx.options)
+        grads = hidden_distill_backward(
+            grad_total=grad_total,
+            stats=stats,
+            xs=xs,
+            xt=xt,
+            ws=ws,
+            wt=wt,
+            bs=bs,
+            bt=bt,
+            labels=labels,
+            mask=mask,
+            **ctx.options,
+        )
         grads = (grads[0], grads[1], grads[2] if bs is not None else None)
     dx, dw, db = grads
     need = ctx.needs_input_grad
@@ -264,46 +345,24 @@ def _backward(ctx, grad_total, _gkd, _gce, *_grad_saved):
 torch.library.register_autograd("nitrobrew::hidden_distill", _backward, setup_context=_setup_context)
 
 
-def compiled_distill(
-    xs,
-    xt,
-    ws,
-    wt,
-    bs,
-    bt,
-    labels,
-    mask,
-    cfg: LossConfig,
-    impl: str,
-    reduction: str,
-    mode: Optional[str],
-    memory_budget: Optional[int],
-):
-    """Reduced (total, kd, ce) through the custom op (kd and ce detached, like the eager path)."""
-    need_grad = grad_needed(xs, ws, bs)
-    xs, xt, ws, wt, bt, labels = kernel_operands(xs, xt, ws, wt, bt, labels)
+def compiled_distill(call: "HiddenCall"):
+    """Reduced (total, kd, ce) of a checked call through the custom op (kd and ce detached, like the eager
+    path)."""
+    ops = call.ops
+    need_grad = grad_needed(ops.xs, ops.ws, ops.bs)
+    xs, xt, ws, wt, bt, labels = kernel_operands(
+        xs=ops.xs, xt=ops.xt, ws=ops.ws, wt=ops.wt, bt=ops.bt, labels=call.labels
+    )
     out = hidden_distill(
-        xs,
-        xt,
-        ws,
-        wt,
-        bs,
-        bt,
-        labels,
-        mask,
-        cfg.divergence,
-        float(cfg.param),
-        cfg.temperature,
-        cfg.kd_weight,
-        cfg.ce_weight,
-        _NONE if cfg.chunk_V is None else cfg.chunk_V,
-        -1.0 if cfg.filter_eps is None else cfg.filter_eps,
-        -1.0 if cfg.softcap_s is None else cfg.softcap_s,
-        -1.0 if cfg.softcap_t is None else cfg.softcap_t,
-        impl,
-        reduction,
-        mode or "",
-        _NONE if memory_budget is None else memory_budget,
-        need_grad,
+        xs=xs,
+        xt=xt,
+        ws=ws,
+        wt=wt,
+        bs=ops.bs,
+        bt=bt,
+        labels=labels,
+        mask=call.mask,
+        need_grad=need_grad,
+        **_op_options(call),
     )
     return out[0], out[1].detach(), out[2].detach()

@@ -1,14 +1,120 @@
-"""Checks of the hidden-state losses' inputs and the row preparation, shared by the single-process
-API and the vocab-parallel path (so that neither imports the other's entry point)."""
+"""Checks of the hidden-state losses' inputs, once per call, and the checked call they give.
+
+``validate`` checks every argument of a single-process call before any kernel runs and returns a
+``HiddenCall``: the rows flattened, the heads cut to the vocabulary used, the backend resolved, the
+options turned into a ``LossConfig``. The paths below it (PyTorch, Triton, the custom op) trust it
+and check nothing again. The vocab-parallel path shares the tensor and option checks and the row
+preparation (so that neither entry point imports the other).
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Tuple
 
 import torch
 
 from ..core import checks as ck
 from ..core.reduction import row_weights
+from . import grad_filter as gf
+from .config import LossConfig, Operands
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class HiddenCall:
+    """One hidden-state loss call, checked: only ``validate`` builds it, and the paths trust it."""
+
+    ops: Operands  # rows flattened to [N, D] (rows that do not count zeroed), heads cut to the vocabulary used
+    labels: Optional[Tensor]  # CE targets as ids into the heads' rows, -1 where a row has none; None without CE
+    mask: Tensor  # [N] row weights: 1 where a row counts
+    cfg: LossConfig
+    impl: str  # the path: "triton" or "torch" (float64 and an empty batch take "torch")
+    reduction: str
+    mode: Optional[str]
+    memory_budget: Optional[int]
+    lead: Tuple[int, ...]  # the leading shape of xs ("none" gives rows back in it)
+
+
+def validate(xs, xt, ws, wt, *, divergence: str, params: Mapping[str, float], options: Mapping[str, Any]) -> HiddenCall:
+    """Every check of a single-process call, once, before any kernel runs; ``options``: ``HiddenOptions``
+    (each present), ``params``: the divergence's parameter by keyword."""
+    o = options
+    labels, ce_weight = o["labels"], o["ce_weight"]
+    name, param = ck.divergence_param(divergence, params)
+    check_hidden_tensors(xs=xs, xt=xt, ws=ws, wt=wt, bs=o["bs"], bt=o["bt"], labels=labels)
+    vocab = _vocab_used(ws, wt, o["vocab_size"])
+    check_loss_options(
+        temperature=o["temperature"],
+        reduction=o["reduction"],
+        chunk_V=o["chunk_V"],
+        backend=o["backend"],
+        kd_weight=o["kd_weight"],
+        ce_weight=ce_weight,
+        labels=labels,
+        softcap_s=o["softcap_s"],
+        softcap_t=o["softcap_t"],
+    )
+    ck.check_mode(o["mode"], o["memory_budget"])
+    gf.check_grad_filter(o["grad_filter"])
+    if ce_weight != 0 and labels is not None:  # labels are checked present for ce_weight != 0
+        ck.check_ids_in_range("labels", labels, vocab, o["ignore_index"])
+    impl = ck.backend_for(o["backend"], xs.device)  # the name was checked with the options
+    x_s, x_t, ws, wt, bs, bt, ce_labels, mask = prepare_rows(
+        xs=xs,
+        xt=xt,
+        ws=ws,
+        wt=wt,
+        bs=o["bs"],
+        bt=o["bt"],
+        labels=labels,
+        ignore_index=o["ignore_index"],
+        ce_weight=ce_weight,
+        used=vocab,
+    )
+    cfg = LossConfig.build(
+        divergence=name,
+        param=param,
+        temperature=o["temperature"],
+        kd_weight=o["kd_weight"],
+        ce_weight=ce_weight,
+        scale_t2=o["scale_t2"],
+        chunk_V=o["chunk_V"],
+        filter_eps=gf.resolve_eps(o["grad_filter"], xs.dtype),
+        softcap_s=o["softcap_s"],
+        softcap_t=o["softcap_t"],
+    )
+    # float64 always takes the PyTorch path; so does an empty batch (nothing to launch: loss 0, zero grads)
+    use_triton = impl == "triton" and xs.dtype != torch.float64 and x_s.shape[0] > 0
+    if cfg.filter_eps is not None and not use_triton:
+        gf.check_not_capturing(xs.device)  # the Triton filter needs no host sync; the PyTorch one does
+    return HiddenCall(
+        ops=Operands(xs=x_s, xt=x_t, ws=ws, wt=wt, bs=bs, bt=bt),
+        labels=ce_labels,
+        mask=mask,
+        cfg=cfg,
+        impl="triton" if use_triton else "torch",
+        reduction=o["reduction"],
+        mode=o["mode"],
+        memory_budget=o["memory_budget"],
+        lead=xs.shape[:-1],
+    )
+
+
+def _vocab_used(ws, wt, vocab_size) -> int:
+    """The vocabulary size the loss compares: both heads', or the first ``vocab_size`` rows of each."""
+    if vocab_size is None:
+        if ws.shape[0] != wt.shape[0]:
+            raise ValueError(
+                f"student vocab {ws.shape[0]} != teacher vocab {wt.shape[0]}: pass vocab_size=N to "
+                "compare the first N entries of both heads (never zero-pad a head)"
+            )
+        return ws.shape[0]
+    if not (ck.is_int(vocab_size) and 0 < vocab_size <= min(ws.shape[0], wt.shape[0])):
+        raise ValueError(f"vocab_size must be an int in [1, {min(ws.shape[0], wt.shape[0])}], got {vocab_size!r}")
+    return vocab_size
 
 
 def check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels, heads: str = "[V, D] heads") -> None:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from ..core import checks as ck
 from ..core.outputs import DistillOutput
-from ..core.reduction import IGNORE_INDEX, reduce_rows, row_weights
-from .rowmath import TopKConfig
-from .validation import TopKOptions, safe_ids, validate
+from ..core.reduction import IGNORE_INDEX, reduce_rows
+from .validation import TopKCall, TopKInputs, TopKOptions, safe_ids, validate
 
 
 # Under torch.compile the loss runs eagerly (one graph break around it), with all its checks: its paths
@@ -99,34 +98,6 @@ def topk_kl(
             xs=xs, xt=None, ws=ws, wt=None, bs=bs, bt=None, labels=labels, process_group=process_group
         )
         topk_ids, topk_logprobs = ck.local_tensor(topk_ids), ck.local_tensor(topk_logprobs)
-    if process_group is not None:  # a vocab-parallel head
-        from .vocab_parallel import parallel_topk_kl
-
-        return parallel_topk_kl(
-            xs,
-            ws,
-            topk_ids,
-            topk_logprobs,
-            process_group=process_group,
-            normalize=normalize,
-            divergence=divergence,
-            tail=tail,
-            labels=labels,
-            ignore_index=ignore_index,
-            temperature=temperature,
-            teacher_temperature=teacher_temperature,
-            reduction=reduction,
-            bs=bs,
-            kd_weight=kd_weight,
-            ce_weight=ce_weight,
-            scale_t2=scale_t2,
-            chunk_V=chunk_V,
-            backend=backend,
-            softcap_s=softcap_s,
-            return_parts=return_parts,
-            **params,
-        )
-    name, param = ck.divergence_param(divergence, params)
     options = TopKOptions(
         normalize=normalize,
         divergence=divergence,
@@ -144,70 +115,27 @@ def topk_kl(
         memory_budget=memory_budget,
         softcap_s=softcap_s,
     )
-    check_stored = validate(xs, ws, topk_ids, topk_logprobs, bs, labels=labels, options=options)
-    cfg = options.config(name, param)
-    rows = _flat_rows(xs, topk_ids, topk_logprobs, labels, ignore_index=ignore_index, with_ce=cfg.with_ce)
-    impl = ck.resolve_backend(backend, xs.device)
-    out = _dispatch(
-        rows, ws, bs, cfg, impl=impl, reduction=reduction, mode=mode, memory_budget=memory_budget, check=check_stored
-    )
-    total, kd, ce = (r.reshape(rows.lead) for r in out) if reduction == "none" else out
+    inputs = TopKInputs(xs=xs, ws=ws, ids=topk_ids, lp=topk_logprobs, bs=bs, labels=labels)
+    if process_group is not None:  # a vocab-parallel head
+        from .vocab_parallel import vocab_parallel_topk
+
+        return vocab_parallel_topk(inputs, options, params, group=process_group, return_parts=return_parts)
+    call = validate(inputs, options, params)
+    out = _dispatch(call)
+    total, kd, ce = (r.reshape(call.rows.lead) for r in out) if call.reduction == "none" else out
     if return_parts:
         return DistillOutput(total, kd, ce)
     return total
 
 
-class _Rows(NamedTuple):
-    """topk_kl's inputs as flat rows: hidden rows [N, D], ids and log-probs [N, K], the counted-row mask,
-    the CE targets (-1 where not counted; None without CE) and the leading shape."""
-
-    x: torch.Tensor
-    ids: torch.Tensor
-    lp: torch.Tensor
-    mask: torch.Tensor
-    ce_labels: Optional[torch.Tensor]
-    lead: torch.Size
-
-
-def _flat_rows(xs, topk_ids, topk_logprobs, labels, *, ignore_index: int, with_ce: bool) -> _Rows:
-    K = topk_ids.shape[-1]
-    x = xs.reshape(-1, xs.shape[-1])
-    flat_labels = None if labels is None else labels.reshape(-1)
-    mask = row_weights(flat_labels, ignore_index, x.shape[0], xs.device)
-    if flat_labels is not None:
-        # rows that do not count are zeroed (as the hidden losses do): dW sums over rows, 0 * NaN is NaN
-        x = torch.where(mask[:, None] > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    ce_labels = None
-    if with_ce and flat_labels is not None:  # labels are checked present for ce_weight != 0
-        ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1)).long()
-    return _Rows(
-        x=x,
-        ids=topk_ids.reshape(-1, K),
-        lp=topk_logprobs.reshape(-1, K),
-        mask=mask,
-        ce_labels=ce_labels,
-        lead=xs.shape[:-1],
-    )
-
-
-def _dispatch(
-    rows: _Rows,
-    ws,
-    bs,
-    cfg: TopKConfig,
-    *,
-    impl: str,
-    reduction: str,
-    mode: Optional[str],
-    memory_budget: Optional[int],
-    check: Callable[[], None],
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(total, kd, ce) reduced, flat for "none", from the path that fits: the Triton support kernels
-    (normalize="topk"), the Triton fast or constant-memory mode, or the PyTorch chunked rows. ``check``
-    reads the stored data's checks (one device sync)."""
+def _dispatch(call: TopKCall) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(total, kd, ce) reduced, flat for "none", from the path that fits the checked call: the Triton
+    support kernels (normalize="topk"), the Triton fast or constant-memory mode, or the PyTorch chunked
+    rows. ``call.check`` reads the stored data's checks (one device sync) right before the first kernel."""
+    rows, cfg, mode = call.rows, call.cfg, call.mode
     x, lp, mask = rows.x, rows.lp, rows.mask
     # float64 and an empty batch take the PyTorch path; so does the softcap outside the fast mode
-    fused = impl == "triton" and x.dtype != torch.float64 and x.shape[0] > 0
+    fused = call.impl == "triton" and x.dtype != torch.float64 and x.shape[0] > 0
     fused = fused and (cfg.softcap_s is None or (cfg.full and mode != "constant_memory"))
     if fused and not cfg.full:
         # the K gathered rows are all it touches; the stored data's checks are read right before its
@@ -215,9 +143,17 @@ def _dispatch(
         from .triton_support import support_topk
 
         return support_topk(
-            xs=x, ws=ws, bs=bs, ids=rows.ids, lp=lp, mask=mask, cfg=cfg, reduction=reduction, check=check
+            xs=x,
+            ws=call.ws,
+            bs=call.bs,
+            ids=rows.ids,
+            lp=lp,
+            mask=mask,
+            cfg=cfg,
+            reduction=call.reduction,
+            check=call.check,
         )
-    check()
+    call.check()
     ids = safe_ids(rows.ids, lp)
     if fused and mode != "constant_memory":
         # the fast mode reduces inside its autograd Function (it forms gradients in the forward)
@@ -225,20 +161,20 @@ def _dispatch(
 
         return fast_topk(
             xs=x,
-            ws=ws,
-            bs=bs,
+            ws=call.ws,
+            bs=call.bs,
             ids=ids,
             lp=lp,
             labels=rows.ce_labels,
             mask=mask,
             cfg=cfg,
-            reduction=reduction,
-            memory_budget=memory_budget,
+            reduction=call.reduction,
+            memory_budget=call.memory_budget,
         )
     if fused:
         from .triton_cm import constant_memory_rows as rows_fn
     else:
         from .chunked import chunked_rows as rows_fn
-    per_row = rows_fn(xs=x, ws=ws, bs=bs, ids=ids, lp=lp, labels=rows.ce_labels, mask=mask, cfg=cfg)
-    total, kd, ce = (reduce_rows(r, mask, reduction, rows.lead) for r in per_row)
+    per_row = rows_fn(xs=x, ws=call.ws, bs=call.bs, ids=ids, lp=lp, labels=rows.ce_labels, mask=mask, cfg=cfg)
+    total, kd, ce = (reduce_rows(r, mask, call.reduction, rows.lead) for r in per_row)
     return total, kd, ce

@@ -90,7 +90,7 @@ def vocab_pass(
     acc = compute_dtype(xs.dtype)
     n, dev = xs.shape[0], xs.device
     V = ws.shape[0]
-    chunk = chunk or cfg.chunk_V or auto_chunk_v(n, V)
+    chunk = chunk or cfg.chunk_V or auto_chunk_v(n, V, device=dev)
     st = VocabStats(
         s=Online.empty(n, acc, dev),
         z=Online.empty(n, acc, dev) if cfg.with_ce and cfg.temperature != 1.0 else None,
@@ -183,7 +183,7 @@ def backward_range(
     """
     acc = compute_dtype(xs.dtype)
     V = ws.shape[0]
-    chunk = chunk or cfg.chunk_V or auto_chunk_v(xs.shape[0], V)
+    chunk = chunk or cfg.chunk_V or auto_chunk_v(xs.shape[0], V, device=xs.device)
     dx = torch.zeros(xs.shape, dtype=acc, device=xs.device)
     dw = torch.empty_like(ws) if need_w else None
     db = torch.empty_like(bs) if (bs is not None and need_w) else None

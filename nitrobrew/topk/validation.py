@@ -1,18 +1,32 @@
-"""Checks of topk_kl's inputs (before any kernel runs) and of the stored teacher data, shared by the
-single-process API and the vocab-parallel path (so that neither imports the other's entry point)."""
+"""Checks of topk_kl's inputs (before any kernel runs) and of the stored teacher data, once per call, and the
+checked call they give (``TopKCall``), shared by the single-process API and the vocab-parallel path (so that
+neither imports the other's entry point)."""
 
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Callable, Mapping, NamedTuple, Optional
 
 import torch
 
 from ..core import checks as ck
-from ..core.reduction import IGNORE_INDEX
+from ..core.reduction import IGNORE_INDEX, row_weights
 from .rowmath import TopKConfig
 
 NORMALIZE = ("full", "topk")
+Tensor = torch.Tensor
+
+
+class TopKInputs(NamedTuple):
+    """``topk_kl``'s tensors as given (DTensors already unwrapped)."""
+
+    xs: Tensor
+    ws: Tensor
+    ids: Tensor
+    lp: Tensor
+    bs: Optional[Tensor] = None
+    labels: Optional[Tensor] = None
 
 
 class TopKOptions(NamedTuple):
@@ -50,17 +64,66 @@ class TopKOptions(NamedTuple):
         )
 
 
-def validate(xs, ws, ids, lp, bs, *, labels, options: TopKOptions, id_ranges: bool = True) -> Callable[[], None]:
-    """Every check before any kernel runs (id_ranges=False: the vocab-parallel path checks ids globally).
-    The checks of the stored data's values are launched here; the returned call reads them and raises."""
-    normalize, divergence, tail, temperature = options.normalize, options.divergence, options.tail, options.temperature
-    teacher_temperature, softcap_s, reduction, backend = (
-        options.teacher_temperature,
-        options.softcap_s,
-        options.reduction,
-        options.backend,
+class TopKRows(NamedTuple):
+    """The inputs as flat rows: hidden rows [N, D] (rows that do not count zeroed), ids and log-probs
+    [N, K] as stored, the counted-row mask, the CE targets (-1 where not counted; None without CE) and
+    the leading shape."""
+
+    x: Tensor
+    ids: Tensor
+    lp: Tensor
+    mask: Tensor
+    ce_labels: Optional[Tensor]
+    lead: torch.Size
+
+
+@dataclass(frozen=True)
+class TopKCall:
+    """One ``topk_kl`` call, checked: only ``validate`` builds it, and the paths trust it."""
+
+    rows: TopKRows
+    ws: Tensor
+    bs: Optional[Tensor]
+    cfg: TopKConfig
+    impl: str  # the backend resolved: "triton" or "torch"
+    reduction: str
+    mode: Optional[str]
+    memory_budget: Optional[int]
+    check: Callable[[], None]  # reads the stored data's checks and raises (one device sync): call it late
+
+
+def validate(
+    inputs: TopKInputs, options: TopKOptions, params: Mapping[str, float], *, id_ranges: bool = True
+) -> TopKCall:
+    """Every check of a call, once, before any kernel runs (id_ranges=False: the vocab-parallel path
+    checks ids and labels against the global vocabulary). The checks of the stored data's values are
+    launched here; the call's ``check`` reads them."""
+    name, param = ck.divergence_param(options.divergence, params)
+    check_inputs(inputs, options, id_ranges=id_ranges)
+    impl = ck.backend_for(options.backend, inputs.xs.device)  # the name was checked with the options
+    lp = inputs.lp
+    capturing = lp.is_cuda and torch.cuda.is_current_stream_capturing()
+    check = no_check
+    if lp.numel() and not torch.compiler.is_compiling() and not capturing:
+        check = stored_check(inputs.ids, lp, inputs.ws.shape[0] if id_ranges else None, impl)
+    cfg = options.config(name, param)
+    return TopKCall(
+        rows=flat_rows(inputs, ignore_index=options.ignore_index, with_ce=cfg.with_ce),
+        ws=inputs.ws,
+        bs=inputs.bs,
+        cfg=cfg,
+        impl=impl,
+        reduction=options.reduction,
+        mode=options.mode,
+        memory_budget=options.memory_budget,
+        check=check,
     )
-    kd_weight, ce_weight, ignore_index = options.kd_weight, options.ce_weight, options.ignore_index
+
+
+def check_inputs(inputs: TopKInputs, options: TopKOptions, *, id_ranges: bool = True) -> None:
+    """The checks of the tensors and options (all but the stored data's values)."""
+    xs, ws, ids, lp, bs, labels = inputs
+    o = options
     for name, t in (("xs", xs), ("ws", ws), ("topk_ids", ids), ("topk_logprobs", lp)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -88,37 +151,37 @@ def validate(xs, ws, ids, lp, bs, *, labels, options: TopKOptions, id_ranges: bo
             f"topk_ids/topk_logprobs leading shape {tuple(ids.shape[:-1])} must equal xs's leading shape "
             f"{tuple(xs.shape[:-1])} (one stored teacher row per student position)"
         )
-    if normalize not in NORMALIZE:
-        raise ValueError(f"normalize must be one of {NORMALIZE}, got {normalize!r}")
-    if tail and normalize != "full":
+    if o.normalize not in NORMALIZE:
+        raise ValueError(f"normalize must be one of {NORMALIZE}, got {o.normalize!r}")
+    if o.tail and o.normalize != "full":
         raise ValueError("tail=True needs normalize='full': renormalized over the K ids, the student has no tail")
-    if divergence != "forward_kl" and normalize == "full" and not tail:
+    if o.divergence != "forward_kl" and o.normalize == "full" and not o.tail:
         raise ValueError(
-            f"{divergence} over the top-k support compares distributions: use normalize='topk' (both sides "
+            f"{o.divergence} over the top-k support compares distributions: use normalize='topk' (both sides "
             "renormalized over the K ids) or normalize='full' with tail=True (K ids + one tail bucket)"
         )
-    ck.check_temperature(temperature)
-    ck.check_softcap("softcap_s", softcap_s)
+    ck.check_temperature(o.temperature)
+    ck.check_softcap("softcap_s", o.softcap_s)
     if xs.shape[-1] == 0:
         raise ValueError(f"xs has hidden size 0 (shape {tuple(xs.shape)}): the head needs at least one feature")
-    if teacher_temperature is not None:
-        ck.check_temperature(teacher_temperature)
-        if teacher_temperature != temperature:
+    if o.teacher_temperature is not None:
+        ck.check_temperature(o.teacher_temperature)
+        if o.teacher_temperature != o.temperature:
             raise ValueError(
-                f"the stored log-probs were taken at temperature {teacher_temperature} but the student is "
-                f"tempered at {temperature}: stored top-k log-probs cannot be re-tempered exactly; extract "
+                f"the stored log-probs were taken at temperature {o.teacher_temperature} but the student is "
+                f"tempered at {o.temperature}: stored top-k log-probs cannot be re-tempered exactly; extract "
                 "them again at the distillation temperature (or pass the same value)"
             )
-    ck.check_reduction(reduction)
-    ck.check_chunk("chunk_V", options.chunk_V)
-    ck.check_backend(backend)
-    ck.check_mode(options.mode, options.memory_budget)
+    ck.check_reduction(o.reduction)
+    ck.check_chunk("chunk_V", o.chunk_V)
+    ck.check_backend(o.backend)
+    ck.check_mode(o.mode, o.memory_budget)
     ck.check_labels(labels, xs.shape[:-1])
-    for name, wgt in (("kd_weight", kd_weight), ("ce_weight", ce_weight)):
+    for name, wgt in (("kd_weight", o.kd_weight), ("ce_weight", o.ce_weight)):
         if not (isinstance(wgt, (int, float)) and math.isfinite(wgt)):
             raise ValueError(f"{name} must be a finite number, got {wgt!r}")
-    if ce_weight != 0:
-        if normalize != "full":
+    if o.ce_weight != 0:
+        if o.normalize != "full":
             raise ValueError(
                 "ce_weight != 0 needs normalize='full': the hard-label CE needs the student's "
                 "log-sum-exp over the whole vocabulary"
@@ -126,11 +189,29 @@ def validate(xs, ws, ids, lp, bs, *, labels, options: TopKOptions, id_ranges: bo
         if labels is None:
             raise ValueError("ce_weight != 0 needs labels (the hard targets of each row)")
         if id_ranges:
-            ck.check_ids_in_range("labels", labels, ws.shape[0], ignore_index)
-    capturing = lp.is_cuda and torch.cuda.is_current_stream_capturing()
-    if lp.numel() and not torch.compiler.is_compiling() and not capturing:
-        return stored_check(ids, lp, ws.shape[0] if id_ranges else None, ck.resolve_backend(backend, lp.device))
-    return no_check
+            ck.check_ids_in_range("labels", labels, ws.shape[0], o.ignore_index)
+
+
+def flat_rows(inputs: TopKInputs, *, ignore_index: int, with_ce: bool) -> TopKRows:
+    """The checked inputs as flat rows (``TopKRows``)."""
+    xs, labels, K = inputs.xs, inputs.labels, inputs.ids.shape[-1]
+    x = xs.reshape(-1, xs.shape[-1])
+    flat_labels = None if labels is None else labels.reshape(-1)
+    mask = row_weights(flat_labels, ignore_index, x.shape[0], xs.device)
+    if flat_labels is not None:
+        # rows that do not count are zeroed (as the hidden losses do): dW sums over rows, 0 * NaN is NaN
+        x = torch.where(mask[:, None] > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    ce_labels = None
+    if with_ce and flat_labels is not None:  # labels are checked present for ce_weight != 0
+        ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1)).long()
+    return TopKRows(
+        x=x,
+        ids=inputs.ids.reshape(-1, K),
+        lp=inputs.lp.reshape(-1, K),
+        mask=mask,
+        ce_labels=ce_labels,
+        lead=xs.shape[:-1],
+    )
 
 
 def no_check() -> None:

@@ -12,6 +12,7 @@ Communication: O(rows * K) forward, O(rows * D) backward, independent of V.
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 import torch
 
@@ -19,7 +20,7 @@ from ..core import checks as ck
 from ..core.online import auto_chunk_v
 from ..core.ops import compute_dtype
 from ..core.outputs import DistillOutput
-from ..core.reduction import IGNORE_INDEX, PartsFunction, reduce_rows, row_weights
+from ..core.reduction import IGNORE_INDEX, PartsFunction, reduce_rows
 from ..parallel.comm import (
     all_reduce,
     check_label_range,
@@ -34,7 +35,8 @@ from ..parallel.comm import (
     offsets_from_sizes,
     require_initialized,
 )
-from ..parallel.dtensor import is_dtensor, unwrap
+from ..parallel.dtensor import unwrap
+from .validation import TopKInputs, TopKOptions, safe_ids, validate
 
 Tensor = torch.Tensor
 
@@ -65,13 +67,13 @@ class VocabParallelTopK(PartsFunction):
         N, K = lp.shape
         valid = torch.isfinite(lp)
         entries = Entries.build(ids, valid)
-        chunk = max(1, cfg.chunk_V or auto_chunk_v(N, max(ws.shape[0], 1)))
-        st = vocab_pass(xs, ws, bs, labels, entries, cfg, lo=lo, chunk=chunk)
+        chunk = max(1, cfg.chunk_V or auto_chunk_v(N, max(ws.shape[0], 1), device=xs.device))
+        st = vocab_pass(xs, ws, bs, labels, entries, cfg=cfg, lo=lo, chunk=chunk)
         states = [st.s] + ([st.z] if st.z is not None else [])
         extra = merge_online(states, group, extra=([st.z_label] if cfg.with_ce else []) + [st.z_ids])
         z_label = extra[0] if cfg.with_ce else st.z_label
         z_ids = extra[-1]
-        res, lse_s, lse_z, ce = finish(z_ids, lp.to(acc), valid, st.s, st.z, z_label, cfg)
+        res, lse_s, lse_z, ce = finish(z_ids, lp.to(acc), valid, s_state=st.s, z_state=st.z, z_label=z_label, cfg=cfg)
         total, kd, ce_rows = combine_rows(res.kd, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, labels, mask)
         ctx.res, ctx.lse_s, ctx.lse_z, ctx.entries, ctx.cfg = res, lse_s, lse_z, entries, cfg
@@ -91,12 +93,12 @@ class VocabParallelTopK(PartsFunction):
             bs,
             labels,
             ctx.entries,
-            coef,
-            ctx.lse_s,
-            dense,
-            ctx.lse_z,
-            ce_scale,
-            ctx.cfg,
+            coef=coef,
+            lse_s=ctx.lse_s,
+            dense=dense,
+            lse_z=ctx.lse_z,
+            ce_scale=ce_scale,
+            cfg=ctx.cfg,
             lo=ctx.lo,
             chunk=ctx.chunk,
             need_w=VocabParallelTopK.head_needed(ctx),
@@ -164,109 +166,98 @@ def parallel_topk_kl(
 
     Everything else (xs, topk_ids as global ids, topk_logprobs, labels) is the same on every rank.
     """
-    from .rowmath import TopKConfig
-    from .validation import TopKOptions, validate
-
-    xs, _, ws, _, bs, _, labels, group = unwrap(xs, None, ws, None, bs, None, labels, process_group)
-    topk_ids = topk_ids.to_local() if is_dtensor(topk_ids) else topk_ids
-    topk_logprobs = topk_logprobs.to_local() if is_dtensor(topk_logprobs) else topk_logprobs
+    xs, _, ws, _, bs, _, labels, group = unwrap(
+        xs=xs, xt=None, ws=ws, wt=None, bs=bs, bt=None, labels=labels, process_group=process_group
+    )
     if group is None:
         raise ValueError(
             "parallel_topk_kl needs a process_group or a head sharded Shard(0) over a device mesh; "
             "for one process (or a replicated DTensor) call nitrobrew.topk_kl"
         )
+    inputs = TopKInputs(
+        xs=xs, ws=ws, ids=ck.local_tensor(topk_ids), lp=ck.local_tensor(topk_logprobs), bs=bs, labels=labels
+    )
+    options = TopKOptions(
+        normalize=normalize,
+        divergence=divergence,
+        tail=tail,
+        temperature=temperature,
+        teacher_temperature=teacher_temperature,
+        reduction=reduction,
+        chunk_V=chunk_V,
+        kd_weight=kd_weight,
+        ce_weight=ce_weight,
+        scale_t2=scale_t2,
+        ignore_index=ignore_index,
+        backend=backend,
+        softcap_s=softcap_s,
+    )
+    return vocab_parallel_topk(inputs, options, params, group=group, return_parts=return_parts)
+
+
+def vocab_parallel_topk(
+    inputs: TopKInputs, options: TopKOptions, params: Mapping[str, float], *, group, return_parts: bool = False
+):
+    """``parallel_topk_kl`` of unwrapped inputs and a group (``topk_kl`` enters here): the checks run on
+    every rank and the ranks agree on the verdict before any collective of the loss. ``options.mode`` and
+    ``memory_budget`` (Triton only) are not used."""
     require_initialized()
     rank, world = group_rank_world(group)
+    xs, ws, topk_ids, topk_logprobs, bs, labels = inputs
+    o = options
 
     def local():
-        if normalize != "full":
+        if o.normalize != "full":
             raise ValueError(
                 'process_group= supports topk_kl(normalize="full") (the student normalized over the '
                 'whole, sharded vocabulary); normalize="topk" reads only the K stored rows of ws: gather '
                 "those rows or run it without vocab parallelism"
             )
-        if backend == "triton":
+        if o.backend == "triton":
             raise ValueError(
                 "process_group= (vocab-parallel) runs nitrobrew's PyTorch chunked path; pass "
                 "backend='auto' or backend='torch'"
             )
-        name, param = ck.divergence_param(divergence, params)
-        given = TopKOptions(
-            normalize=normalize,
-            divergence=divergence,
-            tail=tail,
-            temperature=temperature,
-            teacher_temperature=teacher_temperature,
-            reduction=reduction,
-            chunk_V=chunk_V,
-            kd_weight=kd_weight,
-            ce_weight=ce_weight,
-            ignore_index=ignore_index,
-            backend=backend,
-            softcap_s=softcap_s,
-        )
-        validate(xs, ws, topk_ids, topk_logprobs, bs, labels=labels, options=given, id_ranges=False)()
+        call = validate(inputs, o._replace(mode=None, memory_budget=None), params, id_ranges=False)
+        call.check()
         K = topk_ids.shape[-1]
-        options = fingerprint(
+        agreed = (
             "topk",
-            name,
-            param,
-            bool(tail),
-            float(temperature),
-            float(kd_weight),
-            float(ce_weight),
-            bool(scale_t2),
-            reduction,
-            ignore_index,
+            call.cfg.divergence,
+            call.cfg.param,
+            bool(o.tail),
+            float(o.temperature),
+            float(o.kd_weight),
+            float(o.ce_weight),
+            bool(o.scale_t2),
+            o.reduction,
+            o.ignore_index,
             str(compute_dtype(xs.dtype)),
             bool(xs.requires_grad),
             bs is None,
             labels is None,
         )
-        head = torch.tensor([ws.shape[0], math.prod(xs.shape[:-1]), xs.shape[-1], K, options])
-        valid_lab = None if labels is None else labels != ignore_index
-        lab = ids_summary(labels, valid_lab, ce_weight != 0)
+        head = torch.tensor([ws.shape[0], math.prod(xs.shape[:-1]), xs.shape[-1], K, fingerprint(*agreed)])
+        valid_lab = None if labels is None else labels != o.ignore_index
+        lab = ids_summary(labels, valid_lab, o.ce_weight != 0)
         idv = ids_summary(topk_ids, torch.isfinite(topk_logprobs), True)
-        return (name, param), torch.cat([head.to(lab.device), lab, idv.to(lab.device)])
+        return call, torch.cat([head.to(lab.device), lab, idv.to(lab.device)])
 
-    (name, param), table = checked_exchange(group, comm_device(xs, group), TOPK_FIELDS, local)
+    call, table = checked_exchange(group, comm_device(xs, group), TOPK_FIELDS, local)
     check_rows_agree(table)
     sizes = table["ws_rows"]
     V = sum(sizes)
     check_label_range(table, V, "topk_ids (at entries whose log-prob is finite)", "ids_min", "ids_max")
-    if ce_weight != 0:
+    if o.ce_weight != 0:
         check_label_range(table, V)
     lo = offsets_from_sizes(sizes)[rank]
     if V == 0:
         fail("the student head has no rows on any rank")
 
-    lead = xs.shape[:-1]
-    K = topk_ids.shape[-1]
-    x = xs.reshape(-1, xs.shape[-1])
-    lp = topk_logprobs.reshape(-1, K)
-    ids = torch.where(
-        torch.isfinite(lp), topk_ids.reshape(-1, K).long(), torch.zeros((), dtype=torch.long, device=lp.device)
-    )
-    flat_labels = None if labels is None else labels.reshape(-1)
-    mask = row_weights(flat_labels, ignore_index, x.shape[0], xs.device)
-    if labels is not None:  # rows that do not count are zeroed (0 * NaN in dW is NaN)
-        x = torch.where(mask[:, None] > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    ce_labels = None
-    if ce_weight != 0:
-        ce_labels = torch.where(mask > 0, flat_labels, torch.full_like(flat_labels, -1)).long()
-    cfg = TopKConfig(
-        divergence=name,
-        param=param,
-        normalize=normalize,
-        tail=bool(tail),
-        temperature=float(temperature),
-        kd_weight=float(kd_weight) * (temperature**2 if scale_t2 else 1.0),
-        ce_weight=float(ce_weight),
-        chunk_V=chunk_V,
-        softcap_s=None if softcap_s is None else float(softcap_s),
-    )
-    rows = VocabParallelTopK.apply(x, ws, bs, ids, lp, ce_labels, mask, cfg, group, lo)
-    total, kd, ce = (reduce_rows(r, mask, reduction, lead) for r in rows)
+    r = call.rows
+    ids = safe_ids(r.ids, r.lp)
+    per_row = VocabParallelTopK.apply(r.x, ws, bs, ids, r.lp, r.ce_labels, r.mask, call.cfg, group, lo)
+    total, kd, ce = (reduce_rows(t, r.mask, o.reduction, r.lead) for t in per_row)
     if return_parts:
         return DistillOutput(total, kd, ce)
     return total

@@ -99,7 +99,14 @@ class DynamicCacheGenerator(_LiveModel):
             torch.cuda.current_stream(prompt_ids.device).synchronize()
         seconds = time.perf_counter() - t0
         ids = out[:, prompt_ids.shape[1] :]
-        return Completions(ids, completion_mask(ids, eos), None, self.weight_version, seconds, ids.shape[1])
+        return Completions(
+            ids=ids,
+            mask=completion_mask(ids, eos),
+            logprobs=None,
+            weight_version=self.weight_version,
+            seconds=seconds,
+            decode_steps=ids.shape[1],
+        )
 
 
 class CallableGenerator(_LiveModel):
@@ -132,5 +139,10 @@ class CallableGenerator(_LiveModel):
             torch.cuda.current_stream(prompt_ids.device).synchronize()
         seconds = time.perf_counter() - t0
         return Completions(
-            ids, completion_mask(ids, sampling.eos_list()), None, self.weight_version, seconds, ids.shape[1]
+            ids=ids,
+            mask=completion_mask(ids, sampling.eos_list()),
+            logprobs=None,
+            weight_version=self.weight_version,
+            seconds=seconds,
+            decode_steps=ids.shape[1],
         )
