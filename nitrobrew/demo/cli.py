@@ -1,6 +1,6 @@
 """`nitrobrew demo [lm|toy]`: distill a small causal LM end to end, or draw the toy pictures.
 
-nitrobrew demo                     # about five minutes on 2 CPU cores; artifacts in runs/demo
+nitrobrew demo                     # under ten minutes on 2 CPU cores; artifacts in runs/demo
 nitrobrew demo --resume            # continue an interrupted run from its checkpoints
 nitrobrew demo --device cuda --preset large
 nitrobrew demo --student-steps 600 --teacher-hidden 192   # any DemoConfig field as a flag
@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--preset",
         choices=sorted(PRESETS),
         default="default",
-        help="sizes: tiny (seconds), default (about 5 min on 2 CPU cores), large (a GPU)",
+        help="sizes: tiny (seconds), default (under 10 min on 2 CPU cores), large (a GPU)",
     )
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
     p.add_argument(
