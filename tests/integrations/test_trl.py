@@ -316,3 +316,16 @@ def test_memory_growth_is_lower_at_a_large_vocabulary(tmp_path, tok):
     rows = batch["input_ids"].numel()
     assert trl_bytes > 4 * rows * V * 4  # TRL forms several [rows, V] fp32 tensors
     assert nb_bytes * 3 < trl_bytes, (nb_bytes, trl_bytes)
+
+
+def test_distillation_memory_growth_is_lower_at_a_large_vocabulary(tmp_path, tok):
+    # TRL's DistillationTrainer already projects the heads tile by tile ([rows, 32768] fp32 slabs of each model):
+    # nitrobrew's step must still create less (cache-sized vocabulary chunks, the entropy in 16 MiB slabs)
+    V = 65536
+    ref = _distill(tmp_path, DistillationTrainer, tok, beta=0.5, vocab=V)
+    ours = _distill(tmp_path, nbtrl.NitrobrewDistillationTrainer, tok, beta=0.5, vocab=V)
+    batch = _completion_batch(B=4, P=8, C=64, vocab=V, seed=2)
+    trl_bytes, nb_bytes = _growth(ref, batch), _growth(ours, batch)
+    rows = batch["completion_mask"].sum().item()
+    assert trl_bytes > 2 * rows * 32768 * 4  # TRL's two fp32 tiles
+    assert nb_bytes * 2 < trl_bytes, (nb_bytes, trl_bytes)
