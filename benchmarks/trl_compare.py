@@ -241,7 +241,15 @@ def loss_only(trainers: dict, inputs, beta: float, chunk_v, entropy: bool):
     def nb_loss():
         clear()
         out = distillation_loss(
-            hs, ht, head_s, head_t, loss_mask, inputs["completion_ids"], beta=beta, temperature=1.0, options=options
+            hs,
+            ht,
+            head_s,
+            head_t,
+            loss_mask,
+            labels=inputs["completion_ids"],
+            beta=beta,
+            temperature=1.0,
+            options=options,
         )
         out[0].backward()
         return out

@@ -287,7 +287,7 @@ def test_a_new_divergence_parameter_changes_only_the_registry(monkeypatch):
 
 # Calls that pass more than five arguments positionally, still to convert (keywords, or the Operands /
 # LossConfig / TopKConfig bundle the values come from). TODO: hidden/ host loops and custom op, core/online.py,
-# the vocab-parallel forms, bench/, teacher/, demo/, hf/generation/, integrations/. A new one fails the test.
+# the vocab-parallel forms, bench/, teacher/, demo/, hf/generation/. A new one fails the test.
 POSITIONAL_TODO = {
     "hidden/chunked.py": 22,
     "hidden/custom_op.py": 20,
@@ -305,7 +305,6 @@ POSITIONAL_TODO = {
     "teacher/rollout.py": 1,
     "demo/lm.py": 3,
     "hf/generation/transformers_engine.py": 2,
-    "integrations/trl.py": 2,
     "environment.py": 1,
     "core/launch.py": 1,  # for good: the compiled kernel's launcher (a C function) takes positions only
 }
