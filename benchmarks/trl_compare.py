@@ -112,7 +112,7 @@ def build(kind: str, cls, student, teacher, tok, out: str, device: torch.device,
         report_to=[],
         save_strategy="no",
         use_cpu=device.type == "cpu",
-        bf16=False,
+        bf16=device.type == "cuda" and student.dtype == torch.bfloat16,  # as a GPU user sets it
     )
     if kind == "gkd":
         from trl.experimental.gkd import GKDConfig
