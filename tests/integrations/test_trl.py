@@ -329,3 +329,63 @@ def test_distillation_memory_growth_is_lower_at_a_large_vocabulary(tmp_path, tok
     rows = batch["completion_mask"].sum().item()
     assert trl_bytes > 2 * rows * 32768 * 4  # TRL's two fp32 tiles
     assert nb_bytes * 2 < trl_bytes, (nb_bytes, trl_bytes)
+
+
+def test_distillation_loss_equals_trls_function_with_bias_scale_softcap():
+    # the function behind NitrobrewDistillationTrainer against TRL's own, on heads that Qwen2 does not exercise:
+    # biases, a logit scale, a final softcap, a temperature, and teacher / student of different widths
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    from nitrobrew.hf.model import LMHead
+
+    g = torch.Generator().manual_seed(4)
+    B, C, Ds, Dt, V = 2, 5, 8, 12, 97
+    hs = torch.randn(B, C, Ds, generator=g, dtype=torch.float64).float().requires_grad_()
+    ht = torch.randn(B, C, Dt, generator=g)
+    ws = (3 * torch.randn(V, Ds, generator=g)).requires_grad_()
+    bs = torch.randn(V, generator=g).requires_grad_()
+    wt, bt = 3 * torch.randn(V, Dt, generator=g), torch.randn(V, generator=g)
+    mask = torch.ones(B, C, dtype=torch.long)
+    mask[1, 3:] = 0
+    labels = torch.randint(0, V, (B, C), generator=g)
+    for beta, n in ((0.0, None), (0.5, torch.tensor(11.0)), (1.0, None)):
+        outs, grads = [], []
+        for ours in (False, True):
+            for t in (hs, ws, bs):
+                t.grad = None
+            if ours:
+                out = nbtrl.distillation_loss(
+                    hs,
+                    ht,
+                    LMHead(ws, bs, 0.5, 20.0),
+                    LMHead(wt, bt, 1.5, 30.0),
+                    mask,
+                    labels=labels,
+                    beta=beta,
+                    temperature=2.0,
+                    num_items_in_batch=n,
+                )
+            else:
+                out = _chunked_divergence_loss(
+                    hs,
+                    ht,
+                    ws,
+                    wt,
+                    mask,
+                    beta=beta,
+                    num_items_in_batch=n,
+                    student_lm_head_bias=bs,
+                    teacher_lm_head_bias=bt,
+                    student_logit_scale=0.5,
+                    teacher_logit_scale=1.5,
+                    student_final_logit_softcapping=20.0,
+                    teacher_final_logit_softcapping=30.0,
+                    temperature=2.0,
+                )
+            out[0].backward()
+            outs.append([o.detach().float() for o in out])
+            grads.append([t.grad.clone() for t in (hs, ws, bs)])
+        for a, b in zip(outs[1], outs[0]):  # loss, entropy sum, counted positions
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(grads[1], grads[0]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
