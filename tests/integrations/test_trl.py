@@ -389,3 +389,34 @@ def test_distillation_loss_equals_trls_function_with_bias_scale_softcap():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         for a, b in zip(grads[1], grads[0]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_peft_lora_inside_both_trainers(tmp_path, tok):
+    # TRL wraps the student in a LoRA PeftModel (peft_config): nitrobrew's loss reads the heads through it and
+    # trains the adapters as TRL's loss does (same values and adapter gradients, then two steps)
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+    cases = (
+        (_gkd, GKDTrainer, nbtrl.NitrobrewGKDTrainer, lambda tr: tr.data_collator(_chat_rows(4, seed=9))),
+        (_distill, DistillationTrainer, nbtrl.NitrobrewDistillationTrainer, lambda tr: _completion_batch(seed=9)),
+    )
+    for make, ref_cls, our_cls, batch_of in cases:
+        ref, ours = make(tmp_path, ref_cls, tok, peft_config=lora()), make(tmp_path, our_cls, tok, peft_config=lora())
+        assert isinstance(ours.model, peft.PeftModel)
+        batch = batch_of(ref)
+        losses, grads = [], []
+        for tr in (ref, ours):
+            tr.model.zero_grad()
+            loss = tr.compute_loss(tr.model, dict(batch))
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append({n: p.grad.clone() for n, p in tr.model.named_parameters() if p.requires_grad})
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+        assert grads[0].keys() == grads[1].keys() and all("lora_" in n for n in grads[1])
+        for name in grads[0]:
+            torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6)
+        ours.train()
+        assert ours.state.global_step == 2
