@@ -77,18 +77,20 @@ test-trl: $(TRL_STAMP)
 	$(TRL_VENV)/bin/python -m pytest -q -p no:cacheprovider --import-mode=importlib tests/integrations/test_trl.py
 
 # The Axolotl leg: the plugin under Axolotl's own config parsing and collators
-# (tests/integrations/test_axolotl.py). Axolotl needs Python >= 3.12; torch for it comes from the index
-# (the CUDA build: there is no CPU build for 3.12 on disk). requirements-axolotl.txt pins what
-# `pip install axolotl==0.21.0` resolved. Measured on the 2-core machine under load: the unpinned install
-# 27m44s; this leg with the pinned set from pip's cache 14m06s (install ~10.5 min of 7.7 GB, tests ~3.5 min).
-# The TRL leg: about 7 min (install ~5.5 min, tests 1m36s).
+# (tests/integrations/test_axolotl.py). Axolotl 0.21 declares Python >= 3.12, for which the index has only the
+# CUDA build of torch (with its nvidia-* libraries, 7.7 GB installed: the leg's uncached install took 27m44s).
+# Its code runs on 3.11 (no 3.12-only syntax; the tests pass): the leg takes Python 3.11 and the CPU torch of
+# TORCH_SPEC, and installs with --no-deps --ignore-requires-python only what the tests import
+# (requirements-axolotl.txt, pinned to what `pip install axolotl==0.21.0` resolved).
+# The TRL leg: install about 1 min (a fresh venv, most wheels from the machine's local index), tests 1-2 min.
 AXOLOTL_VENV ?= .venv-axolotl
-# pyenv keeps 3.12 off the PATH when another version is global: take it from pyenv if it is there
-AXOLOTL_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+AXOLOTL_PYTHON ?= $(TRL_PYTHON)
 AXOLOTL_STAMP := $(AXOLOTL_VENV)/.installed-$(shell cat pyproject.toml tests/integrations/requirements-axolotl.txt | cksum | cut -d' ' -f1)
 $(AXOLOTL_STAMP): pyproject.toml tests/integrations/requirements-axolotl.txt
-	test -x $(AXOLOTL_VENV)/bin/python || $(AXOLOTL_PYTHON) -m venv $(AXOLOTL_VENV)
-	$(AXOLOTL_VENV)/bin/python -m pip install -q --no-deps -r tests/integrations/requirements-axolotl.txt
+	[ "$$($(AXOLOTL_VENV)/bin/python -V 2>&1)" = "$$($(AXOLOTL_PYTHON) -V 2>&1)" ] || \
+		{ rm -rf $(AXOLOTL_VENV) && $(AXOLOTL_PYTHON) -m venv $(AXOLOTL_VENV); }  # a venv of another Python: anew
+	$(AXOLOTL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(AXOLOTL_VENV)/bin/python -m pip install -q --no-deps --ignore-requires-python -r tests/integrations/requirements-axolotl.txt
 	$(AXOLOTL_VENV)/bin/python -m pip install -q --no-deps -e .
 	rm -f $(AXOLOTL_VENV)/.installed-*
 	touch $@

@@ -30,17 +30,18 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from .. import divergences as dv
+from ..core.ops import compute_dtype, linear_logits, softcap_
 from ..hf.loss import distill_loss
 from ..hf.model import IGNORE_INDEX, lm_head
 from ..hf.wrapping import is_wrapped
 from ..hidden.api import hidden_loss
 
-__all__ = ["NitrobrewLoss", "generalized_jsd_loss"]  # and the two trainers, built on first use
+__all__ = ["NitrobrewLoss", "distillation_loss", "generalized_jsd_loss"]  # and the two trainers, built on first use
 
 # rows x vocab floats of one no-grad slab for the logged student entropy (16 MiB)
 _ENTROPY_SLAB = 1 << 22
@@ -216,18 +217,104 @@ def _gkd_trainer_class():
     return NitrobrewGKDTrainer
 
 
-def _entropy_sum(x, w, b, scale: float, softcap: Optional[float], temperature: float) -> torch.Tensor:
-    """Sum over rows of the student's entropy at the loss temperature (no grad, slab by slab)."""
-    total = torch.zeros((), dtype=torch.float32, device=x.device)
-    step = max(1, _ENTROPY_SLAB // max(w.shape[0], 1))
+def _entropy_sum(x, head: "_Head", temperature: float) -> torch.Tensor:
+    """Sum over rows of the student's entropy at the loss temperature, H = lse - sum p z (no grad; fp32
+    logits slab by slab, rows x vocab floats of at most ``_ENTROPY_SLAB``)."""
+    acc = compute_dtype(x.dtype)
+    total = torch.zeros((), dtype=acc, device=x.device)
+    step = max(1, _ENTROPY_SLAB // max(head.weight.shape[0], 1))
     with torch.no_grad():
         for i in range(0, x.shape[0], step):
-            z = torch.nn.functional.linear(x[i : i + step].to(w.dtype), w, b).float() * scale
-            if softcap is not None:
-                z = softcap * torch.tanh(z / softcap)
-            lq = torch.log_softmax(z / temperature, -1)
-            total += -(lq.exp() * lq).sum()
+            z = softcap_(linear_logits(x[i : i + step], head.weight, head.bias, acc), head.softcap).div_(temperature)
+            lse = torch.logsumexp(z, -1, keepdim=True)
+            total += lse.sum() - torch.exp(z - lse).mul_(z).sum()
     return total
+
+
+class _Head(NamedTuple):
+    """An LM head as the loss takes it: plain tensors in the hidden states' dtype, the scale folded in."""
+
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    softcap: Optional[float]
+
+
+def _plain_head(head, dtype: torch.dtype) -> Tuple[_Head, float]:
+    """(head with plain tensors in ``dtype``, its logit scale). FSDP2: one gather of each head (TRL does
+    the same), then plain tensors."""
+    w, b = (t.full_tensor() if type(t).__name__ == "DTensor" else t for t in (head.weight, head.bias))
+    return _Head(w.to(dtype), None if b is None else b.to(dtype), head.softcap), head.scale
+
+
+def distillation_loss(
+    hs: torch.Tensor,
+    ht: torch.Tensor,
+    head_s,
+    head_t,
+    loss_mask: torch.Tensor,
+    *,
+    labels: torch.Tensor,
+    beta: float,
+    temperature: float,
+    options: Optional[NitrobrewLoss] = None,
+    num_items_in_batch=None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``trl.DistillationTrainer``'s loss, by nitrobrew: (loss, entropy sum, counted positions), as TRL's
+    ``_chunked_divergence_loss`` returns them.
+
+    hs, ht: the student's / teacher's final hidden states of the completion positions ([B, C, Ds] / [B, C,
+    Dt]); head_s, head_t: ``nitrobrew.hf.model.LMHead`` of each (weight, bias, scale, softcap); loss_mask
+    [B, C]: the positions that count (nonzero); labels [B, C]: the completion ids (the CE targets when
+    ``options.ce_weight`` > 0). ``beta`` and ``temperature`` are TRL's (``options`` may override them);
+    the summed loss is divided by ``num_items_in_batch``, else by the counted positions."""
+    a = _loss_args(options)
+    device = head_s.weight.device
+    if head_t.weight.device != device:
+        raise ValueError(
+            f"the student's LM head is on {device}, the teacher's on {head_t.weight.device}: place both on one device"
+        )
+    valid = loss_mask.to(device).reshape(-1) != 0
+    # only the counted positions are projected (TRL projects every position on a CPU)
+    xs = hs.to(device).reshape(-1, hs.shape[-1])[valid]
+    xt = ht.to(device).reshape(-1, ht.shape[-1])[valid]
+    ws, scale_s = _plain_head(head_s, xs.dtype)
+    wt, scale_t = _plain_head(head_t, xt.dtype)
+    bs, bt = ws.bias, wt.bias
+    if scale_s != 1.0:
+        xs, bs = xs * scale_s, None if bs is None else bs * scale_s
+    if scale_t != 1.0:
+        xt, bt = xt * scale_t, None if bt is None else bt * scale_t
+    temperature = temperature if a.temperature is None else a.temperature
+    divergence, beta = a.resolve(beta)
+    with _no_autocast(device):
+        parts = hidden_loss(
+            xs,
+            xt,
+            ws.weight,
+            wt.weight,
+            divergence=divergence,
+            beta=beta,
+            alpha=a.alpha,
+            labels=labels.to(device).reshape(-1)[valid],
+            temperature=temperature,
+            scale_t2=a.scale_t2,
+            ce_weight=a.ce_weight,
+            reduction="sum",
+            bs=bs,
+            bt=bt,
+            softcap_s=ws.softcap,
+            softcap_t=wt.softcap,
+            chunk_V=a.chunk_V,
+            backend=a.backend,
+            return_parts=True,
+        )
+    n_valid = valid.sum()
+    loss = _normalized(parts.loss, n_valid, num_items_in_batch)
+    if a.log_entropy:
+        entropy = _entropy_sum(xs.detach(), _Head(ws.weight.detach(), bs, ws.softcap), temperature)
+    else:
+        entropy = torch.zeros((), device=device)
+    return loss, entropy, n_valid
 
 
 def _distillation_trainer_class():
@@ -244,26 +331,19 @@ def _distillation_trainer_class():
             super().__init__(*args, **kwargs)
 
         def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
-            a = self.nitrobrew
             input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
             attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             loss_mask = inputs["completion_mask"]
             if "tool_mask" in inputs:
                 loss_mask = loss_mask * inputs["tool_mask"]
-            logits_to_keep = inputs["completion_ids"].size(1)
-            multimodal_keys = (
-                "pixel_values",
-                "image_grid_thw",
-                "pixel_attention_mask",
-                "spatial_shapes",
-                "image_sizes",
-                "token_type_ids",
-                "mm_token_type_ids",
-                "image_position_ids",
+            model_inputs = dict(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                logits_to_keep=inputs["completion_ids"].size(1),
+                **{k: inputs[k] for k in _MULTIMODAL_KEYS if k in inputs},
             )
-            multimodal = {k: inputs[k] for k in multimodal_keys if k in inputs}
             # TRL's own hidden states of the completion positions ([B, C, H]), student and teacher
-            hs = self._get_last_hidden_state(unwrapped_student, input_ids, attention_mask, logits_to_keep, **multimodal)
+            hs = self._get_last_hidden_state(unwrapped_student, **model_inputs)
             self.teacher_model.eval()
             unwrapped_teacher = self.accelerator.unwrap_model(self.teacher_model)
             with torch.no_grad():
@@ -272,65 +352,35 @@ def _distillation_trainer_class():
                     unwrapped_teacher,
                     self._get_last_hidden_state,
                     unwrapped_teacher,
-                    input_ids,
-                    attention_mask,
-                    logits_to_keep,
-                    **multimodal,
+                    **model_inputs,
                 )
-            head_s, head_t = lm_head(unwrapped_student), lm_head(unwrapped_teacher)
-            device = head_s.weight.device
-            if head_t.weight.device != device:
-                raise ValueError(
-                    f"the student's LM head is on {device}, the teacher's on {head_t.weight.device}: "
-                    "place both on one device"
-                )
-            valid = loss_mask.to(device).reshape(-1) != 0
-            xs = hs.to(device).reshape(-1, hs.shape[-1])[valid]
-            xt = ht.to(device).reshape(-1, ht.shape[-1])[valid]
-            ws, bs, wt, bt = head_s.weight, head_s.bias, head_t.weight, head_t.bias
-            # FSDP2: one gather of each head (TRL does the same), then plain tensors
-            ws, bs, wt, bt = (t.full_tensor() if type(t).__name__ == "DTensor" else t for t in (ws, bs, wt, bt))
-            ws, bs = ws.to(xs.dtype), None if bs is None else bs.to(xs.dtype)
-            wt, bt = wt.to(xt.dtype), None if bt is None else bt.to(xt.dtype)
-            if head_s.scale != 1.0:
-                xs, bs = xs * head_s.scale, None if bs is None else bs * head_s.scale
-            if head_t.scale != 1.0:
-                xt, bt = xt * head_t.scale, None if bt is None else bt * head_t.scale
-            labels = inputs["completion_ids"].to(device).reshape(-1)[valid]
-            temperature = self.temperature if a.temperature is None else a.temperature
-            divergence, beta = a.resolve(self.beta)
-            with _no_autocast(device):
-                parts = hidden_loss(
-                    xs,
-                    xt,
-                    ws,
-                    wt,
-                    divergence=divergence,
-                    beta=beta,
-                    alpha=a.alpha,
-                    labels=labels,
-                    temperature=temperature,
-                    scale_t2=a.scale_t2,
-                    ce_weight=a.ce_weight,
-                    reduction="sum",
-                    bs=bs,
-                    bt=bt,
-                    softcap_s=head_s.softcap,
-                    softcap_t=head_t.softcap,
-                    chunk_V=a.chunk_V,
-                    backend=a.backend,
-                    return_parts=True,
-                )
-            n_valid = valid.sum()
-            loss = _normalized(parts.loss, n_valid, num_items_in_batch)
-            entropy = (
-                _entropy_sum(xs.detach(), ws.detach(), bs, 1.0, head_s.softcap, temperature)
-                if a.log_entropy
-                else torch.zeros((), device=device)
+            return distillation_loss(
+                hs,
+                ht,
+                lm_head(unwrapped_student),
+                lm_head(unwrapped_teacher),
+                loss_mask,
+                labels=inputs["completion_ids"],
+                beta=self.beta,
+                temperature=self.temperature,
+                options=self.nitrobrew,
+                num_items_in_batch=num_items_in_batch,
             )
-            return loss, entropy, n_valid
 
     return NitrobrewDistillationTrainer
+
+
+# the multimodal (VLM) fields TRL's generation splits into each micro-batch and its trainer hands on
+_MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 
 
 _BUILDERS = {

@@ -316,3 +316,107 @@ def test_memory_growth_is_lower_at_a_large_vocabulary(tmp_path, tok):
     rows = batch["input_ids"].numel()
     assert trl_bytes > 4 * rows * V * 4  # TRL forms several [rows, V] fp32 tensors
     assert nb_bytes * 3 < trl_bytes, (nb_bytes, trl_bytes)
+
+
+def test_distillation_memory_growth_is_lower_at_a_large_vocabulary(tmp_path, tok):
+    # TRL's DistillationTrainer already projects the heads tile by tile ([rows, 32768] fp32 slabs of each model):
+    # nitrobrew's step must still create less (cache-sized vocabulary chunks, the entropy in 16 MiB slabs)
+    V = 65536
+    ref = _distill(tmp_path, DistillationTrainer, tok, beta=0.5, vocab=V)
+    ours = _distill(tmp_path, nbtrl.NitrobrewDistillationTrainer, tok, beta=0.5, vocab=V)
+    batch = _completion_batch(B=4, P=8, C=64, vocab=V, seed=2)
+    trl_bytes, nb_bytes = _growth(ref, batch), _growth(ours, batch)
+    rows = batch["completion_mask"].sum().item()
+    assert trl_bytes > 2 * rows * 32768 * 4  # TRL's two fp32 tiles
+    assert nb_bytes * 2 < trl_bytes, (nb_bytes, trl_bytes)
+
+
+def test_distillation_loss_equals_trls_function_with_bias_scale_softcap():
+    # the function behind NitrobrewDistillationTrainer against TRL's own, on heads that Qwen2 does not exercise:
+    # biases, a logit scale, a final softcap, a temperature, and teacher / student of different widths
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    from nitrobrew.hf.model import LMHead
+
+    g = torch.Generator().manual_seed(4)
+    B, C, Ds, Dt, V = 2, 5, 8, 12, 97
+    hs = torch.randn(B, C, Ds, generator=g, dtype=torch.float64).float().requires_grad_()
+    ht = torch.randn(B, C, Dt, generator=g)
+    ws = (3 * torch.randn(V, Ds, generator=g)).requires_grad_()
+    bs = torch.randn(V, generator=g).requires_grad_()
+    wt, bt = 3 * torch.randn(V, Dt, generator=g), torch.randn(V, generator=g)
+    mask = torch.ones(B, C, dtype=torch.long)
+    mask[1, 3:] = 0
+    labels = torch.randint(0, V, (B, C), generator=g)
+    for beta, n in ((0.0, None), (0.5, torch.tensor(11.0)), (1.0, None)):
+        outs, grads = [], []
+        for ours in (False, True):
+            for t in (hs, ws, bs):
+                t.grad = None
+            if ours:
+                out = nbtrl.distillation_loss(
+                    hs,
+                    ht,
+                    LMHead(ws, bs, 0.5, 20.0),
+                    LMHead(wt, bt, 1.5, 30.0),
+                    mask,
+                    labels=labels,
+                    beta=beta,
+                    temperature=2.0,
+                    num_items_in_batch=n,
+                )
+            else:
+                out = _chunked_divergence_loss(
+                    hs,
+                    ht,
+                    ws,
+                    wt,
+                    mask,
+                    beta=beta,
+                    num_items_in_batch=n,
+                    student_lm_head_bias=bs,
+                    teacher_lm_head_bias=bt,
+                    student_logit_scale=0.5,
+                    teacher_logit_scale=1.5,
+                    student_final_logit_softcapping=20.0,
+                    teacher_final_logit_softcapping=30.0,
+                    temperature=2.0,
+                )
+            out[0].backward()
+            outs.append([o.detach().float() for o in out])
+            grads.append([t.grad.clone() for t in (hs, ws, bs)])
+        for a, b in zip(outs[1], outs[0]):  # loss, entropy sum, counted positions
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(grads[1], grads[0]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_peft_lora_inside_both_trainers(tmp_path, tok):
+    # TRL wraps the student in a LoRA PeftModel (peft_config): nitrobrew's loss reads the heads through it and
+    # trains the adapters as TRL's loss does (same values and adapter gradients, then two steps)
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+    cases = (
+        (_gkd, GKDTrainer, nbtrl.NitrobrewGKDTrainer, lambda tr: tr.data_collator(_chat_rows(4, seed=9))),
+        (_distill, DistillationTrainer, nbtrl.NitrobrewDistillationTrainer, lambda tr: _completion_batch(seed=9)),
+    )
+    for make, ref_cls, our_cls, batch_of in cases:
+        ref, ours = make(tmp_path, ref_cls, tok, peft_config=lora()), make(tmp_path, our_cls, tok, peft_config=lora())
+        assert isinstance(ours.model, peft.PeftModel)
+        batch = batch_of(ref)
+        losses, grads = [], []
+        for tr in (ref, ours):
+            tr.model.zero_grad()
+            loss = tr.compute_loss(tr.model, dict(batch))
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append({n: p.grad.clone() for n, p in tr.model.named_parameters() if p.requires_grad})
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+        assert grads[0].keys() == grads[1].keys() and all("lora_" in n for n in grads[1])
+        for name in grads[0]:
+            torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6)
+        ours.train()
+        assert ours.state.global_step == 2
