@@ -101,13 +101,15 @@ def _underflow_case(seed, gap, side, block, temperature, n=5, d=12, vocab=257):
 @example(seed=3, gap=math.inf, side="teacher", block=120, temperature=0.25, divergence="jsd", path=CHUNKED)
 @example(seed=49, gap=100.0, side="teacher", block=1, temperature=1.0, divergence="reverse_kl", path=PATHS[1])
 @example(seed=0, gap=math.inf, side="student", block=1, temperature=0.25, divergence="skew_kl", path=PATHS[1])
+@example(seed=1507, gap=100.0, side="student", block=7, temperature=3.0, divergence="skew_kl", path=PATHS[0])
 def test_one_side_underflows(seed, gap, side, block, temperature, divergence, path):
     """Every divergence, every path, masks and gaps of 100-1000 nats on either side, cold and hot
     temperatures: value and gradient agree with float64 (where the divergence is finite). The examples:
     a lane of the Triton row kernels whose maximum moves between entries 100 nats apart on one side (its
     close-distribution sum rescaled by e^100 and back, or moved to the lost sum), the student's top entry
-    where the teacher lies 100 nats down (reverse_kl's gradient reads that entry's d), and a masked (-inf)
-    side in the second pass and the gradient."""
+    where the teacher lies 100 nats down (reverse_kl's gradient reads that entry's d), the teacher's top
+    entry where the student lies 100 nats down (the gap split there as two ~100-nat numbers put their
+    rounding in every d), and a masked (-inf) side in the second pass and the gradient."""
     xs, xt, ws, wt, bs, bt = _underflow_case(seed, gap, side, block, temperature)
 
     # the materializing reference differentiates -inf logits into NaN (0 * inf): it gets -1e6 there, which

@@ -189,19 +189,25 @@ def _centred(own: Online, other: Online, lse_gap: Tensor) -> Tuple[Tensor, Tenso
     close = torch.isfinite(r) & (r.abs() < 0.5) & torch.isfinite(a_l) & (lost >= 0) & (lost < 0.5)
     r, lost = torch.where(close, r, 0.0), torch.where(close, lost, 0.0)
     g = torch.where(close, torch.log1p(r) - torch.log1p(-lost), own.ref.double() + lse_gap.double())
-    return a_l.to(own.a.dtype), g.to(own.a.dtype)
+    return a_l.to(own.a.dtype), g.to(own.a.dtype), close
 
 
 def row_norm(fp: "FirstPass", rev: bool) -> Tuple[RowNorm, Tensor, Tensor]:
-    """(RowNorm, a / l, G) of merged first-pass state (``_centred``; rev: the student accumulated)."""
+    """(RowNorm, a / l, G) of merged first-pass state (``_centred``; rev: the student accumulated). Where
+    the close form does not apply, the gap is split at the maxima instead, c = m_s - m_t and g = log l_s
+    - log l_t: there c = -+ref and G may be two copies of ~100 nats that cancel (the accumulating side's
+    top entry where the other side lies far below), leaving their fp32 rounding in every d."""
     ll_s, ll_t = torch.log1p(fp.s.tail), torch.log1p(fp.t.tail)
     gap = (fp.s.m - fp.t.m) + (ll_s - ll_t)  # lse_s - lse_t
     if rev:
-        a_l, g_own = _centred(fp.s, fp.t, -gap)
+        a_l, g_own, close = _centred(fp.s, fp.t, -gap)
         c, g = fp.s.ref, -g_own  # lse_s - lse_t = ref - G
     else:
-        a_l, g_own = _centred(fp.t, fp.s, gap)
+        a_l, g_own, close = _centred(fp.t, fp.s, gap)
         c, g = -fp.t.ref, g_own  # lse_s - lse_t = G - ref
+    finite = torch.isfinite(fp.s.m) & torch.isfinite(fp.t.m)
+    c = torch.where(close, c, torch.where(finite, fp.s.m - fp.t.m, c))
+    g = torch.where(close, g, torch.where(finite, ll_s - ll_t, g))
     return RowNorm(m_s=fp.s.m, ll_s=ll_s, m_t=fp.t.m, ll_t=ll_t, c=c, g=g), a_l, g_own
 
 
@@ -221,8 +227,8 @@ def finish_stats(fp: FirstPass, cfg: LossConfig, sums: Optional[Tuple[Tensor, ..
         kd = a_l + g_own
         kd = torch.where(kd < 0, torch.zeros_like(kd), kd)  # the gradient reads the clamped value
         sum_u = kd
-        # sum over j != top of q_j d_j = a / l + (1 - q_top) d_top, d_top = -g (a refers to the top's d)
-        v_rest = a_l + torch.expm1(-norm.ll_s) * norm.g
+        # sum over j != top of q_j d_j = a / l + (1 - q_top) d_top, d_top = G (a refers to the top's d)
+        v_rest = a_l - torch.expm1(-norm.ll_s) * g_own
     elif cfg.divergence == "tvd":
         kd = sums[0]
         sum_u, v_rest = dv.tvd_sum_u(sums[1], sums[2], sums[3])
