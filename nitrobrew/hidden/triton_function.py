@@ -71,10 +71,12 @@ def _slabs(ops: Operands, v0, v1, cfg):
     return softcap_(z, cfg.softcap_s), softcap_(t, cfg.softcap_t)
 
 
-def _first_pass_from_state(st: torch.Tensor, cfg: LossConfig) -> FirstPass:
-    # the centred sums on the side that accumulates them (the student for reverse_kl, else the teacher)
-    own = dict(a=st[:, tr.ACC], r=st[:, tr.REL], ref=st[:, tr.REF])
-    lost = dict(b=st[:, tr.LOST])  # on the other side's scale
+def _first_pass_from_state(st: torch.Tensor, cfg: LossConfig, centred: bool = True) -> FirstPass:
+    # the centred sums on the side that accumulates them (the student for reverse_kl, else the teacher;
+    # a = 0 but for the KLs), unless the first pass kept each side's (max, tail) only (jsd, centred=False)
+    centred = centred or cfg.divergence != "jsd"
+    own = dict(a=st[:, tr.ACC], r=st[:, tr.REL], ref=st[:, tr.REF]) if centred else {}
+    lost = dict(b=st[:, tr.LOST]) if centred else {}  # on the other side's scale
     rev = cfg.divergence == "reverse_kl"
     return FirstPass(
         s=Online(st[:, tr.M_S], st[:, tr.T_S], **(own if rev else lost)),
@@ -92,8 +94,9 @@ def block_stats(ops: Operands, labels, cfg: LossConfig, vchunk: int, chunk_max=N
     slabs = None
     for ci, (v0, v1) in enumerate(spans(V, vchunk)):
         slabs = _slabs(ops, v0, v1, cfg)
-        tr.launch_stats(*slabs, st, labels, v0, cfg, 1, None if chunk_max is None else chunk_max[:, ci])
-    fp = _first_pass_from_state(st, cfg)
+        cm = None if chunk_max is None else chunk_max[:, ci]
+        tr.launch_stats(*slabs, st, labels, v0, cfg, 1, cm, centred=False)  # jsd: no centred sums (§2.6)
+    fp = _first_pass_from_state(st, cfg, centred=False)
     sums = None
     if cfg.divergence not in dv.ONE_PASS:
         st2 = tr.new_rowvals(row_norm(fp, False)[0].stacked())
