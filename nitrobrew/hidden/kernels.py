@@ -42,24 +42,19 @@ from ..core.tl_utils import (
 )
 from .config import LossConfig
 
-# Columns of the pass-1 state tensor (host ints; the kernels read the constexpr twins C_*): each side's
-# max and tail (the mass outside its maximal entry, docs/design.md §2.6), the accumulating side's
-# centred sums a, r and their reference, the other side's lost mass b, the raw lse and label logit.
-M_S, T_S, M_T, T_T, ACC, M_Z, T_Z, Z_LABEL, REL, LOST, REF = range(11)
-NSTATE = 11
-C_M_S, C_T_S, C_M_T, C_T_T, C_ACC, C_M_Z, C_T_Z, C_Z_LABEL, C_REL, C_LOST, C_REF = (tl.constexpr(i) for i in range(11))
-C_NSTATE = tl.constexpr(NSTATE)
-# Columns of the per-row values the second pass and the gradient read: the split normalizers
+# Columns of the pass-1 state tensor [R, NSTATE], declared once (the kernels read these constexprs, host
+# code goes through `column`): each side's max and tail (the mass outside its maximal entry,
+# docs/design.md §2.6), the accumulating side's centred sums a, r and their reference, the other side's
+# lost mass b, the raw lse and label logit.
+M_S, T_S, M_T, T_T, ACC, M_Z, T_Z, Z_LABEL, REL, LOST, REF = (tl.constexpr(i) for i in range(11))
+NSTATE = tl.constexpr(11)
+# Columns of the per-row values [R, NROW] the second pass and the gradient read: the split normalizers
 # (chunked.RowNorm: m_s, log l_s, m_t, log l_t, c, g), then the second pass's four sums, or the
 # gradient's lse_z, sum_u and v_rest.
-N_M_S, N_LL_S, N_M_T, N_LL_T, N_C, N_G = range(6)
-PHI_SUM, V_SUM, V2_SUM, V3_SUM = range(6, 10)
-LSE_Z, SUM_U, V_REST = range(6, 9)
-NROW = 10
-C_N_M_S, C_N_LL_S, C_N_M_T, C_N_LL_T, C_N_C, C_N_G = (tl.constexpr(i) for i in range(6))
-C_PHI_SUM, C_V_SUM, C_V2_SUM, C_V3_SUM = (tl.constexpr(i) for i in range(6, 10))
-C_LSE_Z, C_SUM_U, C_V_REST = (tl.constexpr(i) for i in range(6, 9))
-C_NROW = tl.constexpr(NROW)
+N_M_S, N_LL_S, N_M_T, N_LL_T, N_C, N_G = (tl.constexpr(i) for i in range(6))
+PHI_SUM, V_SUM, V2_SUM, V3_SUM = (tl.constexpr(i) for i in range(6, 10))
+LSE_Z, SUM_U, V_REST = (tl.constexpr(i) for i in range(6, 9))
+NROW = tl.constexpr(10)
 # the divergences whose row terms take a mixture's log-ratio (tl_utils.mix_logs): their own tiles
 MIXTURES = ("jsd", "skew_kl", "skew_reverse_kl")
 # Entries whose other side lies more than this many nats above their own (w e^d could overflow fp32)
@@ -137,7 +132,7 @@ def hidden_stats_kernel(
     cols = tl.arange(0, BLOCK_V)
     zero = tl.zeros([BLOCK_V], dtype=tl.float32)
     if PASS == 1:
-        st = state_ptr + row * C_NSTATE
+        st = state_ptr + row * NSTATE
         label = -1
         if HAS_LABELS:
             label = tl.load(labels_ptr + row).to(tl.int32) - col_offset
@@ -223,14 +218,14 @@ def hidden_stats_kernel(
                 m_t,
                 t_t,
                 lost,
-                tl.load(st + C_M_S),
-                tl.load(st + C_T_S),
-                tl.load(st + C_ACC),
-                tl.load(st + C_REL),
-                tl.load(st + C_REF),
-                tl.load(st + C_M_T),
-                tl.load(st + C_T_T),
-                tl.load(st + C_LOST),
+                tl.load(st + M_S),
+                tl.load(st + T_S),
+                tl.load(st + ACC),
+                tl.load(st + REL),
+                tl.load(st + REF),
+                tl.load(st + M_T),
+                tl.load(st + T_T),
+                tl.load(st + LOST),
             )
         elif CENTRED:
             mt_row, tt_row, a_row, r_row, ref_row, ms_row, ts_row, b_row = _kl_lanes_to_row(
@@ -242,45 +237,45 @@ def hidden_stats_kernel(
                 m_s,
                 t_s,
                 lost,
-                tl.load(st + C_M_T),
-                tl.load(st + C_T_T),
-                tl.load(st + C_ACC),
-                tl.load(st + C_REL),
-                tl.load(st + C_REF),
-                tl.load(st + C_M_S),
-                tl.load(st + C_T_S),
-                tl.load(st + C_LOST),
+                tl.load(st + M_T),
+                tl.load(st + T_T),
+                tl.load(st + ACC),
+                tl.load(st + REL),
+                tl.load(st + REF),
+                tl.load(st + M_S),
+                tl.load(st + T_S),
+                tl.load(st + LOST),
             )
         if CENTRED:
-            tl.store(st + C_M_S, ms_row)
-            tl.store(st + C_T_S, ts_row)
-            tl.store(st + C_M_T, mt_row)
-            tl.store(st + C_T_T, tt_row)
-            tl.store(st + C_ACC, a_row)
-            tl.store(st + C_REL, r_row)
-            tl.store(st + C_REF, ref_row)
-            tl.store(st + C_LOST, b_row)
+            tl.store(st + M_S, ms_row)
+            tl.store(st + T_S, ts_row)
+            tl.store(st + M_T, mt_row)
+            tl.store(st + T_T, tt_row)
+            tl.store(st + ACC, a_row)
+            tl.store(st + REL, r_row)
+            tl.store(st + REF, ref_row)
+            tl.store(st + LOST, b_row)
         else:
-            ms_row, ts_row = _tails_to_row(m_s, t_s, tl.load(st + C_M_S), tl.load(st + C_T_S))
-            mt_row, tt_row = _tails_to_row(m_t, t_t, tl.load(st + C_M_T), tl.load(st + C_T_T))
-            tl.store(st + C_M_S, ms_row)
-            tl.store(st + C_T_S, ts_row)
-            tl.store(st + C_M_T, mt_row)
-            tl.store(st + C_T_T, tt_row)
+            ms_row, ts_row = _tails_to_row(m_s, t_s, tl.load(st + M_S), tl.load(st + T_S))
+            mt_row, tt_row = _tails_to_row(m_t, t_t, tl.load(st + M_T), tl.load(st + T_T))
+            tl.store(st + M_S, ms_row)
+            tl.store(st + T_S, ts_row)
+            tl.store(st + M_T, mt_row)
+            tl.store(st + T_T, tt_row)
         if RAW_LSE:
-            mz_row, tz_row = _tails_to_row(m_z, t_z, tl.load(st + C_M_Z), tl.load(st + C_T_Z))
-            tl.store(st + C_M_Z, mz_row)
-            tl.store(st + C_T_Z, tz_row)
+            mz_row, tz_row = _tails_to_row(m_z, t_z, tl.load(st + M_Z), tl.load(st + T_Z))
+            tl.store(st + M_Z, mz_row)
+            tl.store(st + T_Z, tz_row)
         if HAS_LABELS:
-            tl.store(st + C_Z_LABEL, tl.load(st + C_Z_LABEL) + tl.sum(z_lab, axis=0))
+            tl.store(st + Z_LABEL, tl.load(st + Z_LABEL) + tl.sum(z_lab, axis=0))
     else:
-        st = state_ptr + row * C_NROW
-        m_s = tl.load(st + C_N_M_S)
-        ll_s = tl.load(st + C_N_LL_S)
-        m_t = tl.load(st + C_N_M_T)
-        ll_t = tl.load(st + C_N_LL_T)
-        c = tl.load(st + C_N_C)
-        g = tl.load(st + C_N_G)
+        st = state_ptr + row * NROW
+        m_s = tl.load(st + N_M_S)
+        ll_s = tl.load(st + N_LL_S)
+        m_t = tl.load(st + N_M_T)
+        ll_t = tl.load(st + N_LL_T)
+        c = tl.load(st + N_C)
+        g = tl.load(st + N_G)
         # the student's top entry (NaN where its max is not a single entry: then no entry is left out)
         m_top = tl.where(ll_s < LOG2, m_s, float("nan"))
         # each side's log-normalizer in one number: log p, log q to ~1e-6 relative of p, q (a row constant
@@ -306,10 +301,10 @@ def hidden_stats_kernel(
                 v3_sum += v3
             else:  # v without the student's top entry
                 v2_sum += tl.where(s != m_top, v, 0.0)
-        tl.store(st + C_PHI_SUM, tl.load(st + C_PHI_SUM) + tl.sum(phi_sum, axis=0))
-        tl.store(st + C_V_SUM, tl.load(st + C_V_SUM) + tl.sum(v_sum, axis=0))
-        tl.store(st + C_V2_SUM, tl.load(st + C_V2_SUM) + tl.sum(v2_sum, axis=0))
-        tl.store(st + C_V3_SUM, tl.load(st + C_V3_SUM) + tl.sum(v3_sum, axis=0))
+        tl.store(st + PHI_SUM, tl.load(st + PHI_SUM) + tl.sum(phi_sum, axis=0))
+        tl.store(st + V_SUM, tl.load(st + V_SUM) + tl.sum(v_sum, axis=0))
+        tl.store(st + V2_SUM, tl.load(st + V2_SUM) + tl.sum(v2_sum, axis=0))
+        tl.store(st + V3_SUM, tl.load(st + V3_SUM) + tl.sum(v3_sum, axis=0))
 
 
 @triton.jit
@@ -393,16 +388,16 @@ def hidden_grad_kernel(
     z_row = z_ptr + row * stride_z
     t_row = t_ptr + row * stride_t
     g_out = g_ptr + row * stride_g
-    rv = rowvals_ptr + row * C_NROW
-    m_s = tl.load(rv + C_N_M_S)
-    ll_s = tl.load(rv + C_N_LL_S)
-    m_t = tl.load(rv + C_N_M_T)
-    ll_t = tl.load(rv + C_N_LL_T)
-    c = tl.load(rv + C_N_C)
-    g_row = tl.load(rv + C_N_G)
-    lse_z = tl.load(rv + C_LSE_Z)
-    sum_u = tl.load(rv + C_SUM_U)
-    v_rest = tl.load(rv + C_V_REST)
+    rv = rowvals_ptr + row * NROW
+    m_s = tl.load(rv + N_M_S)
+    ll_s = tl.load(rv + N_LL_S)
+    m_t = tl.load(rv + N_M_T)
+    ll_t = tl.load(rv + N_LL_T)
+    c = tl.load(rv + N_C)
+    g_row = tl.load(rv + N_G)
+    lse_z = tl.load(rv + LSE_Z)
+    sum_u = tl.load(rv + SUM_U)
+    v_rest = tl.load(rv + V_REST)
     m_top = tl.where(ll_s < LOG2, m_s, float("nan"))  # the student's max where it is a single entry (tail < 1)
     one_m_qtop = -expm1(-ll_s)  # 1 - q at that entry
     kd_scale = tl.load(kd_scale_ptr + row) * inv_temp
@@ -448,21 +443,38 @@ def hidden_grad_kernel(
         tl.store(rowmax_ptr + row, tl.max(g_max, axis=0))
 
 
+def column(st: torch.Tensor, col) -> torch.Tensor:
+    """Column `col` (one of the constexprs above) of a state tensor [R, NSTATE] or [R, NROW]."""
+    return st[:, int(col)]
+
+
 def new_state(n: int, device) -> torch.Tensor:
     """A pass-1 state: maxima -inf, tails -1 (nothing seen), sums 0."""
-    st = torch.zeros(n, NSTATE, dtype=torch.float32, device=device)
+    st = torch.zeros(n, int(NSTATE), dtype=torch.float32, device=device)
     for col in (M_S, M_T, M_Z):  # column by column: a list index would be a host-to-device copy (no CUDA graphs)
-        st[:, col] = float("-inf")
+        st[:, int(col)] = float("-inf")
     for col in (T_S, T_T, T_Z):
-        st[:, col] = -1.0
+        st[:, int(col)] = -1.0
     return st
 
 
 def new_rowvals(norm_rows: torch.Tensor) -> torch.Tensor:
     """A pass-2 state [n, NROW]: the split normalizers ([6, n], chunked.RowNorm.stacked) and zero sums."""
-    st = torch.zeros(norm_rows.shape[1], NROW, dtype=torch.float32, device=norm_rows.device)
-    st[:, : N_G + 1] = norm_rows.t()
+    st = torch.zeros(norm_rows.shape[1], int(NROW), dtype=torch.float32, device=norm_rows.device)
+    st[:, : int(N_G) + 1] = norm_rows.t()
     return st
+
+
+def second_pass_sums(st: torch.Tensor):
+    """The four row sums of a pass-2 state (divergences.row_terms: phi, v, v2, v3)."""
+    return tuple(column(st, k) for k in (PHI_SUM, V_SUM, V2_SUM, V3_SUM))
+
+
+def new_gradvals(norm_rows: torch.Tensor, lse_z, sum_u, v_rest) -> torch.Tensor:
+    """The gradient kernel's per-row values [n, NROW]: the split normalizers ([6, n]), lse_z, sum_u, v_rest."""
+    out = new_rowvals(norm_rows)
+    out[:, int(LSE_Z)], out[:, int(SUM_U)], out[:, int(V_REST)] = lse_z, sum_u, v_rest
+    return out
 
 
 def launch_stats(
