@@ -12,9 +12,9 @@ float32), V = D = 4096, teacher rows with a 10-20 nat gap, T in {0.25, 1, 2}, st
 far from the teacher. random / peaked / close: nitrobrew.bench.regimes' spread / peaked / close at
 V = 152064 (N = 64 rows).
 
-Speed: forward_kl and jsd fast mode fwd+bwd, bf16, V = 152064, Ds = 3584, Dt = 5120, N = 4096: three
-alternating rounds of 5 timed calls each (CUDA events after warm-up), the median; new / old. Target:
-within 2% (ratio <= 1.02). Writes benchmarks/results/exactness/confident_rows.md (device, versions,
+Speed: forward_kl and jsd (the target: within 2%, ratio <= 1.02), tvd and skew_kl, fast mode fwd+bwd,
+bf16, V = 152064, Ds = 3584, Dt = 5120, N = 4096: three alternating rounds of 5 timed calls each (CUDA
+events after warm-up), the median; new / old. Writes benchmarks/results/exactness/confident_rows.md (device, versions,
 commit). --tiny runs everything at toy sizes (CPU included, Triton interpreted) to check the script.
 """
 
@@ -151,7 +151,7 @@ def speed(old, dev, tiny):
     ws = (torch.randn(v, ds, device=dev, generator=g) * (3 / ds**0.5)).to(dtype)
     wt = (torch.randn(v, dt, device=dev, generator=g) * (3 / dt**0.5)).to(dtype)
     out = []
-    for name in ("forward_kl", "jsd"):
+    for name in ("forward_kl", "jsd", "tvd", "skew_kl"):
         times = {"old": [], "new": []}
         for _ in range(3):
             for label, pkg in (("old", old), ("new", nb)):

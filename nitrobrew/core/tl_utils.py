@@ -92,41 +92,24 @@ def online_tile(m, l, x, valid):
     return m_new, l * scale + tl.sum(e, axis=0), e, scale
 
 
+LOG2E = tl.constexpr(1.4426950408889634)
+# a lane's running max before its first entry: finite, so that e^(min - max) is 0 (not NaN) for the -inf
+# entries past a row's end; lanes_tail reads it as -inf
+NEG_BIG = tl.constexpr(-3.4028234663852886e38)
+
+
+@triton.jit
+def fexp(x):
+    """e^x as one MUFU.EX2 (tl.exp adds a rescale for results below 2^-126: here they flush to 0, as any
+    weight that underflows)."""
+    return tl.exp2(x * LOG2E)
+
+
 @triton.jit
 def expm1(x):
     """exp(x) - 1 to fp32 accuracy also for small |x| (a Taylor polynomial below 0.25)."""
     poly = x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0 + x * (1.0 / 720.0))))))
-    return tl.where(tl.abs(x) < 0.25, poly, tl.exp(x) - 1.0)
-
-
-@triton.jit
-def lane_update(m, l, x):
-    """Per-lane online (max, rescaled sum) with one exp per element, exp(-|x - m|). Returns the new
-    (m, l), the element's weight w = exp(x - m_new) and the factor the lane's old sums are rescaled by.
-    An entry x = -inf (past the row's end: loaded as -inf; or masked by the caller) changes nothing
-    and gets w = 0, so the loop needs no mask here (selects on every element cost as much as an exp).
-    A NaN entry makes the lane's max NaN (and so the row's statistics): NaN never hides."""
-    hi = tl.maximum(m, x, propagate_nan=tl.PropagateNan.ALL)
-    e = tl.where(hi == float("-inf"), 0.0, tl.exp(tl.minimum(m, x) - hi))  # 0 while both are -inf
-    up = x > m
-    return hi, tl.where(up, l * e + 1.0, l + e), tl.where(up, 1.0, e), tl.where(up, e, 1.0)
-
-
-@triton.jit
-def lanes_to_row(m, l, acc, rel, m0, l0, a0, r0):
-    """Merge the lanes' (max, sum, two accumulators on the sum's scale) into one row state, then with
-    the row's carried state (m0, l0, a0, r0)."""
-    mx = tl.max(m, axis=0)
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    sc = tl.exp(m - mx_safe)
-    l_row = tl.sum(l * sc, axis=0)
-    a_row = tl.sum(tl.where(sc > 0, acc * sc, 0.0), axis=0)
-    r_row = tl.sum(tl.where(sc > 0, rel * sc, 0.0), axis=0)
-    m_new = tl.maximum(m0, mx)
-    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    s_old = tl.exp(m0 - safe)
-    s_row = tl.exp(mx - safe)
-    return m_new, l0 * s_old + l_row * s_row, a0 * s_old + a_row * s_row, r0 * s_old + r_row * s_row
+    return tl.where(tl.abs(x) < 0.25, poly, fexp(x) - 1.0)
 
 
 def math_args(cfg):
@@ -147,6 +130,9 @@ STATS_WARPS = 8  # statistics passes
 # needs more than 128 registers a thread, which halves the programs an SM holds
 KL_STATS_BLOCK_V = 2048
 KL_STATS_WARPS = 4
+# The mixture divergences' (jsd, skews) row terms in the second pass and the gradient: at 4096 columns
+# (32 a thread on 4 warps) ~190 registers a thread; at 2048, ~50-100 (compiled for sm_90)
+MIX_BLOCK_V = 2048
 
 
 INTERPRETER_BLOCK_V = 64  # the tests' rows then span several tiles, the last one ragged
@@ -168,96 +154,123 @@ MIX_SWITCH = tl.constexpr(dv.MIX_SWITCH)
 
 
 @triton.jit
+def log_normal(y):
+    """log y for a normal, finite y > 0: libdevice's logf (same reduction to [2/3, 4/3), same polynomial,
+    under 1 ulp) without its cases for 0, infinity and subnormals."""
+    i = y.to(tl.int32, bitcast=True)
+    e = (i - 0x3F2AAAAB) & -8388608  # 0xFF800000: the exponent that puts the mantissa in [2/3, 4/3)
+    m = (i - e).to(tl.float32, bitcast=True) - 1.0
+    p = m * -0.13018770515918732 + 0.14084610342979431
+    p = m * p - 0.12148627638816833
+    p = m * p + 0.13980610668659210
+    p = m * p - 0.16684235632419586
+    p = m * p + 0.20012299716472626
+    p = m * p - 0.24999669194221497
+    p = m * p + 0.33333182334899902
+    p = m * p - 0.5
+    return (e.to(tl.float32) * 1.1920928955078125e-07) * 0.6931471805599453 + (m + m * (m * p))
+
+
+@triton.jit
 def log1p(x):
-    """log(1 + x) to fp32 accuracy also for small |x| (a series below 1/32; the fast log's absolute
-    error would be all of a small result's digits)."""
+    """log(1 + x) to fp32 accuracy also for small |x| (a series below 1/32; the log of 1 + x would lose
+    a small result's digits), for 1 + x normal (see log_normal)."""
     series = x * (1.0 + x * (-0.5 + x * (1.0 / 3.0 + x * (-0.25 + x * (0.2 + x * (-1.0 / 6.0))))))
-    return tl.where(tl.abs(x) < 0.03125, series, tl.log(1.0 + x))
+    return tl.where(tl.abs(x) < 0.03125, series, log_normal(1.0 + x))
 
 
 @triton.jit
-def mixlog(d, w, log_w, log_1mw):
-    """log(w e^d + 1 - w) for a weight w in [0, 1] (divergences.mixlog)."""
-    small = tl.abs(d) <= MIX_SWITCH
-    near = log1p(w * expm1(tl.where(small, d, 0.0)))
-    far = logaddexp(d + log_w, log_1mw + tl.zeros_like(d))
-    out = tl.where(small, near, far)
-    out = tl.where(w <= 0.0, 0.0, out)
-    return tl.where(w >= 1.0, d, out)
+def mix_logs(d, w1, EDGE: tl.constexpr):
+    """(M1, M2) = (log(w1 e^d + 1 - w1), log(w1 + (1 - w1) e^-d)) for d = log q - log p (not NaN) and a
+    weight w1 in [0, 1]: divergences.mixlog(d, w1) and mixlog(-d, 1 - w1), with M1 - M2 = d. One expm1
+    and one log1p for both: M1 from x = d or M2 from x = -d, the other by +-d. Beyond |d| = MIX_SWITCH
+    the one with x = -|d| (log1p of a number in [-w, 0]: no overflow, no cancellation); below it the one
+    whose weight is at most 1/2 (the other then cancels at most a factor 3). EDGE: w1 may be 0 or 1 (then
+    log e^x, which 1 + (e^x - 1) would lose). Also returns expm1(x) and x."""
+    first = tl.where(tl.abs(d) <= MIX_SWITCH, w1 <= 0.5, d <= 0)
+    x = tl.where(first, d, -d)
+    w = tl.where(first, w1, 1.0 - w1)
+    em = expm1(x)
+    r = log1p(w * em)
+    if EDGE:
+        r = tl.where(w >= 1.0, x, r)
+    return tl.where(first, r, r + d), tl.where(first, r - d, r), em, x
 
 
 @triton.jit
-def p_minus_q(p, q, d):
-    """p - q from d = log q - log p (divergences.p_minus_q)."""
-    up = d > 0
-    return tl.where(up, q * expm1(-tl.where(up, d, 0.0)), -p * expm1(tl.where(up, 0.0, d)))
+def p_minus_q(p, q, d, em_neg):
+    """p - q from d = log q - log p and em_neg = expm1(-|d|) (divergences.p_minus_q)."""
+    return tl.where(d > 0, q * em_neg, -p * em_neg)
 
 
 @triton.jit
-def row_terms(lp, lq, d, param, log_a, log_1ma, DIVERGENCE: tl.constexpr):
-    """(phi, v, v2, v3) per entry (divergences.row_terms; v2, v3: tvd's, else 0)."""
+def row_terms(lp, lq, d, param, DIVERGENCE: tl.constexpr):
+    """(phi, v, v2, v3) per entry (divergences.row_terms; v2, v3: tvd's, else 0). tvd's masks read the
+    sign of d (q > p where d > 0), as its gradient does."""
     d = tl.where(d == d, d, 0.0)
-    p = tl.exp(lp)
-    q = tl.exp(lq)
+    p = fexp(lp)
+    q = fexp(lq)
     v2 = tl.zeros_like(d)
     v3 = tl.zeros_like(d)
     if DIVERGENCE == FORWARD_KL:
         phi = xmul(p, -d)
-        v = -p_minus_q(p, q, d)
+        v = -p_minus_q(p, q, d, expm1(-tl.abs(d)))
     elif DIVERGENCE == REVERSE_KL:
         phi = xmul(q, d)
         v = phi
-    elif DIVERGENCE == JSD:  # beta = param
-        lp_m = -mixlog(d, 1.0 - param, log_1ma, log_a)
-        lq_m = -mixlog(-d, param, log_a, log_1ma)
-        v = (1.0 - param) * xmul(q, lq_m)
-        phi = param * xmul(p, lp_m) + v
-    elif DIVERGENCE == SKEW_KL:  # r = a p + (1 - a) q
-        lp_r = -mixlog(d, 1.0 - param, log_1ma, log_a)
-        lq_r = -mixlog(-d, param, log_a, log_1ma)
-        phi = xmul(p, lp_r)
-        v = -(1.0 - param) * (1.0 - param) * p_minus_q(p, q, d) * tl.exp(lq_r)
-    elif DIVERGENCE == SKEW_REVERSE_KL:  # r = a q + (1 - a) p
-        lq_r = -mixlog(-d, 1.0 - param, log_1ma, log_a)
-        phi = xmul(q, lq_r)
-        v = phi + (1.0 - param) * param * p_minus_q(p, q, d) * tl.exp(lq_r)
+    elif DIVERGENCE == JSD:  # beta = param in (0, 1) (divergences.canonical); log p/M = -M1, log q/M = -M2
+        m1, m2, _em, _x = mix_logs(d, 1.0 - param, False)
+        v = (1.0 - param) * xmul(q, -m2)
+        phi = param * xmul(p, -m1) + v
+    elif DIVERGENCE == SKEW_KL:  # r = a p + (1 - a) q: log p - log r = -M1, log q - log r = -M2
+        m1, m2, em, x = mix_logs(d, 1.0 - param, True)
+        em_neg = tl.where(x <= 0, em, -em / (1.0 + em))  # expm1(-|d|)
+        phi = xmul(p, -m1)
+        v = -(1.0 - param) * (1.0 - param) * p_minus_q(p, q, d, em_neg) * fexp(-m2)
+    elif DIVERGENCE == SKEW_REVERSE_KL:  # r = a q + (1 - a) p: log q - log r = -M2
+        _m1, m2, em, x = mix_logs(d, param, True)
+        em_neg = tl.where(x <= 0, em, -em / (1.0 + em))
+        phi = xmul(q, -m2)
+        v = phi + (1.0 - param) * param * p_minus_q(p, q, d, em_neg) * fexp(-m2)
     else:  # tvd: the student's mass where q > p, q < p, q = p
-        pmq = p_minus_q(p, q, d)
-        phi = 0.5 * tl.abs(pmq)
-        v = tl.where(pmq < 0, q, 0.0)
-        v2 = tl.where(pmq > 0, q, 0.0)
-        v3 = tl.where(pmq == 0, q, 0.0)
+        phi = 0.5 * tl.abs(p_minus_q(p, q, d, expm1(-tl.abs(d))))
+        v = tl.where(d > 0, q, 0.0)
+        v2 = tl.where(d < 0, q, 0.0)
+        v3 = tl.where(d == 0, q, 0.0)
     return phi, v, v2, v3
 
 
 @triton.jit
-def row_grad(lp, lq, d, top, log_l_s, param, log_a, log_1ma, sum_u, v_rest, DIVERGENCE: tl.constexpr):
+def row_grad(lp, lq, d, top, one_m_qtop, param, sum_u, v_rest, DIVERGENCE: tl.constexpr):
     """dD/ds per entry (divergences.row_grad): v - q sum_u; at the student's top entry of a row whose
-    max is unique v (1 - q) - q v_rest; tvd from its (sigma, B - A)."""
-    q = tl.exp(lq)
-    if DIVERGENCE == TVD:
-        dd = tl.where(d == d, d, 0.0)
-        pmq = p_minus_q(tl.exp(lp), q, dd)
+    max is unique (top) v (1 - q) - q v_rest, 1 - q = one_m_qtop (the row's -expm1(-log l_s)); tvd
+    from its (sigma, B - A)."""
+    if DIVERGENCE == TVD:  # by the sign of d, as the second pass's masks
         x = tl.where(sum_u >= 0, sum_u, 2.0 + sum_u)
         y = tl.where(sum_u >= 0, 2.0 - sum_u, -sum_u)
-        g = 0.5 * q * tl.where(pmq < 0, x, tl.where(pmq > 0, -y, v_rest))
+        g = 0.5 * fexp(lq) * tl.where(d > 0, x, tl.where(d < 0, -y, v_rest))
     elif DIVERGENCE == FORWARD_KL:  # sum_u = 0: v = q - p is the gradient
-        _phi, v, _v2, _v3 = row_terms(lp, lq, d, param, log_a, log_1ma, DIVERGENCE)
-        g = v
+        # q - p = -q expm1(-d) where d > 0, p expm1(d) elsewhere: one exp, of the larger side (log p = lq - d)
+        dd = tl.where(d == d, d, 0.0)
+        big = fexp(lq - tl.minimum(dd, 0.0))
+        g = tl.where(dd > 0, -big, big) * expm1(-tl.abs(dd))
     else:
-        _phi, v, _v2, _v3 = row_terms(lp, lq, d, param, log_a, log_1ma, DIVERGENCE)
-        g = tl.where(top, v * -expm1(-log_l_s) - q * v_rest, v - q * sum_u)
+        q = fexp(lq)
+        _phi, v, _v2, _v3 = row_terms(lp, lq, d, param, DIVERGENCE)
+        g = tl.where(top, v * one_m_qtop - q * v_rest, v - q * sum_u)
     return g
 
 
 @triton.jit
 def lane_tail(m, tail, x):
-    """lane_update keeping the lane's tail (the mass outside its maximal entry, -1 while empty) instead
-    of its sum: the old max joins the tail when x is above it, x joins it otherwise (a tie counts 1).
-    Returns the new (m, tail), x's weight w = exp(x - m_new), the factor the lane's old sums are
-    rescaled by, and whether x is the lane's new max."""
+    """A lane's online (max, tail) with one entry x: the mass outside its maximal entry (-1 while empty),
+    the old max joining the tail when x is above it, x joining it otherwise (a tie counts 1). m starts
+    at NEG_BIG, so an x = -inf (past the row's end, or masked) changes nothing and gets w = 0 with no
+    select. Returns the new (m, tail), x's weight w = exp(x - m_new), the factor the lane's old sums are
+    rescaled by, and whether x is the lane's new max. A NaN entry makes the lane's max NaN (and so the
+    row's statistics): NaN never hides."""
     hi = tl.maximum(m, x, propagate_nan=tl.PropagateNan.ALL)
-    e = tl.where(hi == float("-inf"), 0.0, tl.exp(tl.minimum(m, x) - hi))  # 0 while both are -inf
+    e = fexp(tl.minimum(m, x) - hi)
     up = x > m
     return hi, tl.where(up, (tail + 1.0) * e, tail + e), tl.where(up, 1.0, e), tl.where(up, e, 1.0), up
 
@@ -267,6 +280,7 @@ def lanes_tail(m, tail):
     """(max, tail) of the union of the lanes: each lane holding the max adds its tail, the others their
     whole mass rescaled, plus (lanes holding the max - 1); no l - 1 is formed. Also returns each
     lane's rescale factor."""
+    m = tl.where(m == NEG_BIG, float("-inf"), m)  # a lane that saw no entry
     mx = tl.max(m, axis=0)
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
     sc = tl.exp(m - mx_safe)

@@ -198,6 +198,11 @@ def row_norm(fp: "FirstPass", rev: bool) -> Tuple[RowNorm, Tensor, Tensor]:
     - log l_t: there c = -+ref and G may be two copies of ~100 nats that cancel (the accumulating side's
     top entry where the other side lies far below), leaving their fp32 rounding in every d."""
     ll_s, ll_t = torch.log1p(fp.s.tail), torch.log1p(fp.t.tail)
+    finite = torch.isfinite(fp.s.m) & torch.isfinite(fp.t.m)
+    if (fp.s if rev else fp.t).ref is None:  # no centred sums (the Triton first pass of jsd)
+        zero = torch.zeros_like(ll_s)
+        c = torch.where(finite, fp.s.m - fp.t.m, zero)
+        return RowNorm(m_s=fp.s.m, ll_s=ll_s, m_t=fp.t.m, ll_t=ll_t, c=c, g=ll_s - ll_t), zero, zero
     gap = (fp.s.m - fp.t.m) + (ll_s - ll_t)  # lse_s - lse_t
     if rev:
         a_l, g_own, close = _centred(fp.s, fp.t, -gap)
@@ -205,7 +210,6 @@ def row_norm(fp: "FirstPass", rev: bool) -> Tuple[RowNorm, Tensor, Tensor]:
     else:
         a_l, g_own, close = _centred(fp.t, fp.s, gap)
         c, g = -fp.t.ref, g_own  # lse_s - lse_t = G - ref
-    finite = torch.isfinite(fp.s.m) & torch.isfinite(fp.t.m)
     c = torch.where(close, c, torch.where(finite, fp.s.m - fp.t.m, c))
     g = torch.where(close, g, torch.where(finite, ll_s - ll_t, g))
     return RowNorm(m_s=fp.s.m, ll_s=ll_s, m_t=fp.t.m, ll_t=ll_t, c=c, g=g), a_l, g_own

@@ -18,15 +18,19 @@ from .. import divergences as dv
 from ..core import online
 from ..core.launch import launch
 from ..core.tl_utils import (
+    FORWARD_KL,
     KL_STATS_BLOCK_V,
     KL_STATS_WARPS,
     LOG2,
+    MIX_BLOCK_V,
+    NEG_BIG,
     NUM_WARPS,
     REVERSE_KL,
     STATS_WARPS,
     TVD,
     expm1,
     f32,
+    fexp,
     lane_tail,
     lanes_tail,
     math_args,
@@ -38,24 +42,21 @@ from ..core.tl_utils import (
 )
 from .config import LossConfig
 
-# Columns of the pass-1 state tensor (host ints; the kernels read the constexpr twins C_*): each side's
-# max and tail (the mass outside its maximal entry, docs/design.md §2.6), the accumulating side's
-# centred sums a, r and their reference, the other side's lost mass b, the raw lse and label logit.
-M_S, T_S, M_T, T_T, ACC, M_Z, T_Z, Z_LABEL, REL, LOST, REF = range(11)
-NSTATE = 11
-C_M_S, C_T_S, C_M_T, C_T_T, C_ACC, C_M_Z, C_T_Z, C_Z_LABEL, C_REL, C_LOST, C_REF = (tl.constexpr(i) for i in range(11))
-C_NSTATE = tl.constexpr(NSTATE)
-# Columns of the per-row values the second pass and the gradient read: the split normalizers
+# Columns of the pass-1 state tensor [R, NSTATE], declared once (the kernels read these constexprs, host
+# code goes through `column`): each side's max and tail (the mass outside its maximal entry,
+# docs/design.md §2.6), the accumulating side's centred sums a, r and their reference, the other side's
+# lost mass b, the raw lse and label logit.
+M_S, T_S, M_T, T_T, ACC, M_Z, T_Z, Z_LABEL, REL, LOST, REF = (tl.constexpr(i) for i in range(11))
+NSTATE = tl.constexpr(11)
+# Columns of the per-row values [R, NROW] the second pass and the gradient read: the split normalizers
 # (chunked.RowNorm: m_s, log l_s, m_t, log l_t, c, g), then the second pass's four sums, or the
 # gradient's lse_z, sum_u and v_rest.
-N_M_S, N_LL_S, N_M_T, N_LL_T, N_C, N_G = range(6)
-PHI_SUM, V_SUM, V2_SUM, V3_SUM = range(6, 10)
-LSE_Z, SUM_U, V_REST = range(6, 9)
-NROW = 10
-C_N_M_S, C_N_LL_S, C_N_M_T, C_N_LL_T, C_N_C, C_N_G = (tl.constexpr(i) for i in range(6))
-C_PHI_SUM, C_V_SUM, C_V2_SUM, C_V3_SUM = (tl.constexpr(i) for i in range(6, 10))
-C_LSE_Z, C_SUM_U, C_V_REST = (tl.constexpr(i) for i in range(6, 9))
-C_NROW = tl.constexpr(NROW)
+N_M_S, N_LL_S, N_M_T, N_LL_T, N_C, N_G = (tl.constexpr(i) for i in range(6))
+PHI_SUM, V_SUM, V2_SUM, V3_SUM = (tl.constexpr(i) for i in range(6, 10))
+LSE_Z, SUM_U, V_REST = (tl.constexpr(i) for i in range(6, 9))
+NROW = tl.constexpr(10)
+# the divergences whose row terms take a mixture's log-ratio (tl_utils.mix_logs): their own tiles
+MIXTURES = ("jsd", "skew_kl", "skew_reverse_kl")
 # Entries whose other side lies more than this many nats above their own (w e^d could overflow fp32)
 # count in the other side's dropped mass: the PyTorch path's bound, as a constexpr.
 FAR_NATS = tl.constexpr(online.FAR_NATS)
@@ -109,10 +110,9 @@ def hidden_stats_kernel(
     col_offset,
     inv_temp,
     param,
-    log_a,
-    log_1ma,
     DIVERGENCE: tl.constexpr,
     PASS: tl.constexpr,
+    CENTRED: tl.constexpr,
     RAW_LSE: tl.constexpr,
     HAS_LABELS: tl.constexpr,
     CHUNK_MAX: tl.constexpr,
@@ -125,20 +125,20 @@ def hidden_stats_kernel(
     PASS 2: the four row sums of divergences.row_terms given the split normalizers. State: [R, NROW].
     Every lane keeps its own running values over the row's tiles; they are reduced once at the end
     (a reduction per tile synchronizes the program's warps and costs more than the exps)."""
-    inv_temp, param, log_a, log_1ma = f32(inv_temp), f32(param), f32(log_a), f32(log_1ma)
+    inv_temp, param = f32(inv_temp), f32(param)
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     t_row = t_ptr + row * stride_t
     cols = tl.arange(0, BLOCK_V)
     zero = tl.zeros([BLOCK_V], dtype=tl.float32)
     if PASS == 1:
-        st = state_ptr + row * C_NSTATE
+        st = state_ptr + row * NSTATE
         label = -1
         if HAS_LABELS:
             label = tl.load(labels_ptr + row).to(tl.int32) - col_offset
-        m_s = zero + float("-inf")
-        m_t = zero + float("-inf")
-        m_z = zero + float("-inf")
+        m_s = zero + NEG_BIG
+        m_t = zero + NEG_BIG
+        m_z = zero + NEG_BIG
         t_s = zero - 1.0
         t_t = zero - 1.0
         t_z = zero - 1.0
@@ -153,53 +153,61 @@ def hidden_stats_kernel(
             z = tl.load(z_row + idx, mask=valid, other=float("-inf"))
             t = tl.load(t_row + idx, mask=valid, other=float("-inf")) * inv_temp
             s = z * inv_temp
-            if DIVERGENCE == REVERSE_KL:  # the side p that accumulates: the student
-                l_old = t_s + 1.0
-                ly_old = t_t + 1.0
-                y_top = m_s - ref  # the other side's logit at the lane's max (ref = own - other there)
-                m_s, t_s, w, sc, up = lane_tail(m_s, t_s, s)
-                m_t, t_t, w_x, sc_x, _up = lane_tail(m_t, t_t, t)
-                y = t
-                dd = s - t
-            else:  # the teacher
-                l_old = t_t + 1.0
-                ly_old = t_s + 1.0
-                y_top = m_t - ref
-                m_t, t_t, w, sc, up = lane_tail(m_t, t_t, t)
-                m_s, t_s, w_x, sc_x, _up = lane_tail(m_s, t_s, s)
-                y = s
-                dd = t - s
-            shift = dd - ref
-            # one expm1 serves both branches: expm1(-shift) on the others, and where the lane's max moves
-            # here (its reference becomes dd) the re-referenced r = e^shift sc (r + l) - l sc, with e^shift sc
-            # = e^grow, grow = y_top - y, in one exp and sc expm1(shift) = -expm1(-shift) e^grow (no
-            # cancellation; -sc where expm1(-shift) is huge). Where r's terms would grow by more than
-            # e^FAR_NATS (the other side lies that far below at the new max), every earlier entry of the lane
-            # moves to the lost sum instead: r keeps -w for each, `lost` takes the other side's whole mass.
-            grow = y_top - y
-            e1 = expm1(tl.minimum(-shift, FAR_NATS))
-            esc = tl.exp(tl.minimum(grow, FAR_NATS))
-            em_sc = tl.where(shift < -FAR_NATS, -sc, -e1 * esc)
-            re = up & (tl.abs(dd) < float("inf"))
-            far_up = re & (grow > FAR_NATS)
-            keep = w > 0  # w = 0 where dd may be infinite
-            # the other side's mass goes to `lost` (on its own scale) where p underflowed, and where
-            # w e^-(dd - ref) could overflow (ref - dd > FAR_NATS: rel keeps only -w there)
-            # (and, uncentred, where the other side lies FAR_NATS above: that mass would be lost to rel when
-            # the lane's max jumps later; an entry that becomes the reference is itself near in rel's terms)
-            near = (re | (keep & (-shift <= FAR_NATS))) & (-dd <= FAR_NATS)
-            acc = tl.where(re, (acc - l_old * shift) * sc, acc * sc + tl.where(keep, w * shift, 0.0))
-            rel_re = tl.where(far_up, -l_old * sc, esc * rel + l_old * em_sc) - tl.where(near, 0.0, 1.0)
-            rel = tl.where(re, rel_re, rel * sc + tl.where(near, w * e1, -w))
-            ref = tl.where(re, dd, ref)
-            lost = tl.where(far_up, ly_old, lost) * sc_x + tl.where(near, 0.0, w_x)
+            if CENTRED:  # the centred sums (jsd's single-process first pass: each side's (max, tail) only)
+                if DIVERGENCE == REVERSE_KL:  # the side p that accumulates: the student
+                    l_old = t_s + 1.0
+                    ly_old = t_t + 1.0
+                    y_top = m_s - ref  # the other side's logit at the lane's max (ref = own - other there)
+                    m_s, t_s, w, sc, up = lane_tail(m_s, t_s, s)
+                    m_t, t_t, w_x, sc_x, _up = lane_tail(m_t, t_t, t)
+                    y = t
+                    dd = s - t
+                else:  # the teacher
+                    l_old = t_t + 1.0
+                    ly_old = t_s + 1.0
+                    y_top = m_t - ref
+                    m_t, t_t, w, sc, up = lane_tail(m_t, t_t, t)
+                    m_s, t_s, w_x, sc_x, _up = lane_tail(m_s, t_s, s)
+                    y = s
+                    dd = t - s
+                shift = dd - ref
+                # one expm1 serves both branches: expm1(-shift) on the others, and where the lane's max
+                # moves here (its reference becomes dd) the re-referenced r = e^shift sc (r + l) - l sc,
+                # with e^shift sc = e^grow, grow = y_top - y, in one exp and sc expm1(shift) =
+                # -expm1(-shift) e^grow (no cancellation; -sc where expm1(-shift) is huge). Where r's
+                # terms would grow by more than e^FAR_NATS (the other side lies that far below at the new
+                # max), every earlier entry of the lane moves to the lost sum instead: r keeps -w for
+                # each, `lost` takes the other side's whole mass.
+                grow = y_top - y
+                e1 = expm1(-shift)  # (where -shift > FAR_NATS it may overflow: the selects below drop it there)
+                esc = fexp(grow)  # (likewise where grow > FAR_NATS)
+                re = up & (tl.abs(dd) < float("inf"))
+                far_up = re & (grow > FAR_NATS)
+                keep = w > 0  # w = 0 where dd may be infinite
+                # the other side's mass goes to `lost` (on its own scale) where p underflowed, and where
+                # w e^-(dd - ref) could overflow (ref - dd > FAR_NATS: rel keeps only -w there)
+                # (and, uncentred, where the other side lies FAR_NATS above: that mass would be lost to rel
+                # when the lane's max jumps later; an entry that becomes the reference is itself near)
+                near = (re | (keep & (-shift <= FAR_NATS))) & (-dd <= FAR_NATS)
+                if DIVERGENCE == FORWARD_KL or DIVERGENCE == REVERSE_KL:  # the KL itself (the others: G only)
+                    acc = tl.where(re, (acc - l_old * shift) * sc, acc * sc + tl.where(keep, w * shift, 0.0))
+                em_sc = tl.where(shift < -FAR_NATS, -sc, -e1 * esc)
+                rel_re = tl.where(far_up, -l_old * sc, esc * rel + l_old * em_sc) - tl.where(near, 0.0, 1.0)
+                rel = tl.where(re, rel_re, rel * sc + tl.where(near, w * e1, -w))
+                ref = tl.where(re, dd, ref)
+                lost = tl.where(far_up, ly_old, lost) * sc_x + tl.where(near, 0.0, w_x)
+            else:  # jsd: each side's (max, tail) only (its terms do not move with an error of the gap: §2.6)
+                m_s, t_s, _w, _sc, _up = lane_tail(m_s, t_s, s)
+                m_t, t_t, _w, _sc, _up = lane_tail(m_t, t_t, t)
             if RAW_LSE:
                 m_z, t_z, _w, _sc, _up = lane_tail(m_z, t_z, z)
             if HAS_LABELS:
                 z_lab += tl.where(valid & (idx == label), z, 0.0)
         if CHUNK_MAX:
-            tl.store(chunk_max_ptr + row * stride_cm, tl.max(m_s, axis=0))
-            tl.store(chunk_max_ptr + row * stride_cm + 1, tl.max(m_t, axis=0))
+            cm_s = tl.max(m_s, axis=0)
+            cm_t = tl.max(m_t, axis=0)
+            tl.store(chunk_max_ptr + row * stride_cm, tl.where(cm_s == NEG_BIG, float("-inf"), cm_s))
+            tl.store(chunk_max_ptr + row * stride_cm + 1, tl.where(cm_t == NEG_BIG, float("-inf"), cm_t))
         if DIVERGENCE == REVERSE_KL:
             ms_row, ts_row, a_row, r_row, ref_row, mt_row, tt_row, b_row = _kl_lanes_to_row(
                 m_s,
@@ -210,16 +218,16 @@ def hidden_stats_kernel(
                 m_t,
                 t_t,
                 lost,
-                tl.load(st + C_M_S),
-                tl.load(st + C_T_S),
-                tl.load(st + C_ACC),
-                tl.load(st + C_REL),
-                tl.load(st + C_REF),
-                tl.load(st + C_M_T),
-                tl.load(st + C_T_T),
-                tl.load(st + C_LOST),
+                tl.load(st + M_S),
+                tl.load(st + T_S),
+                tl.load(st + ACC),
+                tl.load(st + REL),
+                tl.load(st + REF),
+                tl.load(st + M_T),
+                tl.load(st + T_T),
+                tl.load(st + LOST),
             )
-        else:
+        elif CENTRED:
             mt_row, tt_row, a_row, r_row, ref_row, ms_row, ts_row, b_row = _kl_lanes_to_row(
                 m_t,
                 t_t,
@@ -229,37 +237,51 @@ def hidden_stats_kernel(
                 m_s,
                 t_s,
                 lost,
-                tl.load(st + C_M_T),
-                tl.load(st + C_T_T),
-                tl.load(st + C_ACC),
-                tl.load(st + C_REL),
-                tl.load(st + C_REF),
-                tl.load(st + C_M_S),
-                tl.load(st + C_T_S),
-                tl.load(st + C_LOST),
+                tl.load(st + M_T),
+                tl.load(st + T_T),
+                tl.load(st + ACC),
+                tl.load(st + REL),
+                tl.load(st + REF),
+                tl.load(st + M_S),
+                tl.load(st + T_S),
+                tl.load(st + LOST),
             )
-        tl.store(st + C_M_S, ms_row)
-        tl.store(st + C_T_S, ts_row)
-        tl.store(st + C_M_T, mt_row)
-        tl.store(st + C_T_T, tt_row)
-        tl.store(st + C_ACC, a_row)
-        tl.store(st + C_REL, r_row)
-        tl.store(st + C_REF, ref_row)
-        tl.store(st + C_LOST, b_row)
+        if CENTRED:
+            tl.store(st + M_S, ms_row)
+            tl.store(st + T_S, ts_row)
+            tl.store(st + M_T, mt_row)
+            tl.store(st + T_T, tt_row)
+            tl.store(st + ACC, a_row)
+            tl.store(st + REL, r_row)
+            tl.store(st + REF, ref_row)
+            tl.store(st + LOST, b_row)
+        else:
+            ms_row, ts_row = _tails_to_row(m_s, t_s, tl.load(st + M_S), tl.load(st + T_S))
+            mt_row, tt_row = _tails_to_row(m_t, t_t, tl.load(st + M_T), tl.load(st + T_T))
+            tl.store(st + M_S, ms_row)
+            tl.store(st + T_S, ts_row)
+            tl.store(st + M_T, mt_row)
+            tl.store(st + T_T, tt_row)
         if RAW_LSE:
-            mz_row, tz_row = _tails_to_row(m_z, t_z, tl.load(st + C_M_Z), tl.load(st + C_T_Z))
-            tl.store(st + C_M_Z, mz_row)
-            tl.store(st + C_T_Z, tz_row)
+            mz_row, tz_row = _tails_to_row(m_z, t_z, tl.load(st + M_Z), tl.load(st + T_Z))
+            tl.store(st + M_Z, mz_row)
+            tl.store(st + T_Z, tz_row)
         if HAS_LABELS:
-            tl.store(st + C_Z_LABEL, tl.load(st + C_Z_LABEL) + tl.sum(z_lab, axis=0))
+            tl.store(st + Z_LABEL, tl.load(st + Z_LABEL) + tl.sum(z_lab, axis=0))
     else:
-        st = state_ptr + row * C_NROW
-        m_s = tl.load(st + C_N_M_S)
-        ll_s = tl.load(st + C_N_LL_S)
-        m_t = tl.load(st + C_N_M_T)
-        ll_t = tl.load(st + C_N_LL_T)
-        c = tl.load(st + C_N_C)
-        g = tl.load(st + C_N_G)
+        st = state_ptr + row * NROW
+        m_s = tl.load(st + N_M_S)
+        ll_s = tl.load(st + N_LL_S)
+        m_t = tl.load(st + N_M_T)
+        ll_t = tl.load(st + N_LL_T)
+        c = tl.load(st + N_C)
+        g = tl.load(st + N_G)
+        # the student's top entry (NaN where its max is not a single entry: then no entry is left out)
+        m_top = tl.where(ll_s < LOG2, m_s, float("nan"))
+        # each side's log-normalizer in one number: log p, log q to ~1e-6 relative of p, q (a row constant
+        # that the row's sums carry only times the divergence); d, formed from the logits, keeps its digits
+        k_s = m_s + ll_s
+        k_t = m_t + ll_t
         phi_sum = zero
         v_sum = zero
         v2_sum = zero
@@ -267,23 +289,22 @@ def hidden_stats_kernel(
         for start in range(0, n_cols, BLOCK_V):
             idx = start + cols
             valid = idx < n_cols
-            s = tl.load(z_row + idx, mask=valid, other=0.0) * inv_temp
-            t = tl.load(t_row + idx, mask=valid, other=0.0) * inv_temp
-            lq = (s - m_s) - ll_s
-            lp = (t - m_t) - ll_t
+            # past the row's end both sides load -inf: p = q = 0 there and every term is exactly 0
+            s = tl.load(z_row + idx, mask=valid, other=float("-inf")) * inv_temp
+            t = tl.load(t_row + idx, mask=valid, other=float("-inf")) * inv_temp
             d = ((s - t) - c) - g
-            phi, v, v2, v3 = row_terms(lp, lq, d, param, log_a, log_1ma, DIVERGENCE)
-            phi_sum += tl.where(valid, phi, 0.0)
-            v_sum += tl.where(valid, v, 0.0)
+            phi, v, v2, v3 = row_terms(t - k_t, s - k_s, d, param, DIVERGENCE)
+            phi_sum += phi
+            v_sum += v
             if DIVERGENCE == TVD:
-                v2_sum += tl.where(valid, v2, 0.0)
-                v3_sum += tl.where(valid, v3, 0.0)
+                v2_sum += v2
+                v3_sum += v3
             else:  # v without the student's top entry
-                v2_sum += tl.where(valid & ((s != m_s) | (ll_s + tl.zeros_like(s) >= LOG2)), v, 0.0)
-        tl.store(st + C_PHI_SUM, tl.load(st + C_PHI_SUM) + tl.sum(phi_sum, axis=0))
-        tl.store(st + C_V_SUM, tl.load(st + C_V_SUM) + tl.sum(v_sum, axis=0))
-        tl.store(st + C_V2_SUM, tl.load(st + C_V2_SUM) + tl.sum(v2_sum, axis=0))
-        tl.store(st + C_V3_SUM, tl.load(st + C_V3_SUM) + tl.sum(v3_sum, axis=0))
+                v2_sum += tl.where(s != m_top, v, 0.0)
+        tl.store(st + PHI_SUM, tl.load(st + PHI_SUM) + tl.sum(phi_sum, axis=0))
+        tl.store(st + V_SUM, tl.load(st + V_SUM) + tl.sum(v_sum, axis=0))
+        tl.store(st + V2_SUM, tl.load(st + V2_SUM) + tl.sum(v2_sum, axis=0))
+        tl.store(st + V3_SUM, tl.load(st + V3_SUM) + tl.sum(v3_sum, axis=0))
 
 
 @triton.jit
@@ -292,12 +313,12 @@ def _grad_tile(
     t_row,
     idx,
     valid,
-    m_s,
-    ll_s,
-    m_t,
-    ll_t,
+    m_top,
+    k_s,
+    k_t,
     c,
     g_row,
+    one_m_qtop,
     lse_z,
     sum_u,
     v_rest,
@@ -306,8 +327,6 @@ def _grad_tile(
     label,
     inv_temp,
     param,
-    log_a,
-    log_1ma,
     inv_cap,
     DIVERGENCE: tl.constexpr,
     WITH_CE: tl.constexpr,
@@ -316,15 +335,15 @@ def _grad_tile(
     z = tl.load(z_row + idx, mask=valid, other=0.0)
     t = tl.load(t_row + idx, mask=valid, other=0.0) * inv_temp
     s = z * inv_temp
-    lq = (s - m_s) - ll_s
-    lp = (t - m_t) - ll_t
+    lq = s - k_s  # to ~1e-6 relative of q (a row constant: the gradient's terms scale with q); d keeps its digits
+    lp = t - k_t
     d = ((s - t) - c) - g_row
-    top = (s == m_s) & (ll_s + tl.zeros_like(s) < LOG2)  # the student's max, where it is a single entry
-    g = row_grad(lp, lq, d, top, ll_s, param, log_a, log_1ma, sum_u, v_rest, DIVERGENCE)
+    top = s == m_top  # the student's max, where it is a single entry
+    g = row_grad(lp, lq, d, top, one_m_qtop, param, sum_u, v_rest, DIVERGENCE)
     # an ignored row (scale 0) gets exactly 0, even where its divergence is infinite
     g = tl.where(kd_scale != 0.0, g * kd_scale, 0.0)
     if WITH_CE:
-        ce_g = (tl.exp(z - lse_z) - tl.where(idx == label, 1.0, 0.0)) * ce_scale
+        ce_g = (fexp(z - lse_z) - tl.where(idx == label, 1.0, 0.0)) * ce_scale
         g += tl.where(ce_scale != 0.0, ce_g, 0.0)
     if SOFTCAP:  # z holds the capped logits c tanh(raw / c): d capped / d raw = 1 - (z / c)^2
         zc = z * inv_cap
@@ -349,8 +368,6 @@ def hidden_grad_kernel(
     col_offset,
     inv_temp,
     param,
-    log_a,
-    log_1ma,
     inv_cap,
     DIVERGENCE: tl.constexpr,
     WITH_CE: tl.constexpr,
@@ -366,21 +383,23 @@ def hidden_grad_kernel(
     FILTER: also writes the row's largest |g| over the slab to rowmax (the gradient filter's
     reference, see grad_filter.py).
     """
-    inv_temp, param, log_a, log_1ma, inv_cap = f32(inv_temp), f32(param), f32(log_a), f32(log_1ma), f32(inv_cap)
+    inv_temp, param, inv_cap = f32(inv_temp), f32(param), f32(inv_cap)
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     t_row = t_ptr + row * stride_t
     g_out = g_ptr + row * stride_g
-    rv = rowvals_ptr + row * C_NROW
-    m_s = tl.load(rv + C_N_M_S)
-    ll_s = tl.load(rv + C_N_LL_S)
-    m_t = tl.load(rv + C_N_M_T)
-    ll_t = tl.load(rv + C_N_LL_T)
-    c = tl.load(rv + C_N_C)
-    g_row = tl.load(rv + C_N_G)
-    lse_z = tl.load(rv + C_LSE_Z)
-    sum_u = tl.load(rv + C_SUM_U)
-    v_rest = tl.load(rv + C_V_REST)
+    rv = rowvals_ptr + row * NROW
+    m_s = tl.load(rv + N_M_S)
+    ll_s = tl.load(rv + N_LL_S)
+    m_t = tl.load(rv + N_M_T)
+    ll_t = tl.load(rv + N_LL_T)
+    c = tl.load(rv + N_C)
+    g_row = tl.load(rv + N_G)
+    lse_z = tl.load(rv + LSE_Z)
+    sum_u = tl.load(rv + SUM_U)
+    v_rest = tl.load(rv + V_REST)
+    m_top = tl.where(ll_s < LOG2, m_s, float("nan"))  # the student's max where it is a single entry (tail < 1)
+    one_m_qtop = -expm1(-ll_s)  # 1 - q at that entry
     kd_scale = tl.load(kd_scale_ptr + row) * inv_temp
     ce_scale = 0.0
     label = -1
@@ -397,12 +416,12 @@ def hidden_grad_kernel(
             t_row,
             idx,
             valid,
-            m_s,
-            ll_s,
-            m_t,
-            ll_t,
+            m_top,
+            m_s + ll_s,
+            m_t + ll_t,
             c,
             g_row,
+            one_m_qtop,
             lse_z,
             sum_u,
             v_rest,
@@ -411,8 +430,6 @@ def hidden_grad_kernel(
             label,
             inv_temp,
             param,
-            log_a,
-            log_1ma,
             inv_cap,
             DIVERGENCE,
             WITH_CE,
@@ -426,33 +443,55 @@ def hidden_grad_kernel(
         tl.store(rowmax_ptr + row, tl.max(g_max, axis=0))
 
 
+def column(st: torch.Tensor, col) -> torch.Tensor:
+    """Column `col` (one of the constexprs above) of a state tensor [R, NSTATE] or [R, NROW]."""
+    return st[:, int(col)]
+
+
 def new_state(n: int, device) -> torch.Tensor:
     """A pass-1 state: maxima -inf, tails -1 (nothing seen), sums 0."""
-    st = torch.zeros(n, NSTATE, dtype=torch.float32, device=device)
+    st = torch.zeros(n, int(NSTATE), dtype=torch.float32, device=device)
     for col in (M_S, M_T, M_Z):  # column by column: a list index would be a host-to-device copy (no CUDA graphs)
-        st[:, col] = float("-inf")
+        st[:, int(col)] = float("-inf")
     for col in (T_S, T_T, T_Z):
-        st[:, col] = -1.0
+        st[:, int(col)] = -1.0
     return st
 
 
 def new_rowvals(norm_rows: torch.Tensor) -> torch.Tensor:
     """A pass-2 state [n, NROW]: the split normalizers ([6, n], chunked.RowNorm.stacked) and zero sums."""
-    st = torch.zeros(norm_rows.shape[1], NROW, dtype=torch.float32, device=norm_rows.device)
-    st[:, : N_G + 1] = norm_rows.t()
+    st = torch.zeros(norm_rows.shape[1], int(NROW), dtype=torch.float32, device=norm_rows.device)
+    st[:, : int(N_G) + 1] = norm_rows.t()
     return st
 
 
-def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no: int, chunk_max=None) -> None:
+def second_pass_sums(st: torch.Tensor):
+    """The four row sums of a pass-2 state (divergences.row_terms: phi, v, v2, v3)."""
+    return tuple(column(st, k) for k in (PHI_SUM, V_SUM, V2_SUM, V3_SUM))
+
+
+def new_gradvals(norm_rows: torch.Tensor, lse_z, sum_u, v_rest) -> torch.Tensor:
+    """The gradient kernel's per-row values [n, NROW]: the split normalizers ([6, n]), lse_z, sum_u, v_rest."""
+    out = new_rowvals(norm_rows)
+    out[:, int(LSE_Z)], out[:, int(SUM_U)], out[:, int(V_REST)] = lse_z, sum_u, v_rest
+    return out
+
+
+def launch_stats(
+    z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no: int, chunk_max=None, centred: bool = True
+) -> None:
     """Update `state` rows with the slab (z, t) [R, C] (pass 1: [R, NSTATE] from new_state; pass 2:
     [R, NROW] from new_rowvals); labels are global ids (or None). chunk_max ([R, 2] view, pass 1): gets
-    the slab's largest tempered logits per row."""
+    the slab's largest tempered logits per row. centred=False (jsd only): pass 1 keeps each side's (max,
+    tail) only (docs/design.md §2.6); the vocab-parallel merge takes the centred sums of every divergence."""
     rows, n_cols = z.shape
     if rows == 0:
         return
-    inv_temp, a, log_a, log_1ma = math_args(cfg)
+    inv_temp, a, _log_a, _log_1ma = math_args(cfg)
     has_labels = cfg.with_ce and labels is not None and pass_no == 1
-    kl = pass_no == 1  # every pass 1 keeps the centred sums (the KLs' register budget)
+    centred = centred or cfg.divergence != "jsd"
+    kl = pass_no == 1 and centred  # the centred sums' register budget
+    mix = pass_no == 2 and cfg.divergence in MIXTURES
     launch(
         hidden_stats_kernel,
         (rows,),
@@ -468,14 +507,13 @@ def launch_stats(z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no:
         col_offset,
         inv_temp,
         a,
-        log_a,
-        log_1ma,
         DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence],
         PASS=pass_no,
+        CENTRED=centred,
         RAW_LSE=cfg.with_ce and cfg.temperature != 1.0,
         HAS_LABELS=has_labels,
         CHUNK_MAX=chunk_max is not None and pass_no == 1,
-        BLOCK_V=row_block(n_cols, KL_STATS_BLOCK_V if kl else 0),
+        BLOCK_V=row_block(n_cols, KL_STATS_BLOCK_V if kl else MIX_BLOCK_V if mix else 0),
         num_warps=KL_STATS_WARPS if kl else STATS_WARPS,
     )
 
@@ -486,7 +524,7 @@ def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, c
     rows, n_cols = z.shape
     if rows == 0:
         return
-    inv_temp, a, log_a, log_1ma = math_args(cfg)
+    inv_temp, a, _log_a, _log_1ma = math_args(cfg)
     with_ce = cfg.with_ce and labels is not None
     launch(
         hidden_grad_kernel,
@@ -506,13 +544,11 @@ def launch_grad(z, t, g, rowvals, kd_scale, ce_scale, labels, col_offset: int, c
         col_offset,
         inv_temp,
         a,
-        log_a,
-        log_1ma,
         0.0 if cfg.softcap_s is None else 1.0 / cfg.softcap_s,
         DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence],
         WITH_CE=with_ce,
         FILTER=rowmax is not None,
         SOFTCAP=cfg.softcap_s is not None,
-        BLOCK_V=row_block(n_cols),
+        BLOCK_V=row_block(n_cols, MIX_BLOCK_V if cfg.divergence in MIXTURES else 0),
         num_warps=NUM_WARPS,
     )

@@ -71,16 +71,19 @@ def _slabs(ops: Operands, v0, v1, cfg):
     return softcap_(z, cfg.softcap_s), softcap_(t, cfg.softcap_t)
 
 
-def _first_pass_from_state(st: torch.Tensor, cfg: LossConfig) -> FirstPass:
-    # the centred sums on the side that accumulates them (the student for reverse_kl, else the teacher)
-    own = dict(a=st[:, tr.ACC], r=st[:, tr.REL], ref=st[:, tr.REF])
-    lost = dict(b=st[:, tr.LOST])  # on the other side's scale
+def _first_pass_from_state(st: torch.Tensor, cfg: LossConfig, centred: bool = True) -> FirstPass:
+    # the centred sums on the side that accumulates them (the student for reverse_kl, else the teacher;
+    # a = 0 but for the KLs), unless the first pass kept each side's (max, tail) only (jsd, centred=False)
+    centred = centred or cfg.divergence != "jsd"
+    col = tr.column
+    own = dict(a=col(st, tr.ACC), r=col(st, tr.REL), ref=col(st, tr.REF)) if centred else {}
+    lost = dict(b=col(st, tr.LOST)) if centred else {}  # on the other side's scale
     rev = cfg.divergence == "reverse_kl"
     return FirstPass(
-        s=Online(st[:, tr.M_S], st[:, tr.T_S], **(own if rev else lost)),
-        t=Online(st[:, tr.M_T], st[:, tr.T_T], **(lost if rev else own)),
-        z=Online(st[:, tr.M_Z], st[:, tr.T_Z]) if cfg.with_ce and cfg.temperature != 1.0 else None,
-        z_label=st[:, tr.Z_LABEL],
+        s=Online(col(st, tr.M_S), col(st, tr.T_S), **(own if rev else lost)),
+        t=Online(col(st, tr.M_T), col(st, tr.T_T), **(lost if rev else own)),
+        z=Online(col(st, tr.M_Z), col(st, tr.T_Z)) if cfg.with_ce and cfg.temperature != 1.0 else None,
+        z_label=col(st, tr.Z_LABEL),
     )
 
 
@@ -92,8 +95,9 @@ def block_stats(ops: Operands, labels, cfg: LossConfig, vchunk: int, chunk_max=N
     slabs = None
     for ci, (v0, v1) in enumerate(spans(V, vchunk)):
         slabs = _slabs(ops, v0, v1, cfg)
-        tr.launch_stats(*slabs, st, labels, v0, cfg, 1, None if chunk_max is None else chunk_max[:, ci])
-    fp = _first_pass_from_state(st, cfg)
+        cm = None if chunk_max is None else chunk_max[:, ci]
+        tr.launch_stats(*slabs, st, labels, v0, cfg, 1, cm, centred=False)  # jsd: no centred sums (§2.6)
+    fp = _first_pass_from_state(st, cfg, centred=False)
     sums = None
     if cfg.divergence not in dv.ONE_PASS:
         st2 = tr.new_rowvals(row_norm(fp, False)[0].stacked())
@@ -101,7 +105,7 @@ def block_stats(ops: Operands, labels, cfg: LossConfig, vchunk: int, chunk_max=N
             if vchunk < V:
                 slabs = _slabs(ops, v0, v1, cfg)
             tr.launch_stats(*slabs, st2, None, v0, cfg, 2)
-        sums = tuple(st2[:, k] for k in (tr.PHI_SUM, tr.V_SUM, tr.V2_SUM, tr.V3_SUM))
+        sums = tr.second_pass_sums(st2)
     return finish_stats(fp, cfg, sums), (slabs if vchunk >= V else None)
 
 
@@ -117,10 +121,7 @@ def _rowvals(rs: RowStats) -> torch.Tensor:
     v_rest)."""
     lse_z = rs.lse_z if rs.lse_z is not None else rs.lse_s
     v_rest = rs.v_rest if rs.v_rest is not None else torch.zeros_like(rs.sum_u)
-    out = torch.zeros(rs.lse_s.shape[0], tr.NROW, dtype=F32, device=rs.lse_s.device)
-    out[:, : tr.N_G + 1] = rs.row_norm().stacked().t()
-    out[:, tr.LSE_Z], out[:, tr.SUM_U], out[:, tr.V_REST] = lse_z, rs.sum_u, v_rest
-    return out
+    return tr.new_gradvals(rs.row_norm().stacked(), lse_z, rs.sum_u, v_rest)
 
 
 def block_grads(
@@ -388,7 +389,7 @@ class TritonLocal:
             for v0, v1 in spans(ws.shape[0], self.plan.vocab_chunk):
                 z, t = _slabs(ops.rows(r0, r1), v0, v1, cfg)
                 tr.launch_stats(z, t, st[r0:r1], None, v0, cfg, 2)
-        return tuple(st[:, k] for k in (tr.PHI_SUM, tr.V_SUM, tr.V2_SUM, tr.V3_SUM))
+        return tr.second_pass_sums(st)
 
     def backward(self, ops: Operands, labels, rs: RowStats, cfg: LossConfig, kd_scale, ce_scale, need_w=True):
         """(dX in fp32 over the local vocabulary, dW, db)."""

@@ -188,7 +188,7 @@ def fused_forward(
                 st2 = tr.new_rowvals(norm.stacked())
                 if slabs is not None:
                     tr.launch_stats(*slabs, st2, None, 0, cfg, 2)
-                return tuple(st2[:, k] for k in (tr.PHI_SUM, tr.V_SUM, tr.V2_SUM, tr.V3_SUM))
+                return tr.second_pass_sums(st2)
 
         rs = _merged_stats(_first_pass_from_state(st, cfg), cfg, group, second_pass)
         del second_pass  # it holds this block's slabs: gone before the next block's are made

@@ -1,10 +1,9 @@
 """Triton pass of the streaming top-k extraction over one fp32 logit chunk.
 
 One program per row reads the chunk's raw logits once and does what took five PyTorch passes:
-scales them by 1/T, updates the row's online log-sum-exp (max m, rescaled sum l of an
-``Online`` state, in place) and writes the
-maximum of every group of GROUP consecutive entries (the grouped top-k of ``extract.py`` picks
-its candidate groups from those).
+scales them by 1/T, updates the row's online log-sum-exp (max m and tail, the mass outside the maximal
+entry, of an ``Online`` state, in place: docs/design.md §2.6) and writes the maximum of every group of
+GROUP consecutive entries (the grouped top-k of ``extract.py`` picks its candidate groups from those).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import triton.language as tl
 
 from ..core.launch import cdiv, launch, next_pow2
 from ..core.online import Online
-from ..core.tl_utils import f32, online_tile
+from ..core.tl_utils import f32, lanes_tail, merge_tail2
 
 BLOCK = 4096
 
@@ -24,7 +23,7 @@ BLOCK = 4096
 def teacher_scan_kernel(
     z_ptr,
     m_ptr,
-    l_ptr,
+    tail_ptr,
     gmax_ptr,
     n_cols,
     n_groups,
@@ -39,36 +38,38 @@ def teacher_scan_kernel(
     z_row = z_ptr + row * stride_z
     g_row = gmax_ptr + row * stride_g
     m = tl.load(m_ptr + row)
-    s = tl.load(l_ptr + row)
+    tail = tl.load(tail_ptr + row)
     cols = tl.arange(0, BLOCK)
     groups = tl.arange(0, BLOCK // GROUP)
     for start in range(0, n_cols, BLOCK):
         idx = start + cols
         valid = idx < n_cols
         x = tl.load(z_row + idx, mask=valid, other=float("-inf")) * inv_temp
-        m, s, _e, _scale = online_tile(m, s, x, valid)
+        # the tile's (max, tail) from its entries (each a state of tail 0; past the row's end, empty: -1),
+        # merged with the row's: no l - 1 is ever formed (a confident row's tail keeps its digits)
+        m_tile, t_tile, _sc = lanes_tail(x, tl.where(valid, 0.0, -1.0))
+        m, tail, _s0, _s1 = merge_tail2(m, tail, m_tile, t_tile)
         gidx = start // GROUP + groups
         tl.store(g_row + gidx, tl.max(tl.reshape(x, (BLOCK // GROUP, GROUP)), axis=1), mask=gidx < n_groups)
     tl.store(m_ptr + row, m)
-    tl.store(l_ptr + row, s)
+    tl.store(tail_ptr + row, tail)
 
 
 def launch_scan_chunk(z: torch.Tensor, state: Online, inv_temp: float, group: int) -> torch.Tensor:
-    """Update the fp32 online state (m, l [R], contiguous) with the chunk z [R, C] (raw fp32 logits,
-    tempered here); returns the group maxima of the tempered logits, [R, ceil(C / group)] fp32."""
+    """Update the fp32 online state (m, tail [R], contiguous, in place) with the chunk z [R, C] (raw fp32
+    logits, tempered here); returns the group maxima of the tempered logits, [R, ceil(C / group)] fp32."""
     rows, n_cols = z.shape
     n_groups = cdiv(n_cols, group)
     gmax = torch.empty(rows, n_groups, dtype=torch.float32, device=z.device)
     if rows and n_cols:
         block = max(group, min(BLOCK, next_pow2(n_cols)))
-        # The state keeps the mass outside the maximal entry (tail = l - 1); the kernel runs on l.
-        total = state.l.contiguous()
+        state.m, state.tail = state.m.contiguous(), state.tail.contiguous()  # updated in place
         launch(
             teacher_scan_kernel,
             (rows,),
             z,
             state.m,
-            total,
+            state.tail,
             gmax,
             n_cols,
             n_groups,
@@ -79,5 +80,4 @@ def launch_scan_chunk(z: torch.Tensor, state: Online, inv_temp: float, group: in
             BLOCK=block,
             num_warps=4,
         )
-        state.tail.copy_(total - 1.0)
     return gmax
