@@ -175,3 +175,45 @@ def test_ties_at_the_top_are_not_confident(path, divergence):
     xt = torch.tensor([[9.0, 9.0, 0.0, -2.0, 1.0], [3.0, 0.0, 3.0, 3.0, -1.0]])
     xs = torch.tensor([[9.0, 8.0, 0.5, -2.0, 1.0], [3.0, 0.5, 2.9, 3.0, -1.0]])
     _check(divergence, path, xs, xt, 1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# top-k KD over the stored ids (normalize="topk"): the student renormalized over the support
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_topk_support_confident_rows(backend, divergence):
+    """topk_kl(normalize="topk") on confident rows (10-20 nats from the top to the other stored ids): the
+    student's top log-probability over the support is -log1p(tail), not s - lse rounded to 0, and its
+    gradient there is v (1 - q) - q sum of the others, not two numbers near 1 subtracted (values were 3%
+    off, gradients 260%)."""
+    from nitrobrew.topk.reference import reference_topk_loss
+
+    g = torch.Generator().manual_seed(0)
+    vocab, rows = 48, 6
+    xt = -10.0 - 10.0 * torch.rand(rows, vocab, generator=g)
+    top = torch.randint(vocab, (rows,), generator=g)
+    xt[torch.arange(rows), top] = 0.0
+    xs = xt + 0.3 * torch.randn(rows, vocab, generator=g)
+    xs[torch.arange(rows), top] = 0.0
+    xs[1] = xt[1] + 1e-2 * torch.randn(vocab, generator=g)  # close to the teacher
+    lp, ids = torch.log_softmax(xt.double(), -1).topk(4, -1)
+    lp = lp.float()
+    eye = torch.eye(vocab)
+    param = _param(divergence)
+    opts = {PARAM_NAME[divergence]: param} if divergence in PARAM_NAME else {}
+    x = xs.clone().requires_grad_()
+    got = nb.topk_kl(
+        x, eye, ids, lp, normalize="topk", divergence=divergence, reduction="none", backend=backend, **opts
+    )
+    got.sum().backward()
+    x64 = xs.double().requires_grad_()
+    ref = reference_topk_loss(
+        x64, eye.double(), ids, lp.double(), normalize="topk", divergence=divergence, param=param, reduction="none"
+    )
+    ref.sum().backward()
+    err = (got.double() - ref.detach()).abs()
+    assert (err <= VALUE_RTOL * ref.detach().abs() + VALUE_FLOOR).all(), f"values {got.tolist()} vs {ref.tolist()}"
+    g_err = (x.grad.double() - x64.grad).norm(dim=-1)
+    assert (g_err <= GRAD_RTOL * x64.grad.norm(dim=-1) + GRAD_FLOOR).all(), (g_err / x64.grad.norm(dim=-1)).tolist()

@@ -4,7 +4,7 @@
   or vocab columns, the automatic vocab chunk, per-row upstream scales, (total, kd, ce) rows.
 - ``slabs``: logits of a vocab range, their gradient into dX/dW/db, gradient buffers, gradients
   formed in the forward and handed out once.
-- ``tl_utils``: Triton jit helpers (``phi_u``, online updates, one ``logaddexp``) and launch settings.
+- ``tl_utils``: Triton jit helpers (``row_terms``, ``row_grad``, online updates) and launch settings.
 - ``outputs``: ``DistillOutput``.
 
 With ``nitrobrew.core.checks`` (validation, reductions, backend choice, the double-backward guard),

@@ -1,8 +1,9 @@
 """Triton building blocks shared by every kernel family (jit helpers and launch settings).
 
-``phi_u`` is the divergence math of nitrobrew.divergences in Triton, selected by the constexpr
-DIVERGENCE (ids from ``divergences.DIVERGENCE_IDS``, spelled by the named constexprs below); the online
-helpers are the streaming log-sum-exp of docs/design.md §2.3.
+``row_terms`` and ``row_grad`` are the divergence math of nitrobrew.divergences (its ``row_terms`` /
+``row_grad``, docs/design.md §2.6) in Triton, selected by the constexpr DIVERGENCE (ids from
+``divergences.DIVERGENCE_IDS``, spelled by the named constexprs below); the online helpers are the
+streaming log-sum-exp of docs/design.md §2.3 with the tail of §2.6.
 """
 
 from __future__ import annotations
@@ -42,44 +43,6 @@ def logaddexp(a, b):
     mx = tl.maximum(a, b)
     mx_safe = tl.where(tl.abs(mx) == float("inf"), 0.0, mx)  # +inf: inf, not inf - inf
     return mx_safe + tl.log(tl.exp(a - mx_safe) + tl.exp(b - mx_safe))
-
-
-@triton.jit
-def phi_u(lp, lq, param, log_a, log_1ma, DIVERGENCE: tl.constexpr):
-    """(phi, u = dphi/dlog q) per entry; mirrors nitrobrew.divergences."""
-    if DIVERGENCE == FORWARD_KL:
-        p = tl.exp(lp)
-        phi = xmul(p, lp - lq)
-        u = -p
-    elif DIVERGENCE == REVERSE_KL:
-        q = tl.exp(lq)
-        phi = xmul(q, lq - lp)
-        u = xmul(q, lq - lp + 1.0)
-    elif DIVERGENCE == JSD:  # beta = param
-        p = tl.exp(lp)
-        q = tl.exp(lq)
-        lm = logaddexp(lp + log_a, lq + log_1ma)
-        phi = param * xmul(p, lp - lm) + (1.0 - param) * xmul(q, lq - lm)
-        u = (1.0 - param) * xmul(q, lq - lm)
-    elif DIVERGENCE == SKEW_KL:  # KL(p || a p + (1-a) q)
-        p = tl.exp(lp)
-        lr = logaddexp(lp + log_a, lq + log_1ma)
-        phi = xmul(p, lp - lr)
-        e = lp + log_1ma + lq - lr
-        u = -tl.exp(tl.where(e == e, e, float("-inf")))
-    elif DIVERGENCE == SKEW_REVERSE_KL:  # KL(q || a q + (1-a) p)
-        q = tl.exp(lq)
-        lr = logaddexp(lq + log_a, lp + log_1ma)
-        e = lq + log_a - lr
-        share = tl.exp(tl.where(e == e, e, float("-inf")))
-        phi = xmul(q, lq - lr)
-        u = xmul(q, lq - lr + 1.0 - share)
-    else:  # tvd
-        p = tl.exp(lp)
-        q = tl.exp(lq)
-        phi = 0.5 * tl.abs(p - q)
-        u = tl.where(q > p, 0.5 * q, tl.where(q < p, -0.5 * q, 0.0))
-    return phi, u
 
 
 @triton.jit

@@ -8,15 +8,20 @@ import triton
 import triton.language as tl
 
 from ..core.launch import launch
-from ..core.tl_utils import f32, phi_u
+from ..core.tl_utils import LOG2, TVD, expm1, f32, log1p, row_grad, row_terms
 
 
 @triton.jit
-def _masked_lse(x, ok):
-    m = tl.max(tl.where(ok, x, float("-inf")), axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.where(ok, tl.exp(x - m_safe), 0.0), axis=0)  # >= 1 when any entry is valid
-    return m_safe + tl.log(tl.maximum(total, 1.0))  # no valid entry: 0 (every entry is masked anyway)
+def _split_lse(x, ok, offs, BLOCK_K: tl.constexpr):
+    """The log-sum-exp of the ok entries as (max m, log l = log1p(tail), top): tail the mass outside one
+    maximal entry (ties count; rowmath.split_lse), top marks that entry. m = 0 where no entry is ok."""
+    xm = tl.where(ok, x, float("-inf"))
+    m = tl.max(xm, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    first = tl.min(tl.where(ok & (xm == m), offs, BLOCK_K), axis=0)
+    top = offs == first
+    tail = tl.sum(tl.where(ok & (offs != first), tl.exp(x - m), 0.0), axis=0)
+    return m, log1p(tail), top
 
 
 @triton.jit
@@ -140,14 +145,41 @@ def topk_support_fwd_kernel(
     if HAS_BIAS:
         z += tl.load(B + key, mask=ok, other=0.0).to(tl.float32)
     s = z * inv_temp
-    lq = tl.where(ok, s - _masked_lse(s, ok), float("-inf"))
-    lp = tl.where(ok, tl.load(LP + n * stride_ln + offs, mask=km, other=0.0).to(tl.float32), float("-inf"))
+    # rowmath._support_rows: the student renormalized over the support with its top entry's digits kept,
+    # the terms from d = log q - log p, the gradient v - q sum v (at a unique top v (1 - q) - q sum_rest v)
+    m_s, ll_s, top = _split_lse(s, ok, offs, BLOCK_K)
+    lq = tl.where(ok, (s - m_s) - ll_s, float("-inf"))
+    lp_raw = tl.where(ok, tl.load(LP + n * stride_ln + offs, mask=km, other=0.0).to(tl.float32), float("-inf"))
+    m_p, ll_p, top_p = _split_lse(lp_raw, ok, offs, BLOCK_K)  # the stored mass over the support: log P
+    lp_norm = tl.where(ok, (lp_raw - m_p) - ll_p, float("-inf"))
     if RENORM_T:  # compared distributions: the teacher renormalized over the same support
-        lp = tl.where(ok, lp - _masked_lse(lp, ok), float("-inf"))
-    phi, u = phi_u(lp, lq, f32(param), f32(log_a), f32(log_1ma), DIVERGENCE)
+        lp = lp_norm
+    else:
+        lp = lp_raw
+    # d = log q - log p from the logits' gap to the stored log-probs, referred to its value at the teacher's
+    # top entry, minus the centred log E_p[e^(gap - c)] (rowmath._support_rows)
+    gap = tl.where(ok, s - lp_raw, 0.0)
+    c = tl.sum(tl.where(top_p, gap, 0.0), axis=0)
+    delta = gap - c
+    r = tl.sum(tl.where(ok, tl.exp(lp_norm) * expm1(delta), 0.0), axis=0)
+    plain = ((m_s - m_p) + (ll_s - ll_p)) - c
+    d = delta - tl.where((r == r) & (tl.abs(r) < 0.5), log1p(r), plain)
+    if not RENORM_T:
+        d = d - (m_p + ll_p)
+    phi, v, v2, v3 = row_terms(lp, lq, d, f32(param), DIVERGENCE)
     phi = tl.where(ok, phi, 0.0)
-    u = tl.where(ok, u, 0.0)
-    coef = (u - tl.exp(lq) * tl.sum(u, axis=0)) * inv_temp  # dD/dz: rowmath's u + q~ (-sum u), / T
+    v = tl.where(ok, v, 0.0)
+    sum_v = tl.sum(v, axis=0)
+    if DIVERGENCE == TVD:  # divergences.tvd_sum_u from the student's mass where q > p, q < p, q = p
+        b_sum = tl.sum(tl.where(ok, v2, 0.0), axis=0)
+        x = 2.0 * b_sum + tl.sum(tl.where(ok, v3, 0.0), axis=0)
+        y = 2.0 * sum_v + tl.sum(tl.where(ok, v3, 0.0), axis=0)
+        g = row_grad(lp, lq, d, top, 0.0, f32(param), tl.where(x <= y, x, -y), b_sum - sum_v, DIVERGENCE)
+    else:
+        q = tl.exp(lq)
+        v_rest = tl.sum(tl.where(top, 0.0, v), axis=0)
+        g = tl.where(top & (ll_s + tl.zeros_like(q) < LOG2), v * -expm1(-ll_s) - q * v_rest, v - q * sum_v)
+    coef = tl.where(ok, g, 0.0) * inv_temp  # dD/dz
     tl.debug_barrier()  # every warp has read the logits before they are overwritten
     tl.store(c_row + offs, coef, mask=km)
     tl.store(KD + n, tl.sum(phi, axis=0))

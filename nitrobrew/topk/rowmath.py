@@ -15,7 +15,9 @@ normalize="full", the log-sum-exp over the K valid entries for normalize="topk")
 
 For normalize="full", dL/ds_j = q_j for every vocab entry j: the gradient is ``sparse`` at the K
 ids plus ``dense * q_j`` over the whole vocabulary. For normalize="topk", dL/ds_k = q~_k (the
-renormalized student) and everything folds into the K entries.
+renormalized student) and everything folds into the K entries, in the cancellation-free form of
+docs/design.md §2.6 (``_support_rows``: split normalizers, d from the logits' gap, the top entry's
+gradient from the tail).
 
 Tail bucket (tail=True, normalize="full" only). The student's tail is NOT 1 - sum_k q_k (that
 difference cancels to nothing once the top-k holds all but ~eps of the mass): the backends
@@ -91,6 +93,21 @@ def log1mexp(x: Tensor) -> Tensor:
     a = torch.log(-torch.expm1(torch.where(near, x, torch.full_like(x, -1.0))))
     b = torch.log1p(-torch.exp(torch.where(near, torch.full_like(x, -1.0), x)))
     return torch.where(near, a, b)
+
+
+def split_lse(x: Tensor, valid: Tensor):
+    """logsumexp over the last axis of the valid entries as (max m, log l = log1p(tail), top): tail the mass
+    outside one maximal entry (ties count), so that x - m - log l keeps a confident row's top
+    log-probability, -log1p(tail), where x - lse would round it to 0 (docs/design.md §2.6); top marks
+    that entry. m = -inf (and log l = 0) where no entry is valid."""
+    x = torch.where(valid, x, torch.full_like(x, NEG_INF))
+    m = x.amax(-1)
+    safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(x - safe[:, None])
+    first = torch.arange(x.shape[-1], device=x.device) == (x == m[:, None]).to(torch.uint8).argmax(-1)[:, None]
+    top = first & valid
+    ll = torch.log1p(torch.where(top, torch.zeros_like(e), e).sum(-1))
+    return m, ll, top
 
 
 def masked_lse(x: Tensor, valid: Tensor) -> Tensor:
@@ -182,23 +199,70 @@ def topk_rows(
     ninf = torch.full_like(s, NEG_INF)
     s_v = torch.where(valid, s, ninf)
     lp_v = torch.where(valid, lp.to(s.dtype), ninf)
-    if cfg.full:
-        lnorm = lse_s
-    else:
-        lnorm = masked_lse(s_v, valid)
+    if not cfg.full:
+        return _support_rows(s_v, lp_v, valid, cfg)
+    if cfg.renormalize_teacher:
+        lp_v = _renormalized(lp_v, valid)
+    lnorm = lse_s
     safe_norm = torch.where(torch.isfinite(lnorm), lnorm, torch.zeros_like(lnorm))
     lq = torch.where(valid, s - safe_norm[:, None], ninf)
-    if cfg.renormalize_teacher:
-        lP = masked_lse(lp_v, valid)
-        lp_v = torch.where(valid, lp_v - torch.where(torch.isfinite(lP), lP, torch.zeros_like(lP))[:, None], ninf)
     phi, u = dv.elementwise(cfg.divergence, lp_v, lq, cfg.param)
     phi = torch.where(valid, phi, torch.zeros_like(phi))
     u = torch.where(valid, u, torch.zeros_like(u))
     kd = phi.sum(-1)
     if cfg.tail:
         return _tail_rows(kd=kd, u=u, lq=lq, lp_v=lp_v, valid=valid, lse_s=lnorm, lse_tail=lse_tail, cfg=cfg)
-    dL = -u.sum(-1)
-    if cfg.full:
-        return RowResult(kd, u, dL)
-    qt = torch.exp(lq)  # renormalized student over the support, 0 at invalid entries
-    return RowResult(kd, u + qt * dL[:, None], None)
+    return RowResult(kd, u, -u.sum(-1))
+
+
+def _split(lx: Tensor, valid: Tensor):
+    """(m, log l, top) of split_lse with m = 0 where no entry is valid."""
+    m, ll, top = split_lse(lx, valid)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m)), ll, top
+
+
+def _renormalized(lx: Tensor, valid: Tensor) -> Tensor:
+    """Log-probabilities lx renormalized over the valid entries, the top one's digits kept (split_lse)."""
+    m, ll, _top = _split(lx, valid)
+    return torch.where(valid, (lx - m[:, None]) - ll[:, None], torch.full_like(lx, NEG_INF))
+
+
+def _support_rows(s_v: Tensor, lp_raw: Tensor, valid: Tensor, cfg: TopKConfig) -> RowResult:
+    """normalize="topk": the student renormalized over the support, through the terms of
+    ``divergences.row_terms`` and the gradient v - q sum_v, at the student's top entry of a row whose max
+    is unique v (1 - q) - q sum_{j != top} v_j (1 - q from the tail: no difference of two numbers near 1;
+    docs/design.md §2.6). d = log q - log p keeps its digits where p and q are close: it is the gap of the
+    logits to the stored log-probs, referred to its value c at the teacher's top entry, minus
+    G = log E_p[e^(gap - c)] = log1p(sum_k p_k expm1(gap_k - c)) (the centred sum of §2.3-§2.6; the
+    normalizers' difference where that sum is not small)."""
+    ninf = torch.full_like(s_v, NEG_INF)
+    m, ll, top = _split(s_v, valid)
+    lq = torch.where(valid, (s_v - m[:, None]) - ll[:, None], ninf)
+    m_p, ll_p, top_p = _split(lp_raw, valid)  # the stored mass over the support, log P = m_p + ll_p
+    lp_norm = torch.where(valid, (lp_raw - m_p[:, None]) - ll_p[:, None], ninf)
+    # forward_kl compares with the stored probabilities as they are; the others renormalize the teacher
+    lp_v = lp_norm if cfg.renormalize_teacher else lp_raw
+    gap = torch.where(valid, s_v - lp_raw, torch.zeros_like(s_v))
+    c = torch.where(top_p, gap, torch.zeros_like(gap)).sum(-1)
+    delta = gap - c[:, None]
+    r = torch.where(valid, torch.exp(lp_norm) * torch.expm1(delta), torch.zeros_like(gap)).sum(-1)
+    plain = ((m - m_p) + (ll - ll_p)) - c  # lse_q - log P - c over the support
+    g_c = torch.where(torch.isfinite(r) & (r.abs() < 0.5), torch.log1p(r), plain)
+    d = delta - g_c[:, None]
+    if not cfg.renormalize_teacher:
+        d = d - (m_p + ll_p)[:, None]
+    phi, v, v2, v3 = dv.row_terms(cfg.divergence, lp_v, lq, d, cfg.param)
+    zero = torch.zeros_like(phi)
+    phi, v = torch.where(valid, phi, zero), torch.where(valid, v, zero)
+    if cfg.divergence == "tvd":
+        sigma, b_minus_a = dv.tvd_sum_u(
+            v.sum(-1), torch.where(valid, v2, zero).sum(-1), torch.where(valid, v3, zero).sum(-1)
+        )
+        g = dv.row_grad("tvd", lp_v, lq, d, cfg.param, sum_u=sigma[:, None], v_rest=b_minus_a[:, None])
+    else:
+        q = torch.exp(lq)
+        v_rest = torch.where(top, zero, v).sum(-1)
+        unique = (ll < math.log(2.0))[:, None]
+        g_top = v * -torch.expm1(-ll)[:, None] - q * v_rest[:, None]
+        g = torch.where(top & unique, g_top, v - q * v.sum(-1)[:, None])
+    return RowResult(phi.sum(-1), torch.where(valid, g, zero), None)

@@ -11,7 +11,7 @@ once per entry. The kernels:
   atomic adds (so their last bits can vary between runs; with
   ``torch.use_deterministic_algorithms(True)`` the row kernel gathers them itself, in a fixed order).
 - ``ks.topk_support_fwd_kernel`` (one program per row): applies the [K] math of ``rowmath.topk_rows`` for
-  normalize="topk" (the divergences of ``nitrobrew.divergences`` through ``phi_u``) and writes the
+  normalize="topk" (the divergences of ``nitrobrew.divergences`` through ``tl_utils.row_terms``) and writes the
   row's divergence, its gradient coefficients per unit upstream gradient (raw-logit units) and each
   entry's sort key (its id; V at padding entries and ignored rows).
 - ``ks.topk_support_dx_kernel``: dX_n = g_n sum_k c_nk w_{id_nk}, one [rows, column block] tile per program.
