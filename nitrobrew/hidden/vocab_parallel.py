@@ -78,7 +78,7 @@ class VocabLayout:
 def local_impl(xs, ws, cfg: LossConfig, backend: str, memory_budget=None):
     """The single-process pieces this rank runs on its block: the Triton row kernels where the
     single-process loss would use them (CUDA, or backend="triton"), else the PyTorch chunks."""
-    if xs.dtype != torch.float64 and ck.resolve_backend(backend, xs.device) == "triton":
+    if xs.dtype != torch.float64 and ck.backend_for(backend, xs.device) == "triton":  # checked in negotiate
         from .triton_function import TritonLocal
 
         return TritonLocal(xs, ws, cfg, memory_budget)
@@ -383,7 +383,7 @@ def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabL
         acc = compute_dtype(xs.dtype)
         fused = (
             xs.dtype != torch.float64
-            and ck.resolve_backend(opts["backend"], xs.device) == "triton"
+            and ck.backend_for(opts["backend"], xs.device) == "triton"  # name checked by _local_checks
             and opts["chunk_V"] is None
             and opts["reduction"] != "none"
             and grad_needed(xs, ws, bs)
