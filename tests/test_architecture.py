@@ -285,13 +285,9 @@ def test_a_new_divergence_parameter_changes_only_the_registry(monkeypatch):
         nb.hidden_loss(xs, xt, ws, wt, gama=0.5, **kw)
 
 
-# Calls that pass more than five arguments positionally, still to convert (keywords, or the Operands /
-# LossConfig / TopKConfig bundle the values come from). TODO: hidden/ host loops and custom op, core/online.py,
-# the vocab-parallel forms, bench/, teacher/, demo/, hf/generation/. A new one fails the test.
+# Calls that pass more than five arguments positionally (pass keywords, or the Operands / LossConfig /
+# TopKConfig bundle the values come from), per file: only the exception below. A new one fails the test.
 POSITIONAL_TODO = {
-    "hidden/triton_function.py": 16,
-    "hidden/vocab_parallel.py": 15,
-    "core/online.py": 1,
     "core/launch.py": 1,  # for good: the compiled kernel's launcher (a C function) takes positions only
 }
 MAX_POSITIONAL = 5

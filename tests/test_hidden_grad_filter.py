@@ -83,8 +83,8 @@ def _spy_tiles(monkeypatch):
     """The skip masks the constant-memory backward computes (appended per backward)."""
     seen = []
 
-    def spy(*args, f=gf.negligible_tiles):
-        out = f(*args)
+    def spy(*args, f=gf.negligible_tiles, **kwargs):
+        out = f(*args, **kwargs)
         seen.append(out)
         return out
 
@@ -226,8 +226,8 @@ def test_an_unfiltered_slab_stays_whole_when_a_small_capacity_was_expected(monke
 def _spy_tile_args(monkeypatch):
     seen = []
 
-    def spy(*args, f=gf.negligible_tiles):
-        out = f(*args)
+    def spy(*args, f=gf.negligible_tiles, **kwargs):
+        out = f(*args, **kwargs)
         seen.append((args, out))
         return out
 

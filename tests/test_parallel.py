@@ -518,6 +518,10 @@ def error_cases(r, world, group):
             "error: ranks use different options",
             lambda: expect_error(r, lambda: call(temperature=1.0 + r), ValueError, "different options"),
         ),
+        (  # checked once, before the backend is resolved (negotiate, local_impl)
+            "error: unknown backend name",
+            lambda: expect_error(r, lambda: call(backend="cuda"), ValueError, "backend must be one of"),
+        ),
         (
             "error: vocab_size above the global vocabulary",
             lambda: expect_error(r, lambda: call(vocab_size=38), ValueError, "vocab_size must be an int in [1, 37]"),

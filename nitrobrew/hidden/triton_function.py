@@ -169,15 +169,15 @@ def block_grads(
                 cfg.filter_eps,
                 xs,
                 w_chunk,
-                dx_out,
-                dx_acc,
-                dw_chunk,
-                first_rows,
-                fractions if v0 == 0 else None,
-                cap if v1 - v0 == min(vchunk, V) else v1 - v0,
+                dx_out=dx_out,
+                dx_acc=dx_acc,
+                dw=dw_chunk,
+                first=first_rows,
+                fractions=fractions if v0 == 0 else None,
+                cap=cap if v1 - v0 == min(vchunk, V) else v1 - v0,
             )
         else:
-            _all_column_grads(g, xs, w_chunk, dx_out, dx_acc, dw_chunk, first_rows)
+            _all_column_grads(g, xs, w_chunk, dx_out, dx_acc, dw=dw_chunk, first=first_rows)
         del z, t, g
     if dx_acc is not None and dx_out is not None:
         dx_out.copy_(dx_acc)
@@ -193,14 +193,16 @@ def _filtered_column_grads(g, rowmax, eps, xs, w, dx_out, dx_acc, dw, first: boo
         fractions.record(count, n_cols)
     if cap >= n_cols:
         kf.launch_drop_columns(g, active, count)  # zero the dropped columns (a filtered slab)
-        _all_column_grads(g, xs, w, dx_out, dx_acc, dw, first)
+        _all_column_grads(g, xs, w, dx_out, dx_acc, dw=dw, first=first)
         return
     perm = gf.active_first(active)
     acc = dx_acc
     if acc is None and dx_out is not None:
         acc = torch.zeros(dx_out.shape, dtype=F32, device=g.device)
     kept = gf.kept_columns(count, n_cols)
-    gf.add_column_grads(g, perm[:cap], xs, w, acc, dw, first, kept=kept, scatter_add=kf.launch_scatter_add_rows)
+    gf.add_column_grads(
+        g, perm[:cap], xs, w, acc, dw=dw, first=first, kept=kept, scatter_add=kf.launch_scatter_add_rows
+    )
     kf.launch_overflow(g, perm, kept, cap, xs, w, acc, dw)
     if acc is not dx_acc:
         dx_out.copy_(acc)
@@ -254,13 +256,13 @@ def distill_forward(
                 rs,
                 kd_scale,
                 ce_scale,
-                cfg,
-                plan.vocab_chunk,
-                grads[0][r0:r1],
-                grads[1],
-                grads[2],
-                r0 == 0,
-                slabs,
+                cfg=cfg,
+                vchunk=plan.vocab_chunk,
+                dx_out=grads[0][r0:r1],
+                dw=grads[1],
+                db=grads[2],
+                first_rows=r0 == 0,
+                slabs=slabs,
             )
         del slabs
     rs = _concat_stats(stats, xs)
@@ -279,7 +281,9 @@ def distill_backward(ops: Operands, labels, mask, rs: RowStats, cfg: LossConfig,
     tile_rule = _drops_tiles(cfg, plan, ws, bs)
     skip = None
     if tile_rule and rs.chunk_max is not None:
-        skip = gf.negligible_tiles(rs.chunk_max, rs.lse_s, rs.lse_t, kd_scale, cfg.filter_eps, plan.row_chunk)
+        skip = gf.negligible_tiles(
+            rs.chunk_max, rs.lse_s, rs.lse_t, kd_scale, eps=cfg.filter_eps, rows_per_block=plan.row_chunk
+        )
     for bi, (r0, r1) in enumerate(spans(n, plan.row_chunk)):
         sub = rs.rows(r0, r1)
         block_grads(
@@ -288,12 +292,12 @@ def distill_backward(ops: Operands, labels, mask, rs: RowStats, cfg: LossConfig,
             sub,
             kd_scale[r0:r1].contiguous(),
             ce_scale[r0:r1].contiguous(),
-            cfg,
-            plan.vocab_chunk,
-            dx[r0:r1],
-            dw,
-            db,
-            r0 == 0,
+            cfg=cfg,
+            vchunk=plan.vocab_chunk,
+            dx_out=dx[r0:r1],
+            dw=dw,
+            db=db,
+            first_rows=r0 == 0,
             skip=None if skip is None else skip[bi],
             column_filter=not tile_rule,
         )
@@ -308,9 +312,9 @@ class TritonDistill(PartsFunction):
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, plan: Plan, need_grad: bool):
         out, grads, rs = distill_forward(
-            Operands(xs, xt, ws, wt, bs, bt), labels, mask, cfg, plan, need_grad, tile_bounds=True
+            Operands(xs, xt, ws, wt, bs=bs, bt=bt), labels, mask, cfg, plan, need_grad=need_grad, tile_bounds=True
         )
-        keep_for_backward(ctx, cfg, plan, grads, rs, (xs, xt, ws, wt, bs, bt, labels, mask))
+        keep_for_backward(ctx, cfg, plan, grads, rs, saved=(xs, xt, ws, wt, bs, bt, labels, mask))
         return TritonDistill.parts(ctx, *out)
 
     @staticmethod
@@ -321,7 +325,13 @@ class TritonDistill(PartsFunction):
         else:
             xs, xt, ws, wt, bs, bt, labels, mask = ctx.saved_tensors
             dx, dw, db = distill_backward(
-                Operands(xs, xt, ws, wt, bs, bt), labels, mask, ctx.state, ctx.cfg, ctx.plan, grad_total
+                Operands(xs, xt, ws, wt, bs=bs, bt=bt),
+                labels,
+                mask,
+                ctx.state,
+                ctx.cfg,
+                plan=ctx.plan,
+                grad_total=grad_total,
             )
         return TritonDistill.input_grads(ctx, dx, dw, db)
 
@@ -357,9 +367,18 @@ def triton_distill(
     """Reduced (total, kd, ce) over flattened rows with the Triton row kernels."""
     if xs.dtype == torch.float64:
         raise TypeError("the Triton backend computes in float32; use backend='torch' for float64 inputs")
-    plan = make_plan(xs.shape[0], ws.shape[0], ws.shape[1], xs.dtype, mode, cfg.chunk_V, memory_budget, reduction)
+    plan = make_plan(
+        xs.shape[0],
+        ws.shape[0],
+        ws.shape[1],
+        xs.dtype,
+        mode,
+        chunk_V=cfg.chunk_V,
+        memory_budget=memory_budget,
+        reduction=reduction,
+    )
     need_grad = grad_needed(xs, ws, bs)
-    xs, xt, ws, wt, bt, labels = kernel_operands(xs, xt, ws, wt, bt, labels)
+    xs, xt, ws, wt, bt, labels = kernel_operands(xs, xt, ws, wt, bt, labels=labels)
     return TritonDistill.apply(xs, xt, ws, wt, bs, bt, labels, mask, cfg, plan, need_grad)
 
 
@@ -368,7 +387,16 @@ class TritonLocal:
     the interface of ``chunked.TorchLocal``, so that the vocab-parallel wrapper merges their states."""
 
     def __init__(self, xs, ws, cfg: LossConfig, memory_budget: Optional[int] = None):
-        self.plan = make_plan(xs.shape[0], ws.shape[0], ws.shape[1], xs.dtype, None, cfg.chunk_V, memory_budget, "none")
+        self.plan = make_plan(
+            xs.shape[0],
+            ws.shape[0],
+            ws.shape[1],
+            xs.dtype,
+            None,
+            chunk_V=cfg.chunk_V,
+            memory_budget=memory_budget,
+            reduction="none",
+        )
 
     def _row_blocks(self, n: int):
         return spans(n, self.plan.row_chunk)
@@ -405,11 +433,11 @@ class TritonLocal:
                 sub,
                 kd_scale[r0:r1].float().contiguous(),
                 ce_scale[r0:r1].float().contiguous(),
-                cfg,
-                self.plan.vocab_chunk,
-                dx[r0:r1],
-                dw,
-                db,
-                r0 == 0,
+                cfg=cfg,
+                vchunk=self.plan.vocab_chunk,
+                dx_out=dx[r0:r1],
+                dw=dw,
+                db=db,
+                first_rows=r0 == 0,
             )
         return dx, dw, None if db is None else db.to(bs.dtype)

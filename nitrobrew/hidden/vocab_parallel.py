@@ -78,7 +78,7 @@ class VocabLayout:
 def local_impl(xs, ws, cfg: LossConfig, backend: str, memory_budget=None):
     """The single-process pieces this rank runs on its block: the Triton row kernels where the
     single-process loss would use them (CUDA, or backend="triton"), else the PyTorch chunks."""
-    if xs.dtype != torch.float64 and ck.resolve_backend(backend, xs.device) == "triton":
+    if xs.dtype != torch.float64 and ck.backend_for(backend, xs.device) == "triton":  # checked in negotiate
         from .triton_function import TritonLocal
 
         return TritonLocal(xs, ws, cfg, memory_budget)
@@ -120,7 +120,7 @@ class VocabParallelDistill(PartsFunction):
 
     @staticmethod
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, group, local):
-        st = parallel_stats(Operands(xs, xt, ws, wt, bs, bt), labels, cfg, local, group)
+        st = parallel_stats(Operands(xs, xt, ws, wt, bs=bs, bt=bt), labels, cfg, local, group)
         total, kd, ce = combine_rows(st.kd, st.ce, mask, cfg)
         ctx.save_for_backward(xs, xt, ws, wt, bs, bt, labels, mask)
         ctx.stats, ctx.cfg, ctx.local, ctx.group = st, cfg, local, group
@@ -134,12 +134,12 @@ class VocabParallelDistill(PartsFunction):
         kd_scale, ce_scale = row_scales(grad_total.to(acc), mask.to(acc), cfg)
         with phase("gradient pass"):
             dx, dw, db = ctx.local.backward(
-                Operands(xs, xt, ws, wt, bs, bt),
+                Operands(xs, xt, ws, wt, bs=bs, bt=bt),
                 labels,
                 ctx.stats,
                 cfg,
                 kd_scale,
-                ce_scale,
+                ce_scale=ce_scale,
                 need_w=VocabParallelDistill.head_needed(ctx),
             )
         dx = all_reduce(dx, "sum", ctx.group, "bwd_dx").to(xs.dtype) if ctx.needs_input_grad[0] else None
@@ -203,13 +203,13 @@ def fused_forward(
                 rs,
                 kd_scale.contiguous(),
                 ce_scale.contiguous(),
-                cfg,
-                ws.shape[0],
-                None if dx is None else dx[r0:r1],
-                dw,
-                db,
-                r0 == 0,
-                slabs,
+                cfg=cfg,
+                vchunk=ws.shape[0],
+                dx_out=None if dx is None else dx[r0:r1],
+                dw=dw,
+                db=db,
+                first_rows=r0 == 0,
+                slabs=slabs,
             )
         del slabs
     rows = combine_rows(*_cat_rows(stats), mask, cfg)
@@ -240,13 +240,13 @@ class VocabParallelFused(PartsFunction):
     def forward(ctx, xs, xt, ws, wt, bs, bt, labels, mask, cfg: LossConfig, group, plan, reduction: str):
         need = ctx.needs_input_grad
         rows, grads = fused_forward(
-            Operands(xs, xt, ws, wt, bs, bt),
+            Operands(xs, xt, ws, wt, bs=bs, bt=bt),
             labels,
             mask,
             cfg,
             group,
-            plan,
-            reduction,
+            plan=plan,
+            reduction=reduction,
             need_x=need[0],
             need_w=need[2] or need[4],
         )
@@ -303,9 +303,19 @@ def _local_checks(
     softcap_t=None,
 ) -> Tuple[str, float]:
     """Checks that need nothing from other ranks; returns the canonical (divergence, param)."""
-    check_hidden_tensors(xs, xt, ws, wt, bs, bt, labels, heads="[V_local, D] head shards")
+    check_hidden_tensors(xs, xt, ws, wt, bs, bt=bt, labels=labels, heads="[V_local, D] head shards")
     name, param = ck.divergence_param(divergence, params)
-    check_loss_options(temperature, reduction, chunk_V, backend, kd_weight, ce_weight, labels, softcap_s, softcap_t)
+    check_loss_options(
+        temperature,
+        reduction,
+        chunk_V,
+        backend,
+        kd_weight,
+        ce_weight=ce_weight,
+        labels=labels,
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
+    )
     if vocab_size is not None and not (ck.is_int(vocab_size) and vocab_size > 0):
         raise ValueError(f"vocab_size must be a positive int (a global vocabulary size), got {vocab_size!r}")
     return name, param
@@ -356,29 +366,29 @@ def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabL
             ws,
             wt,
             bs,
-            bt,
-            labels,
-            opts["divergence"],
-            opts["params"],
-            opts["temperature"],
-            opts["reduction"],
-            opts["chunk_V"],
-            opts["vocab_size"],
-            opts["kd_weight"],
-            opts["ce_weight"],
-            opts["backend"],
-            opts["softcap_s"],
-            opts["softcap_t"],
+            bt=bt,
+            labels=labels,
+            divergence=opts["divergence"],
+            params=opts["params"],
+            temperature=opts["temperature"],
+            reduction=opts["reduction"],
+            chunk_V=opts["chunk_V"],
+            vocab_size=opts["vocab_size"],
+            kd_weight=opts["kd_weight"],
+            ce_weight=opts["ce_weight"],
+            backend=opts["backend"],
+            softcap_s=opts["softcap_s"],
+            softcap_t=opts["softcap_t"],
         )
         acc = compute_dtype(xs.dtype)
         fused = (
             xs.dtype != torch.float64
-            and ck.resolve_backend(opts["backend"], xs.device) == "triton"
+            and ck.backend_for(opts["backend"], xs.device) == "triton"  # name checked by _local_checks
             and opts["chunk_V"] is None
             and opts["reduction"] != "none"
             and grad_needed(xs, ws, bs)
         )
-        options = fingerprint(
+        agreed = (  # options that must agree on every rank
             fused,
             opts["memory_budget"] if fused else None,
             name,
@@ -398,6 +408,7 @@ def negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts: dict) -> Tuple[VocabL
             opts["softcap_s"],
             opts["softcap_t"],
         )
+        options = fingerprint(*agreed)
         valid = None if labels is None else labels != opts["ignore_index"]
         head = torch.tensor([ws.shape[0], wt.shape[0], math.prod(xs.shape[:-1]), xs.shape[-1], xt.shape[-1], options])
         lab = ids_summary(labels, valid, opts["ce_weight"] != 0)
@@ -454,7 +465,9 @@ def parallel_hidden_loss(
     or ``backend="triton"``; ``chunk_V`` then selects the constant-memory plan and ``memory_budget``
     sizes the slabs), else the PyTorch chunked path; ``mode`` is not used.
     """
-    xs, xt, ws, wt, bs, bt, labels, group = unwrap(xs, xt, ws, wt, bs, bt, labels, process_group)
+    xs, xt, ws, wt, bs, bt, labels, group = unwrap(
+        xs, xt, ws, wt, bs, bt=bt, labels=labels, process_group=process_group
+    )
     if group is None:
         raise ValueError(
             "parallel_hidden_loss needs a process_group or heads sharded Shard(0) over a device mesh; "
@@ -476,12 +489,22 @@ def parallel_hidden_loss(
         softcap_t=softcap_t,
         memory_budget=memory_budget,
     )
-    layout, name, param, fused = negotiate(xs, xt, ws, wt, bs, bt, labels, group, opts)
+    layout, name, param, fused = negotiate(xs, xt, ws, wt, bs, bt=bt, labels=labels, group=group, opts=opts)
 
     lead = xs.shape[:-1]
     # labels become ids into this rank's block: rows whose label lives on another rank fall outside
     x_s, x_t, ws, wt, bs, bt, local_labels, mask = prepare_rows(
-        xs, xt, ws, wt, bs, bt, labels, ignore_index, ce_weight, layout.used, layout.offset
+        xs,
+        xt,
+        ws,
+        wt,
+        bs,
+        bt=bt,
+        labels=labels,
+        ignore_index=ignore_index,
+        ce_weight=ce_weight,
+        used=layout.used,
+        label_offset=layout.offset,
     )
     gf.check_grad_filter(grad_filter)
     cfg = LossConfig.build(
@@ -490,11 +513,11 @@ def parallel_hidden_loss(
         temperature,
         kd_weight,
         ce_weight,
-        scale_t2,
-        chunk_V,
-        gf.resolve_eps(grad_filter, xs.dtype),
-        softcap_s,
-        softcap_t,
+        scale_t2=scale_t2,
+        chunk_V=chunk_V,
+        filter_eps=gf.resolve_eps(grad_filter, xs.dtype),
+        softcap_s=softcap_s,
+        softcap_t=softcap_t,
     )
     if fused:
         # Blocks of rows sized from the largest block of the vocabulary: the same on every rank (each
@@ -502,7 +525,16 @@ def parallel_hidden_loss(
         from .triton_function import make_plan
 
         widest = max(max(0, min(size, layout.vocab - off)) for size, off in zip(layout.sizes, layout.offsets))
-        plan = make_plan(x_s.shape[0], widest, ws.shape[1], x_s.dtype, "fast", None, memory_budget, reduction)
+        plan = make_plan(
+            x_s.shape[0],
+            widest,
+            ws.shape[1],
+            x_s.dtype,
+            "fast",
+            chunk_V=None,
+            memory_budget=memory_budget,
+            reduction=reduction,
+        )
         total, kd, ce = VocabParallelFused.apply(
             x_s, x_t, ws, wt, bs, bt, local_labels, mask, cfg, group, plan, reduction
         )
