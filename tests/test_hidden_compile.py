@@ -75,13 +75,7 @@ def _run(step, params):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("impl", IMPLS)
-def test_compiled_step_is_one_graph_with_eager_numbers(impl, case, request):
-    if impl == "triton":
-        # KNOWN DEFECT: in the full suite under xdist the compiled Triton step's gradients came out NaN since the
-        # confident-rows change (not reproduced with this file alone); it still runs, and reports XPASS when right.
-        request.node.add_marker(
-            pytest.mark.xfail(strict=False, reason="compiled Triton step: NaN gradients seen in the full suite")
-        )
+def test_compiled_step_is_one_graph_with_eager_numbers(impl, case):
     torch._dynamo.reset()
     step, params = _step_and_params(impl, case)
     loss_eager, grads_eager = _run(step, params)
@@ -178,3 +172,19 @@ def test_named_losses_pass_every_argument_on(monkeypatch, name):
     fn(**sent)
     assert set(got) == set(params) | {"divergence"}
     assert all(got[p] is sent[p] for p in params) and got["divergence"] == name
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernels on the CPU need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_triton_bf16_step_with_one_thread(threads):
+    """Under `pytest -n 2` every worker runs torch on one thread (conftest.py), and there a CPU bf16 matmul
+    read the spare half of the padded rows the Triton fast mode writes its gradient slab into: dX came
+    out NaN in eager and compiled steps alike (the NaN of this file's compiled-step test under xdist)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        step, params = _step_and_params("triton", "mean")
+        loss, grads = _run(step, params)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads)

@@ -110,9 +110,13 @@ def block_stats(ops: Operands, labels, cfg: LossConfig, vchunk: int, chunk_max=N
 
 
 def _grad_buffer(z: torch.Tensor, t: torch.Tensor, dtype) -> torch.Tensor:
-    """Where the gradient slab goes: over z for fp32 inputs, over t's bytes for 16-bit ones."""
+    """Where the gradient slab goes: over z for fp32 inputs, over t's bytes for 16-bit ones (rows padded
+    to twice their length). On the CPU (the interpreter) a 16-bit slab gets a buffer of its own: there a
+    one-thread bf16 matmul reads the padded rows' spare halves (NaN dX under `pytest -n 2`, torch 2.13)."""
     if dtype == F32:
         return z
+    if z.device.type == "cpu":
+        return torch.empty(z.shape, dtype=dtype)
     return t.view(dtype)[:, : t.shape[1]]
 
 
