@@ -146,6 +146,52 @@ def step_clock():
     return StepClock()
 
 
+def step_profiler(spec: str):
+    """A TrainerCallback that runs torch.profiler over optimizer steps [start, start + count) (spec
+    "START:COUNT", from HF_TRAIN_PROFILE) and writes each rank's kernel and operator tables to
+    OUTPUT_DIR/profile_rank{R}.txt: where a step's time goes."""
+    import torch
+    from transformers import TrainerCallback
+
+    start, count = (int(v) for v in spec.split(":"))
+
+    class StepProfiler(TrainerCallback):
+        prof = None
+        t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == start and self.prof is None:
+                acts = [torch.profiler.ProfilerActivity.CPU]
+                if torch.cuda.is_available():
+                    acts.append(torch.profiler.ProfilerActivity.CUDA)
+                    torch.cuda.synchronize()
+                self.prof = torch.profiler.profile(activities=acts)
+                self.prof.__enter__()
+                self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.prof is not None and state.global_step == start + count:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                wall = (time.perf_counter() - self.t0) / count
+                self.prof.__exit__(None, None, None)
+                ka = self.prof.key_averages()
+                gpu = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+                busy = sum(getattr(e, gpu, 0.0) for e in ka) / count / 1e3  # ms per step
+                head = f"steps {start}..{start + count - 1}: wall {wall * 1e3:.0f} ms/step (profiled), "
+                head += f"{gpu} summed over events {busy:.0f} ms/step\n\n"
+                path = os.path.join(args.output_dir, f"profile_rank{args.process_index}.txt")
+                os.makedirs(args.output_dir, exist_ok=True)
+                with open(path, "w") as f:
+                    f.write(head)
+                    f.write(ka.table(sort_by=gpu, row_limit=30, max_name_column_width=60))
+                    f.write("\n")
+                    f.write(ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+                self.prof = None
+
+    return StepProfiler()
+
+
 def train(argv) -> int:
     from nitrobrew import cli
     from nitrobrew.hf import train_cli
@@ -155,6 +201,8 @@ def train(argv) -> int:
     def build_with_clock(*args, **kwargs):
         trainer = build(*args, **kwargs)
         trainer.add_callback(step_clock())
+        if os.environ.get("HF_TRAIN_PROFILE"):
+            trainer.add_callback(step_profiler(os.environ["HF_TRAIN_PROFILE"]))
         return trainer
 
     train_cli.build = build_with_clock

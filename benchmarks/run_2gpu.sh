@@ -14,7 +14,8 @@
 #                                                                         -> results/parallel/hf_train_launch.md  ~6 min
 #   fsdp2_trainer, plain_loop, rank_death: the earlier runs (results/parallel/), ~1, 2 and 1.5 min
 # ASYNC_SAME_GPU= (set, empty) leaves out the async run on the training GPU; TRAIN_PREPARE_FLAGS adds flags to
-# `hf_train_launch.py prepare --real` (e.g. "--length 1024 --steps 250").
+# `hf_train_launch.py prepare --real` (e.g. "--length 1024 --steps 250"); HF_TRAIN_PROFILE=START:COUNT profiles
+# those optimizer steps of both launches (train/<launcher>/profile_rank*.txt).
 # Stages run in the order given; a stage that cannot start with 30 s of the budget left is skipped
 # (RUN_2GPU_BUDGET_S, default 510 s: the command ends before 9 minutes). Writes the results into
 # benchmarks/results/..., the logs, env.txt and summary.txt (each stage: exit status, seconds) into
@@ -131,7 +132,8 @@ for stage in "$@"; do
             part train_report 20 $PY benchmarks/hf_train_launch.py report "$TL" "$RES/parallel/hf_train_launch.md"
             for run in accelerate torchrun; do  # the loss curves and clocks behind the report
                 mkdir -p "$RUNDIR/train/$run"
-                cp "$TL/$run"/trainer_state.json "$TL/$run"/clock_rank*.json "$RUNDIR/train/$run/" 2>/dev/null
+                cp "$TL/$run"/trainer_state.json "$TL/$run"/clock_rank*.json "$TL/$run"/profile_rank*.txt \
+                    "$RUNDIR/train/$run/" 2>/dev/null
             done
             cp "$TL"/*.yaml "$TL"/*.json "$RUNDIR/train/" 2>/dev/null
         fi
