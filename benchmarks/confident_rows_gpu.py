@@ -21,6 +21,7 @@ commit). --tiny runs everything at toy sizes (CPU included, Triton interpreted) 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import statistics
@@ -39,13 +40,14 @@ from nitrobrew.hidden import reference_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLD_REF = "016d9ba"  # main before the confident-rows change
+ROUNDS = 5
 PARAM = {"jsd": ("beta", 0.5), "skew_kl": ("alpha", 0.1), "skew_reverse_kl": ("alpha", 0.1)}
 
 
-def load_old(ref: str, old_dir: str | None):
-    """The package of git ref `ref` (or a copy of it in old_dir) importable as `nitrobrew_main`."""
+def load_old(ref: str, old_dir: str | None, name: str = "nitrobrew_main"):
+    """The package of git ref `ref` (or a copy of it in old_dir) importable as `name`."""
     tmp = tempfile.mkdtemp(prefix="nb_ab_")
-    dst = os.path.join(tmp, "nitrobrew_main")
+    dst = os.path.join(tmp, name)
     if old_dir:
         shutil.copytree(old_dir, dst)
     else:
@@ -57,11 +59,9 @@ def load_old(ref: str, old_dir: str | None):
         with open(op) as f:
             text = f.read()
         with open(op, "w") as f:
-            f.write(text.replace("nitrobrew::", "nitrobrew_main::"))
+            f.write(text.replace("nitrobrew::", f"{name}::"))
     sys.path.insert(0, tmp)
-    import nitrobrew_main
-
-    return nitrobrew_main
+    return importlib.import_module(name)
 
 
 def _opts(name, mode, chunk):
@@ -142,7 +142,7 @@ def accuracy(dev, tiny):
     return out
 
 
-def speed(old, dev, tiny):
+def speed(old, dev, tiny, before=None):
     v, ds, dt, n = (512, 64, 80, 64) if tiny else (152064, 3584, 5120, 4096)
     g = torch.Generator(device=dev).manual_seed(0)
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -151,10 +151,11 @@ def speed(old, dev, tiny):
     ws = (torch.randn(v, ds, device=dev, generator=g) * (3 / ds**0.5)).to(dtype)
     wt = (torch.randn(v, dt, device=dev, generator=g) * (3 / dt**0.5)).to(dtype)
     out = []
-    for name in ("forward_kl", "jsd", "tvd", "skew_kl"):
-        times = {"old": [], "new": []}
-        for _ in range(3):
-            for label, pkg in (("old", old), ("new", nb)):
+    pkgs = [("old", old)] + ([("before", before)] if before is not None else []) + [("new", nb)]
+    for name in ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl"):
+        times: dict = {label: [] for label, _ in pkgs}
+        for _ in range(ROUNDS):
+            for label, pkg in pkgs:
                 fn = getattr(pkg, name)
 
                 def step():
@@ -163,8 +164,8 @@ def speed(old, dev, tiny):
                     loss.backward()
 
                 times[label].append(time_ms(step, dev, warmup=1 if tiny else 2, reps=1 if tiny else 5))
-        mo, mn = statistics.median(times["old"]), statistics.median(times["new"])
-        out.append((name, mo, mn, mn / mo))
+        med = {label: statistics.median(ts) for label, ts in times.items()}
+        out.append((name, med))
     return out, (v, ds, dt, n, str(dtype).replace("torch.", ""))
 
 
@@ -172,6 +173,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--old-ref", default=OLD_REF)
     p.add_argument("--old-dir", default=None, help="a copy of the old nitrobrew/ package instead of git archive")
+    p.add_argument("--before-dir", default=None, help="a third package (e.g. main before a change), timed too")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "exactness", "confident_rows.md"))
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args()
@@ -180,18 +182,28 @@ def main() -> int:
         print("needs a CUDA GPU (or --tiny with TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
     old = load_old(args.old_ref, args.old_dir)
+    before = load_old("", args.before_dir, "nitrobrew_before") if args.before_dir else None
     env = environment()
     lines = ["# Confident rows: accuracy against float64 and the fast mode's speed", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
     lines += [f"- old: `{args.old_ref}` (same process, package `nitrobrew_main`)", ""]
-    rows, shape = speed(old, dev, args.tiny)
+    if before is not None:
+        lines += [f"- before: `{args.before_dir}` (same process, package `nitrobrew_before`)", ""]
+    rows, shape = speed(old, dev, args.tiny, before)
+    labels = list(rows[0][1])
     lines += [
-        f"## Speed, fast mode fwd+bwd (V, Ds, Dt, N = {shape[:4]}, {shape[4]}; median of 3 rounds x 5 calls)",
+        f"## Speed, fast mode fwd+bwd (V, Ds, Dt, N = {shape[:4]}, {shape[4]}; median of {ROUNDS} rounds x 5 calls)",
         "",
-        "| loss | old ms | new ms | new / old |",
-        "|---|---|---|---|",
+        "| loss | "
+        + " | ".join(f"{lb} ms" for lb in labels)
+        + " | "
+        + " | ".join(f"{lb} / old" for lb in labels[1:])
+        + " |",
+        "|---" * (2 * len(labels)) + "|",
     ]
-    lines += [f"| {n} | {a:.2f} | {b:.2f} | {r:.3f} |" for n, a, b, r in rows]
+    for n, med in rows:
+        cells = [f"{med[lb]:.2f}" for lb in labels] + [f"{med[lb] / med['old']:.3f}" for lb in labels[1:]]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "## Accuracy against float64 (fp32 inputs)",

@@ -93,6 +93,8 @@ STATS_WARPS = 8  # statistics passes
 # needs more than 128 registers a thread, which halves the programs an SM holds
 KL_STATS_BLOCK_V = 2048
 KL_STATS_WARPS = 4
+# entries per lane and tile in the first pass (group_tail): the lane's rescale is shared by them
+STATS_GROUP = 4
 # The mixture divergences' (jsd, skews) row terms in the second pass and the gradient: at 4096 columns
 # (32 a thread on 4 warps) ~190 registers a thread; at 2048, ~50-100 (compiled for sm_90)
 MIX_BLOCK_V = 2048
@@ -225,17 +227,30 @@ def row_grad(lp, lq, d, top, one_m_qtop, param, sum_u, v_rest, DIVERGENCE: tl.co
 
 
 @triton.jit
-def lane_tail(m, tail, x):
-    """A lane's online (max, tail) with one entry x: the mass outside its maximal entry (-1 while empty),
-    the old max joining the tail when x is above it, x joining it otherwise (a tie counts 1). m starts
-    at NEG_BIG, so an x = -inf (past the row's end, or masked) changes nothing and gets w = 0 with no
-    select. Returns the new (m, tail), x's weight w = exp(x - m_new), the factor the lane's old sums are
-    rescaled by, and whether x is the lane's new max. A NaN entry makes the lane's max NaN (and so the
-    row's statistics): NaN never hides."""
-    hi = tl.maximum(m, x, propagate_nan=tl.PropagateNan.ALL)
-    e = fexp(tl.minimum(m, x) - hi)
-    up = x > m
-    return hi, tl.where(up, (tail + 1.0) * e, tail + e), tl.where(up, 1.0, e), tl.where(up, e, 1.0), up
+def max_nan(a, b):
+    # a max that propagates NaN (a reduction's combine: tl.max would drop a NaN entry)
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def group_tail(m, tail, x):
+    """A lane's online (max, tail) with a group of entries x [GROUP, lanes] at once: the mass outside
+    its maximal entry (-1 while empty); when the group holds a new max the old max joins the tail, entries
+    equal to the new max count 1 each but one (no l - 1 is formed). m starts at NEG_BIG, so x = -inf
+    entries (past a row's end, or masked) change nothing and get w = 0. Returns the new (m, tail), each
+    entry's weight w = exp(x - m_new), the factor the lane's old sums are rescaled by, whether the max
+    moved, and the entries at the new max. A NaN entry makes the lane's max NaN: NaN never hides.
+    (One rescale per group instead of one per entry: the per-lane work is shared by GROUP entries; the
+    group is the tile's first axis, which a thread holds whole: the reductions stay in registers.)"""
+    mx = tl.reduce(x, 0, max_nan)
+    hi = tl.maximum(m, mx, propagate_nan=tl.PropagateNan.ALL)
+    up = mx > m
+    sc = fexp(m - hi)
+    w = fexp(x - hi[None, :])
+    top = x == hi[None, :]
+    others = tl.sum(tl.where(top, 0.0, w), axis=0)
+    n_top = tl.sum(tl.where(top, 1.0, 0.0), axis=0)
+    return hi, tl.where(up, (tail + 1.0) * sc + (n_top - 1.0), tail + n_top) + others, w, sc, up, top
 
 
 @triton.jit

@@ -26,12 +26,13 @@ from ..core.tl_utils import (
     NEG_BIG,
     NUM_WARPS,
     REVERSE_KL,
+    STATS_GROUP,
     STATS_WARPS,
     TVD,
     expm1,
     f32,
     fexp,
-    lane_tail,
+    group_tail,
     lanes_tail,
     math_args,
     merge_tail2,
@@ -117,6 +118,7 @@ def hidden_stats_kernel(
     HAS_LABELS: tl.constexpr,
     CHUNK_MAX: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     """PASS 1: each side's online (max, tail), the accumulating side's centred sums (the student for
     reverse_kl, else the teacher; docs/design.md §2.6) and the other side's lost mass, CE pieces; with
@@ -136,19 +138,22 @@ def hidden_stats_kernel(
         label = -1
         if HAS_LABELS:
             label = tl.load(labels_ptr + row).to(tl.int32) - col_offset
-        m_s = zero + NEG_BIG
-        m_t = zero + NEG_BIG
-        m_z = zero + NEG_BIG
-        t_s = zero - 1.0
-        t_t = zero - 1.0
-        t_z = zero - 1.0
-        acc = zero  # sum of w (dd - ref), dd = own - other (Online.a, centred)
-        rel = zero  # sum of w expm1(ref - dd) (Online.r, centred)
-        ref = zero  # dd at the lane's max of the accumulating side
-        lost = zero  # the other side's weight where the accumulating side's w underflowed (Online.b)
-        z_lab = zero
+        # a tile is [GROUP, lanes]: each lane takes GROUP entries a lane-count apart per tile (group_tail)
+        offs = tl.arange(0, GROUP)[:, None] * (BLOCK_V // GROUP) + tl.arange(0, BLOCK_V // GROUP)[None, :]
+        lane = tl.zeros([BLOCK_V // GROUP], dtype=tl.float32)
+        m_s = lane + NEG_BIG
+        m_t = lane + NEG_BIG
+        m_z = lane + NEG_BIG
+        t_s = lane - 1.0
+        t_t = lane - 1.0
+        t_z = lane - 1.0
+        acc = lane  # sum of w (dd - ref), dd = own - other (Online.a, centred)
+        rel = lane  # sum of w expm1(ref - dd) (Online.r, centred)
+        ref = lane  # dd at the lane's max of the accumulating side
+        lost = lane  # the other side's weight where the accumulating side's w underflowed (Online.b)
+        z_lab = tl.zeros([GROUP, BLOCK_V // GROUP], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_V):
-            idx = start + cols
+            idx = start + offs
             valid = idx < n_cols
             z = tl.load(z_row + idx, mask=valid, other=float("-inf"))
             t = tl.load(t_row + idx, mask=valid, other=float("-inf")) * inv_temp
@@ -157,50 +162,54 @@ def hidden_stats_kernel(
                 if DIVERGENCE == REVERSE_KL:  # the side p that accumulates: the student
                     l_old = t_s + 1.0
                     ly_old = t_t + 1.0
-                    y_top = m_s - ref  # the other side's logit at the lane's max (ref = own - other there)
-                    m_s, t_s, w, sc, up = lane_tail(m_s, t_s, s)
-                    m_t, t_t, w_x, sc_x, _up = lane_tail(m_t, t_t, t)
-                    y = t
+                    y_top = m_s - ref  # the other side's logit at the reference (ref = own - other there)
+                    m_s, t_s, w, sc, up, top = group_tail(m_s, t_s, s)
+                    m_t, t_t, w_x, sc_x, _up, _top = group_tail(m_t, t_t, t)
+                    m_o = m_s
                     dd = s - t
                 else:  # the teacher
                     l_old = t_t + 1.0
                     ly_old = t_s + 1.0
                     y_top = m_t - ref
-                    m_t, t_t, w, sc, up = lane_tail(m_t, t_t, t)
-                    m_s, t_s, w_x, sc_x, _up = lane_tail(m_s, t_s, s)
-                    y = s
+                    m_t, t_t, w, sc, up, top = group_tail(m_t, t_t, t)
+                    m_s, t_s, w_x, sc_x, _up, _top = group_tail(m_s, t_s, s)
+                    m_o = m_t
                     dd = t - s
-                shift = dd - ref
-                # one expm1 serves both branches: expm1(-shift) on the others, and where the lane's max
-                # moves here (its reference becomes dd) the re-referenced r = e^shift sc (r + l) - l sc,
-                # with e^shift sc = e^grow, grow = y_top - y, in one exp and sc expm1(shift) =
-                # -expm1(-shift) e^grow (no cancellation; -sc where expm1(-shift) is huge). Where r's
-                # terms would grow by more than e^FAR_NATS (the other side lies that far below at the new
-                # max), every earlier entry of the lane moves to the lost sum instead: r keeps -w for
-                # each, `lost` takes the other side's whole mass.
-                grow = y_top - y
-                e1 = expm1(-shift)  # (where -shift > FAR_NATS it may overflow: the selects below drop it there)
-                esc = fexp(grow)  # (likewise where grow > FAR_NATS)
-                re = up & (tl.abs(dd) < float("inf"))
+                # where the lane's max moved to a group entry with a finite d, that entry's d becomes the
+                # reference: the old sums are re-referred by D (a -= l D; r = e^D sc (r + l) - l sc, with
+                # e^D sc = e^grow, grow the change of the other side's logit at the reference, in one exp,
+                # and sc expm1(D) = -expm1(-D) e^grow: no cancellation; -sc where expm1(-D) is huge).
+                # Where r's terms would grow by more than e^FAR_NATS, the lane's earlier entries move to
+                # the lost sum instead: r keeps -w for each, `lost` takes the other side's whole mass.
+                ref_new = tl.max(tl.where(top & (tl.abs(dd) < float("inf")), dd, float("-inf")), axis=0)
+                re = up & (ref_new > float("-inf"))
+                shift_ref = ref_new - ref
+                grow = y_top - (m_o - ref_new)
+                # (expm1 and exp may overflow where D < -FAR_NATS or grow > FAR_NATS: the selects drop them)
+                esc = fexp(grow)
                 far_up = re & (grow > FAR_NATS)
-                keep = w > 0  # w = 0 where dd may be infinite
-                # the other side's mass goes to `lost` (on its own scale) where p underflowed, and where
-                # w e^-(dd - ref) could overflow (ref - dd > FAR_NATS: rel keeps only -w there)
-                # (and, uncentred, where the other side lies FAR_NATS above: that mass would be lost to rel
-                # when the lane's max jumps later; an entry that becomes the reference is itself near)
-                near = (re | (keep & (-shift <= FAR_NATS))) & (-dd <= FAR_NATS)
+                em_sc = tl.where(shift_ref < -FAR_NATS, -sc, -expm1(-shift_ref) * esc)
+                rel = tl.where(re, tl.where(far_up, -l_old * sc, esc * rel + l_old * em_sc), rel * sc)
                 if DIVERGENCE == FORWARD_KL or DIVERGENCE == REVERSE_KL:  # the KL itself (the others: G only)
-                    acc = tl.where(re, (acc - l_old * shift) * sc, acc * sc + tl.where(keep, w * shift, 0.0))
-                em_sc = tl.where(shift < -FAR_NATS, -sc, -e1 * esc)
-                rel_re = tl.where(far_up, -l_old * sc, esc * rel + l_old * em_sc) - tl.where(near, 0.0, 1.0)
-                rel = tl.where(re, rel_re, rel * sc + tl.where(near, w * e1, -w))
-                ref = tl.where(re, dd, ref)
-                lost = tl.where(far_up, ly_old, lost) * sc_x + tl.where(near, 0.0, w_x)
+                    acc = tl.where(re, (acc - l_old * shift_ref) * sc, acc * sc)
+                lost = tl.where(far_up, ly_old, lost) * sc_x
+                ref = tl.where(re, ref_new, ref)
+                # the group's entries on the (new) reference and scale: where w underflowed (w = 0, d may
+                # be infinite), where w e^-(d - ref) could overflow (ref - d > FAR_NATS: r takes -w), and
+                # where the other side lies FAR_NATS above (that mass would be lost to r when the lane's
+                # reference moves later), the other side's mass goes to `lost` (on its own scale)
+                shift = dd - ref[None, :]
+                keep = w > 0
+                near = keep & (-shift <= FAR_NATS) & (-dd <= FAR_NATS)
+                rel += tl.sum(tl.where(near, w * expm1(-shift), -w), axis=0)
+                lost += tl.sum(tl.where(near, 0.0, w_x), axis=0)
+                if DIVERGENCE == FORWARD_KL or DIVERGENCE == REVERSE_KL:
+                    acc += tl.sum(tl.where(keep, w * shift, 0.0), axis=0)
             else:  # jsd: each side's (max, tail) only (its terms do not move with an error of the gap: §2.6)
-                m_s, t_s, _w, _sc, _up = lane_tail(m_s, t_s, s)
-                m_t, t_t, _w, _sc, _up = lane_tail(m_t, t_t, t)
+                m_s, t_s, _w, _sc, _up, _top = group_tail(m_s, t_s, s)
+                m_t, t_t, _w, _sc, _up, _top = group_tail(m_t, t_t, t)
             if RAW_LSE:
-                m_z, t_z, _w, _sc, _up = lane_tail(m_z, t_z, z)
+                m_z, t_z, _w, _sc, _up, _top = group_tail(m_z, t_z, z)
             if HAS_LABELS:
                 z_lab += tl.where(valid & (idx == label), z, 0.0)
         if CHUNK_MAX:
@@ -267,7 +276,7 @@ def hidden_stats_kernel(
             tl.store(st + M_Z, mz_row)
             tl.store(st + T_Z, tz_row)
         if HAS_LABELS:
-            tl.store(st + Z_LABEL, tl.load(st + Z_LABEL) + tl.sum(z_lab, axis=0))
+            tl.store(st + Z_LABEL, tl.load(st + Z_LABEL) + tl.sum(tl.sum(z_lab, axis=0), axis=0))
     else:
         st = state_ptr + row * NROW
         m_s = tl.load(st + N_M_S)
@@ -514,6 +523,7 @@ def launch_stats(
         HAS_LABELS=has_labels,
         CHUNK_MAX=chunk_max is not None and pass_no == 1,
         BLOCK_V=row_block(n_cols, KL_STATS_BLOCK_V if kl else MIX_BLOCK_V if mix else 0),
+        GROUP=STATS_GROUP,
         num_warps=KL_STATS_WARPS if kl else STATS_WARPS,
     )
 
