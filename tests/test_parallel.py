@@ -909,6 +909,21 @@ def test_process_group_needs_initialized_distributed():
         nb.forward_kl(case.xs, case.xt, case.ws, case.wt, process_group=object())
 
 
+def test_parallel_hidden_loss_takes_hidden_loss_options():
+    """parallel_hidden_loss hands its keyword options on as hidden_loss's HiddenOptions: the same names, the
+    same defaults."""
+    import inspect
+
+    from nitrobrew.hidden.api import OPTION_NAMES, hidden_loss
+    from nitrobrew.hidden.vocab_parallel import parallel_hidden_loss
+
+    def keywords(fn):
+        return {p.name: p.default for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
+
+    assert keywords(parallel_hidden_loss) == keywords(hidden_loss)
+    assert set(keywords(hidden_loss)) == OPTION_NAMES | {"divergence"}
+
+
 def test_dtensors_are_unwrapped_once(monkeypatch):
     """A DTensor call is unwrapped at its entry (hidden_loss, or parallel_hidden_loss called itself) and the
     local tensors go on: one unwrap per call (a group of one rank, in this process)."""
