@@ -155,6 +155,19 @@ def test_opcheck(impl, reduction):
     )
 
 
+def test_option_names_follow_the_schemas():
+    """The one list of scalar arguments (custom_op._OPTION_NAMES, the fake kernel and the autograd context read
+    the positional values by it) is what both ops' schemas take after their tensors."""
+    tensors = {"grad_total", "stats", "xs", "xt", "ws", "wt", "bs", "bt", "labels", "mask"}
+
+    def scalars(op):
+        return tuple(a.name for a in op.default._schema.arguments if a.name not in tensors)
+
+    assert scalars(torch.ops.nitrobrew.hidden_distill) == (*custom_op._OPTION_NAMES, "need_grad")
+    assert scalars(torch.ops.nitrobrew.hidden_distill_backward) == custom_op._OPTION_NAMES
+    assert custom_op._OPTION_NAMES[: len(custom_op._CFG_NAMES)] == custom_op._CFG_NAMES
+
+
 @pytest.mark.parametrize("name", sorted(nb.hidden.api.LOSSES))
 def test_named_losses_pass_every_argument_on(monkeypatch, name):
     """Each of the six functions hands every one of its parameters (its own and the shared HiddenOptions)

@@ -561,6 +561,13 @@ def dtensor_case(r, world, group):
     assert type(gw).__name__ == "DTensor" and gw.placements == (Shard(0),), gw
     for name, g, e in (("xs", gx, sx), ("ws", gw.full_tensor(), sw), ("bs", gb.full_tensor(), sb)):
         assert_close(g, e, gt, f"DTensor grad {name}")
+    # the module's own entry takes the DTensors too, to the same numbers
+    from nitrobrew.hidden.vocab_parallel import parallel_hidden_loss
+
+    loss_p = parallel_hidden_loss(
+        xs, case.xt, ws, wt, divergence="jsd", bs=bs, bt=bt, labels=case.labels, ce_weight=0.5, temperature=1.3
+    )
+    assert torch.equal(loss_p, loss), (loss_p, loss)
     # replicated DTensor heads: an ordinary local call, no collective
     wr = distribute_tensor(case.ws.detach(), mesh, [Replicate()])
     wtr = distribute_tensor(case.wt, mesh, [Replicate()])
@@ -900,6 +907,56 @@ def test_process_group_needs_initialized_distributed():
     case = make_case()
     with pytest.raises(RuntimeError, match="init_process_group"):
         nb.forward_kl(case.xs, case.xt, case.ws, case.wt, process_group=object())
+
+
+def test_parallel_hidden_loss_takes_hidden_loss_options():
+    """parallel_hidden_loss hands its keyword options on as hidden_loss's HiddenOptions: the same names, the
+    same defaults."""
+    import inspect
+
+    from nitrobrew.hidden.api import OPTION_NAMES, hidden_loss
+    from nitrobrew.hidden.vocab_parallel import parallel_hidden_loss
+
+    def keywords(fn):
+        return {p.name: p.default for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
+
+    assert keywords(parallel_hidden_loss) == keywords(hidden_loss)
+    assert set(keywords(hidden_loss)) == OPTION_NAMES | {"divergence"}
+
+
+def test_dtensors_are_unwrapped_once(monkeypatch):
+    """A DTensor call is unwrapped at its entry (hidden_loss, or parallel_hidden_loss called itself) and the
+    local tensors go on: one unwrap per call (a group of one rank, in this process)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import nitrobrew.hidden.vocab_parallel as hvp
+    import nitrobrew.parallel.dtensor as pd
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    calls = []
+    unwrap = pd.unwrap
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return unwrap(*args, **kwargs)
+
+    monkeypatch.setattr(pd, "unwrap", counted)  # hidden/api.py imports it at the call
+    monkeypatch.setattr(hvp, "unwrap", counted)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        case = make_case(seed=3)
+        mesh = DeviceMesh("cpu", [0])
+        ws, wt = (distribute_tensor(w.detach(), mesh, [Shard(0)]) for w in (case.ws, case.wt))
+        expected = nb.forward_kl(case.xs.detach(), case.xt, case.ws.detach(), case.wt, backend="torch")
+        for fn in (nb.forward_kl, hvp.parallel_hidden_loss):
+            calls.clear()
+            loss = fn(case.xs.detach(), case.xt, ws, wt, backend="torch")
+            assert len(calls) == 1, (fn.__name__, len(calls))
+            torch.testing.assert_close(loss, expected)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_data_parallel_helpers_without_distributed():

@@ -104,9 +104,9 @@ def hidden_loss(
         process_group=process_group,
     )
     if process_group is not None:  # vocab-parallel heads
-        from .vocab_parallel import parallel_hidden_loss
+        from .vocab_parallel import vocab_parallel_hidden
 
-        return parallel_hidden_loss(xs, xt, ws, wt, divergence=divergence, **options, **params)
+        return vocab_parallel_hidden(xs, xt, ws, wt, divergence=divergence, params=params, options=options)
     call = validate(xs, xt, ws, wt, divergence=divergence, params=params, options=options)
     out = _run(call)
     total, kd, ce = (r.reshape(call.lead) for r in out) if call.reduction == "none" else out

@@ -12,7 +12,7 @@ the eager autograd Functions, so the two paths agree bit for bit.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -51,21 +51,46 @@ def _op_options(call: "HiddenCall") -> dict:
     )
 
 
-def _cfg(
-    *, divergence, param, temperature, kd_weight, ce_weight, chunk_V, filter_eps, softcap_s, softcap_t
-) -> LossConfig:
-    """``_op_options`` back to the LossConfig."""
+# The ops' scalar arguments after the tensors, in schema order (``_op_options`` forms them): the first nine are
+# LossConfig's (``_cfg`` reads them back). hidden_distill takes need_grad after them; hidden_distill_backward
+# does not. tests/test_hidden_compile.py holds this list to both schemas.
+_CFG_NAMES = (
+    "divergence",
+    "param",
+    "temperature",
+    "kd_weight",
+    "ce_weight",
+    "chunk_V",
+    "filter_eps",
+    "softcap_s",
+    "softcap_t",
+)
+_OPTION_NAMES = (*_CFG_NAMES, "impl", "reduction", "mode", "memory_budget")
+
+
+def _cfg(o: Mapping[str, Any]) -> LossConfig:
+    """``_op_options`` back to the LossConfig: ``o`` holds (at least) the ``_CFG_NAMES`` by name, an op's own
+    arguments (``locals()`` on entry) or the fake kernel's (``_named``)."""
     return LossConfig(
-        divergence=divergence,
-        param=param,
-        temperature=temperature,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        chunk_V=None if chunk_V == _NONE else chunk_V,
-        filter_eps=None if filter_eps < 0 else filter_eps,
-        softcap_s=None if softcap_s < 0 else softcap_s,
-        softcap_t=None if softcap_t < 0 else softcap_t,
+        divergence=o["divergence"],
+        param=o["param"],
+        temperature=o["temperature"],
+        kd_weight=o["kd_weight"],
+        ce_weight=o["ce_weight"],
+        chunk_V=None if o["chunk_V"] == _NONE else o["chunk_V"],
+        filter_eps=None if o["filter_eps"] < 0 else o["filter_eps"],
+        softcap_s=None if o["softcap_s"] < 0 else o["softcap_s"],
+        softcap_t=None if o["softcap_t"] < 0 else o["softcap_t"],
     )
+
+
+def _named(options: Sequence[Any]) -> Dict[str, Any]:
+    """hidden_distill's scalar arguments (``_OPTION_NAMES``, then need_grad) by name, from positional values
+    (the fake kernel receives them so)."""
+    names = (*_OPTION_NAMES, "need_grad")
+    if len(options) != len(names):
+        raise TypeError(f"nitrobrew::hidden_distill takes {len(names)} scalar arguments, got {len(options)}")
+    return dict(zip(names, options))
 
 
 def _plan(xs, ws, cfg: LossConfig, *, reduction: str, mode: str, memory_budget: int):
@@ -145,17 +170,7 @@ def hidden_distill(
     need_grad: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(total, kd, ce, stats, dx, dw, db): unused entries are empty tensors."""
-    cfg = _cfg(
-        divergence=divergence,
-        param=param,
-        temperature=temperature,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        chunk_V=chunk_V,
-        filter_eps=filter_eps,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-    )
+    cfg = _cfg(locals())  # the arguments, by name (first, before any other local)
     if labels is not None:  # the eager path checked them before tracing could not (data-dependent)
         ck.check_ids_in_range("labels", labels, ws.shape[0], -1)
     ops = Operands(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt)
@@ -176,47 +191,22 @@ def hidden_distill(
 
 
 @hidden_distill.register_fake
-def _(
-    xs,
-    xt,
-    ws,
-    wt,
-    bs,
-    bt,
-    labels,
-    mask,
-    divergence,
-    param,
-    temperature,
-    kd_weight,
-    ce_weight,
-    chunk_V,
-    filter_eps,
-    softcap_s,
-    softcap_t,
-    impl,
-    reduction,
-    mode,
-    memory_budget,
-    need_grad,
-):
+def _(xs, xt, ws, wt, bs, bt, labels, mask, *options):
+    opts = _named(options)
     acc = compute_dtype(xs.dtype)
     n = xs.shape[0]
+    reduction = opts["reduction"]
     shape = (n,) if reduction == "none" else ()
     out = tuple(xs.new_empty(shape, dtype=acc) for _ in range(3))
-    cfg = _cfg(
-        divergence=divergence,
-        param=param,
-        temperature=temperature,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        chunk_V=chunk_V,
-        filter_eps=filter_eps,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-    )
     if _precomputes(
-        impl, xs, ws, cfg, reduction=reduction, mode=mode, memory_budget=memory_budget, need_grad=need_grad
+        opts["impl"],
+        xs,
+        ws,
+        _cfg(opts),
+        reduction=reduction,
+        mode=opts["mode"],
+        memory_budget=opts["memory_budget"],
+        need_grad=opts["need_grad"],
     ):
         db = _empty(xs) if bs is None else torch.empty_like(bs)
         return (*out, out[0].new_empty((0,)), torch.empty_like(xs), torch.empty_like(ws), db)
@@ -250,17 +240,7 @@ def hidden_distill_backward(
     memory_budget: int,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dx, dw, db) recomputed from the row statistics; db is empty without a bias."""
-    cfg = _cfg(
-        divergence=divergence,
-        param=param,
-        temperature=temperature,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        chunk_V=chunk_V,
-        filter_eps=filter_eps,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-    )
+    cfg = _cfg(locals())  # the arguments, by name (first, before any other local)
     rs = _unpack_stats(stats)
     ops = Operands(xs=xs, xt=xt, ws=ws, wt=wt, bs=bs, bt=bt)
     if impl == "triton":
@@ -281,23 +261,6 @@ def hidden_distill_backward(
 @hidden_distill_backward.register_fake
 def _(grad_total, stats, xs, xt, ws, wt, bs, bt, labels, mask, *_options):
     return torch.empty_like(xs), torch.empty_like(ws), _empty(xs) if bs is None else torch.empty_like(bs)
-
-
-_OPTION_NAMES = (
-    "divergence",
-    "param",
-    "temperature",
-    "kd_weight",
-    "ce_weight",
-    "chunk_V",
-    "filter_eps",
-    "softcap_s",
-    "softcap_t",
-    "impl",
-    "reduction",
-    "mode",
-    "memory_budget",
-)
 
 
 def _setup_context(ctx, inputs, output):

@@ -17,7 +17,7 @@ Communication is O(rows) in the forward and O(rows * Ds) in the backward, never 
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -465,6 +465,7 @@ def parallel_hidden_loss(
     or ``backend="triton"``; ``chunk_V`` then selects the constant-memory plan and ``memory_budget``
     sizes the slabs), else the PyTorch chunked path; ``mode`` is not used.
     """
+    given = dict(locals())  # the arguments by name (first, before any other local)
     xs, xt, ws, wt, bs, bt, labels, group = unwrap(
         xs, xt, ws, wt, bs, bt=bt, labels=labels, process_group=process_group
     )
@@ -473,22 +474,19 @@ def parallel_hidden_loss(
             "parallel_hidden_loss needs a process_group or heads sharded Shard(0) over a device mesh; "
             "for one process (or replicated DTensors) call nitrobrew.hidden_loss"
         )
-    opts = dict(
-        divergence=divergence,
-        params=params,
-        ignore_index=ignore_index,
-        temperature=temperature,
-        reduction=reduction,
-        chunk_V=chunk_V,
-        vocab_size=vocab_size,
-        kd_weight=kd_weight,
-        ce_weight=ce_weight,
-        scale_t2=scale_t2,
-        backend=backend,
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
-        memory_budget=memory_budget,
-    )
+    # hidden_loss's HiddenOptions (the keyword options of both: tests/test_parallel.py), of the local tensors
+    options = {k: v for k, v in given.items() if k not in ("xs", "xt", "ws", "wt", "divergence", "params")}
+    options.update(labels=labels, bs=bs, bt=bt, process_group=group)
+    return vocab_parallel_hidden(xs, xt, ws, wt, divergence=divergence, params=params, options=options)
+
+
+def vocab_parallel_hidden(xs, xt, ws, wt, *, divergence: str, params: Mapping[str, float], options: Mapping[str, Any]):
+    """``parallel_hidden_loss`` of local tensors (DTensors already unwrapped: ``hidden_loss`` enters here, after
+    its own unwrap) and ``options`` a full ``hidden.api.HiddenOptions`` whose process_group is the group."""
+    group = options["process_group"]
+    labels, bs, bt = options["labels"], options["bs"], options["bt"]
+    reduction, memory_budget = options["reduction"], options["memory_budget"]
+    opts = dict(options, divergence=divergence, params=params)
     layout, name, param, fused = negotiate(xs, xt, ws, wt, bs, bt=bt, labels=labels, group=group, opts=opts)
 
     lead = xs.shape[:-1]
@@ -501,23 +499,24 @@ def parallel_hidden_loss(
         bs,
         bt=bt,
         labels=labels,
-        ignore_index=ignore_index,
-        ce_weight=ce_weight,
+        ignore_index=options["ignore_index"],
+        ce_weight=options["ce_weight"],
         used=layout.used,
         label_offset=layout.offset,
     )
+    grad_filter = options["grad_filter"]
     gf.check_grad_filter(grad_filter)
     cfg = LossConfig.build(
         name,
         param,
-        temperature,
-        kd_weight,
-        ce_weight,
-        scale_t2=scale_t2,
-        chunk_V=chunk_V,
+        options["temperature"],
+        options["kd_weight"],
+        options["ce_weight"],
+        scale_t2=options["scale_t2"],
+        chunk_V=options["chunk_V"],
         filter_eps=gf.resolve_eps(grad_filter, xs.dtype),
-        softcap_s=softcap_s,
-        softcap_t=softcap_t,
+        softcap_s=options["softcap_s"],
+        softcap_t=options["softcap_t"],
     )
     if fused:
         # Blocks of rows sized from the largest block of the vocabulary: the same on every rank (each
@@ -539,10 +538,10 @@ def parallel_hidden_loss(
             x_s, x_t, ws, wt, bs, bt, local_labels, mask, cfg, group, plan, reduction
         )
     else:
-        local = local_impl(x_s, ws, cfg, backend, memory_budget)
+        local = local_impl(x_s, ws, cfg, options["backend"], memory_budget)
         rows = VocabParallelDistill.apply(x_s, x_t, ws, wt, bs, bt, local_labels, mask, cfg, group, local)
         total, kd, ce = (reduce_rows(r, mask, reduction, lead) for r in rows)
-    if return_parts:
+    if options["return_parts"]:
         return DistillOutput(total, kd, ce)
     return total
 
