@@ -199,8 +199,8 @@ def vocab_parallel_topk(
     inputs: TopKInputs, options: TopKOptions, params: Mapping[str, float], *, group, return_parts: bool = False
 ):
     """``parallel_topk_kl`` of unwrapped inputs and a group (``topk_kl`` enters here): the checks run on
-    every rank and the ranks agree on the verdict before any collective of the loss. ``options.mode`` and
-    ``memory_budget`` (Triton only) are not used."""
+    every rank and the ranks agree on the verdict before any collective of the loss. The options are
+    checked here as given, once (``validate``); ``mode`` and ``memory_budget`` (Triton only) are not used."""
     require_initialized()
     rank, world = group_rank_world(group)
     xs, ws, topk_ids, topk_logprobs, bs, labels = inputs
@@ -218,7 +218,7 @@ def vocab_parallel_topk(
                 "process_group= (vocab-parallel) runs nitrobrew's PyTorch chunked path; pass "
                 "backend='auto' or backend='torch'"
             )
-        call = validate(inputs, o._replace(mode=None, memory_budget=None), params, id_ranges=False)
+        call = validate(inputs, o, params, id_ranges=False)
         call.check()
         K = topk_ids.shape[-1]
         agreed = (
