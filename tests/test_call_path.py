@@ -130,3 +130,26 @@ def test_the_paths_receive_the_checked_call(monkeypatch):
     assert topk.impl == "torch" and topk.rows.x.shape == (N, D) and topk.cfg.with_ce
     with pytest.raises(AttributeError):  # frozen: what was checked stays what runs
         hidden.impl = "triton"
+
+
+def test_vocab_parallel_takes_the_checked_options(monkeypatch, tmp_path):
+    """topk_kl(process_group=...) builds its options once, and the vocab-parallel path validates that same
+    bundle (not a copy rebuilt from it)."""
+    import torch.distributed as dist
+
+    from nitrobrew.topk import api as topk_api
+    from nitrobrew.topk import vocab_parallel
+
+    built, checked = [], []
+    options, validate = topk_api.TopKOptions, vocab_parallel.validate
+    monkeypatch.setattr(topk_api, "TopKOptions", lambda **kw: built.append(options(**kw)) or built[-1])
+    monkeypatch.setattr(
+        vocab_parallel, "validate", lambda inputs, o, *a, **kw: checked.append(o) or validate(inputs, o, *a, **kw)
+    )
+    xs, ws, ids, lp, labels = _topk_inputs()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        nb.topk_kl(xs, ws, ids, lp, labels=labels, backend="torch", process_group=dist.new_group([0])).backward()
+    finally:
+        dist.destroy_process_group()
+    assert len(built) == 1 and len(checked) == 1 and checked[0] is built[0], (built, checked)

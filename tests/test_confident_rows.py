@@ -217,3 +217,95 @@ def test_topk_support_confident_rows(backend, divergence):
     assert (err <= VALUE_RTOL * ref.detach().abs() + VALUE_FLOOR).all(), f"values {got.tolist()} vs {ref.tolist()}"
     g_err = (x.grad.double() - x64.grad).norm(dim=-1)
     assert (g_err <= GRAD_RTOL * x64.grad.norm(dim=-1) + GRAD_FLOOR).all(), (g_err / x64.grad.norm(dim=-1)).tolist()
+
+
+# ------------------------------------------------------------------------------------------------
+# top-k KD with the student normalized over the whole vocabulary (normalize="full")
+
+# every path of normalize="full": the chunked PyTorch path over three vocab chunks, the Triton fast mode in
+# row blocks of 4, the constant-memory mode
+TOPK_FULL_PATHS = {
+    "torch": dict(backend="torch", chunk_V=16),
+    "triton-fast": dict(backend="triton", mode="fast", memory_budget=4 * 48 * 4),
+    "triton-cm": dict(backend="triton", mode="constant_memory"),
+}
+# forward_kl against the teacher as stored, and every divergence with the tail bucket
+TOPK_FULL_CASES = [("forward_kl", False)] + [(d, True) for d in DIVERGENCES]
+
+
+def topk_full_rows(vocab=48, k=4):
+    """Confident teacher rows (10-20 nats from the top to the others: p_top = 1 - 2e-9 at 20) and students:
+    noisy, close, shifted, sharper than the teacher, confident at another stored id, confident outside the
+    stored ids (the tail bucket holds its top), and a row with padding entries."""
+    g = torch.Generator().manual_seed(0)
+    gaps = torch.tensor([10.0, 16.0, 12.0, 18.0, 14.0, 20.0, 11.0])
+    rows = gaps.numel()
+    xt = -gaps[:, None] - 5.0 * torch.rand(rows, vocab, generator=g)
+    top = torch.randint(vocab, (rows,), generator=g)
+    xt[torch.arange(rows), top] = 0.0
+    xs = xt + 0.3 * torch.randn(rows, vocab, generator=g)
+    xs[torch.arange(rows), top] = 0.0
+    xs[1] = xt[1] + 1e-2 * torch.randn(vocab, generator=g)  # close to the teacher
+    xs[2] = xt[2] + 5.0 + 0.3 * torch.randn(vocab, generator=g)  # a per-row shift: the lse's differ
+    xs[3] = 1.5 * xt[3] + 0.3 * torch.randn(vocab, generator=g)  # sharper than the teacher
+    lp, ids = torch.log_softmax(xt.double(), -1).topk(k, -1)
+    lp = lp.float()
+    xs[4, ids[4, 1]] = 12.0  # the student's top at another stored id
+    outside = [j for j in range(vocab) if j not in ids[5].tolist()][0]
+    xs[5, outside] = 12.0  # the student's top outside the stored ids
+    lp[6, 2:] = float("-inf")  # padding entries
+    ids[6, 2:] = 0
+    return xs, ids, lp
+
+
+def topk_full_check(divergence, tail, block=slice(None), **opts):
+    """topk_kl(normalize="full") on the rows of topk_full_rows against the float64 reference: per-row
+    values and gradients (identity head: the logits are the hidden states; block: the rows of the head
+    this rank holds, with a process_group)."""
+    from nitrobrew.topk.reference import reference_topk_loss
+
+    xs, ids, lp = topk_full_rows()
+    eye = torch.eye(xs.shape[1])
+    param = _param(divergence)
+    extra = {PARAM_NAME[divergence]: param} if divergence in PARAM_NAME else {}
+    x = xs.clone().requires_grad_()
+    head = eye[block].clone()
+    got = nb.topk_kl(x, head, ids, lp, divergence=divergence, tail=tail, reduction="none", **extra, **opts)
+    got.sum().backward()
+    x64 = xs.double().requires_grad_()
+    ref = reference_topk_loss(
+        x64, eye.double(), ids, lp.double(), divergence=divergence, param=param, tail=tail, reduction="none"
+    )
+    ref.sum().backward()
+    ref = ref.detach()
+    # with the tail both sides are distributions: never negative; forward_kl against the teacher's
+    # sub-distribution as stored may be, where the float64 value is
+    assert ((got >= 0) | (ref < 0)).all(), f"negative value: {got.tolist()} vs float64 {ref.tolist()}"
+    err = (got.double() - ref).abs()
+    assert (err <= VALUE_RTOL * ref.abs() + VALUE_FLOOR).all(), f"values {got.tolist()} vs float64 {ref.tolist()}"
+    g_err = (x.grad.double() - x64.grad).norm(dim=-1)
+    bound = GRAD_RTOL * x64.grad.norm(dim=-1) + GRAD_FLOOR
+    assert (g_err <= bound).all(), f"row gradient errors {(g_err / x64.grad.norm(dim=-1)).tolist()}"
+
+
+@pytest.mark.parametrize("path", list(TOPK_FULL_PATHS))
+@pytest.mark.parametrize("divergence,tail", TOPK_FULL_CASES)
+def test_topk_full_confident_rows(path, divergence, tail):
+    """topk_kl(normalize="full") on confident rows: the student's vocabulary-wide normalizer is split as
+    (max, tail), so its log-probability at the top id is -log1p(tail), not s - lse rounded to 0, and the
+    gradient there is v (1 - q) - q sum of the others (also where the tail bucket holds the student's top)."""
+    topk_full_check(divergence, tail, **TOPK_FULL_PATHS[path])
+
+
+def test_topk_full_confident_rows_vocab_parallel(tmp_path):
+    """The same through the vocab-parallel path (process_group=, a group of one: its merge of the
+    statistics and its backward)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        for divergence, tail in TOPK_FULL_CASES:
+            topk_full_check(divergence, tail, process_group=group, chunk_V=16)
+    finally:
+        dist.destroy_process_group()

@@ -780,6 +780,17 @@ def topk_cases(r, world, group):
                 ),
             )
         )
+    # confident rows (tests/test_confident_rows.py) over head blocks of a 48-word identity head
+    from test_confident_rows import TOPK_FULL_CASES, topk_full_check
+
+    block = _block({2: [30, 18], 3: [20, 0, 28]}[world], r)
+    for div, tail in TOPK_FULL_CASES:
+        cases.append(
+            (
+                f"topk confident rows {div}{' tail' if tail else ''}",
+                lambda div=div, tail=tail: topk_full_check(div, tail, block=block, process_group=group, chunk_V=16),
+            )
+        )
     xs, ws, bs, ids, lp, labels = make_topk(torch.float32)
     sl = _block(s0, r)
     bad_ids = ids.clone()

@@ -365,7 +365,7 @@ def test_tail_vocab_range_pieces_merge_to_the_whole():
         tc.vocab_pass(x, w[lo:hi], b[lo:hi], labels, entries, cfg, lo=lo, chunk=5) for lo, hi in zip(cuts, cuts[1:])
     ]
     s_state, z_state = merge_states([p.s for p in parts]), merge_states([p.z for p in parts])
-    res, lse_s, lse_z, ce = tc.finish(
+    res, lse_z, ce = tc.finish(
         sum(p.z_ids for p in parts), lp, valid, s_state, z_state, sum(p.z_label for p in parts), cfg
     )
     mask = torch.ones(N)
@@ -377,9 +377,7 @@ def test_tail_vocab_range_pieces_merge_to_the_whole():
     up = torch.rand(N, generator=torch.Generator().manual_seed(3))
     coef, dense, ce_scale = tc.row_coefficients(up, mask, res, cfg)
     pieces = [
-        tc.backward_range(
-            x, w[lo:hi], b[lo:hi], labels, entries, coef, lse_s, dense, lse_z, ce_scale, cfg, lo=lo, chunk=4
-        )
+        tc.backward_range(x, w[lo:hi], b[lo:hi], labels, entries, coef, dense, lse_z, ce_scale, cfg, lo=lo, chunk=4)
         for lo, hi in zip(cuts, cuts[1:])
     ]
     gx = sum(p[0] for p in pieces)

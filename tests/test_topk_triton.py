@@ -130,7 +130,7 @@ def test_vocab_range_pieces_merge_to_the_whole():
     torch.testing.assert_close(whole.s.lse().double(), torch.logsumexp(outside, -1), rtol=1e-6, atol=1e-6)
     # the Triton launchers over the whole head give the same statistics
     row_ids = td.RowIds.build(safe, valid)
-    lse_t = td.lse_range(x, w.contiguous(), b.contiguous(), 1.3, False, outside=row_ids)[0]
+    lse_t = td.lse_range(x, w.contiguous(), b.contiguous(), 1.3, False, outside=row_ids)[0].lse()
     torch.testing.assert_close(lse_t, whole.s.lse(), rtol=1e-5, atol=1e-5)
     z = td.gather_logits(x, w.contiguous(), b.contiguous(), safe)
     torch.testing.assert_close(torch.where(valid, z, 0).reshape(-1), whole.z_ids, rtol=1e-5, atol=1e-5)
@@ -143,19 +143,17 @@ def _triton_pieces(xs, ws, bs, ids, lp, labels, cfg):
     n = x.shape[0]
     valid = torch.isfinite(lp)
     row_ids = td.RowIds.build(ids, valid)
-    ones, zeros = torch.ones(n), torch.zeros(n)  # zeros: the states' tails (l = 1 + tail)
+    ones, zeros = torch.ones(n), torch.zeros(n)  # zeros: the raw state's tail (l = 1 + tail)
     ids_g = torch.cat([ids, labels.clamp_min(0)[:, None]], 1)
-    lse = td.lse_range(x, w, b, cfg.temperature, True, outside=row_ids if cfg.tail else None)
+    s_state, lse_z = td.lse_range(x, w, b, cfg.temperature, True, outside=row_ids)
     z = td.gather_logits(x, w, b, ids_g.contiguous())
     K = ids.shape[1]
-    res, lse_s, lse_z, ce = tc.finish(
-        z[:, :K].reshape(-1), lp, valid, Online(lse[0], zeros), Online(lse[1], zeros), z[:, K], cfg
-    )
+    res, lse_z, ce = tc.finish(z[:, :K].reshape(-1), lp, valid, s_state, Online(lse_z, zeros), z[:, K], cfg)
     mask = ones
     total = combine_rows(res.kd, ce, mask, cfg)[0]
     up = torch.rand(n, generator=torch.Generator().manual_seed(7))
     coef, dense, ce_scale = tc.row_coefficients(up, mask, res, cfg)
-    grads = td.full_backward_range(x, w, b, lse_s, lse_z, dense, ce_scale, labels, row_ids, coef, cfg.temperature)
+    grads = td.full_backward_range(x, w, b, lse_z, dense, ce_scale, labels, row_ids, coef, cfg.temperature)
     return total, up, grads
 
 

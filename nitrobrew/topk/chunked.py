@@ -1,15 +1,14 @@
 """Top-k KD in plain PyTorch (any device, any float dtype).
 
-normalize="full": one online pass over vocab chunks keeps the student's per-row (m, l) state
-(``nitrobrew.core.online.Online``) and picks the logits at the stored ids out of each chunk as
-it goes by; the backward recomputes each chunk, adds the K sparse coefficients of the rows whose
-ids fall in it, and feeds the chunk's gradient into dX and dW. Working memory O(rows * chunk +
-rows * K); the [rows, V] logits never exist.
-
-With the tail bucket the online state runs over the entries OUTSIDE each row's valid top-k ids
-only (the chunk's logits at the row's ids are set to -inf before the exp): it is the student's
-tail mass itself, exact however small, never 1 - sum_k q_k. The full log-sum-exp is rebuilt from
-it and the K id logits (``rowmath.full_lse``).
+normalize="full": one online pass over vocab chunks keeps the student's per-row (m, tail) state
+(``nitrobrew.core.online.Online``) over the entries OUTSIDE each row's valid top-k ids (the chunk's
+logits at the row's ids are set to -inf before the exp) and picks the logits at the stored ids out of
+each chunk as it goes by: the outside mass is summed directly, exact however small (never 1 - sum_k
+q_k), and ``rowmath.topk_rows`` splits the student's normalizer over the ids and that bucket (a
+confident row keeps its top log-probability; docs/design.md §2.6). The backward recomputes each chunk,
+adds the K coefficients of the rows whose ids fall in it (their whole gradient) and the bucket's at the
+other entries, and feeds the chunk's gradient into dX and dW. Working memory O(rows * chunk + rows * K);
+the [rows, V] logits never exist.
 
 normalize="topk": no vocab-wide work at all: the K logits of a row are gathered from the K rows
 of ``ws`` (in row blocks of bounded size), and the gradients scatter back to those rows.
@@ -66,7 +65,7 @@ class Entries:
 class VocabStats:
     """Statistics of one vocab range (ranges merge like ``Online`` states; z_ids by summing)."""
 
-    s: Optional[Online]  # tempered student logits (with cfg.tail: only those outside the row's top-k ids)
+    s: Optional[Online]  # tempered student logits outside the row's valid top-k ids
     z: Optional[Online]  # raw logits (hard-label CE at T != 1), else None
     z_ids: Tensor  # [N*K] raw logits at the stored ids inside the range, 0 elsewhere
     z_label: Tensor  # [N] raw logit at the label inside the range, 0 elsewhere
@@ -84,8 +83,8 @@ def vocab_pass(
 ) -> VocabStats:
     """Online statistics over the head rows ``ws`` = global vocab [lo, lo + ws.shape[0]).
 
-    labels (global ids, -1 where none) give the CE label logit when cfg.with_ce. With cfg.tail the
-    tempered state skips each row's valid top-k ids (the student's tail, see the module notes).
+    labels (global ids, -1 where none) give the CE label logit when cfg.with_ce. The tempered state
+    skips each row's valid top-k ids (see the module notes).
     """
     acc = compute_dtype(xs.dtype)
     n, dev = xs.shape[0], xs.device
@@ -102,7 +101,7 @@ def vocab_pass(
         z = chunk_logits(x=xs, w=ws, b=bs, lo=c0, hi=c1, acc=acc, softcap=cfg.softcap_s)
         a, b = entries.span(lo + c0, lo + c1)
         s = z / cfg.temperature
-        st.s.update(without_ids(s, entries, a, b, lo + c0) if cfg.tail and b > a else s)
+        st.s.update(without_ids(s, entries, a, b, lo + c0) if b > a else s)
         if st.z is not None:
             st.z.update(z)
         if b > a:
@@ -136,26 +135,23 @@ def finish(
     z_state: Optional[Online],
     z_label: Tensor,
     cfg: TopKConfig,
-) -> Tuple[RowResult, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+) -> Tuple[RowResult, Optional[Tensor], Optional[Tensor]]:
     """Losses and gradient coefficients from (merged) statistics.
 
-    Returns (rows, lse_s, lse_z, ce): lse_s is the tempered student's full log-sum-exp (None for
-    normalize="topk"), lse_z the raw one used by the CE (None without CE), ce the per-row CE.
-    With cfg.tail, s_state covers the entries outside each row's top-k ids (``vocab_pass``).
+    s_state: the tempered student over the entries outside each row's valid ids (``vocab_pass``; None for
+    normalize="topk"); z_state: the raw logits over the whole vocabulary (the CE at T != 1, else None).
+    Returns (rows, lse_z, ce): lse_z the raw full log-sum-exp used by the CE (None without CE), ce the
+    per-row CE.
     """
     N, K = lp.shape
     s = z_ids.view(N, K) / cfg.temperature
-    lse_s = lse_tail = None
-    if s_state is not None:
-        lse_s = s_state.lse()
-        if cfg.tail:
-            lse_tail, lse_s = lse_s, full_lse(s, valid, lse_s)
-    res = topk_rows(s=s, lp=lp, valid=valid, lse_s=lse_s if cfg.full else None, cfg=cfg, lse_tail=lse_tail)
+    out = None if s_state is None or not cfg.full else (s_state.m, torch.log1p(s_state.tail))
+    res = topk_rows(s=s, lp=lp, valid=valid, cfg=cfg, out=out)
     lse_z = ce = None
-    if cfg.with_ce:
-        lse_z = z_state.lse() if z_state is not None else lse_s
+    if cfg.with_ce:  # at T = 1 s is z
+        lse_z = z_state.lse() if z_state is not None else full_lse(s, valid, res.lse_tail)
         ce = lse_z - z_label
-    return res, lse_s, lse_z, ce
+    return res, lse_z, ce
 
 
 def backward_range(
@@ -165,7 +161,6 @@ def backward_range(
     labels,
     entries: Entries,
     coef: Tensor,
-    lse_s: Tensor,
     dense: DenseCoef,
     lse_z: Optional[Tensor],
     ce_scale: Optional[Tensor],
@@ -176,10 +171,10 @@ def backward_range(
 ):
     """Gradient of a vocab range w.r.t. the raw logits, fed into (dX [acc], dW, db).
 
-    coef: [N*K] d loss / d raw logit at each stored id (0 at invalid entries); dense: the per-row
-    multiplier of the tempered softmax q_j or, with the tail, of exp(s_j - lse_tail) at the
-    entries outside the row's top-k (already divided by T); ce_scale: [N] CE weight per row
-    (softmax of the raw logits minus the label's one-hot). dW/db cover this range only.
+    coef: [N*K] d loss / d raw logit at each stored id (0 at invalid entries; the KD part's whole
+    gradient there); dense: the per-row multiplier of exp(s_j - lse_tail) at the entries outside the
+    row's top-k (already divided by T); ce_scale: [N] CE weight per row (softmax of the raw logits minus
+    the label's one-hot). dW/db cover this range only.
     """
     acc = compute_dtype(xs.dtype)
     V = ws.shape[0]
@@ -189,18 +184,14 @@ def backward_range(
     db = torch.empty_like(bs) if (bs is not None and need_w) else None
     xs_acc = xs.to(acc)
     local_labels = None if labels is None else labels - lo
-    if dense.tail is not None:
-        lse_tail = dense.lse_tail
-        lse_tail = torch.where(torch.isfinite(lse_tail), lse_tail, torch.zeros_like(lse_tail))  # no outside ids: 0
+    lse_tail = dense.lse_tail
+    lse_tail = torch.where(torch.isfinite(lse_tail), lse_tail, torch.zeros_like(lse_tail))  # no outside ids: 0
     for c0, c1 in spans(V, chunk):
         z = chunk_logits(x=xs, w=ws, b=bs, lo=c0, hi=c1, acc=acc, softcap=cfg.softcap_s)
         s = z / cfg.temperature
         a, b = entries.span(lo + c0, lo + c1)
-        if dense.tail is None:
-            g = dense.q[:, None] * torch.exp(s - lse_s[:, None])
-        else:  # the ids take their whole gradient from coef
-            outside = without_ids(s, entries, a, b, lo + c0) if b > a else s
-            g = dense.tail[:, None] * torch.exp(outside - lse_tail[:, None])
+        outside = without_ids(s, entries, a, b, lo + c0) if b > a else s  # the ids: their whole gradient in coef
+        g = dense.tail[:, None] * torch.exp(outside - lse_tail[:, None])
         if ce_scale is not None:
             g += ce_scale[:, None] * torch.exp(z - lse_z[:, None])
             if local_labels is not None:
@@ -246,7 +237,7 @@ def row_coefficients(grad_rows: Tensor, mask: Tensor, res: RowResult, cfg: TopKC
     kd_scale, ce_scale = row_scales(grad_rows.to(dt), mask.to(dt), cfg)
     kd_scale = kd_scale / cfg.temperature
     coef = (res.sparse * kd_scale[:, None]).reshape(-1)
-    dense = DenseCoef(res.dense, res.tail, res.lse_tail).scaled(kd_scale) if cfg.full else None
+    dense = DenseCoef(res.tail, res.lse_tail).scaled(kd_scale) if cfg.full else None
     return coef, dense, (ce_scale if cfg.with_ce else None)
 
 
@@ -260,18 +251,16 @@ class ChunkedTopK(PartsFunction):
         lpc = lp.to(compute_dtype(xs.dtype))
         if cfg.full:
             st = vocab_pass(xs=xs, ws=ws, bs=bs, labels=labels, entries=entries, cfg=cfg)
-            res, lse_s, lse_z, ce = finish(
+            res, lse_z, ce = finish(
                 z_ids=st.z_ids, lp=lpc, valid=valid, s_state=st.s, z_state=st.z, z_label=st.z_label, cfg=cfg
             )
         else:
             z_ids = softcap_(gather_logits(xs, ws, bs, ids).reshape(-1), cfg.softcap_s)
             ctx.z_ids = z_ids
-            res, lse_s, lse_z, ce = finish(
-                z_ids=z_ids, lp=lpc, valid=valid, s_state=None, z_state=None, z_label=None, cfg=cfg
-            )
+            res, lse_z, ce = finish(z_ids=z_ids, lp=lpc, valid=valid, s_state=None, z_state=None, z_label=None, cfg=cfg)
         total, kd, ce_rows = combine_rows(res.kd, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, ids, labels, mask)
-        ctx.res, ctx.lse_s, ctx.lse_z, ctx.entries, ctx.cfg = res, lse_s, lse_z, entries, cfg
+        ctx.res, ctx.lse_z, ctx.entries, ctx.cfg = res, lse_z, entries, cfg
         return ChunkedTopK.parts(ctx, total, kd, ce_rows)
 
     @staticmethod
@@ -289,7 +278,6 @@ class ChunkedTopK(PartsFunction):
                 labels=labels,
                 entries=ctx.entries,
                 coef=coef,
-                lse_s=ctx.lse_s,
                 dense=dense,
                 lse_z=ctx.lse_z,
                 ce_scale=ce_scale,

@@ -2,15 +2,14 @@
 
 normalize="full" (vocab-wide, in the manner of cut-cross-entropy; memory O(rows * K)):
 - ``topk_cm_lse_kernel``: one program per (row block, vocab tile), grouped for L2 reuse; the logit
-  tile is accumulated in fp32 from bf16/fp16/fp32 operands, its log-sum-exp (tempered, and raw
-  for the hard-label CE) is merged into the per-row result under a per-row-block lock. With the
-  tail bucket (TAIL) the tempered log-sum-exp skips each row's valid top-k ids: it is the
-  student's tail mass, accumulated directly (exact however small).
-- ``topk_cm_bwd_kernel``: recomputes each logit tile, forms the gradient tile (the sparse
-  coefficients of the row's stored ids that fall in the tile + the dense part ``dense_n * q_nj``,
-  or with TAIL ``tail_n * exp(s_nj - lse_tail_n)`` at the other entries only, + the CE part) and feeds it into
-  dX and dW through locked read-add-write of fp32 accumulators (or of the gradients themselves
-  in their dtype, as CCE does).
+  tile is accumulated in fp32 from bf16/fp16/fp32 operands, its tempered log-sum-exp over the entries
+  outside each row's valid top-k ids (the student's mass there, accumulated directly: exact however
+  small), kept as (max, rescaled sum), and the raw log-sum-exp over all entries (the hard-label CE at
+  T != 1) are merged into the per-row results under a per-row-block lock.
+- ``topk_cm_bwd_kernel``: recomputes each logit tile, forms the gradient tile (the coefficients of
+  the row's stored ids that fall in the tile, their whole KD gradient, + ``tail_n * exp(s_nj -
+  lse_tail_n)`` at the other entries, + the CE part) and feeds it into dX and dW through locked
+  read-add-write of fp32 accumulators (or of the gradients themselves in their dtype, as CCE does).
 
 Finding a row's top-k ids inside a tile (``_tile_row_ids``): each row's valid ids are sorted once
 on the host ([rows, K] int32). A program binary-searches, for each of its BLOCK_B rows at once,
@@ -184,7 +183,8 @@ def topk_cm_lse_kernel(
     X,
     W,
     B,
-    LSE_S,
+    M_S,
+    L_S,
     LSE_Z,
     LOCKS,
     IDS,
@@ -199,7 +199,6 @@ def topk_cm_lse_kernel(
     stride_in,
     HAS_BIAS: tl.constexpr,
     HAS_Z: tl.constexpr,
-    TAIL: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -208,6 +207,8 @@ def topk_cm_lse_kernel(
     EVEN_D: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
+    """Per row: (M_S, L_S) the max and rescaled sum of the tempered logits outside the row's valid ids
+    (M_S = -inf, L_S = 0 before any entry), LSE_Z the raw logits' log-sum-exp (HAS_Z)."""
     pid_b, pid_v = _tile_ids(N, V, BLOCK_B, BLOCK_V, GROUP_B)
     rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -230,27 +231,25 @@ def topk_cm_lse_kernel(
     )
     z = tl.where((cols < V)[None, :], z, float("-inf"))
     s = z * inv_t
-    if TAIL:  # the student's tail: leave out each row's top-k ids
-        s, _ = _tile_row_ids(
-            IDS,
-            IDS,
-            rows % N,
-            cols,
-            pid_v * BLOCK_V,
-            tl.minimum(pid_v * BLOCK_V + BLOCK_V, V),
-            stride_in,
-            K,
-            n_steps,
-            s,
-            True,
-            False,
-            BLOCK_B,
-            BLOCK_V,
-        )
-    m = tl.max(s, axis=1)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(s - m[:, None]), axis=1)
-    lse = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))  # no entry left: -inf
+    # the student's mass outside the ids: leave out each row's top-k ids
+    s, _ = _tile_row_ids(
+        IDS,
+        IDS,
+        rows % N,
+        cols,
+        pid_v * BLOCK_V,
+        tl.minimum(pid_v * BLOCK_V + BLOCK_V, V),
+        stride_in,
+        K,
+        n_steps,
+        s,
+        True,
+        False,
+        BLOCK_B,
+        BLOCK_V,
+    )
+    m = tl.max(s, axis=1)  # -inf where the tile has no entry left
+    total = tl.sum(tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), axis=1)
     if HAS_Z:
         mz = tl.max(z, axis=1)
         lse_z = mz + tl.log(tl.sum(tl.exp(z - mz[:, None]), axis=1))
@@ -259,8 +258,12 @@ def topk_cm_lse_kernel(
     while tl.atomic_cas(lock, 0, 1) == 1:
         pass
     tl.debug_barrier()
-    old = tl.load(LSE_S + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-    tl.store(LSE_S + rows, logaddexp(old, lse), mask=rmask)
+    m_old = tl.load(M_S + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+    l_old = tl.load(L_S + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+    m_new = tl.maximum(m_old, m)
+    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    tl.store(M_S + rows, m_new, mask=rmask)
+    tl.store(L_S + rows, l_old * tl.exp(m_old - safe) + total * tl.exp(m - safe), mask=rmask)
     if HAS_Z:
         old_z = tl.load(LSE_Z + rows, mask=rmask, other=0.0, cache_modifier=".cg")
         tl.store(LSE_Z + rows, logaddexp(old_z, lse_z), mask=rmask)
@@ -284,9 +287,7 @@ def topk_cm_bwd_kernel(
     X,
     W,
     B,
-    LSE_S,
     LSE_Z,
-    DENSE,
     CE,
     LABELS,
     IDS,
@@ -312,7 +313,6 @@ def topk_cm_bwd_kernel(
     n_dchunks,
     HAS_BIAS: tl.constexpr,
     HAS_CE: tl.constexpr,
-    TAIL: tl.constexpr,
     NEED_W: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -337,7 +337,7 @@ def topk_cm_bwd_kernel(
     )
     s = z * inv_t
     cols_g = cols
-    # the stored ids of the tile: their coefficients, and (TAIL) -inf in the outside logits
+    # the stored ids of the tile: their coefficients (their whole KD gradient), and -inf in the outside logits
     s_out, g = _tile_row_ids(
         IDS,
         COEF,
@@ -349,20 +349,16 @@ def topk_cm_bwd_kernel(
         K,
         n_steps,
         s,
-        TAIL,
+        True,
         True,
         BLOCK_B,
         BLOCK_V,
     )
-    if TAIL:  # the ids take their whole gradient from COEF, the other entries this one term
-        tail = tl.load(TAIL_C + rows_c)
-        lse_t = tl.load(LSE_T + rows_c)  # finite (0 where the row has no outside entry: tail is 0 there)
-        s_out = tl.where(vmask[None, :], s_out, float("-inf"))
-        g += tail[:, None] * tl.exp(s_out - lse_t[:, None])
-    else:
-        lse_s = tl.load(LSE_S + rows_c)
-        dense = tl.load(DENSE + rows_c)
-        g += dense[:, None] * tl.exp(s - lse_s[:, None])
+    # the other entries: the bucket's coefficient
+    tail = tl.load(TAIL_C + rows_c)
+    lse_t = tl.load(LSE_T + rows_c)  # finite (0 where the row has no outside entry: tail is 0 there)
+    s_out = tl.where(vmask[None, :], s_out, float("-inf"))
+    g += tail[:, None] * tl.exp(s_out - lse_t[:, None])
     if HAS_CE:
         lse_z = tl.load(LSE_Z + rows_c)
         ce = tl.load(CE + rows_c)

@@ -1,5 +1,6 @@
 """Row kernels of topk_kl's fast mode over an fp32 logit slab: the log-sum-exps of a row (the top-k
-ids excluded) and the gradient slab (written over the slab's own bytes)."""
+ids excluded; the tempered one split as max and rescaled sum) and the gradient slab (written over the
+slab's own bytes)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from ..core.tl_utils import f32, online_tile
 
 @triton.jit
 def topk_fast_lse_kernel(Z, OUT, stride_z, n_cols, inv_temp, RAW: tl.constexpr, BLOCK_V: tl.constexpr):
-    """OUT[row] = (logsumexp_j z_j * inv_temp, logsumexp_j z_j) over a row of an fp32 slab (-inf entries
-    are skipped; a row of -inf only gives -inf)."""
+    """OUT[row] = (m, l, logsumexp_j z_j) over a row of an fp32 slab, logsumexp_j z_j * inv_temp = m + log l
+    kept as its two parts (m the max, l = sum_j e^(z_j * inv_temp - m)); -inf entries are skipped (a row of
+    -inf only gives m = -inf, l = 0, and -inf)."""
     inv_temp = f32(inv_temp)
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
@@ -29,9 +31,10 @@ def topk_fast_lse_kernel(Z, OUT, stride_z, n_cols, inv_temp, RAW: tl.constexpr, 
         m_s, l_s, _e, _sc = online_tile(m_s, l_s, z * inv_temp, valid)
         if RAW:
             m_z, l_z, _e2, _sc2 = online_tile(m_z, l_z, z, valid)
-    tl.store(OUT + row * 2, tl.where(l_s > 0, m_s + tl.log(l_s), float("-inf")))
+    tl.store(OUT + row * 3, m_s)
+    tl.store(OUT + row * 3 + 1, l_s)
     if RAW:
-        tl.store(OUT + row * 2 + 1, tl.where(l_z > 0, m_z + tl.log(l_z), float("-inf")))
+        tl.store(OUT + row * 3 + 2, tl.where(l_z > 0, m_z + tl.log(l_z), float("-inf")))
 
 
 @triton.jit

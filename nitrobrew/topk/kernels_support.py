@@ -145,7 +145,7 @@ def topk_support_fwd_kernel(
     if HAS_BIAS:
         z += tl.load(B + key, mask=ok, other=0.0).to(tl.float32)
     s = z * inv_temp
-    # rowmath._support_rows: the student renormalized over the support with its top entry's digits kept,
+    # rowmath._split_rows: the student renormalized over the support with its top entry's digits kept,
     # the terms from d = log q - log p, the gradient v - q sum v (at a unique top v (1 - q) - q sum_rest v)
     m_s, ll_s, top = _split_lse(s, ok, offs, BLOCK_K)
     lq = tl.where(ok, (s - m_s) - ll_s, float("-inf"))
@@ -157,7 +157,7 @@ def topk_support_fwd_kernel(
     else:
         lp = lp_raw
     # d = log q - log p from the logits' gap to the stored log-probs, referred to its value at the teacher's
-    # top entry, minus the centred log E_p[e^(gap - c)] (rowmath._support_rows)
+    # top entry, minus the centred log E_p[e^(gap - c)] (rowmath._split_rows)
     gap = tl.where(ok, s - lp_raw, 0.0)
     c = tl.sum(tl.where(top_p, gap, 0.0), axis=0)
     delta = gap - c

@@ -149,43 +149,42 @@ def gather_logits(xs: Tensor, ws: Tensor, bs: Optional[Tensor], ids: Tensor) -> 
 
 
 def lse_range(
-    xs: Tensor, ws: Tensor, bs: Optional[Tensor], temperature: float, with_raw: bool, outside: Optional[RowIds] = None
-) -> Tuple[Tensor, Optional[Tensor]]:
-    """Per-row log-sum-exp of the tempered logits over the rows of ws
-    (only over the ids not in ``outside``'s rows, when given: the tail bucket), and of the raw ones
-    (over all of them)."""
+    xs: Tensor, ws: Tensor, bs: Optional[Tensor], temperature: float, with_raw: bool, outside: RowIds
+) -> Tuple[Online, Optional[Tensor]]:
+    """Per row: the online (max, tail) state of the tempered logits over the rows of ws outside
+    ``outside``'s ids (the student's mass outside the stored ids), and the log-sum-exp of the raw ones
+    over all of them (with_raw, else None)."""
     N, D = xs.shape
     V = ws.shape[0]
     c = _fwd_cfg(xs.dtype)
-    lse_s = torch.full((N,), float("-inf"), dtype=torch.float32, device=xs.device)
-    lse_z = torch.full((N,), float("-inf"), dtype=torch.float32, device=xs.device) if with_raw else lse_s
+    m_s = torch.full((N,), float("-inf"), dtype=torch.float32, device=xs.device)
+    l_s = torch.zeros((N,), dtype=torch.float32, device=xs.device)
+    lse_z = torch.full((N,), float("-inf"), dtype=torch.float32, device=xs.device) if with_raw else m_s
     if N == 0 or V == 0:
-        return lse_s, (lse_z if with_raw else None)
+        return Online(m_s, l_s - 1.0), (lse_z if with_raw else None)
     locks = torch.zeros(cdiv(N, c.block_b), dtype=torch.int32, device=xs.device)
-    grid = (cdiv(N, c.block_b) * cdiv(V, c.block_v),)
-    ids = outside.ids if outside is not None else locks
-    K = ids.shape[1] if outside is not None else 1
+    K = outside.ids.shape[1]
     kern.launch_lse(
-        grid,
+        (cdiv(N, c.block_b) * cdiv(V, c.block_v),),
         xs,
         ws,
         bs if bs is not None else xs,
-        lse_s,
+        m_s,
+        l_s,
         lse_z,
         locks,
-        ids,
+        outside.ids,
         N,
         V,
         D,
         K,
-        outside.steps if outside is not None else 0,
+        outside.steps,
         1.0 / temperature,
         xs.stride(0),
         ws.stride(0),
         K,
         HAS_BIAS=bs is not None,
         HAS_Z=with_raw,
-        TAIL=outside is not None,
         DOT_PREC=_dot_prec(xs.dtype),
         BLOCK_B=c.block_b,
         BLOCK_V=c.block_v,
@@ -196,14 +195,14 @@ def lse_range(
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
-    return lse_s, (lse_z if with_raw else None)
+    # tail = l - 1: l in [1, V], its log keeps ~eps (-1 where nothing was seen)
+    return Online(m_s, l_s - 1.0), (lse_z if with_raw else None)
 
 
 def full_backward_range(
     xs,
     ws,
     bs,
-    lse_s,
     lse_z,
     dense: DenseCoef,
     ce_scale,
@@ -214,10 +213,9 @@ def full_backward_range(
     need_w: bool = True,
     accum: str = "fp32",
 ):
-    """(dX, dW, db) w.r.t. the raw logits: coef at each
-    row's stored ids (coef [N * K] in the order of topk_ids) + the dense part dense.q_n * q_nj, or
-    with the tail dense.tail_n * exp(s_nj - lse_tail_n) outside the row's ids, + the CE part
-    ce_n * (softmax(z)_nj - [j == label_n]) (labels global, -1 where none)."""
+    """(dX, dW, db) w.r.t. the raw logits: coef at each row's stored ids (coef [N * K] in the order of
+    topk_ids: their whole KD gradient) + dense.tail_n * exp(s_nj - lse_tail_n) outside the row's ids, + the
+    CE part ce_n * (softmax(z)_nj - [j == label_n]) (labels global, -1 where none)."""
     N, D = xs.shape
     V = ws.shape[0]
     c = _bwd_cfg(xs.dtype)
@@ -226,8 +224,7 @@ def full_backward_range(
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     coef_s = row_ids.sorted_values(coef)
     has_ce = ce_scale is not None
-    tail = dense.tail is not None
-    lse_t = torch.where(torch.isfinite(dense.lse_tail), dense.lse_tail, 0.0) if tail else None  # no outside: 0
+    lse_t = torch.where(torch.isfinite(dense.lse_tail), dense.lse_tail, 0.0)  # no outside entry: 0
     dx = torch.zeros(N, D, dtype=acc_dtype, device=xs.device)
     dw = torch.zeros(V, D, dtype=torch.float32 if accum == "fp32" else ws.dtype, device=xs.device) if need_w else dx
     db = torch.zeros(V, dtype=torch.float32, device=xs.device) if (bs is not None and need_w) else dx
@@ -240,15 +237,13 @@ def full_backward_range(
             xs,
             ws,
             bs if bs is not None else xs,
-            lse_s,
-            lse_z if has_ce else lse_s,
-            f32(dense.q) if not tail else lse_s,
-            f32(ce_scale) if has_ce else lse_s,
+            lse_z if has_ce else coef_s,
+            f32(ce_scale) if has_ce else coef_s,
             labels.to(torch.int32).contiguous() if has_ce else locks_x,
             row_ids.ids,
             coef_s,
-            f32(dense.tail) if tail else lse_s,
-            f32(lse_t) if tail else lse_s,
+            f32(dense.tail),
+            f32(lse_t),
             dx,
             dw,
             db,
@@ -268,7 +263,6 @@ def full_backward_range(
             n_dch,
             HAS_BIAS=bs is not None,
             HAS_CE=has_ce,
-            TAIL=tail,
             NEED_W=need_w,
             DOT_PREC=_dot_prec(xs.dtype),
             BLOCK_B=c.block_b,
@@ -295,22 +289,21 @@ class TritonTopK(PartsFunction):
         row_ids = RowIds.build(ids, valid)
         ids_g = ids if not cfg.with_ce else torch.cat([ids, labels.clamp_min(0)[:, None]], 1)
         z = gather_logits(xs, ws, bs, ids_g.contiguous())
-        lse_s, lse_z = lse_range(
-            xs, ws, bs, cfg.temperature, cfg.with_ce and cfg.temperature != 1.0, outside=row_ids if cfg.tail else None
+        s_state, lse_z = lse_range(
+            xs, ws, bs, cfg.temperature, with_raw=cfg.with_ce and cfg.temperature != 1.0, outside=row_ids
         )
-        zero = torch.zeros_like(lse_s)  # Online's tail: l = 1 (the state is the lse itself)
-        res, lse_s, lse_z, ce = finish(
+        res, lse_z, ce = finish(
             z_ids=z[:, :K].reshape(-1),
             lp=lpc,
             valid=valid,
-            s_state=Online(lse_s, zero),
-            z_state=None if lse_z is None else Online(lse_z, zero),
+            s_state=s_state,
+            z_state=None if lse_z is None else Online(lse_z, torch.zeros_like(lse_z)),  # tail 0: l = 1
             z_label=z[:, K] if cfg.with_ce else None,
             cfg=cfg,
         )
         total, kd, ce_rows = combine_rows(res.kd, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, labels, mask)
-        ctx.res, ctx.lse_s, ctx.lse_z, ctx.cfg, ctx.row_ids = res, lse_s, lse_z, cfg, row_ids
+        ctx.res, ctx.lse_z, ctx.cfg, ctx.row_ids = res, lse_z, cfg, row_ids
         ctx.accum = _GRAD_ACCUM.get()
         return TritonTopK.parts(ctx, total, kd, ce_rows)
 
@@ -325,7 +318,6 @@ class TritonTopK(PartsFunction):
             xs=xs,
             ws=ws,
             bs=bs,
-            lse_s=ctx.lse_s,
             lse_z=ctx.lse_z,
             dense=dense,
             ce_scale=ce_scale,

@@ -5,12 +5,14 @@ For a block of C rows:
    never rounded to bf16);
 2. the logits at the row's stored ids (and at its label) are gathered, then the ids' entries of
    the slab are set to -inf, so that one row pass (``kf.topk_fast_lse_kernel``) gives the log-sum-exp
-   over the OTHER entries directly: with the tail bucket that is the student's tail, exact however
-   small; without it, the full log-sum-exp is rebuilt from it and the K id logits;
-3. the [C, K] math of ``rowmath`` gives the losses and the gradient coefficients;
-4. ``kernels_fast.topk_fast_grad_kernel`` writes the gradient slab in the heads' dtype over the slab's own bytes;
-   the ids' gradients (computed in fp32 on [C, K]) are added at their columns (the kernel wrote
-   exact zeros there); then dX = G W, dW += G^T X, db += sum G.
+   over the OTHER entries directly, as (max, rescaled sum): the student's mass outside the ids, exact
+   however small;
+3. the [C, K] math of ``rowmath`` gives the losses and the gradient coefficients (the student's
+   normalizer split over the ids and that bucket: docs/design.md §2.6);
+4. ``kernels_fast.topk_fast_grad_kernel`` writes the gradient slab in the heads' dtype over the slab's own bytes
+   (the bucket's coefficient at the other entries); the ids' gradients (computed in fp32 on [C, K], their
+   whole KD gradient) are added at their columns (the kernel wrote exact zeros there); then dX = G W,
+   dW += G^T X, db += sum G.
 
 With a scalar reduction the gradient is formed in the forward while the slab exists, so fwd+bwd is
 the three GEMMs of the floor plus two passes over the slab; with reduction="none" (or a later
@@ -66,7 +68,6 @@ class BlockRows:
 
     z_ids: torch.Tensor  # [C, K] fp32
     res: RowResult
-    lse_s: torch.Tensor  # [C] tempered full log-sum-exp
     lse_z: Optional[torch.Tensor]  # [C] raw full log-sum-exp (CE), else None
     ce: Optional[torch.Tensor]  # [C] per-row CE, else None
 
@@ -86,10 +87,11 @@ def exclude_ids(z: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> None
 
 
 def _rest_lse(z: torch.Tensor, cfg: TopKConfig) -> torch.Tensor:
-    """[C, 2]: log-sum-exps of the tempered (col 0) and raw (col 1, CE at T != 1) logits per row."""
+    """[C, 3] per row: the tempered logits' max and rescaled sum (cols 0, 1), the raw logits' log-sum-exp
+    (col 2, CE at T != 1)."""
     rows, n_cols = z.shape
     raw = cfg.with_ce and cfg.temperature != 1.0
-    out = torch.empty(rows, 2, dtype=F32, device=z.device)
+    out = torch.empty(rows, 3, dtype=F32, device=z.device)
     if rows:
         kf.launch_lse(
             (rows,),
@@ -111,15 +113,14 @@ def block_forward(z, ids, lp, valid, labels, cfg: TopKConfig) -> BlockRows:
     z_label = z.gather(1, labels.clamp_min(0)[:, None]).squeeze(1) if cfg.with_ce else None
     exclude_ids(z, ids, valid)
     rest = _rest_lse(z, cfg)
-    zero = torch.zeros_like(rest[:, 0])  # Online's tail: l = 1 (the state is the lse itself)
-    s_ids = z_ids / cfg.temperature
-    lse_rest_s = rest[:, 0]
-    s_state = Online(lse_rest_s if cfg.tail else full_lse(s_ids, valid, lse_rest_s), zero)
-    z_state = Online(full_lse(z_ids, valid, rest[:, 1]), zero) if cfg.with_ce and cfg.temperature != 1.0 else None
-    res, lse_s, lse_z, ce = finish(
+    s_state = Online(rest[:, 0], rest[:, 1] - 1.0)  # tail = l - 1 (l in [1, n]: its log keeps ~eps)
+    z_state = None
+    if cfg.with_ce and cfg.temperature != 1.0:  # Online's tail 0: l = 1 (the state is the lse itself)
+        z_state = Online(full_lse(z_ids, valid, rest[:, 2]), torch.zeros_like(rest[:, 2]))
+    res, lse_z, ce = finish(
         z_ids=z_ids.reshape(-1), lp=lp.to(F32), valid=valid, s_state=s_state, z_state=z_state, z_label=z_label, cfg=cfg
     )
-    return BlockRows(z_ids, res, lse_s, lse_z, ce)
+    return BlockRows(z_ids, res, lse_z, ce)
 
 
 def _row_coefficients(grad_rows, mask, blk: BlockRows, cfg: TopKConfig):
@@ -128,14 +129,9 @@ def _row_coefficients(grad_rows, mask, blk: BlockRows, cfg: TopKConfig):
     dt = blk.res.kd.dtype
     kd_scale, ce_scale = row_scales(grad_rows.to(dt), mask.to(dt), cfg)
     kd_scale = kd_scale / cfg.temperature
-    g_ids = blk.res.sparse * kd_scale[:, None]
-    if cfg.tail:  # the ids take their whole KD gradient from the sparse part
-        a = blk.res.tail * kd_scale
-        lse_a = torch.where(torch.isfinite(blk.res.lse_tail), blk.res.lse_tail, torch.zeros_like(blk.res.lse_tail))
-    else:
-        a = blk.res.dense * kd_scale
-        lse_a = blk.lse_s
-        g_ids = g_ids + a[:, None] * torch.exp(blk.z_ids / cfg.temperature - lse_a[:, None])
+    g_ids = blk.res.sparse * kd_scale[:, None]  # the ids' whole KD gradient
+    a = blk.res.tail * kd_scale  # the other entries': the bucket's
+    lse_a = torch.where(torch.isfinite(blk.res.lse_tail), blk.res.lse_tail, torch.zeros_like(blk.res.lse_tail))
     b = lse_b = torch.zeros_like(a)
     if cfg.with_ce:
         b, lse_b = ce_scale, blk.lse_z
@@ -188,19 +184,13 @@ def _cat_rows(blocks: List[BlockRows]) -> BlockRows:
         return blocks[0]
     cat = lambda vals: None if vals[0] is None else torch.cat(vals)  # noqa: E731
     res = RowResult(*(cat([getattr(b.res, f.name) for b in blocks]) for f in fields(RowResult)))
-    return BlockRows(
-        cat([b.z_ids for b in blocks]),
-        res,
-        cat([b.lse_s for b in blocks]),
-        cat([b.lse_z for b in blocks]),
-        cat([b.ce for b in blocks]),
-    )
+    return BlockRows(cat([b.z_ids for b in blocks]), res, cat([b.lse_z for b in blocks]), cat([b.ce for b in blocks]))
 
 
 def _slice_rows(blk: BlockRows, r0: int, r1: int) -> BlockRows:
     sl = lambda t: None if t is None else t[r0:r1]  # noqa: E731
     res = RowResult(*(sl(getattr(blk.res, f.name)) for f in fields(RowResult)))
-    return BlockRows(blk.z_ids[r0:r1], res, blk.lse_s[r0:r1], sl(blk.lse_z), sl(blk.ce))
+    return BlockRows(blk.z_ids[r0:r1], res, sl(blk.lse_z), sl(blk.ce))
 
 
 class FastTopK(PartsFunction):

@@ -1,11 +1,12 @@
 """Vocab-parallel ``topk_kl(normalize="full")``: the student's head split by vocabulary over ranks.
 
 Each rank runs ``nitrobrew.topk.chunked.vocab_pass`` on its block (global ids [lo, lo + V_r)),
-which yields the student's online (m, l) state, the raw logits at the stored ids that fall in the
-block (0 elsewhere) and the label logit. The ranks combine them with one all-reduce MAX of the
-maxima and one all-reduce SUM of the rescaled sums, the label logits and the [rows, K] id logits
-(each stored id lives on exactly one rank); ``finish`` then gives the same losses and gradient
-coefficients on every rank. The backward runs ``backward_range`` on the block and all-reduces dX.
+which yields the student's online (m, tail) state over the block's entries outside each row's stored
+ids, the raw logits at the stored ids that fall in the block (0 elsewhere) and the label logit. The
+ranks combine them with one all-reduce MAX of the maxima and one all-reduce SUM of the rescaled sums,
+the label logits and the [rows, K] id logits (each stored id lives on exactly one rank); ``finish``
+then gives the same losses and gradient coefficients on every rank. The backward runs
+``backward_range`` on the block and all-reduces dX.
 Communication: O(rows * K) forward, O(rows * D) backward, independent of V.
 """
 
@@ -73,10 +74,10 @@ class VocabParallelTopK(PartsFunction):
         extra = merge_online(states, group, extra=([st.z_label] if cfg.with_ce else []) + [st.z_ids])
         z_label = extra[0] if cfg.with_ce else st.z_label
         z_ids = extra[-1]
-        res, lse_s, lse_z, ce = finish(z_ids, lp.to(acc), valid, s_state=st.s, z_state=st.z, z_label=z_label, cfg=cfg)
+        res, lse_z, ce = finish(z_ids, lp.to(acc), valid, s_state=st.s, z_state=st.z, z_label=z_label, cfg=cfg)
         total, kd, ce_rows = combine_rows(res.kd, ce, mask, cfg)
         ctx.save_for_backward(xs, ws, bs, labels, mask)
-        ctx.res, ctx.lse_s, ctx.lse_z, ctx.entries, ctx.cfg = res, lse_s, lse_z, entries, cfg
+        ctx.res, ctx.lse_z, ctx.entries, ctx.cfg = res, lse_z, entries, cfg
         ctx.group, ctx.lo, ctx.chunk = group, lo, chunk
         return VocabParallelTopK.parts(ctx, total, kd, ce_rows)
 
@@ -94,7 +95,6 @@ class VocabParallelTopK(PartsFunction):
             labels,
             ctx.entries,
             coef=coef,
-            lse_s=ctx.lse_s,
             dense=dense,
             lse_z=ctx.lse_z,
             ce_scale=ce_scale,
@@ -199,8 +199,8 @@ def vocab_parallel_topk(
     inputs: TopKInputs, options: TopKOptions, params: Mapping[str, float], *, group, return_parts: bool = False
 ):
     """``parallel_topk_kl`` of unwrapped inputs and a group (``topk_kl`` enters here): the checks run on
-    every rank and the ranks agree on the verdict before any collective of the loss. ``options.mode`` and
-    ``memory_budget`` (Triton only) are not used."""
+    every rank and the ranks agree on the verdict before any collective of the loss. The options are
+    checked here as given, once (``validate``); ``mode`` and ``memory_budget`` (Triton only) are not used."""
     require_initialized()
     rank, world = group_rank_world(group)
     xs, ws, topk_ids, topk_logprobs, bs, labels = inputs
@@ -218,7 +218,7 @@ def vocab_parallel_topk(
                 "process_group= (vocab-parallel) runs nitrobrew's PyTorch chunked path; pass "
                 "backend='auto' or backend='torch'"
             )
-        call = validate(inputs, o._replace(mode=None, memory_budget=None), params, id_ranges=False)
+        call = validate(inputs, o, params, id_ranges=False)
         call.check()
         K = topk_ids.shape[-1]
         agreed = (
