@@ -169,6 +169,33 @@ def speed(old, dev, tiny, before=None):
     return out, (v, ds, dt, n, str(dtype).replace("torch.", ""))
 
 
+def speed_topk(pkgs, dev, tiny):
+    """topk_kl(normalize="full") fwd+bwd, fast and constant-memory, with and without the tail bucket, per
+    package (the top-k rows' split normalizer: a package without it is the baseline)."""
+    v, ds, n, k = (512, 64, 64, 8) if tiny else (152064, 3584, 4096, 64)
+    g = torch.Generator(device=dev).manual_seed(1)
+    dtype = torch.float32 if tiny else torch.bfloat16
+    xs = torch.randn(n, ds, device=dev, generator=g, dtype=dtype)
+    ws = (torch.randn(v, ds, device=dev, generator=g) * (3 / ds**0.5)).to(dtype)
+    lp, ids = torch.log_softmax(torch.randn(n, v, device=dev, generator=g) * 3, -1).topk(k, -1)
+    out = []
+    for mode in ("fast", "constant_memory"):
+        for tail in (False, True):
+            times: dict = {label: [] for label, _ in pkgs}
+            for _ in range(ROUNDS):
+                for label, pkg in pkgs:
+
+                    def step():
+                        x, w = xs.detach().requires_grad_(), ws.detach().requires_grad_()
+                        pkg.topk_kl(x, w, ids, lp, normalize="full", tail=tail, backend="triton", mode=mode).backward()
+
+                    times[label].append(time_ms(step, dev, warmup=1 if tiny else 2, reps=1 if tiny else 5))
+            out.append(
+                (f"topk full {mode}{' tail' if tail else ''}", {lb: statistics.median(ts) for lb, ts in times.items()})
+            )
+    return out, (v, ds, n, k)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--old-ref", default=OLD_REF)
@@ -176,6 +203,8 @@ def main() -> int:
     p.add_argument("--before-dir", default=None, help="a third package (e.g. main before a change), timed too")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "exactness", "confident_rows.md"))
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--topk", action="store_true", help="also time topk_kl(normalize='full') against the baseline")
+    p.add_argument("--speed-only", action="store_true", help="leave out the accuracy table")
     args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type != "cuda" and not args.tiny:
@@ -204,6 +233,26 @@ def main() -> int:
     for n, med in rows:
         cells = [f"{med[lb]:.2f}" for lb in labels] + [f"{med[lb] / med['old']:.3f}" for lb in labels[1:]]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    print("\n".join(lines), flush=True)
+    if args.topk:  # the top-k rows' change is measured against the package before it (or old)
+        base = [("before", before)] if before is not None else [("old", old)]
+        trows, tshape = speed_topk(base + [("new", nb)], dev, args.tiny)
+        lines += [
+            "",
+            f'## Top-k normalize="full", fwd+bwd (V, Ds, N, K = {tshape}; median of {ROUNDS} rounds x 5 calls)',
+            "",
+            f"| loss | {base[0][0]} ms | new ms | new / {base[0][0]} |",
+            "|---|---|---|---|",
+        ]
+        for n, med in trows:
+            lines.append(f"| {n} | {med[base[0][0]]:.2f} | {med['new']:.2f} | {med['new'] / med[base[0][0]]:.3f} |")
+        print("\n".join(lines[-len(trows) - 4 :]), flush=True)
+    if args.speed_only:
+        text = "\n".join(lines) + "\n"
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text)
+        return 0
     lines += [
         "",
         "## Accuracy against float64 (fp32 inputs)",
