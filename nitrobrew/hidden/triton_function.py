@@ -98,15 +98,16 @@ def block_stats(ops: Operands, labels, cfg: LossConfig, vchunk: int, chunk_max=N
         cm = None if chunk_max is None else chunk_max[:, ci]
         tr.launch_stats(*slabs, st, labels, v0, cfg, 1, cm, centred=False)  # jsd: no centred sums (§2.6)
     fp = _first_pass_from_state(st, cfg, centred=False)
-    sums = None
+    sums, normed = None, None
     if cfg.divergence not in dv.ONE_PASS:
-        st2 = tr.new_rowvals(row_norm(fp, False)[0].stacked())
+        normed = row_norm(fp, False)
+        st2 = tr.new_rowvals(normed[0].stacked())
         for v0, v1 in spans(V, vchunk):
             if vchunk < V:
                 slabs = _slabs(ops, v0, v1, cfg)
             tr.launch_stats(*slabs, st2, None, v0, cfg, 2)
         sums = tr.second_pass_sums(st2)
-    return finish_stats(fp, cfg, sums), (slabs if vchunk >= V else None)
+    return finish_stats(fp, cfg, sums, normed), (slabs if vchunk >= V else None)
 
 
 def _grad_buffer(z: torch.Tensor, t: torch.Tensor, dtype) -> torch.Tensor:

@@ -95,10 +95,11 @@ def _merged_stats(fp, cfg: LossConfig, group, second_pass) -> RowStats:
         (fp.z_label,) = merge_online(states, group, extra=[fp.z_label], kl_pairs=pairs)
     else:
         merge_online(states, group, kl_pairs=pairs)
-    sums = None
+    sums, normed = None, None
     if cfg.divergence not in dv.ONE_PASS:
-        sums = all_reduce(torch.stack(second_pass(row_norm(fp, False)[0])), "sum", group, "fwd_second_pass")
-    return finish_stats(fp, cfg, sums)
+        normed = row_norm(fp, False)
+        sums = all_reduce(torch.stack(second_pass(normed[0])), "sum", group, "fwd_second_pass")
+    return finish_stats(fp, cfg, sums, normed)
 
 
 def parallel_stats(ops: Operands, labels, cfg: LossConfig, local, group) -> RowStats:
