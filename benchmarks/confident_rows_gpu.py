@@ -142,7 +142,7 @@ def accuracy(dev, tiny):
     return out
 
 
-def speed(old, dev, tiny, before=None):
+def speed(old, dev, tiny, before=None, reverse=False):
     v, ds, dt, n = (512, 64, 80, 64) if tiny else (152064, 3584, 5120, 4096)
     g = torch.Generator(device=dev).manual_seed(0)
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -152,10 +152,11 @@ def speed(old, dev, tiny, before=None):
     wt = (torch.randn(v, dt, device=dev, generator=g) * (3 / dt**0.5)).to(dtype)
     out = []
     pkgs = [("old", old)] + ([("before", before)] if before is not None else []) + [("new", nb)]
+    order = pkgs[::-1] if reverse else pkgs  # the order within a round (a position effect shows as a change)
     for name in ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl", "skew_reverse_kl"):
         times: dict = {label: [] for label, _ in pkgs}
         for _ in range(ROUNDS):
-            for label, pkg in pkgs:
+            for label, pkg in order:
                 fn = getattr(pkg, name)
 
                 def step():
@@ -205,6 +206,7 @@ def main() -> int:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--topk", action="store_true", help="also time topk_kl(normalize='full') against the baseline")
     p.add_argument("--speed-only", action="store_true", help="leave out the accuracy table")
+    p.add_argument("--reverse", action="store_true", help="time the packages new first within each round")
     args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type != "cuda" and not args.tiny:
@@ -218,7 +220,7 @@ def main() -> int:
     lines += [f"- old: `{args.old_ref}` (same process, package `nitrobrew_main`)", ""]
     if before is not None:
         lines += [f"- before: `{args.before_dir}` (same process, package `nitrobrew_before`)", ""]
-    rows, shape = speed(old, dev, args.tiny, before)
+    rows, shape = speed(old, dev, args.tiny, before, args.reverse)
     labels = list(rows[0][1])
     lines += [
         f"## Speed, fast mode fwd+bwd (V, Ds, Dt, N = {shape[:4]}, {shape[4]}; median of {ROUNDS} rounds x 5 calls)",
