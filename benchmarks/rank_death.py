@@ -91,11 +91,14 @@ def losses(out_dir: str):
     return {h["step"]: h["loss"] for h in json.load(open(path))["log_history"] if "loss" in h}
 
 
-def complete_checkpoints(out_dir: str):
+def complete_checkpoints(out_dir: str, nproc: int = 1):
+    """The checkpoints whose every file is there: trainer_state.json (written by rank 0 last) and, with
+    several processes, each rank's own RNG state (a rank killed while the others save leaves its file out)."""
     found = []
     for name in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
         path = os.path.join(out_dir, name)
-        if name.startswith("checkpoint-") and os.path.exists(os.path.join(path, "trainer_state.json")):
+        need = ["trainer_state.json"] + ([f"rng_state_{r}.pth" for r in range(nproc)] if nproc > 1 else [])
+        if name.startswith("checkpoint-") and all(os.path.exists(os.path.join(path, f)) for f in need):
             found.append((int(name.split("-")[1]), path))
     return sorted(found)
 
@@ -170,7 +173,7 @@ def main(argv=None) -> int:
         deadline = time.monotonic() + args.run_timeout
         killed_at = None
         while time.monotonic() < deadline and b.poll() is None:
-            if complete_checkpoints(os.path.join(root, "B")):
+            if complete_checkpoints(os.path.join(root, "B"), args.nproc):
                 pids = worker_pids(b, victim)
                 if pids:
                     for pid in pids:
@@ -199,7 +202,7 @@ def main(argv=None) -> int:
                 for ln in text.splitlines()
                 if "nitrobrew:" in ln or "Signal 9" in ln or "SIGKILL" in ln or "exitcode" in ln or "ChildFailed" in ln
             ]
-            ckpts = complete_checkpoints(os.path.join(root, "B"))
+            ckpts = complete_checkpoints(os.path.join(root, "B"), args.nproc)
             report.append(
                 f"B (rank {victim} killed with SIGKILL after checkpoint-{ckpts[0][0] if ckpts else '?'} was complete): "
                 + (
@@ -241,8 +244,10 @@ def main(argv=None) -> int:
             for run in ("A", "B", "C"):
                 path = os.path.join(root, f"{run}.log")
                 if os.path.exists(path):
-                    tail = "\n".join(open(path).read().splitlines()[-40:])
-                    report.append(f"{run}.log (last 40 lines):\n\n```\n{tail}\n```")
+                    text = open(path).read().splitlines()
+                    said = [ln for ln in text if ln.startswith("nitrobrew")]  # the ranks' own error lines
+                    tail = "\n".join(said + ["..."] + text[-40:])
+                    report.append(f"{run}.log (error lines, then the last 40 lines):\n\n```\n{tail}\n```")
     import torch
 
     head = (

@@ -213,3 +213,28 @@ def test_config_mistakes_are_one_line_and_write_nothing(files, tmp_path, capsys)
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("nitrobrew train: ") and says in err[0], (name, err)
         assert not (tmp_path / "out").exists(), name
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_ranks_own_training_error_is_said_by_that_rank(files, monkeypatch, capsys, rank):
+    """An error while training may be one process's alone (a checkpoint file only it reads): it says so in
+    one line naming its rank, where before only rank 0 spoke and a failing rank 1 exited 2 in silence. A
+    config mistake, alike on every rank, is still said once, by rank 0."""
+    from nitrobrew.hf import train_cli
+
+    class Failing:
+        def train(self, resume_from_checkpoint=None):
+            raise FileNotFoundError("checkpoint-10/rng_state_1.pth")
+
+    config = str(write_config(files, f"rank{rank}"))
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(train_cli, "build", lambda *a, **k: Failing())
+    assert main(["train", config, "--max_steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    who = "nitrobrew train" if rank == "0" else "nitrobrew train (rank 1)"
+    assert err == [f"{who}: checkpoint-10/rng_state_1.pth"]
+    monkeypatch.undo()
+    monkeypatch.setenv("RANK", rank)
+    assert main(["train", config, "--max_steps", "1", "--max_length", "-3"]) == 2  # a config mistake
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == (1 if rank == "0" else 0)

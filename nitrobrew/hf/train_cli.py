@@ -618,14 +618,20 @@ def _resume_from(value):
 
 
 def run(args: argparse.Namespace) -> int:
+    training = False
     try:
         model_args, data_args, train_args = parse(None if args.config == "-" else args.config, args.overrides)
         trainer = build(model_args, data_args, train_args)
+        training = True
         trainer.train(resume_from_checkpoint=_resume_from(train_args.resume_from_checkpoint))
         trainer.save_model()
         trainer.save_state()  # trainer_state.json: the log history
     except (ValueError, TypeError, OSError, ImportError, KeyError, argparse.ArgumentError) as err:
-        if os.environ.get("RANK", "0") == "0":  # one line, from the first of several launched processes
-            print(f"nitrobrew train: {' '.join(str(err).split())}", file=sys.stderr)
+        rank = os.environ.get("RANK", "0")
+        # a bad config or set-up fails alike on every launched process: one line, from the first; an error
+        # while training may be one rank's own (a checkpoint file it cannot read): that rank says so
+        if rank == "0" or training:
+            who = "nitrobrew train" if rank == "0" else f"nitrobrew train (rank {rank})"
+            print(f"{who}: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     return 0
