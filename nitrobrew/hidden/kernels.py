@@ -217,49 +217,37 @@ def hidden_stats_kernel(
             cm_t = tl.max(m_t, axis=0)
             tl.store(chunk_max_ptr + row * stride_cm, tl.where(cm_s == NEG_BIG, float("-inf"), cm_s))
             tl.store(chunk_max_ptr + row * stride_cm + 1, tl.where(cm_t == NEG_BIG, float("-inf"), cm_t))
-        if DIVERGENCE == REVERSE_KL:
-            ms_row, ts_row, a_row, r_row, ref_row, mt_row, tt_row, b_row = _kl_lanes_to_row(
-                m_s,
-                t_s,
-                acc,
-                rel,
-                ref,
-                m_t,
-                t_t,
-                lost,
-                tl.load(st + M_S),
-                tl.load(st + T_S),
-                tl.load(st + ACC),
-                tl.load(st + REL),
-                tl.load(st + REF),
-                tl.load(st + M_T),
-                tl.load(st + T_T),
-                tl.load(st + LOST),
-            )
-        elif CENTRED:
-            mt_row, tt_row, a_row, r_row, ref_row, ms_row, ts_row, b_row = _kl_lanes_to_row(
-                m_t,
-                t_t,
-                acc,
-                rel,
-                ref,
-                m_s,
-                t_s,
-                lost,
-                tl.load(st + M_T),
-                tl.load(st + T_T),
-                tl.load(st + ACC),
-                tl.load(st + REL),
-                tl.load(st + REF),
-                tl.load(st + M_S),
-                tl.load(st + T_S),
-                tl.load(st + LOST),
-            )
         if CENTRED:
-            tl.store(st + M_S, ms_row)
-            tl.store(st + T_S, ts_row)
-            tl.store(st + M_T, mt_row)
-            tl.store(st + T_T, tt_row)
+            # the accumulating side o (the student for reverse_kl, else the teacher) and the other side x,
+            # with their state columns
+            if DIVERGENCE == REVERSE_KL:
+                m_o, t_o, m_x, t_x = m_s, t_s, m_t, t_t
+                M_O, T_O, M_X, T_X = M_S, T_S, M_T, T_T
+            else:
+                m_o, t_o, m_x, t_x = m_t, t_t, m_s, t_s
+                M_O, T_O, M_X, T_X = M_T, T_T, M_S, T_S
+            mo_row, to_row, a_row, r_row, ref_row, mx_row, tx_row, b_row = _kl_lanes_to_row(
+                m_o,
+                t_o,
+                acc,
+                rel,
+                ref,
+                m_x,
+                t_x,
+                lost,
+                tl.load(st + M_O),
+                tl.load(st + T_O),
+                tl.load(st + ACC),
+                tl.load(st + REL),
+                tl.load(st + REF),
+                tl.load(st + M_X),
+                tl.load(st + T_X),
+                tl.load(st + LOST),
+            )
+            tl.store(st + M_O, mo_row)
+            tl.store(st + T_O, to_row)
+            tl.store(st + M_X, mx_row)
+            tl.store(st + T_X, tx_row)
             tl.store(st + ACC, a_row)
             tl.store(st + REL, r_row)
             tl.store(st + REF, ref_row)
