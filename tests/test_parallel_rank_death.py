@@ -169,3 +169,20 @@ def test_watchdog_rejects_a_zero_timeout():
 
     with pytest.raises(ValueError, match="timeout_s"):
         RankWatchdog(timeout_s=0, store=object())
+
+
+def test_stop_waits_for_the_watchdog_threads(tmp_path):
+    """stop() returns once the heartbeat threads have ended: a beat still inside a store call while the
+    process exits could abort it (a resumed run's rank 0 ended with SIGABRT after its last step)."""
+    import torch.distributed as dist
+
+    from nitrobrew.parallel.watchdog import RankWatchdog
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        dog = RankWatchdog(timeout_s=2.0, interval_s=0.05).start()
+        time.sleep(0.3)
+        dog.stop()
+        assert dog._threads and not any(t.is_alive() for t in dog._threads)
+    finally:
+        dist.destroy_process_group()

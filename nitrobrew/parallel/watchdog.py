@@ -75,10 +75,13 @@ class RankWatchdog:
         return self
 
     def stop(self) -> None:
-        """This rank is done: mark it so, and end the threads."""
+        """This rank is done: end the threads, then mark it so. The threads are waited for (a beat takes
+        one store call): one still inside a store call while the process exits can abort it."""
         if self._stop.is_set():
             return
         self._stop.set()
+        for t in self._threads:
+            t.join(timeout=self.interval_s + 5.0)  # bounded: a store call to a lost host may block
         try:
             self.store.set(self._key(self.rank, "done"), "1")
         except Exception:  # noqa: BLE001 - the store may be gone at shutdown
