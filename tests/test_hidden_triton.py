@@ -180,3 +180,72 @@ def test_tiny_kl_of_close_distributions_keeps_its_digits(divergence, impl):
     xs, ws, wt = tiny_kl_case()
     got = LOSS_FNS[divergence](xs, xs, ws, wt, reduction="none", **impl)
     assert tiny_kl_rel_err(divergence, got, xs, ws, wt) < 1e-3
+
+
+def _finish_rows(vocab: int = 96):
+    """Logit rows (identity heads: exact in fp32) that reach every branch of hidden_finish_kernel: spread,
+    confident (15-18 nat gaps), close, one side masked or 200 nats below (on half the row, or on a few
+    entries: the close form with lost mass), ties at the top, a NaN row, a row with no finite entry."""
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(12, vocab, generator=g) * 2.0
+    t = torch.randn(12, vocab, generator=g) * 2.0
+    t[1], t[1, 3] = 0.0, 15.0  # confident teacher, student close and far
+    s[1] = t[1] + 0.01 * torch.randn(vocab, generator=g)
+    t[2], t[2, 7] = 0.0, 18.0
+    s[2], s[2, 7] = 0.0, 17.0
+    s[3] = t[3] + 1e-3 * torch.randn(vocab, generator=g)  # close
+    t[4, vocab // 2 :] = float("-inf")  # the teacher masked on half the row
+    s[5, 5:] -= 200.0  # the student underflows there
+    s[6], t[6] = 0.0, 0.0  # uniform, ties everywhere
+    s[7, 4] = float("nan")
+    s[8], t[8] = float("-inf"), float("-inf")
+    t[9] = s[9] + 3.0  # a shift: p = q
+    for row in (10, 11):  # close, with a little of the other side's mass lost (the close form's b)
+        s[row] = t[row] + 0.01 * torch.randn(vocab, generator=g)
+    t[10, :3] = float("-inf")
+    s[11, :3] -= 200.0
+    return s, t
+
+
+@pytest.mark.parametrize("with_ce", [False, True], ids=["kd", "ce"])
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_row_finish_kernel_matches_the_pytorch_finish(divergence, with_ce):
+    """hidden_finish_kernel (the row math between the Triton passes) against chunked.row_norm and
+    finish_stats on the same pass-1 state and second-pass sums, column by column, NaN where they say NaN."""
+    from nitrobrew import divergences as dv
+    from nitrobrew.hidden import kernels as tr
+    from nitrobrew.hidden.chunked import finish_stats, row_norm
+    from nitrobrew.hidden.config import LossConfig
+    from nitrobrew.hidden.triton_function import _first_pass_from_state
+
+    name, param = dv.canonical(divergence, 0.3)
+    cfg = LossConfig.build(name, param, 1.5, 1.0, 0.5 if with_ce else 0.0, False, None)
+    s, t = _finish_rows()
+    z, tt = s.contiguous(), t.contiguous()
+    labels = torch.arange(z.shape[0]) * 7 % z.shape[1]
+    st = tr.new_state(z.shape[0], z.device)
+    tr.launch_stats(z, tt, st, labels, 0, cfg, 1, centred=False)
+    fp = _first_pass_from_state(st, cfg, centred=False)
+    vals = torch.full((z.shape[0], int(tr.NROW)), 7.0)
+    sums, normed = None, None
+    if cfg.divergence not in dv.ONE_PASS:
+        normed = row_norm(fp, False)
+        tr.launch_finish(st, vals, cfg, final=False, centred=False)
+        torch.testing.assert_close(vals[:, :6], normed[0].stacked().t(), rtol=1e-5, atol=1e-9, equal_nan=True)
+        assert (vals[:, 6:10] == 0).all()
+        tr.launch_stats(z, tt, vals, None, 0, cfg, 2)
+        sums = tuple(vals[:, k].clone() for k in range(6, 10))
+    want = finish_stats(fp, cfg, sums, normed)
+    tr.launch_finish(st, vals, cfg, final=True, centred=False)
+    got = tr.row_stats(vals, cfg)
+    for field in ("lse_s", "lse_t", "lse_z", "sum_u", "kd", "ce", "v_rest"):
+        a, b = getattr(got, field), getattr(want, field)
+        if b is None and field == "v_rest":
+            b = torch.zeros_like(a)
+        if b is None:
+            assert a is None, field
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9, equal_nan=True, msg=field)
+    torch.testing.assert_close(
+        got.row_norm().stacked(), want.row_norm().stacked(), rtol=1e-5, atol=1e-9, equal_nan=True
+    )

@@ -145,6 +145,23 @@ def log1p(x):
 
 
 @triton.jit
+def finite(x):
+    # torch.isfinite: False for +-inf and NaN
+    return tl.abs(x) < float("inf")
+
+
+@triton.jit
+def log1p_full(x):
+    """torch.log1p for any x: log1p above, -inf at x = -1, NaN below it and for NaN, inf at inf (a row
+    state's tail is -1 while the row has no entry)."""
+    y = 1.0 + x
+    normal = (y >= 1.1754943508222875e-38) & (y < float("inf"))
+    r = log1p(tl.where(normal, x, 0.0))
+    r = tl.where(y == 0.0, float("-inf"), tl.where(y == float("inf"), float("inf"), r))
+    return tl.where((y < 0.0) | (x != x), float("nan"), r)
+
+
+@triton.jit
 def mix_logs(d, w1, EDGE: tl.constexpr):
     """(M1, M2) = (log(w1 e^d + 1 - w1), log(w1 + (1 - w1) e^-d)) for d = log q - log p (not NaN) and a
     weight w1 in [0, 1]: divergences.mixlog(d, w1) and mixlog(-d, 1 - w1), with M1 - M2 = d. One expm1

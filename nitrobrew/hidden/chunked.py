@@ -83,6 +83,9 @@ class RowStats:
     chunk_max: Optional[Tensor] = None
     norm: Optional[RowNorm] = None  # the split normalizers (None: lse_s, lse_t with log l = 0)
     v_rest: Optional[Tensor] = None  # sum_u without the student's top entry (divergences.row_grad)
+    # [N, columns] the fields above are column views of, where the Triton finish kernel formed them in one
+    # tensor (hidden.kernels.row_stats): the gradient kernel reads it as it is
+    packed: Optional[Tensor] = None
 
     def rows(self, r0: int, r1: int) -> "RowStats":
         """The statistics of rows [r0, r1)."""
@@ -94,6 +97,7 @@ class RowStats:
             chunk_max=None,
             norm=None if self.norm is None else self.norm.rows(r0, r1),
             v_rest=None if self.v_rest is None else self.v_rest[r0:r1],
+            packed=None if self.packed is None else self.packed[r0:r1],
         )
 
     def row_norm(self) -> RowNorm:
@@ -188,7 +192,8 @@ def _centred(own: Online, other: Online, lse_gap: Tensor) -> Tuple[Tensor, Tenso
     lost = other.b.double() / (1.0 + other.tail.double())
     close = torch.isfinite(r) & (r.abs() < 0.5) & torch.isfinite(a_l) & (lost >= 0) & (lost < 0.5)
     r, lost = torch.where(close, r, 0.0), torch.where(close, lost, 0.0)
-    g = torch.where(close, torch.log1p(r) - torch.log1p(-lost), own.ref.double() + lse_gap.double())
+    # log1p(r) - log1p(-lost) as one log: log1p((r + lost) / (1 - lost))
+    g = torch.where(close, torch.log1p((r + lost) / (1.0 - lost)), own.ref.double() + lse_gap.double())
     return a_l.to(own.a.dtype), g.to(own.a.dtype), close
 
 

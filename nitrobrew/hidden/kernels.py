@@ -32,8 +32,10 @@ from ..core.tl_utils import (
     expm1,
     f32,
     fexp,
+    finite,
     group_tail,
     lanes_tail,
+    log1p_full,
     math_args,
     merge_tail2,
     recentre,
@@ -41,6 +43,7 @@ from ..core.tl_utils import (
     row_grad,
     row_terms,
 )
+from .chunked import RowNorm, RowStats
 from .config import LossConfig
 
 # Columns of the pass-1 state tensor [R, NSTATE], declared once (the kernels read these constexprs, host
@@ -51,11 +54,14 @@ M_S, T_S, M_T, T_T, ACC, M_Z, T_Z, Z_LABEL, REL, LOST, REF = (tl.constexpr(i) fo
 NSTATE = tl.constexpr(11)
 # Columns of the per-row values [R, NROW] the second pass and the gradient read: the split normalizers
 # (chunked.RowNorm: m_s, log l_s, m_t, log l_t, c, g), then the second pass's four sums, or the
-# gradient's lse_z, sum_u and v_rest.
+# gradient's lse_z, sum_u and v_rest; hidden_finish_kernel also writes the rest of
+# chunked.RowStats: each side's log-sum-exp, the divergence and the cross-entropy of the row.
 N_M_S, N_LL_S, N_M_T, N_LL_T, N_C, N_G = (tl.constexpr(i) for i in range(6))
 PHI_SUM, V_SUM, V2_SUM, V3_SUM = (tl.constexpr(i) for i in range(6, 10))
 LSE_Z, SUM_U, V_REST = (tl.constexpr(i) for i in range(6, 9))
-NROW = tl.constexpr(10)
+LSE_S, LSE_T, KD, CE = (tl.constexpr(i) for i in range(10, 14))
+NROW = tl.constexpr(14)
+FINISH_ROWS = 128  # rows per program of hidden_finish_kernel
 # the divergences whose row terms take a mixture's log-ratio (tl_utils.mix_logs): their own tiles
 MIXTURES = ("jsd", "skew_kl", "skew_reverse_kl")
 # Entries whose other side lies more than this many nats above their own (w e^d could overflow fp32)
@@ -440,6 +446,119 @@ def hidden_grad_kernel(
         tl.store(rowmax_ptr + row, tl.max(g_max, axis=0))
 
 
+@triton.jit
+def hidden_finish_kernel(
+    state_ptr,
+    vals_ptr,
+    n_rows,
+    DIVERGENCE: tl.constexpr,
+    FINAL: tl.constexpr,
+    CENTRED: tl.constexpr,
+    WITH_CE: tl.constexpr,
+    RAW_LSE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The row math after a pass, a row per lane: from a pass-1 state [R, NSTATE] to the split
+    normalizers of chunked.row_norm (vals[:, :6]); FINAL: also the rest of chunked.finish_stats from
+    them and the second pass's sums (vals[:, 6:10], read before they are overwritten): lse_z, sum_u,
+    v_rest for the gradient, and each side's lse, the divergence and the cross-entropy of the row.
+    Not FINAL: the sums' columns are zeroed for the second pass. (One launch where the same math in
+    PyTorch takes ~100 small kernels per block of rows.)"""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < n_rows
+    st = state_ptr + rows.to(tl.int64) * NSTATE
+    out = vals_ptr + rows.to(tl.int64) * NROW
+    m_s = tl.load(st + M_S, mask=ok, other=0.0)
+    t_s = tl.load(st + T_S, mask=ok, other=0.0)
+    m_t = tl.load(st + M_T, mask=ok, other=0.0)
+    t_t = tl.load(st + T_T, mask=ok, other=0.0)
+    ll_s = log1p_full(t_s)
+    ll_t = log1p_full(t_t)
+    both = finite(m_s) & finite(m_t)
+    a_l = tl.zeros_like(m_s)
+    g_own = tl.zeros_like(m_s)
+    if CENTRED:  # chunked.row_norm with _centred: (a / l, G) of the accumulating side o, the other side x
+        ref = tl.load(st + REF, mask=ok, other=0.0)
+        gap = (m_s - m_t) + (ll_s - ll_t)  # lse_s - lse_t
+        if DIVERGENCE == REVERSE_KL:
+            t_o, t_x, lse_gap = t_s, t_t, -gap
+        else:
+            t_o, t_x, lse_gap = t_t, t_s, gap
+        l_o = 1.0 + t_o.to(tl.float64)
+        a64 = tl.load(st + ACC, mask=ok, other=0.0).to(tl.float64) / l_o
+        r = tl.load(st + REL, mask=ok, other=0.0).to(tl.float64) / l_o
+        lost = tl.load(st + LOST, mask=ok, other=0.0).to(tl.float64) / (1.0 + t_x.to(tl.float64))
+        close = finite(r) & (tl.abs(r) < 0.5) & finite(a64) & (lost >= 0.0) & (lost < 0.5)
+        r = tl.where(close, r, 0.0)
+        lost = tl.where(close, lost, 0.0)
+        # log1p(r) - log1p(-lost) = log1p((r + lost) / (1 - lost)): one log, no difference of two
+        g_close = log1p_full(((r + lost) / (1.0 - lost)).to(tl.float32))
+        g_own = tl.where(close, g_close, (ref.to(tl.float64) + lse_gap.to(tl.float64)).to(tl.float32))
+        a_l = a64.to(tl.float32)
+        if DIVERGENCE == REVERSE_KL:
+            c, g = ref, -g_own
+        else:
+            c, g = -ref, g_own
+        c = tl.where(close, c, tl.where(both, m_s - m_t, c))
+        g = tl.where(close, g, tl.where(both, ll_s - ll_t, g))
+    else:
+        c = tl.where(both, m_s - m_t, 0.0)
+        g = ll_s - ll_t
+    tl.store(out + N_M_S, m_s, mask=ok)
+    tl.store(out + N_LL_S, ll_s, mask=ok)
+    tl.store(out + N_M_T, m_t, mask=ok)
+    tl.store(out + N_LL_T, ll_t, mask=ok)
+    tl.store(out + N_C, c, mask=ok)
+    tl.store(out + N_G, g, mask=ok)
+    zero = tl.zeros_like(m_s)
+    if not FINAL:
+        for col in tl.static_range(6, 10):
+            tl.store(out + col, zero, mask=ok)
+    else:
+        lse_s = m_s + ll_s
+        lse_t = m_t + ll_t
+        v_rest = zero
+        if DIVERGENCE == FORWARD_KL:
+            kd = a_l + g_own
+            sum_u = zero
+        elif DIVERGENCE == REVERSE_KL:
+            kd = a_l + g_own
+            kd = tl.where(kd < 0.0, 0.0, kd)  # the gradient reads the clamped value
+            sum_u = kd
+            v_rest = a_l - expm1(-ll_s) * g_own
+        else:
+            kd = tl.load(out + PHI_SUM, mask=ok, other=0.0)
+            v_a = tl.load(out + V_SUM, mask=ok, other=0.0)
+            v_b = tl.load(out + V2_SUM, mask=ok, other=0.0)
+            if DIVERGENCE == TVD:  # divergences.tvd_sum_u
+                v_e = tl.load(out + V3_SUM, mask=ok, other=0.0)
+                x = 2.0 * v_b + v_e
+                y = 2.0 * v_a + v_e
+                sum_u = tl.where(x <= y, x, -y)
+                v_rest = v_b - v_a
+            else:
+                sum_u = v_a
+                v_rest = v_b
+        kd = tl.where(kd < 0.0, 0.0, kd)
+        bad = (lse_s != lse_s) | (lse_t != lse_t)
+        kd = tl.where(bad, float("nan"), kd)
+        sum_u = tl.where(bad, float("nan"), sum_u)
+        lse_z = lse_s
+        ce = zero
+        if WITH_CE:
+            if RAW_LSE:
+                lse_z = tl.load(st + M_Z, mask=ok, other=0.0) + log1p_full(tl.load(st + T_Z, mask=ok, other=0.0))
+            ce = lse_z - tl.load(st + Z_LABEL, mask=ok, other=0.0)
+        tl.store(out + LSE_Z, lse_z, mask=ok)
+        tl.store(out + SUM_U, sum_u, mask=ok)
+        tl.store(out + V_REST, v_rest, mask=ok)
+        tl.store(out + 9, zero, mask=ok)
+        tl.store(out + LSE_S, lse_s, mask=ok)
+        tl.store(out + LSE_T, lse_t, mask=ok)
+        tl.store(out + KD, kd, mask=ok)
+        tl.store(out + CE, ce, mask=ok)
+
+
 def column(st: torch.Tensor, col) -> torch.Tensor:
     """Column `col` (one of the constexprs above) of a state tensor [R, NSTATE] or [R, NROW]."""
     return st[:, int(col)]
@@ -472,6 +591,46 @@ def new_gradvals(norm_rows: torch.Tensor, lse_z, sum_u, v_rest) -> torch.Tensor:
     out = new_rowvals(norm_rows)
     out[:, int(LSE_Z)], out[:, int(SUM_U)], out[:, int(V_REST)] = lse_z, sum_u, v_rest
     return out
+
+
+def launch_finish(state: torch.Tensor, vals: torch.Tensor, cfg: LossConfig, final: bool, centred: bool = True) -> None:
+    """The row math after a pass (hidden_finish_kernel), from a merged pass-1 `state` [R, NSTATE] into
+    `vals` [R, NROW]: the split normalizers and zeroed sums for the second pass; final (after the last
+    pass): the gradient's per-row values and the rows' lse, divergence and cross-entropy (`row_stats`).
+    centred: as the pass-1 launches' (False: jsd's first pass kept the tails only)."""
+    rows = state.shape[0]
+    if rows == 0:
+        return
+    launch(
+        hidden_finish_kernel,
+        (triton.cdiv(rows, FINISH_ROWS),),
+        state,
+        vals,
+        rows,
+        DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence],
+        FINAL=final,
+        CENTRED=centred or cfg.divergence != "jsd",
+        WITH_CE=cfg.with_ce,
+        RAW_LSE=cfg.with_ce and cfg.temperature != 1.0,
+        BLOCK_R=FINISH_ROWS,
+        num_warps=4,
+    )
+
+
+def row_stats(vals: torch.Tensor, cfg: LossConfig) -> RowStats:
+    """The RowStats of a finished `vals` [R, NROW] (launch_finish): column views, `packed` the tensor."""
+    norm = RowNorm(*(column(vals, k) for k in (N_M_S, N_LL_S, N_M_T, N_LL_T, N_C, N_G)))
+    return RowStats(
+        lse_s=column(vals, LSE_S),
+        lse_t=column(vals, LSE_T),
+        lse_z=column(vals, LSE_Z) if cfg.with_ce else None,
+        sum_u=column(vals, SUM_U),
+        kd=column(vals, KD),
+        ce=column(vals, CE) if cfg.with_ce else None,
+        norm=norm,
+        v_rest=column(vals, V_REST),
+        packed=vals,
+    )
 
 
 def launch_stats(

@@ -26,7 +26,7 @@ from ..core.slabs import accumulate_dw, alloc_grads, finish_grads, keep_for_back
 from . import grad_filter as gf
 from . import kernels as tr
 from . import kernels_filter as kf
-from .chunked import FirstPass, RowNorm, RowStats, finish_stats, row_norm
+from .chunked import FirstPass, RowNorm, RowStats
 from .config import LossConfig, Operands
 
 F32 = torch.float32
@@ -97,17 +97,16 @@ def block_stats(ops: Operands, labels, cfg: LossConfig, vchunk: int, chunk_max=N
         slabs = _slabs(ops, v0, v1, cfg)
         cm = None if chunk_max is None else chunk_max[:, ci]
         tr.launch_stats(*slabs, st, labels, v0, cfg, 1, cm, centred=False)  # jsd: no centred sums (§2.6)
-    fp = _first_pass_from_state(st, cfg, centred=False)
-    sums, normed = None, None
+    # the row math between the passes in one launch each (chunked.row_norm / finish_stats in Triton)
+    vals = torch.empty(st.shape[0], int(tr.NROW), dtype=F32, device=st.device)
     if cfg.divergence not in dv.ONE_PASS:
-        normed = row_norm(fp, False)
-        st2 = tr.new_rowvals(normed[0].stacked())
+        tr.launch_finish(st, vals, cfg, final=False, centred=False)
         for v0, v1 in spans(V, vchunk):
             if vchunk < V:
                 slabs = _slabs(ops, v0, v1, cfg)
-            tr.launch_stats(*slabs, st2, None, v0, cfg, 2)
-        sums = tr.second_pass_sums(st2)
-    return finish_stats(fp, cfg, sums, normed), (slabs if vchunk >= V else None)
+            tr.launch_stats(*slabs, vals, None, v0, cfg, 2)
+    tr.launch_finish(st, vals, cfg, final=True, centred=False)
+    return tr.row_stats(vals, cfg), (slabs if vchunk >= V else None)
 
 
 def _grad_buffer(z: torch.Tensor, t: torch.Tensor, dtype) -> torch.Tensor:
@@ -123,7 +122,9 @@ def _grad_buffer(z: torch.Tensor, t: torch.Tensor, dtype) -> torch.Tensor:
 
 def _rowvals(rs: RowStats) -> torch.Tensor:
     """The gradient kernel's per-row values [N, NROW] (kernels: the split normalizers, lse_z, sum_u,
-    v_rest)."""
+    v_rest): hidden_finish_kernel's tensor where it formed them."""
+    if rs.packed is not None:
+        return rs.packed
     lse_z = rs.lse_z if rs.lse_z is not None else rs.lse_s
     v_rest = rs.v_rest if rs.v_rest is not None else torch.zeros_like(rs.sum_u)
     return tr.new_gradvals(rs.row_norm().stacked(), lse_z, rs.sum_u, v_rest)
@@ -270,7 +271,7 @@ def distill_forward(
                 slabs=slabs,
             )
         del slabs
-    rs = _concat_stats(stats, xs)
+    rs = _concat_stats(stats, cfg)
     rs.chunk_max = chunk_max
     rows = combine_rows(rs.kd, rs.ce, mask, cfg)
     out = tuple(reduce_rows(r, mask, plan.reduction, (n,)) for r in rows)
@@ -341,18 +342,9 @@ class TritonDistill(PartsFunction):
         return TritonDistill.input_grads(ctx, dx, dw, db)
 
 
-def _concat_stats(stats, xs) -> RowStats:
-    if len(stats) == 1:
-        return stats[0]
-
-    def cat(name):
-        return None if getattr(stats[0], name) is None else torch.cat([getattr(s, name) for s in stats])
-
-    norms = [s.row_norm() for s in stats]
-    norm = RowNorm(*(torch.cat([getattr(n, k) for n in norms]) for k in RowNorm.FIELDS))
-    return RowStats(
-        *(cat(k) for k in ("lse_s", "lse_t", "lse_z", "sum_u", "kd", "ce")), norm=norm, v_rest=cat("v_rest")
-    )
+def _concat_stats(stats, cfg: LossConfig) -> RowStats:
+    """The blocks' RowStats as one (each holds its hidden_finish_kernel tensor: block_stats)."""
+    return stats[0] if len(stats) == 1 else tr.row_stats(torch.cat([s.packed for s in stats]), cfg)
 
 
 def triton_distill(
