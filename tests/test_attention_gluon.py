@@ -155,3 +155,18 @@ def test_key_padding_mask_and_fp32_stay_on_triton():
     )
     assert not kg.gluon_forward_supported(q_t, k_t, q_s, k_s, kpm=None, is_causal=True, causal_offset=-1)
     assert not kg.gluon_forward_supported(q_t.transpose(1, 2), k_t, q_s, k_s, kpm=None, is_causal=True, causal_offset=0)
+
+
+def test_the_gluon_forward_compiles_for_sm90_with_the_installed_triton():
+    """The Gluon builtins it calls exist in this Triton (Triton 3.9 removed
+    tma.async_copy_global_to_shared): compiled for sm90 offline, in a process outside the interpreter."""
+    import subprocess
+    import sys
+
+    if not kg.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "gluon_offline_compile.py")
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "cubin bytes" in done.stdout

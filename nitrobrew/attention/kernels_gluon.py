@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-try:  # Gluon ships with Triton >= 3.5; the names below are those of Triton 3.6
+try:  # Gluon ships with Triton >= 3.5; the names below are those of Triton 3.6 (and 3.9: tma_load)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -43,6 +43,10 @@ try:  # Gluon ships with Triton >= 3.5; the names below are those of Triton 3.6
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # TMA's global-to-shared copy: `async_copy_global_to_shared` up to Triton 3.6, `async_load` later (the
+    # old name raises there); same arguments
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
     # The Triton forward's per-block row-state update, called as it is: a @triton.jit helper called from a
     # @gluon.jit function compiles with Gluon's semantics (on the caller's layouts), checked on Triton 3.6
@@ -153,8 +157,8 @@ if HAVE_GLUON:
         stage = block % kx_smem.shape[0]
         bar = ready.index(stage)
         mbarrier.expect(bar, kx_desc.block_type.nbytes + ky_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(kx_desc, [kx_row0 + block * BN, 0], bar, kx_smem.index(stage), pred=pred)
-        tma.async_copy_global_to_shared(ky_desc, [ky_row0 + block * BN, 0], bar, ky_smem.index(stage), pred=pred)
+        tma_load(kx_desc, [kx_row0 + block * BN, 0], bar, kx_smem.index(stage), pred=pred)
+        tma_load(ky_desc, [ky_row0 + block * BN, 0], bar, ky_smem.index(stage), pred=pred)
 
     @gluon.jit
     def _issue_scores(qx_smem, qy_smem, kx_smem, ky_smem, ready, block, zero):
@@ -233,8 +237,8 @@ if HAVE_GLUON:
             mbarrier.init(ready.index(i), count=1)
 
         mbarrier.expect(q_bar, qx_desc.block_type.nbytes + qy_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(qx_desc, [q_row0, 0], q_bar, qx_smem)
-        tma.async_copy_global_to_shared(qy_desc, [q_row0, 0], q_bar, qy_smem)
+        tma_load(qx_desc, [q_row0, 0], q_bar, qx_smem)
+        tma_load(qy_desc, [q_row0, 0], q_bar, qy_smem)
         for i in gl.static_range(STAGES):
             _load_keys(kx_desc, ky_desc, kx_smem, ky_smem, ready, i, kx_row0, ky_row0, BN, i < n_blocks)
 

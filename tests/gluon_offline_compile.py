@@ -1,0 +1,53 @@
+"""Compile the Gluon attention forward for sm90 on a machine without a GPU (run as a script, outside the
+Triton interpreter, by tests/test_attention_gluon.py): nothing is launched; the installed Triton's Gluon
+front end and NVIDIA back end build the kernel, so a renamed or removed Gluon builtin fails here, on CPU.
+Prints the cubin's size."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from triton.backends.compiler import GPUTarget
+
+from nitrobrew.attention import kernels_gluon as kg
+
+driver_module = sys.modules["triton.runtime.driver"]
+
+
+class Sm90Target:
+    """The parts of Triton's active driver that compiling (not launching) reads."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def main() -> int:
+    if not kg.HAVE_GLUON:
+        print("no Gluon in this Triton")
+        return 3
+    b, h, n, d = 1, 2, 256, 64
+    q = torch.empty(b, h, n, d, dtype=torch.bfloat16)
+    rows = torch.empty(b, h, n)
+    bm, bn, warps, stages = kg.DEFAULT_CONFIG
+    desc_q, desc_k = kg._desc(q, bm), kg._desc(q, bn)
+    args = (desc_q, desc_k, desc_q, desc_k, rows, rows, rows, rows, rows, h, n, n, 1, 1, 1.0, 1.0, 0)
+    driver_module.driver.set_active(Sm90Target())  # for this process, which compiles and exits
+    compiled = kg.attention_fwd_gluon_kernel.warmup(
+        *args, BN=bn, STAGES=stages, CAUSAL=True, X_FIXED=False, Y_FIXED=False, num_warps=warps, grid=(1,)
+    )
+    print("cubin bytes", len(compiled.asm["cubin"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
