@@ -249,3 +249,23 @@ def test_row_finish_kernel_matches_the_pytorch_finish(divergence, with_ce):
     torch.testing.assert_close(
         got.row_norm().stacked(), want.row_norm().stacked(), rtol=1e-5, atol=1e-9, equal_nan=True
     )
+
+
+@pytest.mark.parametrize("with_ce", [False, True], ids=["kd", "ce"])
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_a_fresh_first_slab_writes_the_whole_state(divergence, with_ce):
+    """launch_stats(fresh=True) on a state of NaN (it must not read it) leaves the state a new_state gets
+    from the same slab, every column (those the pass does not keep included)."""
+    from nitrobrew import divergences as dv
+    from nitrobrew.hidden import kernels as tr
+    from nitrobrew.hidden.config import LossConfig
+
+    name, param = dv.canonical(divergence, 0.3)
+    cfg = LossConfig.build(name, param, 1.5, 1.0, 0.5 if with_ce else 0.0, False, None)
+    s, t = _finish_rows()
+    labels = torch.arange(s.shape[0]) * 7 % s.shape[1]
+    want = tr.new_state(s.shape[0], s.device)
+    tr.launch_stats(s, t, want, labels, 0, cfg, 1, centred=False)
+    got = torch.full_like(want, float("nan"))
+    tr.launch_stats(s, t, got, labels, 0, cfg, 1, centred=False, fresh=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

@@ -104,6 +104,16 @@ def _tails_to_row(m, tail, m0, t0):
 
 
 @triton.jit
+def _carried(st, col, init: tl.constexpr, FRESH: tl.constexpr):
+    """A pass-1 state column as the earlier slabs left it; FRESH: a new state, not read (`empty_state`),
+    its initial value instead."""
+    if FRESH:
+        return tl.full([], init, tl.float32)
+    else:
+        return tl.load(st + col)
+
+
+@triton.jit
 def hidden_stats_kernel(
     z_ptr,
     t_ptr,
@@ -123,13 +133,15 @@ def hidden_stats_kernel(
     RAW_LSE: tl.constexpr,
     HAS_LABELS: tl.constexpr,
     CHUNK_MAX: tl.constexpr,
+    FRESH: tl.constexpr,
     BLOCK_V: tl.constexpr,
     GROUP: tl.constexpr,
 ):
     """PASS 1: each side's online (max, tail), the accumulating side's centred sums (the student for
     reverse_kl, else the teacher; docs/design.md §2.6) and the other side's lost mass, CE pieces; with
     CHUNK_MAX also this slab's largest tempered student and teacher logits of the row (chunk_max[row,
-    0:2]: the constant-memory gradient filter's bounds, grad_filter.negligible_tiles). State: [R, NSTATE].
+    0:2]: the constant-memory gradient filter's bounds, grad_filter.negligible_tiles). State: [R, NSTATE];
+    FRESH: the state is new and not read (the row's first slab), every column is written.
     PASS 2: the four row sums of divergences.row_terms given the split normalizers. State: [R, NROW].
     Every lane keeps its own running values over the row's tiles; they are reduced once at the end
     (a reduction per tile synchronizes the program's warps and costs more than the exps)."""
@@ -241,14 +253,14 @@ def hidden_stats_kernel(
                 m_x,
                 t_x,
                 lost,
-                tl.load(st + M_O),
-                tl.load(st + T_O),
-                tl.load(st + ACC),
-                tl.load(st + REL),
-                tl.load(st + REF),
-                tl.load(st + M_X),
-                tl.load(st + T_X),
-                tl.load(st + LOST),
+                _carried(st, M_O, float("-inf"), FRESH),
+                _carried(st, T_O, -1.0, FRESH),
+                _carried(st, ACC, 0.0, FRESH),
+                _carried(st, REL, 0.0, FRESH),
+                _carried(st, REF, 0.0, FRESH),
+                _carried(st, M_X, float("-inf"), FRESH),
+                _carried(st, T_X, -1.0, FRESH),
+                _carried(st, LOST, 0.0, FRESH),
             )
             tl.store(st + M_O, mo_row)
             tl.store(st + T_O, to_row)
@@ -259,18 +271,35 @@ def hidden_stats_kernel(
             tl.store(st + REF, ref_row)
             tl.store(st + LOST, b_row)
         else:
-            ms_row, ts_row = _tails_to_row(m_s, t_s, tl.load(st + M_S), tl.load(st + T_S))
-            mt_row, tt_row = _tails_to_row(m_t, t_t, tl.load(st + M_T), tl.load(st + T_T))
+            ms_row, ts_row = _tails_to_row(
+                m_s, t_s, _carried(st, M_S, float("-inf"), FRESH), _carried(st, T_S, -1.0, FRESH)
+            )
+            mt_row, tt_row = _tails_to_row(
+                m_t, t_t, _carried(st, M_T, float("-inf"), FRESH), _carried(st, T_T, -1.0, FRESH)
+            )
             tl.store(st + M_S, ms_row)
             tl.store(st + T_S, ts_row)
             tl.store(st + M_T, mt_row)
             tl.store(st + T_T, tt_row)
+            if FRESH:  # the sums this pass does not keep, as new_state has them
+                tl.store(st + ACC, 0.0)
+                tl.store(st + REL, 0.0)
+                tl.store(st + REF, 0.0)
+                tl.store(st + LOST, 0.0)
         if RAW_LSE:
-            mz_row, tz_row = _tails_to_row(m_z, t_z, tl.load(st + M_Z), tl.load(st + T_Z))
+            mz_row, tz_row = _tails_to_row(
+                m_z, t_z, _carried(st, M_Z, float("-inf"), FRESH), _carried(st, T_Z, -1.0, FRESH)
+            )
             tl.store(st + M_Z, mz_row)
             tl.store(st + T_Z, tz_row)
+        elif FRESH:
+            tl.store(st + M_Z, float("-inf"))
+            tl.store(st + T_Z, -1.0)
         if HAS_LABELS:
-            tl.store(st + Z_LABEL, tl.load(st + Z_LABEL) + tl.sum(tl.sum(z_lab, axis=0), axis=0))
+            z_sum = tl.sum(tl.sum(z_lab, axis=0), axis=0)
+            tl.store(st + Z_LABEL, _carried(st, Z_LABEL, 0.0, FRESH) + z_sum)
+        elif FRESH:
+            tl.store(st + Z_LABEL, 0.0)
     else:
         st = state_ptr + row * NROW
         m_s = tl.load(st + N_M_S)
@@ -574,6 +603,11 @@ def new_state(n: int, device) -> torch.Tensor:
     return st
 
 
+def empty_state(n: int, device) -> torch.Tensor:
+    """A pass-1 state for a first slab launched with fresh=True (the kernel writes every column)."""
+    return torch.empty(n, int(NSTATE), dtype=torch.float32, device=device)
+
+
 def new_rowvals(norm_rows: torch.Tensor) -> torch.Tensor:
     """A pass-2 state [n, NROW]: the split normalizers ([6, n], chunked.RowNorm.stacked) and zero sums."""
     st = torch.zeros(norm_rows.shape[1], int(NROW), dtype=torch.float32, device=norm_rows.device)
@@ -634,12 +668,22 @@ def row_stats(vals: torch.Tensor, cfg: LossConfig) -> RowStats:
 
 
 def launch_stats(
-    z, t, state, labels, col_offset: int, cfg: LossConfig, pass_no: int, chunk_max=None, centred: bool = True
+    z,
+    t,
+    state,
+    labels,
+    col_offset: int,
+    cfg: LossConfig,
+    pass_no: int,
+    chunk_max=None,
+    centred: bool = True,
+    fresh: bool = False,
 ) -> None:
     """Update `state` rows with the slab (z, t) [R, C] (pass 1: [R, NSTATE] from new_state; pass 2:
     [R, NROW] from new_rowvals); labels are global ids (or None). chunk_max ([R, 2] view, pass 1): gets
     the slab's largest tempered logits per row. centred=False (jsd only): pass 1 keeps each side's (max,
-    tail) only (docs/design.md §2.6); the vocab-parallel merge takes the centred sums of every divergence."""
+    tail) only (docs/design.md §2.6); the vocab-parallel merge takes the centred sums of every divergence.
+    fresh (pass 1): `state` is new (`empty_state`, not read): the rows' first slab."""
     rows, n_cols = z.shape
     if rows == 0:
         return
@@ -669,6 +713,7 @@ def launch_stats(
         RAW_LSE=cfg.with_ce and cfg.temperature != 1.0,
         HAS_LABELS=has_labels,
         CHUNK_MAX=chunk_max is not None and pass_no == 1,
+        FRESH=fresh and pass_no == 1,
         BLOCK_V=row_block(n_cols, KL_STATS_BLOCK_V if kl else MIX_BLOCK_V if mix else 0),
         GROUP=STATS_GROUP,
         num_warps=KL_STATS_WARPS if kl else STATS_WARPS,

@@ -91,12 +91,13 @@ def block_stats(ops: Operands, labels, cfg: LossConfig, vchunk: int, chunk_max=N
     """RowStats of a block of rows, streaming the vocab; also returns the slabs if there was one.
     chunk_max ([rows, chunks, 2]): gets each vocab chunk's largest tempered logits per row."""
     V = ops.vocab
-    st = tr.new_state(ops.xs.shape[0], ops.xs.device)
+    st = tr.empty_state(ops.xs.shape[0], ops.xs.device)  # the first slab's launch writes it whole
     slabs = None
     for ci, (v0, v1) in enumerate(spans(V, vchunk)):
         slabs = _slabs(ops, v0, v1, cfg)
         cm = None if chunk_max is None else chunk_max[:, ci]
-        tr.launch_stats(*slabs, st, labels, v0, cfg, 1, cm, centred=False)  # jsd: no centred sums (§2.6)
+        # jsd: no centred sums (§2.6)
+        tr.launch_stats(*slabs, st, labels, v0, cfg, 1, cm, centred=False, fresh=ci == 0)
     # the row math between the passes in one launch each (chunked.row_norm / finish_stats in Triton)
     vals = torch.empty(st.shape[0], int(tr.NROW), dtype=F32, device=st.device)
     if cfg.divergence not in dv.ONE_PASS:
