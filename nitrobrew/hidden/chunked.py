@@ -128,7 +128,7 @@ def first_pass(ops: Operands, labels, cfg: LossConfig, lo: int, hi: int, chunk: 
     st = FirstPass(
         s=Online.empty(n, acc, dev, with_acc=rev, with_lost=fwd),
         t=Online.empty(n, acc, dev, with_acc=fwd, with_lost=rev),
-        z=Online.empty(n, acc, dev) if cfg.with_ce and cfg.temperature != 1.0 else None,
+        z=Online.empty(n, acc, dev) if cfg.raw_lse else None,
         z_label=torch.zeros(n, dtype=acc, device=dev),
     )
     for c0 in range(lo, hi, chunk):

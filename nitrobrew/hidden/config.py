@@ -70,3 +70,9 @@ class LossConfig:
     @property
     def with_ce(self) -> bool:
         return self.ce_weight != 0.0
+
+    @property
+    def raw_lse(self) -> bool:
+        """The CE's log-sum-exp at temperature 1 is kept apart from the tempered student's (the first
+        pass's z state)."""
+        return self.with_ce and self.temperature != 1.0

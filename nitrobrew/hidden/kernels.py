@@ -581,7 +581,7 @@ def hidden_finish_kernel(
         tl.store(out + LSE_Z, lse_z, mask=ok)
         tl.store(out + SUM_U, sum_u, mask=ok)
         tl.store(out + V_REST, v_rest, mask=ok)
-        tl.store(out + 9, zero, mask=ok)
+        tl.store(out + V3_SUM, zero, mask=ok)  # a spare column in the gradient's layout
         tl.store(out + LSE_S, lse_s, mask=ok)
         tl.store(out + LSE_T, lse_t, mask=ok)
         tl.store(out + KD, kd, mask=ok)
@@ -627,6 +627,12 @@ def new_gradvals(norm_rows: torch.Tensor, lse_z, sum_u, v_rest) -> torch.Tensor:
     return out
 
 
+def keeps_centred(cfg: LossConfig, centred: bool) -> bool:
+    """Whether a pass-1 state holds the centred sums: every divergence's but jsd's single-process first
+    pass (centred=False), which keeps each side's (max, tail) only (docs/design.md §2.6)."""
+    return centred or cfg.divergence != "jsd"
+
+
 def launch_finish(state: torch.Tensor, vals: torch.Tensor, cfg: LossConfig, final: bool, centred: bool = True) -> None:
     """The row math after a pass (hidden_finish_kernel), from a merged pass-1 `state` [R, NSTATE] into
     `vals` [R, NROW]: the split normalizers and zeroed sums for the second pass; final (after the last
@@ -643,9 +649,9 @@ def launch_finish(state: torch.Tensor, vals: torch.Tensor, cfg: LossConfig, fina
         rows,
         DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence],
         FINAL=final,
-        CENTRED=centred or cfg.divergence != "jsd",
+        CENTRED=keeps_centred(cfg, centred),
         WITH_CE=cfg.with_ce,
-        RAW_LSE=cfg.with_ce and cfg.temperature != 1.0,
+        RAW_LSE=cfg.raw_lse,
         BLOCK_R=FINISH_ROWS,
         num_warps=4,
     )
@@ -689,7 +695,7 @@ def launch_stats(
         return
     inv_temp, a, _log_a, _log_1ma = math_args(cfg)
     has_labels = cfg.with_ce and labels is not None and pass_no == 1
-    centred = centred or cfg.divergence != "jsd"
+    centred = keeps_centred(cfg, centred)
     kl = pass_no == 1 and centred  # the centred sums' register budget
     mix = pass_no == 2 and cfg.divergence in MIXTURES
     launch(
@@ -710,7 +716,7 @@ def launch_stats(
         DIVERGENCE=dv.DIVERGENCE_IDS[cfg.divergence],
         PASS=pass_no,
         CENTRED=centred,
-        RAW_LSE=cfg.with_ce and cfg.temperature != 1.0,
+        RAW_LSE=cfg.raw_lse,
         HAS_LABELS=has_labels,
         CHUNK_MAX=chunk_max is not None and pass_no == 1,
         FRESH=fresh and pass_no == 1,

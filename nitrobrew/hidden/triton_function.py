@@ -74,7 +74,7 @@ def _slabs(ops: Operands, v0, v1, cfg):
 def _first_pass_from_state(st: torch.Tensor, cfg: LossConfig, centred: bool = True) -> FirstPass:
     # the centred sums on the side that accumulates them (the student for reverse_kl, else the teacher;
     # a = 0 but for the KLs), unless the first pass kept each side's (max, tail) only (jsd, centred=False)
-    centred = centred or cfg.divergence != "jsd"
+    centred = tr.keeps_centred(cfg, centred)
     col = tr.column
     own = dict(a=col(st, tr.ACC), r=col(st, tr.REL), ref=col(st, tr.REF)) if centred else {}
     lost = dict(b=col(st, tr.LOST)) if centred else {}  # on the other side's scale
@@ -82,7 +82,7 @@ def _first_pass_from_state(st: torch.Tensor, cfg: LossConfig, centred: bool = Tr
     return FirstPass(
         s=Online(col(st, tr.M_S), col(st, tr.T_S), **(own if rev else lost)),
         t=Online(col(st, tr.M_T), col(st, tr.T_T), **(lost if rev else own)),
-        z=Online(col(st, tr.M_Z), col(st, tr.T_Z)) if cfg.with_ce and cfg.temperature != 1.0 else None,
+        z=Online(col(st, tr.M_Z), col(st, tr.T_Z)) if cfg.raw_lse else None,
         z_label=col(st, tr.Z_LABEL),
     )
 
