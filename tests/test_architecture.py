@@ -182,7 +182,7 @@ def test_deprecated_paths_warn_and_point_home():
         assert public and all(getattr(m, n) is getattr(home, n) for n in public), mod
 
 
-KERNEL_FAMILIES = LOSS_FAMILIES + ("teacher",)
+KERNEL_FAMILIES = LOSS_FAMILIES + ("teacher", "core")
 
 
 def _is_jit(fn: ast.FunctionDef) -> bool:

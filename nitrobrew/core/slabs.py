@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from . import checks as ck
 from .ops import linear_logits, mm_acc, mm_acc_add, softcap_
 
 Tensor = torch.Tensor
@@ -62,16 +63,39 @@ def keep_for_backward(ctx, cfg, plan, grads, state, saved) -> None:
         ctx.save_for_backward(*saved)
 
 
-def _is_one(grad: torch.Tensor) -> bool:
-    """True when the upstream gradient is exactly 1 (loss.backward()): skips a pass over dW.
-    Reading it syncs, so under graph capture or compilation the multiply is always done."""
-    if torch.compiler.is_compiling() or (grad.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return False
-    return bool(grad == 1)
+def scale_by_upstream(grads, upstream: torch.Tensor):
+    """Each gradient in `grads` (None kept) times the upstream gradient, unless that is exactly 1
+    (``loss.backward()``): in place, as the buffers are the loss's own (a copy of dW would add [V, Ds]
+    to the peak). On CUDA (and under Triton's interpreter) a kernel reads the upstream gradient on the
+    device and returns at once when it is 1, so the backward does not wait for the device; on the CPU
+    the host reads it. Under compilation the product is always taken, out of place."""
+    if torch.compiler.is_compiling():
+        return tuple(None if g is None else g * _factor(upstream, g) for g in grads)
+    one = None
+    out = []
+    for g in grads:
+        if g is not None and (g.is_cuda or ck.interpreter_enabled()) and g.is_contiguous() and ck.triton_available():
+            from . import kernels  # Triton is optional: imported only where a kernel runs
+
+            kernels.launch_scale(g, upstream.detach().reshape(1).to(device=g.device))
+        elif g is not None:
+            if g.is_cuda and torch.cuda.is_current_stream_capturing():
+                g.mul_(_factor(upstream, g))
+            else:
+                one = bool(upstream == 1) if one is None else one
+                if not one:
+                    g.mul_(_factor(upstream, g))
+        out.append(g)
+    return tuple(out)
+
+
+def _factor(upstream: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The upstream gradient in fp32 (fp64 for fp64 gradients): the product is rounded once, as the kernel's."""
+    return upstream.to(device=g.device, dtype=torch.promote_types(g.dtype, F32))
 
 
 def take_precomputed_grads(ctx, grad_total):
-    """(dx, dw, db) formed in the forward (ctx.grads), times the upstream gradient unless it is 1.
+    """(dx, dw, db) formed in the forward (ctx.grads), times the upstream gradient (`scale_by_upstream`).
     The context's reference is dropped so autograd can take the buffers as .grad without a copy."""
     if ctx.grads is None:
         raise RuntimeError(
@@ -79,11 +103,9 @@ def take_precomputed_grads(ctx, grad_total):
             "handed them out in the first backward; a second backward through the same graph (retain_graph=True) "
             "is not supported. Compute the loss again, or use mode='constant_memory' or backend='torch'."
         )
-    dx, dw, db = ctx.grads
+    grads = ctx.grads
     ctx.grads = None
-    if not _is_one(grad_total):
-        dx, dw, db = (None if g is None else g * grad_total.to(g.dtype) for g in (dx, dw, db))
-    return dx, dw, db
+    return scale_by_upstream(grads, grad_total)
 
 
 def alloc_grads(xs, ws, bs, dw_fp32: bool, need_x: bool = True, need_w: bool = True):

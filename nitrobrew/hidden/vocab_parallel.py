@@ -26,6 +26,7 @@ from ..core import checks as ck
 from ..core.ops import compute_dtype, grad_needed
 from ..core.outputs import DistillOutput
 from ..core.reduction import IGNORE_INDEX, PartsFunction, combine_rows, reduce_rows, reduction_scale, row_scales
+from ..core.slabs import scale_by_upstream
 from ..parallel.comm import (
     all_reduce,
     check_label_range,
@@ -217,14 +218,6 @@ def fused_forward(
     return rows, (dx, None if dw is None else dw.to(ws.dtype), None if db is None else db.to(bs.dtype))
 
 
-def _is_one(grad: torch.Tensor) -> bool:
-    """The upstream gradient is exactly 1 (loss.backward()): no pass over the gradients. Reading it
-    syncs, so under graph capture or compilation the multiply is always done."""
-    if torch.compiler.is_compiling() or (grad.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return False
-    return bool(grad == 1)
-
-
 def _cat_rows(stats: List[RowStats]):
     kd = torch.cat([s.kd for s in stats])
     ce = None if stats[0].ce is None else torch.cat([s.ce for s in stats])
@@ -266,16 +259,11 @@ class VocabParallelFused(PartsFunction):
         dx, dw, db = ctx.grads
         ctx.grads = None
         need = ctx.needs_input_grad
-        g = grad_total.float()
-        one = _is_one(g)
-        if need[0] and dx is not None:
-            dx = all_reduce(dx, "sum", ctx.group, "bwd_dx")
-            dx = (dx if one else dx.mul_(g)).to(ctx.x_dtype)
-        else:
-            dx = None
-        # In place: the buffers are this call's own (a copy of dW would add [V_r, Ds] to the peak).
-        dw = (dw if one else dw.mul_(g.to(dw.dtype))) if need[2] and dw is not None else None
-        db = (db if one else db.mul_(g.to(db.dtype))) if need[4] and db is not None else None
+        dx = all_reduce(dx, "sum", ctx.group, "bwd_dx") if need[0] and dx is not None else None
+        dw = dw if need[2] else None
+        db = db if need[4] else None
+        dx, dw, db = scale_by_upstream((dx, dw, db), grad_total)
+        dx = None if dx is None else dx.to(ctx.x_dtype)
         return VocabParallelFused.input_grads(ctx, dx, dw, db)
 
 
