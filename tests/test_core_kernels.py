@@ -103,3 +103,18 @@ def test_scale_by_upstream_reads_a_bf16_upstream_once():
     (got,) = slabs.scale_by_upstream((x.clone(),), up)
     assert torch.equal(got, want)
     assert not math.isclose(float(up), 1 / 3, rel_tol=1e-6)  # the test would not tell otherwise
+
+
+@needs_triton
+def test_scale_by_upstream_scales_a_permuted_gradient_in_place():
+    """A dense gradient with permuted strides (e.g. dX of transposed hidden states) takes the kernel too."""
+    dx = _grad(24 * 40, torch.float32, 4).reshape(24, 40).t()  # [40, 24], strides (1, 40)
+    want = _expected(dx, 0.25)
+    dx = dx.to(KERNEL_DEVICE)
+    assert not dx.is_contiguous()
+    (got,) = slabs.scale_by_upstream((dx,), torch.tensor(0.25, device=KERNEL_DEVICE))
+    assert got is dx and got.stride() == (1, 40)
+    assert torch.equal(got.cpu(), want)
+    gap = torch.ones(8, 10, device=KERNEL_DEVICE)[:, ::2]  # not dense: the host path, still in place
+    (got,) = slabs.scale_by_upstream((gap,), torch.tensor(3.0, device=KERNEL_DEVICE))
+    assert got is gap and torch.equal(got.cpu(), torch.full((8, 5), 3.0))

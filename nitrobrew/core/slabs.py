@@ -74,10 +74,11 @@ def scale_by_upstream(grads, upstream: torch.Tensor):
     one = None
     out = []
     for g in grads:
-        if g is not None and (g.is_cuda or ck.interpreter_enabled()) and g.is_contiguous() and ck.triton_available():
+        flat = None if g is None else _storage_span(g)
+        if flat is not None and (g.is_cuda or ck.interpreter_enabled()) and ck.triton_available():
             from . import kernels  # Triton is optional: imported only where a kernel runs
 
-            kernels.launch_scale(g, upstream.detach().reshape(1).to(device=g.device))
+            kernels.launch_scale(flat, upstream.detach().reshape(1).to(device=g.device))
         elif g is not None:
             if g.is_cuda and torch.cuda.is_current_stream_capturing():
                 g.mul_(_factor(upstream, g))
@@ -87,6 +88,19 @@ def scale_by_upstream(grads, upstream: torch.Tensor):
                     g.mul_(_factor(upstream, g))
         out.append(g)
     return tuple(out)
+
+
+def _storage_span(g: torch.Tensor) -> Optional[torch.Tensor]:
+    """A 1-D view of the storage a dense tensor covers (contiguous or permuted: every element once),
+    else None."""
+    if g.is_contiguous() or g.numel() == 0:
+        return g.reshape(-1)
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(g.shape, g.stride()) if sz != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return g.as_strided((g.numel(),), (1,))
 
 
 def _factor(upstream: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
