@@ -18,7 +18,7 @@ needs_triton = pytest.mark.skipif(
 )
 INTERPRETED = KERNEL_DEVICE == "cpu"
 
-UPSTREAMS = [0.5, -3.0, 1 / 3, 0.0, 1e-30, float("inf"), float("nan"), 1.0]
+UPSTREAMS = [0.5, 2.0, -3.0, 1 / 3, 0.0, 1e-30, float("inf"), float("nan"), 1.0]
 
 
 def _grad(n, dtype, seed=0):
