@@ -334,12 +334,6 @@ def _dk_tile(
     Gb,
     dka,
     dkb,
-    DQAb,
-    DQBb,
-    s_dqa_m,
-    s_dqb_m,
-    out_scale_a,
-    out_scale_b,
     Nq,
     Nk,
     scale_a,
@@ -358,7 +352,6 @@ def _dk_tile(
     PREC_A: tl.constexpr,
     PREC_B: tl.constexpr,
     G_SCALAR: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
 ):
     offs_m = start_m + offs_m0
     qa = load_tile(QAb, offs_m, offs_da, s_qa_m, Nq, DA, BDA, EVEN_M)
@@ -379,42 +372,7 @@ def _dk_tile(
     dka += dot(ds_a.to(qa.dtype), qa, PREC_A)
     if ALSO_B:
         dkb += dot(ds_b.to(qb.dtype), qb, PREC_B)
-    if DQ_ATOMIC != 0:  # this tile's share of dq, added into an fp32 buffer (no dq kernel recomputing the scores)
-        _add_rows(
-            DQAb,
-            offs_m,
-            offs_da,
-            s_dqa_m,
-            Nq,
-            DA,
-            dot(tl.trans(ds_a).to(ka.dtype), ka, PREC_A),
-            out_scale_a,
-            DQ_ATOMIC == 2,
-        )
-        if ALSO_B:
-            _add_rows(
-                DQBb,
-                offs_m,
-                offs_db,
-                s_dqb_m,
-                Nq,
-                DB,
-                dot(tl.trans(ds_b).to(kb.dtype), kb, PREC_B),
-                out_scale_b,
-                DQ_ATOMIC == 2,
-            )
     return dka, dkb
-
-
-@triton.jit
-def _add_rows(ptr, offs_r, offs_d, stride_r, n_rows, D: tl.constexpr, acc, out_scale, STORE_PROBE: tl.constexpr):
-    """acc * out_scale added (relaxed fp32 atomics) into a [rows, BD] tile of ptr (rows < n_rows, columns < D)."""
-    ptrs = ptr + offs_r[:, None] * stride_r + offs_d[None, :]
-    inside = (offs_r[:, None] < n_rows) & (offs_d[None, :] < D)
-    if STORE_PROBE:
-        tl.store(ptrs, acc * out_scale, mask=inside)
-    else:
-        tl.atomic_add(ptrs, acc * out_scale, mask=inside, sem="relaxed")
 
 
 @triton.jit
@@ -436,8 +394,6 @@ def _dk_head(
     LSEB,
     KL,
     GROW,
-    DQA,
-    DQB,
     s_qa_b,
     s_qa_h,
     s_qa_m,
@@ -447,14 +403,6 @@ def _dk_head(
     s_kb_b,
     s_kb_h,
     s_kb_n,
-    s_dqa_b,
-    s_dqa_h,
-    s_dqa_m,
-    s_dqb_b,
-    s_dqb_h,
-    s_dqb_m,
-    out_scale_a,
-    out_scale_b,
     H,
     Nq,
     Nk,
@@ -478,12 +426,9 @@ def _dk_head(
     PREC_A: tl.constexpr,
     PREC_B: tl.constexpr,
     G_SCALAR: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
 ):
     """All query blocks of query head h against this program's key block."""
     h64 = h.to(tl.int64)
-    DQAb = DQA + b64 * s_dqa_b + h64 * s_dqa_h
-    DQBb = DQB + b64 * s_dqb_b + h64 * s_dqb_h
     hb = h // GB
     kb = load_tile(KB + b64 * s_kb_b + hb.to(tl.int64) * s_kb_h, offs_n, offs_db, s_kb_n, Nk, DB, BDB, EVEN_N)
     QAb = QA + b64 * s_qa_b + h64 * s_qa_h
@@ -513,12 +458,6 @@ def _dk_head(
             Gb,
             dka,
             dkb,
-            DQAb,
-            DQBb,
-            s_dqa_m,
-            s_dqb_m,
-            out_scale_a,
-            out_scale_b,
             Nq,
             Nk,
             scale_a,
@@ -537,7 +476,6 @@ def _dk_head(
             PREC_A,
             PREC_B,
             G_SCALAR,
-            DQ_ATOMIC,
         )
     for start_m in range(m_full, Nq, BM):
         dka, dkb = _dk_tile(
@@ -559,12 +497,6 @@ def _dk_head(
             Gb,
             dka,
             dkb,
-            DQAb,
-            DQBb,
-            s_dqa_m,
-            s_dqb_m,
-            out_scale_a,
-            out_scale_b,
             Nq,
             Nk,
             scale_a,
@@ -583,7 +515,6 @@ def _dk_head(
             PREC_A,
             PREC_B,
             G_SCALAR,
-            DQ_ATOMIC,
         )
     return dka, dkb
 
@@ -601,8 +532,6 @@ def attention_bwd_dk_kernel(
     GROW,
     DKA,
     DKB,
-    DQA,
-    DQB,
     s_qa_b,
     s_qa_h,
     s_qa_m,
@@ -621,12 +550,6 @@ def attention_bwd_dk_kernel(
     s_dkb_b,
     s_dkb_h,
     s_dkb_n,
-    s_dqa_b,
-    s_dqa_h,
-    s_dqa_m,
-    s_dqb_b,
-    s_dqb_h,
-    s_dqb_m,
     s_kpm_b,
     H,
     HKVA,
@@ -655,7 +578,6 @@ def attention_bwd_dk_kernel(
     PREC_B: tl.constexpr,
     GROUPED: tl.constexpr,
     G_SCALAR: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
 ):
     _pid_bk, kvh, b64, start_n, offs_n, offs_m0, offs_da, offs_db = program_block(HKVA, BN, BM, BDA, BDB, False)
     ka = load_tile(KA + b64 * s_ka_b + kvh.to(tl.int64) * s_ka_h, offs_n, offs_da, s_ka_n, Nk, DA, BDA, EVEN_N)
@@ -698,8 +620,6 @@ def attention_bwd_dk_kernel(
                 LSEB,
                 KL,
                 GROW,
-                DQA,
-                DQB,
                 s_qa_b,
                 s_qa_h,
                 s_qa_m,
@@ -709,14 +629,6 @@ def attention_bwd_dk_kernel(
                 s_kb_b,
                 s_kb_h,
                 s_kb_n,
-                s_dqa_b,
-                s_dqa_h,
-                s_dqa_m,
-                s_dqb_b,
-                s_dqb_h,
-                s_dqb_m,
-                out_scale_a,
-                out_scale_b,
                 H,
                 Nq,
                 Nk,
@@ -740,7 +652,6 @@ def attention_bwd_dk_kernel(
                 PREC_A,
                 PREC_B,
                 G_SCALAR,
-                DQ_ATOMIC,
             )
     else:  # one query head per kv head: no head loop (nested loops cost registers and spills)
         dka, dkb = _dk_head(
@@ -761,8 +672,6 @@ def attention_bwd_dk_kernel(
             LSEB,
             KL,
             GROW,
-            DQA,
-            DQB,
             s_qa_b,
             s_qa_h,
             s_qa_m,
@@ -772,14 +681,6 @@ def attention_bwd_dk_kernel(
             s_kb_b,
             s_kb_h,
             s_kb_n,
-            s_dqa_b,
-            s_dqa_h,
-            s_dqa_m,
-            s_dqb_b,
-            s_dqb_h,
-            s_dqb_m,
-            out_scale_a,
-            out_scale_b,
             H,
             Nq,
             Nk,
@@ -803,7 +704,6 @@ def attention_bwd_dk_kernel(
             PREC_A,
             PREC_B,
             G_SCALAR,
-            DQ_ATOMIC,
         )
     store_tile(DKA + b64 * s_dka_b + kvh.to(tl.int64) * s_dka_h, offs_n, offs_da, s_dka_n, Nk, DA, dka, out_scale_a)
     if ALSO_B:

@@ -166,33 +166,12 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
     fp32 = torch.float32 in (X.q.dtype, Y.q.dtype)
     g_scalar = g_mult is not None
     mult = g_mult if g_scalar else 1.0
-    # dk launches: (A, B, lse_a, lse_b, a_is_x, also_b); with dq_atomic, a launch whose sides all need
-    # their dq adds it too (fp32 atomics) and the dq kernel runs only for the sides left
-    one_launch = need["kx"] and need["ky"] and X.G == Y.G
-    launches = []
-    if one_launch:
-        launches.append((X, Y, lsx, lsy, True, True))
-    else:
-        if need["kx"]:
-            launches.append((X, Y, lsx, lsy, True, False))
-        if need["ky"]:
-            launches.append((Y, X, lsy, lsx, False, False))
-    atomic = bool(cfg and cfg.get("dq_atomic")) and not fp32
-    dq_sides = {"x": need["qx"], "y": need["qy"]}
-    fused = []
-    for *_, a_is_x, also_b in launches:
-        sides = ("x", "y") if also_b else ("x" if a_is_x else "y",)
-        ok = atomic and all(dq_sides[side] for side in sides)
-        fused.append(ok)
-        if ok:
-            for side in sides:
-                dq_sides[side] = False
-    if dq_sides["x"] or dq_sides["y"]:
+    if need["qx"] or need["qy"]:
         BM, BN, warps, stages = resolve_config("dq", cfg, dev, max_bd, fp32)
-        dqx = torch.empty_like(X.q) if dq_sides["x"] else kl
-        dqy = torch.empty_like(Y.q) if dq_sides["y"] else kl
-        sx3 = dqx.stride()[:3] if dq_sides["x"] else (0, 0, 0)
-        sy3 = dqy.stride()[:3] if dq_sides["y"] else (0, 0, 0)
+        dqx = torch.empty_like(X.q) if need["qx"] else kl
+        dqy = torch.empty_like(Y.q) if need["qy"] else kl
+        sx3 = dqx.stride()[:3] if need["qx"] else (0, 0, 0)
+        sy3 = dqy.stride()[:3] if need["qy"] else (0, 0, 0)
         launch_bwd_dq(
             (cdiv(Nq, BM), B * H),
             X.q,
@@ -241,18 +220,18 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
             HAS_KPM=has_kpm,
             EVEN_M=Nq % BM == 0,
             EVEN_N=Nk % BN == 0,
-            NEED_X=dq_sides["x"],
-            NEED_Y=dq_sides["y"],
+            NEED_X=need["qx"],
+            NEED_Y=need["qy"],
             PREC_X=X.prec,
             PREC_Y=Y.prec,
             G_SCALAR=g_scalar,
             num_warps=warps,
             num_stages=stages,
         )
-        out["qx"] = dqx if dq_sides["x"] else None
-        out["qy"] = dqy if dq_sides["y"] else None
+        out["qx"] = dqx if need["qx"] else None
+        out["qy"] = dqy if need["qy"] else None
 
-    def dk_launch(A: Side, Bs: Side, lsa, lsb, a_is_x: bool, also_b: bool, dq_atomic: bool):
+    def dk_launch(A: Side, Bs: Side, lsa, lsb, a_is_x: bool, also_b: bool):
         BM, BN, warps, stages = resolve_config(
             kind="dk", user=cfg, device=dev, max_bd=max_bd, fp32=fp32, grouped=A.G > 1
         )
@@ -260,11 +239,6 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
         dka = torch.empty_like(A.k)
         dkb = torch.empty_like(Bs.k) if also_b else kl
         sb3 = dkb.stride()[:3] if also_b else (0, 0, 0)
-        # fp32 dq buffers the launch adds into (zeroed: every tile adds its share)
-        dqa = A.q.new_zeros(A.q.shape, dtype=torch.float32) if dq_atomic else kl
-        dqb = Bs.q.new_zeros(Bs.q.shape, dtype=torch.float32) if dq_atomic and also_b else kl
-        qa3 = dqa.stride()[:3] if dq_atomic else (0, 0, 0)
-        qb3 = dqb.stride()[:3] if dq_atomic and also_b else (0, 0, 0)
         launch_bwd_dk(
             (cdiv(Nk, BN), B * Hkva),
             A.q,
@@ -278,8 +252,6 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
             g,
             dka,
             dkb,
-            dqa,
-            dqb,
             A.q.stride(0),
             A.q.stride(1),
             A.q.stride(2),
@@ -294,8 +266,6 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
             Bs.k.stride(2),
             *dka.stride()[:3],
             *sb3,
-            *qa3,
-            *qb3,
             s_kpm,
             H,
             Hkva,
@@ -324,25 +294,18 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
             PREC_B=Bs.prec,
             GROUPED=A.G > 1,
             G_SCALAR=g_scalar,
-            DQ_ATOMIC=(2 if cfg.get("dq_atomic") == "store" else 1) if dq_atomic else 0,
             num_warps=warps,
             num_stages=stages,
         )
-        dq = (dqa.to(A.q.dtype), dqb.to(Bs.q.dtype) if also_b else None) if dq_atomic else (None, None)
-        return dka, (dkb if also_b else None), dq
+        return dka, (dkb if also_b else None)
 
-    for (A, Bs, lsa, lsb, a_is_x, also_b), dq_atomic in zip(launches, fused):
-        dka, dkb, (dqa, dqb) = dk_launch(
-            A=A, Bs=Bs, lsa=lsa, lsb=lsb, a_is_x=a_is_x, also_b=also_b, dq_atomic=dq_atomic
-        )
-        a, b = ("x", "y") if a_is_x else ("y", "x")
-        out["k" + a] = dka
-        if also_b:
-            out["k" + b] = dkb
-        if dq_atomic:
-            out["q" + a] = dqa
-            if also_b:
-                out["q" + b] = dqb
+    if need["kx"] and need["ky"] and X.G == Y.G:
+        out["kx"], out["ky"] = dk_launch(X, Y, lsx, lsy, a_is_x=True, also_b=True)
+    else:
+        if need["kx"]:
+            out["kx"], _ = dk_launch(X, Y, lsx, lsy, a_is_x=True, also_b=False)
+        if need["ky"]:
+            out["ky"], _ = dk_launch(Y, X, lsy, lsx, a_is_x=False, also_b=False)
     return out
 
 
