@@ -136,27 +136,8 @@ if HAVE_GLUON:
 
 
 @triton.jit
-def merge_partials_kernel(PM, PL, LSE, n_tiles, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    m_run = tl.full([BLOCK], float("-inf"), tl.float32)
-    l_run = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, n_tiles, BLOCK):
-        ok = start + offs < n_tiles
-        m = tl.load(PM + row * n_tiles + start + offs, mask=ok, other=float("-inf"))
-        l_part = tl.load(PL + row * n_tiles + start + offs, mask=ok, other=0.0)
-        m_new = tl.maximum(m_run, m)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_run = l_run * tl.exp(m_run - m_ref) + l_part * tl.exp(m - m_ref)
-        m_run = m_new
-    m_all = tl.max(m_run, 0)
-    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-    total = tl.sum(l_run * tl.exp(m_run - m_ref), 0)
-    tl.store(LSE + row, m_ref + tl.log(total))
-
-
-@triton.jit
 def _merge(PM, PL, base, n_tiles, offs, BLOCK: tl.constexpr, PC, WITH_C: tl.constexpr):
+    """(lse, the cross sum over the row's weights) from per-tile (max, sum of exponentials[, cross sum])."""
     m_run = tl.full([BLOCK], float("-inf"), tl.float32)
     l_run = tl.zeros([BLOCK], tl.float32)
     c_run = tl.zeros([BLOCK], tl.float32)
@@ -175,6 +156,14 @@ def _merge(PM, PL, base, n_tiles, offs, BLOCK: tl.constexpr, PC, WITH_C: tl.cons
     m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
     w = tl.exp(m_run - m_ref)
     return m_ref + tl.log(tl.sum(l_run * w, 0)), tl.sum(c_run * w, 0) / tl.sum(l_run * w, 0)
+
+
+@triton.jit
+def merge_partials_kernel(PM, PL, LSE, n_tiles, BLOCK: tl.constexpr):
+    """A row's lse from the statistics epilogue's [rows, tiles] partials."""
+    row = tl.program_id(0)
+    lse, _ = _merge(PM, PL, row.to(tl.int64) * n_tiles, n_tiles, tl.arange(0, BLOCK), BLOCK, PL, False)
+    tl.store(LSE + row, lse)
 
 
 @triton.jit

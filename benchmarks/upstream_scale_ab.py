@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from confident_rows_gpu import load_old  # noqa: E402
 
 import nitrobrew as nb  # noqa: E402
+from nitrobrew.bench.common import peak_mib, time_ms  # noqa: E402
 from nitrobrew.environment import environment  # noqa: E402
 
 V, DS, DT = 152064, 3584, 5120
@@ -56,16 +57,6 @@ class Case:
         (loss if scale is None else loss * scale).backward()
 
 
-def synced_call(case, pkg, div, dev) -> float:
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    case.step(pkg, div)
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b)
-
-
 def loop(case, pkg, div, scale=None, k=10) -> float:
     for _ in range(2):
         case.step(pkg, div, scale)
@@ -79,15 +70,11 @@ def loop(case, pkg, div, scale=None, k=10) -> float:
     return a.elapsed_time(b) / k
 
 
-def peak_mib(case, pkg, div, scale) -> float:
+def step_peak_mib(case, pkg, div, scale) -> float:
+    """One step's peak above what was allocated before it, the previous step's gradients released."""
     case.xs.grad = None
     case.ws.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    case.step(pkg, div, scale)
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    return peak_mib(lambda: case.step(pkg, div, scale), case.xs.device)
 
 
 def grads(case, pkg, div, scale):
@@ -125,12 +112,11 @@ def main() -> int:
                 for s in (None, 0.25)
                 for a, b in zip(grads(case, before, div, s), grads(case, nb, div, s))
             )
-            peaks = {name: peak_mib(case, pkg, div, 0.25) for name, pkg in pkgs}
+            peaks = {name: step_peak_mib(case, pkg, div, 0.25) for name, pkg in pkgs}
             times = {key: {"before": [], "new": []} for key in ("synced", "one", "quarter", "labels")}
             for rnd in range(args.rounds):
                 for name, pkg in pkgs if rnd % 2 == 0 else pkgs[::-1]:
-                    case.step(pkg, div)
-                    times["synced"][name].append(statistics.median(synced_call(case, pkg, div, dev) for _ in range(5)))
+                    times["synced"][name].append(time_ms(lambda pkg=pkg: case.step(pkg, div), dev, warmup=1, reps=5))
                     times["one"][name].append(loop(case, pkg, div))
                     times["quarter"][name].append(loop(case, pkg, div, 0.25))
                     times["labels"][name].append(loop(lab, pkg, div))
