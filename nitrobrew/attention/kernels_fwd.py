@@ -17,7 +17,7 @@ exponent only; the centred difference uses the raw (finite) scores, so no 0 * in
 The per-block step, the initial state and the row outputs are helpers (``_online_step``,
 ``_init_state``, ``_store_rows``) so that variants of the key loop compute the same, op for op
 (benchmarks/attention_fwd_tma.py: TMA descriptors, measured no faster on H100; the Gluon forward of
-``kernels_gluon.py`` calls ``_online_step`` from its own key loop).
+``kernels_gluon.py`` has the same step with the scale folded into the exponents' FMAs).
 """
 
 from __future__ import annotations
