@@ -2,9 +2,11 @@
 
 (1) exactness on the GPU: the Gluon forward's rows (KL per row) against the Triton forward's on odd
 cases (N not a multiple of the tiles, GQA, different head dims, causal offsets, lse_t given, fp16),
-and the loss and gradients against float64; (2) a sweep of its tiles (BM, BN, warps, stages) at one
-N; (3) the table: B = 1, H = 32, D = 128, bf16, causal, forward KL: forward kernel alone (Triton,
-Gluon), the API's forward and fwd+bwd with each forward (the backward is the library's Triton one),
+and the loss and gradients against float64; (2) a sweep of the one-warpgroup kernel's tiles (BM, BN,
+warps, stages) at one N; (3) the table: B = 1, H = 32, D = 128, bf16, causal, forward KL: forward
+kernel alone (Triton, Gluon one-warpgroup, Gluon warp-specialized: the default; interleaved over three
+rounds), the API's fwd+bwd with the Triton and the default Gluon forward (the backward is the
+library's Triton one),
 SDPA with no backend forced (cuDNN attention on Hopper, torch 2.11), and the achieved TFLOP/s
 (4 B H N^2 D / 2 per causal forward: the KL's two score GEMMs have the FLOPs of attention's QK^T
 and PV) beside FlashAttention-3's published forward rate at head dim 128 on H100 (~600-650 TFLOP/s).
@@ -16,6 +18,7 @@ CUDA-event medians. Runs on CPU only to show its usage (it needs an sm90 GPU):
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -140,14 +143,15 @@ def sweep(dev, n, reps) -> tuple:
 
 
 def table(dev, ns, best, reps, deadline):
-    print(f"## B=1, H=32, D=128, bf16, causal; Gluon tiles {best}\n")
+    print(f"## B=1, H=32, D=128, bf16, causal; one-warpgroup Gluon tiles {best}\n")
     print(
-        "| N | Triton fwd kernel ms | Gluon fwd kernel ms | SDPA fwd ms | Gluon ÷ SDPA fwd | Triton ÷ SDPA fwd "
-        "| KL fwd TFLOP/s Triton / Gluon | SDPA fwd TFLOP/s | API fwd+bwd ms Triton / Gluon | SDPA fwd+bwd ms "
-        "| Gluon fwd+bwd ÷ SDPA | max abs KL rows Gluon - Triton |"
+        "| N | Triton fwd kernel ms | Gluon one-warpgroup fwd ms | Gluon warp-specialized fwd ms | SDPA fwd ms "
+        "| WS ÷ one-warpgroup | **WS ÷ SDPA fwd** | TFLOP/s Triton / one-WG / WS / SDPA "
+        "| API fwd+bwd ms Triton / WS | SDPA fwd+bwd ms | **WS fwd+bwd ÷ SDPA** | max abs KL rows WS - Triton |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    cfg = {"fwd_kernel": "gluon", "fwd_gluon": best}
+    one_wg = {"fwd_kernel": "gluon", "fwd_gluon": best}
+    ws = {"fwd_kernel": "gluon", "fwd_gluon": kg.WARP_SPECIALIZED}  # the default from kg.WS_MIN_ROWS rows on
     for n in ns:
         if time.time() > deadline:
             print(f"| {n} | skipped: time budget | | | | | | | | | | |")
@@ -156,15 +160,19 @@ def table(dev, ns, best, reps, deadline):
         q_s, k_s, q_t, k_t = inputs(1, 32, n, n, 128, 128, 32, 32, torch.bfloat16, dev)
         X, Y = sides(q_s, k_s, q_t, k_t)
         spec = spec_of(True, 0, q_s, q_t)
-        t_tri = fwd_kernel_ms(X, Y, spec, None, dev, r)
-        t_glu = fwd_kernel_ms(X, Y, spec, cfg, dev, r)
-        diff = (triton_forward(X, Y, None, spec)[0] - triton_forward(X, Y, None, spec, cfg=cfg)[0]).abs().max().item()
         v = torch.randn_like(q_s)
-        with torch.no_grad():
-            t_sdpa = time_ms(lambda: F.scaled_dot_product_attention(q_s, k_s, v, is_causal=True), dev, 2, r)
+        t_tri, t_one, t_ws, t_sdpa = [], [], [], []
+        for _ in range(3):  # interleaved rounds: clock drift falls on every kernel alike
+            t_tri.append(fwd_kernel_ms(X, Y, spec, None, dev, r))
+            t_one.append(fwd_kernel_ms(X, Y, spec, one_wg, dev, r))
+            t_ws.append(fwd_kernel_ms(X, Y, spec, ws, dev, r))
+            with torch.no_grad():
+                t_sdpa.append(time_ms(lambda: F.scaled_dot_product_attention(q_s, k_s, v, is_causal=True), dev, 2, r))
+        t_tri, t_one, t_ws, t_sdpa = (statistics.median(t) for t in (t_tri, t_one, t_ws, t_sdpa))
+        diff = (triton_forward(X, Y, None, spec)[0] - triton_forward(X, Y, None, spec, cfg=ws)[0]).abs().max().item()
         flops = 4 * 32 * n * n * 128 / 2
-        tf = [flops / t / 1e9 for t in (t_tri, t_glu, t_sdpa)]
-        bwd = ["-", "-", "-"]
+        tf = " / ".join(f"{flops / t / 1e9:.0f}" for t in (t_tri, t_one, t_ws, t_sdpa))
+        fb, sb, ratio = "-", "-", "-"
         if n <= 16384 and time.time() < deadline:
             qs, ks = q_s.clone().requires_grad_(True), k_s.clone().requires_grad_(True)
 
@@ -172,17 +180,15 @@ def table(dev, ns, best, reps, deadline):
                 nb.attention_kl(qs, ks, q_t, k_t, is_causal=True, block_config=c).backward()
 
             qv, kv, vv = (t.clone().requires_grad_(True) for t in (q_s, k_s, v))
-            bwd = [
-                time_ms(lambda: step({"fwd_kernel": "triton"}), dev, 2, r),
-                time_ms(lambda: step(cfg), dev, 2, r),
-                time_ms(lambda: F.scaled_dot_product_attention(qv, kv, vv, is_causal=True).sum().backward(), dev, 2, r),
-            ]
-        fb = f"{bwd[0]:.3f} / {bwd[1]:.3f}" if bwd[0] != "-" else "-"
-        sb = f"{bwd[2]:.3f}" if bwd[2] != "-" else "-"
-        ratio = f"{bwd[1] / bwd[2]:.2f}" if bwd[2] != "-" else "-"
+            b_tri = time_ms(lambda: step({"fwd_kernel": "triton"}), dev, 2, r)
+            b_ws = time_ms(lambda: step(ws), dev, 2, r)
+            b_sdpa = time_ms(
+                lambda: F.scaled_dot_product_attention(qv, kv, vv, is_causal=True).sum().backward(), dev, 2, r
+            )
+            fb, sb, ratio = f"{b_tri:.3f} / {b_ws:.3f}", f"{b_sdpa:.3f}", f"{b_ws / b_sdpa:.2f}"
         print(
-            f"| {n} | {t_tri:.3f} | {t_glu:.3f} | {t_sdpa:.3f} | {t_glu / t_sdpa:.2f} | {t_tri / t_sdpa:.2f} "
-            f"| {tf[0]:.0f} / {tf[1]:.0f} | {tf[2]:.0f} | {fb} | {sb} | {ratio} | {diff:.1e} |"
+            f"| {n} | {t_tri:.3f} | {t_one:.3f} | {t_ws:.3f} | {t_sdpa:.3f} | {t_ws / t_one:.2f} | {t_ws / t_sdpa:.2f} "
+            f"| {tf} | {fb} | {sb} | {ratio} | {diff:.1e} |"
         )
         sys.stdout.flush()
         del q_s, k_s, q_t, k_t, v

@@ -1,14 +1,13 @@
 """Probe: the Gluon attention-KL forward in FlashAttention-3's warp-specialized form, and where its time goes.
 
-The library's Gluon forward (`nitrobrew/attention/kernels_gluon.py`) runs one warpgroup of 64 query rows per
-program and overlaps the next key block's two score GEMMs with this block's online-KL update inside that
-warpgroup. This probe writes the structure FlashAttention-3 uses instead (`gl.warp_specialize`): a TMA
-producer warp (24 registers) fills a ring of key buffers for two consumer warpgroups (240 registers each,
-by `setmaxnreg`), each owning 64 of a program's 128 query rows and releasing a buffer through an
-`empty` mbarrier; key blocks of BN = 128 (the wider GEMM the freed registers allow). Options:
-- PINGPONG: 0 the warpgroups run freely; 1 a warpgroup issues its GEMMs only after the other issued its
-  own (turn mbarriers); 2 only after the other's GEMMs completed, so one warpgroup's update runs under the
-  other's GEMMs (FlashAttention-3's schedule).
+The experiments behind the library's warp-specialized forward (`nitrobrew/attention/kernels_gluon.py:
+attention_fwd_gluon_ws_kernel`, which took the three-consumer form, no ping-pong, the fold) and what did
+not make it. A TMA producer warp (24 registers) fills a ring of key buffers for NC = 2 consumer warpgroups
+(240 registers each, by `setmaxnreg`) or 3 (160 each), each owning 64 of a program's query rows and
+releasing a buffer through an `empty` mbarrier; key blocks of BN = 128 or 64. Options:
+- PINGPONG: 0 the warpgroups run freely; 1 a warpgroup issues its GEMMs only after the previous one (round
+  robin) issued its own (turn mbarriers); 2 only after the previous one's GEMMs completed, so one
+  warpgroup's update runs under the others' GEMMs (FlashAttention-3's schedule).
 - FOLD: the softmax scale rides in the FMA of each exponent's argument (max(s * scale) = scale * max(s)
   for scale > 0) and the centred difference reuses both arguments: 26% fewer FP32 instructions per pair.
 - POLY: 2^(y - m_y) on the FMA units (degree-5 polynomial, FlashAttention-4's trick) every block (1) or
@@ -20,7 +19,7 @@ The update is the library's (docs/design.md section 3): log2 units, centred onli
 
     python benchmarks/attention_gluon_ws.py [--ns 4096 8192 16384] [--rounds 3] [--no-check]
 
-Needs an sm90 GPU and Triton 3.6's Gluon; a probe, not used by the library (results:
+Needs an sm90 GPU and Triton 3.6's Gluon; a probe: the library runs its own kernel (results:
 benchmarks/results/attention/gluon_ws_h100.md).
 """
 
@@ -209,11 +208,11 @@ if kg.HAVE_GLUON:
         STAGES: gl.constexpr = kx_smem.shape[0]
         BN: gl.constexpr = kx_smem.shape[1]
         HALF: gl.constexpr = qx_desc.block_type.shape[0]
-        mbarrier.expect(q_bar, 2 * (qx_desc.block_type.nbytes + qy_desc.block_type.nbytes))
-        tma_load(qx_desc, [q_row0, 0], q_bar, qx_smem.index(0))
-        tma_load(qx_desc, [q_row0 + HALF, 0], q_bar, qx_smem.index(1))
-        tma_load(qy_desc, [q_row0, 0], q_bar, qy_smem.index(0))
-        tma_load(qy_desc, [q_row0 + HALF, 0], q_bar, qy_smem.index(1))
+        NC: gl.constexpr = qx_smem.shape[0]
+        mbarrier.expect(q_bar, NC * (qx_desc.block_type.nbytes + qy_desc.block_type.nbytes))
+        for i in gl.static_range(NC):
+            tma_load(qx_desc, [q_row0 + i * HALF, 0], q_bar, qx_smem.index(i))
+            tma_load(qy_desc, [q_row0 + i * HALF, 0], q_bar, qy_smem.index(i))
         for j in range(n_blocks):
             stage = j % STAGES
             mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
@@ -229,9 +228,10 @@ if kg.HAVE_GLUON:
         STAGES: gl.constexpr = kx_smem.shape[0]
         stage = j % STAGES
         mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+        NC: gl.constexpr = turn.shape[0]
         if PINGPONG > 0:
-            # warpgroup 0 goes first; each then waits for the other's GEMMs of the block before
-            mbarrier.wait(turn.index(half), (j & 1) ^ (1 - half))
+            # round robin: warpgroup 0 goes first, each then waits for the previous one's GEMMs of the block
+            mbarrier.wait(turn.index(half), (j + (half == 0)) & 1)
         if ABLATE == 2:
             # update only: scores that differ per element (a uniform tile would fold into one value)
             BN_: gl.constexpr = zero.shape[1]
@@ -245,10 +245,10 @@ if kg.HAVE_GLUON:
             sx = warpgroup_mma(qx, kx_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
             sy = warpgroup_mma(qy, ky_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
             if PINGPONG == 1:
-                mbarrier.arrive(turn.index(1 - half), count=1)
+                mbarrier.arrive(turn.index((half + 1) % NC), count=1)
             sx, sy = warpgroup_mma_wait(num_outstanding=0, deps=(sx, sy))
         if PINGPONG == 2:
-            mbarrier.arrive(turn.index(1 - half), count=1)
+            mbarrier.arrive(turn.index((half + 1) % NC), count=1)
         mbarrier.arrive(empty.index(stage), count=1)
         return sx, sy
 
@@ -407,133 +407,97 @@ if kg.HAVE_GLUON:
         POLY: gl.constexpr,
         ABLATE: gl.constexpr,
         FOLD: gl.constexpr,
+        NC: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         HALF: gl.constexpr = qx_desc.block_type.shape[0]
         gl.static_assert(num_warps == 4)
+        gl.static_assert(NC == 2 or NC == 3)
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
         pid_bh = gl.program_id(1)
         b = pid_bh // H
         h = pid_bh % H
-        start_m0 = pid_m * (2 * HALF)
+        start_m0 = pid_m * (NC * HALF)
         q_row0 = pid_bh * Nq + start_m0
         kx_row0 = (b * (H // GX) + h // GX) * Nk
         ky_row0 = (b * (H // GY) + h // GY) * Nk
         if CAUSAL:
-            hi = gl.minimum(Nk, start_m0 + 2 * HALF + causal_offset)
+            hi = gl.minimum(Nk, start_m0 + NC * HALF + causal_offset)
         else:
             hi = Nk
         n_blocks = (hi + BN - 1) // BN
 
-        qx_smem = gl.allocate_shared_memory(qx_desc.dtype, [2] + qx_desc.block_type.shape, qx_desc.layout)
-        qy_smem = gl.allocate_shared_memory(qy_desc.dtype, [2] + qy_desc.block_type.shape, qy_desc.layout)
+        qx_smem = gl.allocate_shared_memory(qx_desc.dtype, [NC] + qx_desc.block_type.shape, qx_desc.layout)
+        qy_smem = gl.allocate_shared_memory(qy_desc.dtype, [NC] + qy_desc.block_type.shape, qy_desc.layout)
         kx_smem = gl.allocate_shared_memory(kx_desc.dtype, [STAGES] + kx_desc.block_type.shape, kx_desc.layout)
         ky_smem = gl.allocate_shared_memory(ky_desc.dtype, [STAGES] + ky_desc.block_type.shape, ky_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
+        for i in gl.static_range(NC):
+            mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
+            mbarrier.init(empty.index(i), count=NC)
 
-        gl.warp_specialize(
-            [
-                (
-                    _ws_consumer,
+        # fmt: off
+        if NC == 2:
+            gl.warp_specialize(
+                [
                     (
-                        qx_smem,
-                        qy_smem,
-                        kx_smem,
-                        ky_smem,
-                        q_bar,
-                        ready,
-                        empty,
-                        turn,
-                        0,
-                        start_m0,
-                        pid_bh,
-                        n_blocks,
-                        Nq,
-                        Nk,
-                        causal_offset,
-                        scale_x,
-                        scale_y,
-                        LSEX_IN,
-                        LSEY_IN,
-                        KL_OUT,
-                        LSEX_OUT,
-                        LSEY_OUT,
-                        CAUSAL,
-                        X_FIXED,
-                        Y_FIXED,
-                        PINGPONG,
-                        POLY,
-                        ABLATE,
-                        FOLD,
+                        _ws_consumer,
+                        (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, turn, 0, start_m0,
+                         pid_bh, n_blocks, Nq, Nk, causal_offset, scale_x, scale_y, LSEX_IN, LSEY_IN,
+                         KL_OUT, LSEX_OUT, LSEY_OUT, CAUSAL, X_FIXED, Y_FIXED, PINGPONG, POLY, ABLATE, FOLD),
                     ),
-                ),
-                (
-                    _ws_consumer,
                     (
-                        qx_smem,
-                        qy_smem,
-                        kx_smem,
-                        ky_smem,
-                        q_bar,
-                        ready,
-                        empty,
-                        turn,
-                        1,
-                        start_m0,
-                        pid_bh,
-                        n_blocks,
-                        Nq,
-                        Nk,
-                        causal_offset,
-                        scale_x,
-                        scale_y,
-                        LSEX_IN,
-                        LSEY_IN,
-                        KL_OUT,
-                        LSEX_OUT,
-                        LSEY_OUT,
-                        CAUSAL,
-                        X_FIXED,
-                        Y_FIXED,
-                        PINGPONG,
-                        POLY,
-                        ABLATE,
-                        FOLD,
+                        _ws_consumer,
+                        (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, turn, 1, start_m0,
+                         pid_bh, n_blocks, Nq, Nk, causal_offset, scale_x, scale_y, LSEX_IN, LSEY_IN,
+                         KL_OUT, LSEX_OUT, LSEY_OUT, CAUSAL, X_FIXED, Y_FIXED, PINGPONG, POLY, ABLATE, FOLD),
                     ),
-                ),
-                (
-                    _ws_producer,
                     (
-                        qx_desc,
-                        kx_desc,
-                        qy_desc,
-                        ky_desc,
-                        qx_smem,
-                        qy_smem,
-                        kx_smem,
-                        ky_smem,
-                        q_bar,
-                        ready,
-                        empty,
-                        q_row0,
-                        kx_row0,
-                        ky_row0,
-                        n_blocks,
+                        _ws_producer,
+                        (qx_desc, kx_desc, qy_desc, ky_desc, qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty,
+                         q_row0, kx_row0, ky_row0, n_blocks),
                     ),
-                ),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, PRODUCER_REGS],
-        )
+                ],
+                [4, 1],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (
+                        _ws_consumer,
+                        (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, turn, 0, start_m0,
+                         pid_bh, n_blocks, Nq, Nk, causal_offset, scale_x, scale_y, LSEX_IN, LSEY_IN,
+                         KL_OUT, LSEX_OUT, LSEY_OUT, CAUSAL, X_FIXED, Y_FIXED, PINGPONG, POLY, ABLATE, FOLD),
+                    ),
+                    (
+                        _ws_consumer,
+                        (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, turn, 1, start_m0,
+                         pid_bh, n_blocks, Nq, Nk, causal_offset, scale_x, scale_y, LSEX_IN, LSEY_IN,
+                         KL_OUT, LSEX_OUT, LSEY_OUT, CAUSAL, X_FIXED, Y_FIXED, PINGPONG, POLY, ABLATE, FOLD),
+                    ),
+                    (
+                        _ws_consumer,
+                        (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, turn, 2, start_m0,
+                         pid_bh, n_blocks, Nq, Nk, causal_offset, scale_x, scale_y, LSEX_IN, LSEY_IN,
+                         KL_OUT, LSEX_OUT, LSEY_OUT, CAUSAL, X_FIXED, Y_FIXED, PINGPONG, POLY, ABLATE, FOLD),
+                    ),
+                    (
+                        _ws_producer,
+                        (qx_desc, kx_desc, qy_desc, ky_desc, qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty,
+                         q_row0, kx_row0, ky_row0, n_blocks),
+                    ),
+                ],
+                [4, 4, 1],
+                [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
+            )
+        # fmt: on
 
 
 def tile_desc(t: torch.Tensor, rows: int):
@@ -544,21 +508,24 @@ def tile_desc(t: torch.Tensor, rows: int):
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, t.shape[-1]], layout)
 
 
-def ws_forward(X: Side, Y: Side, spec: AttnSpec, lse_x=None, *, BN=128, stages=2, pingpong=2, fold=1, poly=0, ablate=0):
+def ws_forward(
+    X: Side, Y: Side, spec: AttnSpec, lse_x=None, *, BN=128, stages=2, pingpong=2, fold=1, poly=0, ablate=0, nc=2
+):
     """(kl natural, lse_x, lse_y log2) [B, H, Nq] as triton_forward returns them; lse_x: a fixed teacher lse."""
     B, H, Nq, _ = X.q.shape
     Nk = X.k.shape[2]
     kl = torch.empty((B, H, Nq), dtype=torch.float32, device=X.q.device)
     lsx, lsy = torch.empty_like(kl), torch.empty_like(kl)
     lx_in = kl if lse_x is None else lse_x.float().contiguous()
-    grid = ((Nq + 2 * HALF - 1) // (2 * HALF), B * H)
+    grid = ((Nq + nc * HALF - 1) // (nc * HALF), B * H)
     attention_fwd_ws_kernel[grid](
         tile_desc(X.q, HALF), tile_desc(X.k, BN), tile_desc(Y.q, HALF), tile_desc(Y.k, BN),
         lx_in, kl, kl, lsx, lsy,
         H, Nq, Nk, H // X.k.shape[1], H // Y.k.shape[1], X.scale * LOG2E, Y.scale * LOG2E,
         spec.causal_offset if spec.is_causal else 0,
         BN=BN, STAGES=stages, CAUSAL=spec.is_causal, X_FIXED=lse_x is not None, Y_FIXED=False,
-        CONSUMER_REGS=240, PRODUCER_REGS=24, PINGPONG=pingpong, POLY=poly, ABLATE=ablate, FOLD=fold, num_warps=4,
+        CONSUMER_REGS=240 if nc == 2 else 160, PRODUCER_REGS=24, PINGPONG=pingpong, POLY=poly, ABLATE=ablate, FOLD=fold,
+        NC=nc, num_warps=4,
     )  # fmt: skip
     return kl, lsx, lsy
 
@@ -580,19 +547,29 @@ CHECK_VARIANTS = [
     dict(pingpong=2, fold=0),
     dict(pingpong=2, fold=1),
     dict(pingpong=2, fold=1, poly=1),
+    dict(nc=3, BN=64, stages=3, pingpong=0, fold=1),
+    dict(nc=3, BN=128, stages=2, pingpong=0, fold=1),
+    dict(nc=3, BN=128, stages=2, pingpong=2, fold=1),
 ]
-TIME_VARIANTS = [
-    ("WS pp0", dict(pingpong=0, fold=0)),
-    ("WS pp1", dict(pingpong=1, fold=0)),
-    ("WS pp2", dict(pingpong=2, fold=0)),
-    ("WS pp0 fold", dict(pingpong=0, fold=1)),
-    ("WS pp2 fold", dict(pingpong=2, fold=1)),
-    ("WS pp2 fold poly every 2nd", dict(pingpong=2, fold=1, poly=2)),
-    ("WS pp2 fold poly", dict(pingpong=2, fold=1, poly=1)),
-    ("WS pp0 GEMMs only", dict(pingpong=0, ablate=1)),
-    ("WS pp0 update only", dict(pingpong=0, fold=0, ablate=2)),
-    ("WS pp0 fold update only", dict(pingpong=0, fold=1, ablate=2)),
-]
+TIME_VARIANTS = {  # name: ws_forward options; --variants picks (default: all)
+    "WS pp0": dict(pingpong=0, fold=0),
+    "WS pp1": dict(pingpong=1, fold=0),
+    "WS pp2": dict(pingpong=2, fold=0),
+    "WS pp0 fold": dict(pingpong=0, fold=1),
+    "WS pp2 fold": dict(pingpong=2, fold=1),
+    "WS pp2 fold poly every 2nd": dict(pingpong=2, fold=1, poly=2),
+    "WS pp2 fold poly": dict(pingpong=2, fold=1, poly=1),
+    "WS pp0 GEMMs only": dict(pingpong=0, ablate=1),
+    "WS pp0 update only": dict(pingpong=0, fold=0, ablate=2),
+    "WS pp0 fold update only": dict(pingpong=0, fold=1, ablate=2),
+    "WS3 BN64 st3 fold": dict(nc=3, BN=64, stages=3, pingpong=0, fold=1),
+    "WS3 BN64 st2 fold": dict(nc=3, BN=64, stages=2, pingpong=0, fold=1),
+    "WS3 BN128 st2 fold": dict(nc=3, BN=128, stages=2, pingpong=0, fold=1),
+    "WS3 BN128 st2 fold pp2": dict(nc=3, BN=128, stages=2, pingpong=2, fold=1),
+    "WS3 BN64 st3 fold pp2": dict(nc=3, BN=64, stages=3, pingpong=2, fold=1),
+    "WS3 BN64 st3 GEMMs only": dict(nc=3, BN=64, stages=3, pingpong=0, ablate=1),
+    "WS3 BN64 st3 fold update only": dict(nc=3, BN=64, stages=3, pingpong=0, fold=1, ablate=2),
+}
 
 
 def check() -> bool:
@@ -628,9 +605,9 @@ def check() -> bool:
     return ok
 
 
-def timing(ns, rounds):
+def timing(ns, rounds, variants):
     print("## B=1, H=32, D=128, bf16, causal: forward kernel ms (median of rounds, each a 5-run CUDA-event median)\n")
-    names = ["Triton fwd (library)", "Gluon fwd (library)"] + [n for n, _ in TIME_VARIANTS] + ["SDPA default fwd"]
+    names = ["Triton fwd (library)", "Gluon fwd (library)"] + variants + ["SDPA default fwd"]
     print(
         "| N | "
         + " | ".join(names)
@@ -644,14 +621,14 @@ def timing(ns, rounds):
             lambda: triton_forward(X, Y, None, spec),
             lambda: triton_forward(X, Y, None, spec, cfg={"fwd_kernel": "gluon"}),
         ]
-        fns += [lambda v=v: ws_forward(X, Y, spec, **v) for _, v in TIME_VARIANTS]
+        fns += [lambda v=TIME_VARIANTS[name]: ws_forward(X, Y, spec, **v) for name in variants]
         fns += [lambda: F.scaled_dot_product_attention(Y.q, Y.k, X.q, is_causal=True)]
         samples = [[] for _ in fns]
         for _ in range(rounds):  # interleaved: clocks and thermals drift between rounds, not within a comparison
             for i, fn in enumerate(fns):
                 samples[i].append(time_ms(fn, dev, warmup=2, reps=5))
         t = [statistics.median(s) for s in samples]
-        full = [t[2 + i] for i, (name, _) in enumerate(TIME_VARIANTS) if "only" not in name]
+        full = [t[2 + i] for i, name in enumerate(variants) if "only" not in name]
         best, sdpa = min(full), t[-1]
         flops = 4 * 32 * n * n * 128 / 2
         print(
@@ -666,13 +643,14 @@ def main() -> int:
     p.add_argument("--ns", type=int, nargs="+", default=[4096, 8192, 16384])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-check", action="store_true")
+    p.add_argument("--variants", nargs="+", default=list(TIME_VARIANTS), choices=list(TIME_VARIANTS))
     a = p.parse_args()
     if not (kg.HAVE_GLUON and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         print("needs an sm90 GPU and Triton with Gluon")
         return 0
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", kg.TRITON_VERSION, "\n")
     ok = True if a.no_check else check()
-    timing(a.ns, a.rounds)
+    timing(a.ns, a.rounds, a.variants)
     return 0 if ok else 1
 
 

@@ -1,7 +1,7 @@
 """Compile the Gluon attention forward for sm90 on a machine without a GPU (run as a script, outside the
 Triton interpreter, by tests/test_attention_gluon.py): nothing is launched; the installed Triton's Gluon
 front end and NVIDIA back end build the kernel, so a renamed or removed Gluon builtin fails here, on CPU.
-Prints the cubin's size."""
+Prints the cubins' sizes (the one-warpgroup and the warp-specialized kernel)."""
 
 from __future__ import annotations
 
@@ -38,14 +38,34 @@ def main() -> int:
     b, h, n, d = 1, 2, 256, 64
     q = torch.empty(b, h, n, d, dtype=torch.bfloat16)
     rows = torch.empty(b, h, n)
+    tail = (rows, rows, rows, rows, rows, h, n, n, 1, 1, 1.0, 1.0, 0)
+    driver_module.driver.set_active(Sm90Target())  # for this process, which compiles and exits
     bm, bn, warps, stages = kg.DEFAULT_CONFIG
     desc_q, desc_k = kg._desc(q, bm), kg._desc(q, bn)
-    args = (desc_q, desc_k, desc_q, desc_k, rows, rows, rows, rows, rows, h, n, n, 1, 1, 1.0, 1.0, 0)
-    driver_module.driver.set_active(Sm90Target())  # for this process, which compiles and exits
-    compiled = kg.attention_fwd_gluon_kernel.warmup(
-        *args, BN=bn, STAGES=stages, CAUSAL=True, X_FIXED=False, Y_FIXED=False, num_warps=warps, grid=(1,)
+    one_warpgroup = kg.attention_fwd_gluon_kernel.warmup(
+        *(desc_q, desc_k, desc_q, desc_k, *tail),
+        BN=bn,
+        STAGES=stages,
+        CAUSAL=True,
+        X_FIXED=False,
+        Y_FIXED=False,
+        num_warps=warps,
+        grid=(1,),
     )
-    print("cubin bytes", len(compiled.asm["cubin"]))
+    print("one-warpgroup cubin bytes", len(one_warpgroup.asm["cubin"]))
+    desc_q, desc_k = kg._desc(q, kg.WS_ROWS), kg._desc(q, kg.WS_BN)
+    warp_specialized = kg.attention_fwd_gluon_ws_kernel.warmup(
+        *(desc_q, desc_k, desc_q, desc_k, *tail),
+        STAGES=kg.WS_STAGES,
+        CAUSAL=True,
+        X_FIXED=True,
+        Y_FIXED=False,
+        CONSUMER_REGS=kg.WS_CONSUMER_REGS,
+        PRODUCER_REGS=kg.WS_PRODUCER_REGS,
+        num_warps=4,
+        grid=(1,),
+    )
+    print("warp-specialized cubin bytes", len(warp_specialized.asm["cubin"]))
     return 0
 
 

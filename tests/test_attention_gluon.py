@@ -92,6 +92,13 @@ CASES = [
 ]
 
 
+# both Gluon kernels, asked for by name (unasked, the size picks: kernels_gluon.WS_MIN_ROWS)
+GLUON_KERNELS = {
+    "warp_specialized": {"fwd_kernel": "gluon", "fwd_gluon": kg.WARP_SPECIALIZED},
+    "one_warpgroup": {"fwd_kernel": "gluon", "fwd_gluon": kg.ONE_WARPGROUP},
+}
+
+
 def _cuda_inputs(case, seed=0):
     B, H, hs, ht, Nq, Nk, Ds, Dt, _, _, dtype = case
     ins = make_inputs(B=B, H=H, Nq=Nq, Nk=Nk, Ds=Ds, Dt=Dt, hkv_s=hs, hkv_t=ht, dtype=torch.float32, seed=seed)
@@ -99,27 +106,29 @@ def _cuda_inputs(case, seed=0):
 
 
 @needs_sm90
+@pytest.mark.parametrize("kernel", list(GLUON_KERNELS))
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("direction", ["forward", "reverse"])
-def test_rows_match_the_triton_forward(case, direction):
+def test_rows_match_the_triton_forward(case, direction, kernel):
     q_s, k_s, q_t, k_t = _cuda_inputs(case)
     causal, off = case[8], case[9]
     kw = dict(is_causal=causal, causal_offset=off, direction=direction, reduction="none", backend="triton")
     with torch.no_grad():
         ref = attention_kl(q_s, k_s, q_t, k_t, block_config={"fwd_kernel": "triton"}, **kw)
-        got = attention_kl(q_s, k_s, q_t, k_t, block_config={"fwd_kernel": "gluon"}, **kw)
+        got = attention_kl(q_s, k_s, q_t, k_t, block_config=GLUON_KERNELS[kernel], **kw)
     assert kg.gluon_forward_supported(q_t, k_t, q_s, k_s, kpm=None, is_causal=causal, causal_offset=off)
-    # the same math op for op; the MMA may sum a row's products in another order
+    # the same math (the scale inside the exponents' FMAs); the MMA may sum a row's products in another order
     assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
 
 
 @needs_sm90
+@pytest.mark.parametrize("kernel", list(GLUON_KERNELS))
 @pytest.mark.parametrize("case", CASES[:5])
-def test_loss_and_gradients_against_float64(case):
+def test_loss_and_gradients_against_float64(case, kernel):
     q_s, k_s, q_t, k_t = _cuda_inputs(case, seed=1)
     causal, off = case[8], case[9]
     ins = [t.clone().requires_grad_(True) for t in (q_s, k_s)] + [q_t, k_t]
-    out = attention_kl(*ins, is_causal=causal, causal_offset=off, block_config={"fwd_kernel": "gluon"})
+    out = attention_kl(*ins, is_causal=causal, causal_offset=off, block_config=GLUON_KERNELS[kernel])
     out.backward()
     ref_ins = [t.detach().double().requires_grad_(i < 2) for i, t in enumerate((q_s, k_s, q_t, k_t))]
     ref = reference_attention_kl(*ref_ins, is_causal=causal, causal_offset=off)
@@ -130,7 +139,8 @@ def test_loss_and_gradients_against_float64(case):
 
 
 @needs_sm90
-def test_teacher_lse_given():
+@pytest.mark.parametrize("kernel", list(GLUON_KERNELS))
+def test_teacher_lse_given(kernel):
     case = CASES[1]
     q_s, k_s, q_t, k_t = _cuda_inputs(case, seed=2)
     scale = q_t.shape[-1] ** -0.5
@@ -141,7 +151,7 @@ def test_teacher_lse_given():
     kw = dict(is_causal=True, reduction="none", backend="triton", lse_t=lse_t)
     with torch.no_grad():
         ref = attention_kl(q_s, k_s, q_t, k_t, **kw)
-        got = attention_kl(q_s, k_s, q_t, k_t, block_config={"fwd_kernel": "gluon"}, **kw)
+        got = attention_kl(q_s, k_s, q_t, k_t, block_config=GLUON_KERNELS[kernel], **kw)
     assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
 
 

@@ -226,7 +226,9 @@ def attention_kl(
         chunk_size: key chunk of the PyTorch path (None = automatic).
         block_config: Triton tile settings override (see ``kernels_fwd.DEFAULT_CONFIGS``); its
             "fwd_kernel": "gluon" / "triton" picks the forward kernel on sm90 (default: the Gluon
-            one, ``kernels_gluon.py``, from Nq = 8192 on), "fwd_gluon": its tiles.
+            one, ``kernels_gluon.py``, from Nq = 8192 on), "fwd_gluon": which Gluon kernel,
+            "warp_specialized" (the default from Nq = 8192 on) or "one_warpgroup" (below), or the
+            one-warpgroup kernel's tiles (BM, BN, num_warps, stages).
 
     Returns:
         float32 loss (float64 when an input is float64 on the PyTorch path).

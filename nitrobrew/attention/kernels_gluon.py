@@ -6,12 +6,19 @@ Triton release it was tested with); the Triton kernel of ``kernels_fwd.py`` stay
 and the reference it is tested against.
 
 Why: in Triton's ``tl.dot`` forward the two score GEMMs of a key block and the two exponentials per
-score run one after the other (benchmarks/results/attention/fwd_tma_h100.md). Here the program
-issues the next key block's two score GEMMs (``warpgroup_mma(..., is_async=True)``) and then does
-this block's online-KL update while the tensor cores work: FlashAttention-3's overlap of the score
-GEMM with the softmax of the previous block, within each warpgroup. The key tiles of both sides
-come through TMA into a ring of STAGES shared-memory buffers (one mbarrier per buffer); the query
-tiles stay in shared memory as the A operands.
+score run one after the other (benchmarks/results/attention/fwd_tma_h100.md). Two kernels here:
+
+- ``attention_fwd_gluon_kernel`` (one warpgroup of 64 query rows a program): the program issues the
+  next key block's two score GEMMs (``warpgroup_mma(..., is_async=True)``) and then does this block's
+  online-KL update while the tensor cores work. Key tiles come through TMA into a ring of STAGES
+  buffers (one mbarrier each); the query tiles stay in shared memory as the A operands.
+- ``attention_fwd_gluon_ws_kernel`` (warp-specialized, FlashAttention-3's structure; the default from
+  WS_MIN_ROWS query rows on): a producer warp fills a ring of 128-key blocks for three consumer
+  warpgroups of 64 query rows each (``gl.warp_specialize``, registers moved to the consumers by
+  ``setmaxnreg``), each releasing a buffer through an ``empty`` mbarrier. The update is bound by the
+  exponential unit (two exponentials a score pair; alone it takes about SDPA's whole forward time), so
+  what pays is keeping it fed: while one warpgroup waits on its GEMMs, the other two's exponentials run
+  (benchmarks/results/attention/gluon_ws_h100.md).
 
 The math is the Triton forward's (docs/design.md §3), the scale taken inside each exponent's FMA
 (``_kl_update``; same maxima, arguments rounded once): scores in log2 units (the scale folds in
@@ -49,6 +56,10 @@ try:  # Gluon ships with Triton >= 3.5; the names below are those of Triton 3.6 
     # old name raises there); same arguments
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
+    # The Triton forward's row outputs, called as they are: a @triton.jit helper called from a @gluon.jit
+    # function compiles with Gluon's semantics, on the caller's layouts.
+    from .kernels_fwd import _store_rows
+
     HAVE_GLUON = True
     TRITON_VERSION = __import__("triton").__version__
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -57,14 +68,28 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (16, 32, 64, 128)
-# (BM, BN, num_warps, STAGES): one warpgroup of 64 query rows; BN = 64 keeps the in-flight and the
-# current score tiles of both sides (4 x 32 fp32 registers a thread) with room for the update, and
-# two stages let two programs share an SM (registers and shared memory), whose GEMMs and updates
-# interleave. Measured on H100: benchmarks/results/attention/gluon_fwd.md.
+# The forward launched unless asked otherwise: the warp-specialized kernel (attention_fwd_gluon_ws_kernel).
+# 0.79-0.96x the one-warpgroup kernel's time at N = 8192-32768 on an H100
+# (benchmarks/results/attention/gluon_ws_h100.md).
+WARP_SPECIALIZED = "warp_specialized"
+# ... from this many query rows on; below, the one-warpgroup kernel (the warp-specialized one measured
+# 1.11-1.15x its time at N = 2048-4096: fewer programs than the 3 x 64-row split needs to fill the GPU).
+WS_MIN_ROWS = 8192
+ONE_WARPGROUP = "one_warpgroup"
+# Its shape: 3 consumer warpgroups of 64 query rows at 160 registers, key blocks of 128 in a ring of 2
+# (3 x 2 query tiles and 2 x 2 key tiles of head dim 128 in bf16: 224 KiB of shared memory), a producer
+# warp at 24 registers (3 x 160 + 24 <= 512 registers a thread of each warpgroup slot).
+WS_ROWS, WS_BN, WS_STAGES, WS_CONSUMER_REGS, WS_PRODUCER_REGS = 64, 128, 2, 160, 24
+# (BM, BN, num_warps, STAGES) of the one-warpgroup kernel (attention_fwd_gluon_kernel), asked for by a
+# config tuple: one warpgroup of 64 query rows; BN = 64 keeps the in-flight and the current score tiles
+# of both sides (4 x 32 fp32 registers a thread) with room for the update, and two stages let two
+# programs share an SM (registers and shared memory), whose GEMMs and updates interleave. Measured on
+# H100: benchmarks/results/attention/gluon_fwd.md.
 DEFAULT_CONFIG = (64, 64, 4, 2)
 ENV_SWITCH = "NITROBREW_ATTN_GLUON"  # "1": use this forward where supported; "0" never
-# Chosen without being asked from this many query rows on (H100: 0.90-0.94x the Triton forward's
-# time at N = 8192-16384, slower at 2048-4096), on the Triton releases it was tested with.
+# Chosen without being asked from this many query rows on (H100: the warp-specialized kernel 0.75-0.92x
+# the Triton forward's time at N = 8192-131072; Gluon was slower at 2048-4096), on the Triton releases
+# it was tested with.
 AUTO_MIN_ROWS = 8192
 TESTED_TRITON = ("3.6.",)
 FAILED = False  # set by note_failure
@@ -171,6 +196,36 @@ if HAVE_GLUON:
         return mx, my, lx, ly, c
 
     @gluon.jit
+    def _init_rows(
+        LSEX_IN, LSEY_IN, flat, row_ok, ROW_LAYOUT: gl.constexpr, X_FIXED: gl.constexpr, Y_FIXED: gl.constexpr
+    ):
+        """The row state (m_x, m_y, l_x, l_y, c) before the first key block (kernels_fwd._init_state):
+        the maxima start at the given lse's (log2 units) where fixed."""
+        if X_FIXED:
+            mx = gl.load(LSEX_IN + flat, mask=row_ok, other=0.0).to(gl.float32) * 1.4426950408889634
+        else:
+            mx = gl.full(flat.shape, -1.0e30, gl.float32, ROW_LAYOUT)
+        if Y_FIXED:
+            my = gl.load(LSEY_IN + flat, mask=row_ok, other=0.0).to(gl.float32) * 1.4426950408889634
+        else:
+            my = gl.full(flat.shape, -1.0e30, gl.float32, ROW_LAYOUT)
+        zeros = gl.zeros(flat.shape, gl.float32, ROW_LAYOUT)
+        return mx, my, zeros, zeros, zeros
+
+    @gluon.jit
+    def _key_blocks(start_m, rows, Nk, causal_offset, BN: gl.constexpr, CAUSAL: gl.constexpr):
+        """Key blocks of query rows [start_m, start_m + rows) (kernels_tiles.key_ranges): [0, n_full)
+        unmasked, [n_full, n_blocks) masked."""
+        if CAUSAL:
+            hi = gl.minimum(Nk, start_m + rows + causal_offset)
+            full_hi = gl.minimum(Nk, start_m + 1 + causal_offset)
+        else:
+            hi = Nk
+            full_hi = Nk
+        full_hi = gl.minimum(full_hi, (Nk // BN) * BN)
+        return gl.maximum(full_hi, 0) // BN, (hi + BN - 1) // BN
+
+    @gluon.jit
     def _load_keys(kx_desc, ky_desc, kx_smem, ky_smem, ready, block, kx_row0, ky_row0, BN: gl.constexpr, pred):
         """TMA both key tiles of key block `block` into buffer block % STAGES (if pred)."""
         stage = block % kx_smem.shape[0]
@@ -234,16 +289,7 @@ if HAVE_GLUON:
         kx_row0 = (b * (H // GX) + h // GX) * Nk
         ky_row0 = (b * (H // GY) + h // GY) * Nk
 
-        # key-loop bounds (kernels_tiles.key_ranges): blocks [0, n_full) unmasked, [n_full, n_blocks) masked
-        if CAUSAL:
-            hi = gl.minimum(Nk, start_m + BM + causal_offset)
-            full_hi = gl.minimum(Nk, start_m + 1 + causal_offset)
-        else:
-            hi = Nk
-            full_hi = Nk
-        full_hi = gl.minimum(full_hi, (Nk // BN) * BN)
-        n_full = gl.maximum(full_hi, 0) // BN
-        n_blocks = (hi + BN - 1) // BN
+        n_full, n_blocks = _key_blocks(start_m, BM, Nk, causal_offset, BN, CAUSAL)
 
         qx_smem = gl.allocate_shared_memory(qx_desc.dtype, qx_desc.block_type.shape, qx_desc.layout)
         qy_smem = gl.allocate_shared_memory(qy_desc.dtype, qy_desc.block_type.shape, qy_desc.layout)
@@ -264,17 +310,7 @@ if HAVE_GLUON:
         rows = start_m + gl.arange(0, BM, layout=row_layout)
         row_ok = rows < Nq
         flat = pid_bh.to(gl.int64) * Nq + rows
-        if X_FIXED:
-            mx = gl.load(LSEX_IN + flat, mask=row_ok, other=0.0).to(gl.float32) * 1.4426950408889634
-        else:
-            mx = gl.full([BM], -1.0e30, gl.float32, row_layout)
-        if Y_FIXED:
-            my = gl.load(LSEY_IN + flat, mask=row_ok, other=0.0).to(gl.float32) * 1.4426950408889634
-        else:
-            my = gl.full([BM], -1.0e30, gl.float32, row_layout)
-        lx = gl.zeros([BM], gl.float32, row_layout)
-        ly = gl.zeros([BM], gl.float32, row_layout)
-        c = gl.zeros([BM], gl.float32, row_layout)
+        mx, my, lx, ly, c = _init_rows(LSEX_IN, LSEY_IN, flat, row_ok, row_layout, X_FIXED, Y_FIXED)
         zero = gl.zeros([BM, BN], gl.float32, layout)
 
         mbarrier.wait(q_bar, 0)
@@ -326,14 +362,201 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
-        # row outputs (kernels_fwd._store_rows)
-        ok = (lx != 0) & (ly != 0)
-        lxs = gl.where(ok, lx, 1.0)
-        lys = gl.where(ok, ly, 1.0)
-        kl2 = c / lxs - gl.log2(lxs) + gl.log2(lys)
-        gl.store(KL_OUT + flat, gl.where(ok, kl2 * 0.6931471805599453, 0.0), mask=row_ok)
-        gl.store(LSEX_OUT + flat, gl.where(ok, mx + gl.log2(lxs), 0.0), mask=row_ok)
-        gl.store(LSEY_OUT + flat, gl.where(ok, my + gl.log2(lys), 0.0), mask=row_ok)
+        _store_rows(mx, my, lx, ly, c, flat, row_ok, KL_OUT, LSEX_OUT, LSEY_OUT)
+
+    @gluon.jit
+    def _ws_load_partition(
+        qx_desc,
+        kx_desc,
+        qy_desc,
+        ky_desc,
+        qx_smem,
+        qy_smem,
+        kx_smem,
+        ky_smem,
+        q_bar,
+        ready,
+        empty,
+        q_row0,
+        kx_row0,
+        ky_row0,
+        n_blocks,
+    ):
+        """The producer warp of attention_fwd_gluon_ws_kernel: the query tiles of every consumer, then each
+        key block into the ring as soon as all consumers have released its buffer."""
+        STAGES: gl.constexpr = kx_smem.shape[0]
+        BN: gl.constexpr = kx_smem.shape[1]
+        PARTS: gl.constexpr = qx_smem.shape[0]
+        ROWS: gl.constexpr = qx_smem.shape[1]
+        mbarrier.expect(q_bar, PARTS * (qx_desc.block_type.nbytes + qy_desc.block_type.nbytes))
+        for i in gl.static_range(PARTS):
+            tma_load(qx_desc, [q_row0 + i * ROWS, 0], q_bar, qx_smem.index(i))
+            tma_load(qy_desc, [q_row0 + i * ROWS, 0], q_bar, qy_smem.index(i))
+        for j in range(n_blocks):
+            stage = j % STAGES
+            # a fresh barrier passes a wait on the parity before its first phase: the first round is free
+            mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, kx_desc.block_type.nbytes + ky_desc.block_type.nbytes)
+            tma_load(kx_desc, [kx_row0 + j * BN, 0], bar, kx_smem.index(stage))
+            tma_load(ky_desc, [ky_row0 + j * BN, 0], bar, ky_smem.index(stage))
+
+    @gluon.jit
+    def _ws_scores(qx, qy, kx_smem, ky_smem, ready, empty, j, zero):
+        """Key block j's two score tiles; its buffer is released once both GEMMs have read it."""
+        STAGES: gl.constexpr = kx_smem.shape[0]
+        stage = j % STAGES
+        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+        sx = warpgroup_mma(qx, kx_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+        sy = warpgroup_mma(qy, ky_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+        sx, sy = warpgroup_mma_wait(num_outstanding=0, deps=(sx, sy))
+        mbarrier.arrive(empty.index(stage), count=1)
+        return sx, sy
+
+    @gluon.jit
+    def _ws_kl_partition(
+        qx_smem,
+        qy_smem,
+        kx_smem,
+        ky_smem,
+        q_bar,
+        ready,
+        empty,
+        part,
+        start_m0,
+        pid_bh,
+        n_blocks,
+        Nq,
+        Nk,
+        causal_offset,
+        scale_x,
+        scale_y,
+        LSEX_IN,
+        LSEY_IN,
+        KL_OUT,
+        LSEX_OUT,
+        LSEY_OUT,
+        CAUSAL: gl.constexpr,
+        X_FIXED: gl.constexpr,
+        Y_FIXED: gl.constexpr,
+    ):
+        """A consumer warpgroup of attention_fwd_gluon_ws_kernel: the online-KL update of its 64 query rows
+        over every key block of the program (blocks past its own rows are fully masked for it)."""
+        BM: gl.constexpr = qx_smem.shape[1]
+        BN: gl.constexpr = kx_smem.shape[1]
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        start_m = start_m0 + part * BM
+        n_full, _ = _key_blocks(start_m, BM, Nk, causal_offset, BN, CAUSAL)
+        row_layout: gl.constexpr = gl.SliceLayout(1, layout)
+        rows = start_m + gl.arange(0, BM, layout=row_layout)
+        row_ok = rows < Nq
+        flat = pid_bh.to(gl.int64) * Nq + rows
+        mx, my, lx, ly, c = _init_rows(LSEX_IN, LSEY_IN, flat, row_ok, row_layout, X_FIXED, Y_FIXED)
+        zero = gl.zeros([BM, BN], gl.float32, layout)
+        qx = qx_smem.index(part)
+        qy = qy_smem.index(part)
+        mbarrier.wait(q_bar, 0)
+        for j in range(0, n_full):
+            sx, sy = _ws_scores(qx, qy, kx_smem, ky_smem, ready, empty, j, zero)
+            mx, my, lx, ly, c = _kl_update(
+                sx, sy, mx, my, lx, ly, c, start_m, j * BN, Nk, causal_offset, scale_x, scale_y,
+                BM, BN, layout, False, CAUSAL, X_FIXED, Y_FIXED,
+            )  # fmt: skip
+        for j in range(n_full, n_blocks):
+            sx, sy = _ws_scores(qx, qy, kx_smem, ky_smem, ready, empty, j, zero)
+            mx, my, lx, ly, c = _kl_update(
+                sx, sy, mx, my, lx, ly, c, start_m, j * BN, Nk, causal_offset, scale_x, scale_y,
+                BM, BN, layout, True, CAUSAL, X_FIXED, Y_FIXED,
+            )  # fmt: skip
+        _store_rows(mx, my, lx, ly, c, flat, row_ok, KL_OUT, LSEX_OUT, LSEY_OUT)
+
+    @gluon.jit
+    def attention_fwd_gluon_ws_kernel(
+        qx_desc,
+        kx_desc,
+        qy_desc,
+        ky_desc,
+        LSEX_IN,
+        LSEY_IN,
+        KL_OUT,
+        LSEX_OUT,
+        LSEY_OUT,
+        H,
+        Nq,
+        Nk,
+        GX,
+        GY,
+        scale_x,
+        scale_y,
+        causal_offset,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        X_FIXED: gl.constexpr,
+        Y_FIXED: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """Warp-specialized forward: program = (3 x 64 query rows, batch * head); three consumer warpgroups
+        (CONSUMER_REGS registers each) run _ws_kl_partition on their rows, a producer warp (PRODUCER_REGS)
+        runs _ws_load_partition. While one warpgroup waits on its GEMMs, the others' exponentials keep the
+        MUFU busy (benchmarks/results/attention/gluon_ws_h100.md)."""
+        ROWS: gl.constexpr = qx_desc.block_type.shape[0]
+        BN: gl.constexpr = kx_desc.block_type.shape[0]
+        gl.static_assert(num_warps == 4)
+        gl.static_assert(ROWS == 64)
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # longest query blocks first (causal)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        start_m0 = pid_m * (3 * ROWS)
+        q_row0 = pid_bh * Nq + start_m0
+        kx_row0 = (b * (H // GX) + h // GX) * Nk
+        ky_row0 = (b * (H // GY) + h // GY) * Nk
+        _, n_blocks = _key_blocks(start_m0, 3 * ROWS, Nk, causal_offset, BN, CAUSAL)
+
+        qx_smem = gl.allocate_shared_memory(qx_desc.dtype, [3] + qx_desc.block_type.shape, qx_desc.layout)
+        qy_smem = gl.allocate_shared_memory(qy_desc.dtype, [3] + qy_desc.block_type.shape, qy_desc.layout)
+        kx_smem = gl.allocate_shared_memory(kx_desc.dtype, [STAGES] + kx_desc.block_type.shape, kx_desc.layout)
+        ky_smem = gl.allocate_shared_memory(ky_desc.dtype, [STAGES] + ky_desc.block_type.shape, ky_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=3)  # one release per consumer
+
+        # The partitions' arguments are written out: a tuple built by concatenation loses its constexprs.
+        gl.warp_specialize(
+            [
+                (
+                    _ws_kl_partition,
+                    (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, 0, start_m0, pid_bh, n_blocks, Nq,
+                     Nk, causal_offset, scale_x, scale_y, LSEX_IN, LSEY_IN, KL_OUT, LSEX_OUT, LSEY_OUT,
+                     CAUSAL, X_FIXED, Y_FIXED),
+                ),
+                (
+                    _ws_kl_partition,
+                    (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, 1, start_m0, pid_bh, n_blocks, Nq,
+                     Nk, causal_offset, scale_x, scale_y, LSEX_IN, LSEY_IN, KL_OUT, LSEX_OUT, LSEY_OUT,
+                     CAUSAL, X_FIXED, Y_FIXED),
+                ),
+                (
+                    _ws_kl_partition,
+                    (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, 2, start_m0, pid_bh, n_blocks, Nq,
+                     Nk, causal_offset, scale_x, scale_y, LSEX_IN, LSEY_IN, KL_OUT, LSEX_OUT, LSEY_OUT,
+                     CAUSAL, X_FIXED, Y_FIXED),
+                ),
+                (
+                    _ws_load_partition,
+                    (qx_desc, kx_desc, qy_desc, ky_desc, qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready,
+                     empty, q_row0, kx_row0, ky_row0, n_blocks),
+                ),
+            ],
+            [4, 4, 1],
+            [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
 
 
 def _sm90(device: torch.device) -> bool:
@@ -394,10 +617,39 @@ def _desc(t: torch.Tensor, rows: int):
 def launch_fwd_gluon(q_x, k_x, q_y, k_y, *, lse_in, out, scales, causal, causal_offset, fixed, config=None) -> None:
     """Fill out = (kl, lse_x, lse_y) ([B, H, Nq] float32; lse's in log2 units) as kernels_fwd's
     forward does. lse_in: (x, y) fixed log-sum-exps (natural log; read where fixed says so), scales:
-    (x, y) in log2 units, config: (BM, BN, num_warps, stages)."""
-    BM, BN, warps, stages = config or DEFAULT_CONFIG
+    (x, y) in log2 units, config: WARP_SPECIALIZED, ONE_WARPGROUP (its DEFAULT_CONFIG tiles) or its
+    (BM, BN, num_warps, stages); None: the warp-specialized kernel from WS_MIN_ROWS query rows on."""
     B, H, Nq, _ = q_x.shape
     Nk = k_x.shape[2]
+    if config is None:
+        config = WARP_SPECIALIZED if Nq >= WS_MIN_ROWS else ONE_WARPGROUP
+    if config == WARP_SPECIALIZED:
+        grid = ((Nq + 3 * WS_ROWS - 1) // (3 * WS_ROWS), B * H)
+        attention_fwd_gluon_ws_kernel[grid](
+            _desc(q_x, WS_ROWS),
+            _desc(k_x, WS_BN),
+            _desc(q_y, WS_ROWS),
+            _desc(k_y, WS_BN),
+            *lse_in,
+            *out,
+            H,
+            Nq,
+            Nk,
+            H // k_x.shape[1],
+            H // k_y.shape[1],
+            float(scales[0]),
+            float(scales[1]),
+            int(causal_offset) if causal else 0,
+            STAGES=WS_STAGES,
+            CAUSAL=bool(causal),
+            X_FIXED=bool(fixed[0]),
+            Y_FIXED=bool(fixed[1]),
+            CONSUMER_REGS=WS_CONSUMER_REGS,
+            PRODUCER_REGS=WS_PRODUCER_REGS,
+            num_warps=4,
+        )
+        return
+    BM, BN, warps, stages = DEFAULT_CONFIG if config == ONE_WARPGROUP else config
     grid = ((Nq + BM - 1) // BM, B * H)
     attention_fwd_gluon_kernel[grid](
         _desc(q_x, BM),

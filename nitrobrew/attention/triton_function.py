@@ -79,7 +79,7 @@ def triton_forward(X: Side, Y: Side, kpm, spec: AttnSpec, lse_x=None, lse_y=None
     lx_in, x_fixed = fixed(lse_x)
     ly_in, y_fixed = fixed(lse_y)
     # chosen by api.py (kernels_gluon.gluon_forward_supported); its update takes the row maxima of the raw
-    # scores, which needs scales > 0
+    # scores, which needs scales > 0 (api.py refuses others; this function is also called directly)
     if cfg and cfg.get("fwd_kernel") == "gluon" and X.scale > 0 and Y.scale > 0:
         from .kernels_gluon import launch_fwd_gluon, note_failure
 
