@@ -130,6 +130,9 @@ def main(argv=None) -> float:
         kd = float(total)
         if rank == 0:
             print(f"step {step}: {args.divergence} {kd:.5f} nats/token over {int(count)} tokens ({world} ranks)")
+    # every rank past its last collective before any tears gloo down: a rank that closes its pairs while
+    # the other still waits on one aborts the other (seen under load on CPU)
+    dist.barrier()
     dist.destroy_process_group()
     return kd
 

@@ -5,6 +5,7 @@ one output_dir. Real launchers, tiny models, 2 processes."""
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -39,8 +40,15 @@ def launch(run_dir, launcher, *extra):
     return subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=600)
 
 
+def free_port() -> int:
+    """A port nothing listens on now: the launches of tests running side by side (pytest -n) must not meet."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def torchrun():
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517"]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
 
 
 def test_torchrun_on_cpu_trains_data_parallel(run_dir):
@@ -70,7 +78,7 @@ def test_accelerate_fsdp2_config_on_cpu_is_refused(run_dir):
         "--num_processes",
         "2",
         "--main_process_port",
-        "29518",
+        str(free_port()),
     ]
     done = launch(run_dir, launcher)
     assert done.returncode != 0
