@@ -226,6 +226,21 @@ if HAVE_GLUON:
         return gl.maximum(full_hi, 0) // BN, (hi + BN - 1) // BN
 
     @gluon.jit
+    def _program_origin(H, Nq, Nk, GX, GY, ROWS: gl.constexpr):
+        """Program = (ROWS query rows, batch * head), longest query blocks first (causal): the head, its
+        first query row and the first rows of its query tile and of both sides' key heads in the [rows, D]
+        views."""
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        start_m = pid_m * ROWS
+        q_row0 = pid_bh * Nq + start_m
+        kx_row0 = (b * (H // GX) + h // GX) * Nk
+        ky_row0 = (b * (H // GY) + h // GY) * Nk
+        return pid_bh, start_m, q_row0, kx_row0, ky_row0
+
+    @gluon.jit
     def _load_keys(kx_desc, ky_desc, kx_smem, ky_smem, ready, block, kx_row0, ky_row0, BN: gl.constexpr, pred):
         """TMA both key tiles of key block `block` into buffer block % STAGES (if pred)."""
         stage = block % kx_smem.shape[0]
@@ -279,15 +294,7 @@ if HAVE_GLUON:
         )
         row_layout: gl.constexpr = gl.SliceLayout(1, layout)
 
-        # longest query blocks first (causal); program = (query block, batch * head)
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-        pid_bh = gl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        start_m = pid_m * BM
-        q_row0 = pid_bh * Nq + start_m
-        kx_row0 = (b * (H // GX) + h // GX) * Nk
-        ky_row0 = (b * (H // GY) + h // GY) * Nk
+        pid_bh, start_m, q_row0, kx_row0, ky_row0 = _program_origin(H, Nq, Nk, GX, GY, BM)
 
         n_full, n_blocks = _key_blocks(start_m, BM, Nk, causal_offset, BN, CAUSAL)
 
@@ -505,14 +512,7 @@ if HAVE_GLUON:
         BN: gl.constexpr = kx_desc.block_type.shape[0]
         gl.static_assert(num_warps == 4)
         gl.static_assert(ROWS == 64)
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # longest query blocks first (causal)
-        pid_bh = gl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        start_m0 = pid_m * (3 * ROWS)
-        q_row0 = pid_bh * Nq + start_m0
-        kx_row0 = (b * (H // GX) + h // GX) * Nk
-        ky_row0 = (b * (H // GY) + h // GY) * Nk
+        pid_bh, start_m0, q_row0, kx_row0, ky_row0 = _program_origin(H, Nq, Nk, GX, GY, 3 * ROWS)
         _, n_blocks = _key_blocks(start_m0, 3 * ROWS, Nk, causal_offset, BN, CAUSAL)
 
         qx_smem = gl.allocate_shared_memory(qx_desc.dtype, [3] + qx_desc.block_type.shape, qx_desc.layout)
@@ -623,53 +623,25 @@ def launch_fwd_gluon(q_x, k_x, q_y, k_y, *, lse_in, out, scales, causal, causal_
     Nk = k_x.shape[2]
     if config is None:
         config = WARP_SPECIALIZED if Nq >= WS_MIN_ROWS else ONE_WARPGROUP
+    # the arguments after the descriptors, and the constexprs, are the same for both kernels
+    rows_in_out = (*lse_in, *out, H, Nq, Nk, H // k_x.shape[1], H // k_y.shape[1])
+    scalars = (float(scales[0]), float(scales[1]), int(causal_offset) if causal else 0)
+    flags = dict(CAUSAL=bool(causal), X_FIXED=bool(fixed[0]), Y_FIXED=bool(fixed[1]))
     if config == WARP_SPECIALIZED:
         grid = ((Nq + 3 * WS_ROWS - 1) // (3 * WS_ROWS), B * H)
+        descs = (_desc(q_x, WS_ROWS), _desc(k_x, WS_BN), _desc(q_y, WS_ROWS), _desc(k_y, WS_BN))
         attention_fwd_gluon_ws_kernel[grid](
-            _desc(q_x, WS_ROWS),
-            _desc(k_x, WS_BN),
-            _desc(q_y, WS_ROWS),
-            _desc(k_y, WS_BN),
-            *lse_in,
-            *out,
-            H,
-            Nq,
-            Nk,
-            H // k_x.shape[1],
-            H // k_y.shape[1],
-            float(scales[0]),
-            float(scales[1]),
-            int(causal_offset) if causal else 0,
+            *descs,
+            *rows_in_out,
+            *scalars,
             STAGES=WS_STAGES,
-            CAUSAL=bool(causal),
-            X_FIXED=bool(fixed[0]),
-            Y_FIXED=bool(fixed[1]),
             CONSUMER_REGS=WS_CONSUMER_REGS,
             PRODUCER_REGS=WS_PRODUCER_REGS,
             num_warps=4,
+            **flags,
         )
         return
     BM, BN, warps, stages = DEFAULT_CONFIG if config == ONE_WARPGROUP else config
     grid = ((Nq + BM - 1) // BM, B * H)
-    attention_fwd_gluon_kernel[grid](
-        _desc(q_x, BM),
-        _desc(k_x, BN),
-        _desc(q_y, BM),
-        _desc(k_y, BN),
-        *lse_in,
-        *out,
-        H,
-        Nq,
-        Nk,
-        H // k_x.shape[1],
-        H // k_y.shape[1],
-        float(scales[0]),
-        float(scales[1]),
-        int(causal_offset) if causal else 0,
-        BN=BN,
-        STAGES=stages,
-        CAUSAL=bool(causal),
-        X_FIXED=bool(fixed[0]),
-        Y_FIXED=bool(fixed[1]),
-        num_warps=warps,
-    )
+    descs = (_desc(q_x, BM), _desc(k_x, BN), _desc(q_y, BM), _desc(k_y, BN))
+    attention_fwd_gluon_kernel[grid](*descs, *rows_in_out, *scalars, BN=BN, STAGES=stages, num_warps=warps, **flags)
