@@ -1,7 +1,7 @@
 """Compile the Gluon attention forward for sm90 on a machine without a GPU (run as a script, outside the
 Triton interpreter, by tests/test_attention_gluon.py): nothing is launched; the installed Triton's Gluon
 front end and NVIDIA back end build the kernel, so a renamed or removed Gluon builtin fails here, on CPU.
-Prints the cubins' sizes (the one-warpgroup and the warp-specialized kernel)."""
+Prints the cubins' sizes (the one-warpgroup and the warp-specialized forward, the dq and dk kernels)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from triton.backends.compiler import GPUTarget
 
 from nitrobrew.attention import kernels_gluon as kg
+from nitrobrew.attention import kernels_gluon_bwd as kgb
 
 driver_module = sys.modules["triton.runtime.driver"]
 
@@ -66,6 +67,22 @@ def main() -> int:
         grid=(1,),
     )
     print("warp-specialized cubin bytes", len(warp_specialized.asm["cubin"]))
+    # the backward's dq and dk kernels (kernels_gluon_bwd), each side's formula once
+    grads = (rows, rows, rows, rows, q, h, n, n)
+    descs = (kg._desc(q, kgb.DQ_ROWS), kg._desc(q, kgb.DQ_BN), kg._desc(q, kgb.DQ_ROWS), kg._desc(q, kgb.DQ_BN))
+    dq = kgb.attention_bwd_dq_gluon_ws_kernel.warmup(
+        *descs, *grads, 1, 1, 1.0, 1.0, 1.0, 0,
+        STAGES=kgb.DQ_STAGES, CAUSAL=True, GRAD_X=False, G_SCALAR=True,
+        CONSUMER_REGS=kgb.DQ_CONSUMER_REGS, PRODUCER_REGS=kgb.DQ_PRODUCER_REGS, num_warps=4, grid=(1,),
+    )  # fmt: skip
+    print("dq cubin bytes", len(dq.asm["cubin"]))
+    descs = (kg._desc(q, kgb.DK_KEYS), kg._desc(q, kgb.DK_BQ), kg._desc(q, kgb.DK_KEYS), kg._desc(q, kgb.DK_BQ))
+    dk = kgb.attention_bwd_dk_gluon_ws_kernel.warmup(
+        *descs, *grads, 1, 1.0, 1.0, 1.0, 0,
+        STAGES=kgb.DK_STAGES, CAUSAL=True, GRAD_X=True, G_SCALAR=False,
+        CONSUMER_REGS=kgb.DQ_CONSUMER_REGS, PRODUCER_REGS=kgb.DQ_PRODUCER_REGS, num_warps=4, grid=(1,),
+    )  # fmt: skip
+    print("dk cubin bytes", len(dk.asm["cubin"]))
     return 0
 
 

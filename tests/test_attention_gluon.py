@@ -1,4 +1,5 @@
-"""The experimental Gluon (Hopper) forward of attention KL: the selector everywhere, exactness on sm90.
+"""The experimental Gluon (Hopper) kernels of attention KL (forward, dq, dk): the selectors everywhere,
+exactness on sm90.
 
 On a machine without an sm90 GPU or Gluon only the selector tests run (the Gluon path must never be
 taken there, whatever is asked); on an H100/H200 the forward's rows are compared with the Triton
@@ -15,6 +16,7 @@ from attention_helpers import make_inputs, rel
 from nitrobrew.attention import api as attn_api
 from nitrobrew.attention import attention_kl, reference_attention_kl
 from nitrobrew.attention import kernels_gluon as kg
+from nitrobrew.attention import kernels_gluon_bwd as kgb
 from nitrobrew.attention.common import AttnSpec
 
 
@@ -46,6 +48,25 @@ def test_enabled_by_config_environment_or_size(monkeypatch):
     assert not kg.gluon_forward_enabled(None, 1 << 20)
 
 
+def test_backward_enabled_by_config_environment_or_size(monkeypatch):
+    monkeypatch.delenv(kg.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(kg, "TRITON_VERSION", "3.6.0")
+    monkeypatch.setattr(kgb, "FAILED", False)
+    assert not kgb.gluon_backward_enabled(None, kgb.AUTO_MIN_ROWS - 1)
+    assert kgb.gluon_backward_enabled(None, kgb.AUTO_MIN_ROWS)
+    assert kgb.gluon_backward_enabled({"bwd_kernel": "gluon"}, 16)
+    assert not kgb.gluon_backward_enabled({"bwd_kernel": "triton", "fwd_kernel": "gluon"}, 1 << 20)
+    monkeypatch.setenv(kg.ENV_SWITCH, "0")
+    assert not kgb.gluon_backward_enabled(None, 1 << 20)
+    monkeypatch.delenv(kg.ENV_SWITCH)
+    monkeypatch.setattr(kg, "TRITON_VERSION", "3.9.0")
+    assert not kgb.gluon_backward_enabled(None, 1 << 20)
+    monkeypatch.setattr(kg, "TRITON_VERSION", "3.6.0")
+    with pytest.warns(UserWarning, match="Gluon attention backward failed"):
+        kgb.note_failure(RuntimeError("no such builtin"))
+    assert not kgb.gluon_backward_enabled(None, 1 << 20)
+
+
 def test_a_failed_launch_warns_once_and_stops_the_automatic_choice(monkeypatch):
     monkeypatch.delenv(kg.ENV_SWITCH, raising=False)
     monkeypatch.setattr(kg, "TRITON_VERSION", "3.6.0")
@@ -63,9 +84,9 @@ def test_unsupported_cases_fall_back():
     spec = AttnSpec(
         is_causal=True, causal_offset=0, scale_s=0.25, scale_t=0.25, direction="forward", target="per_head", chunk=None
     )
-    cfg = attn_api._forward_kernel({"fwd_kernel": "gluon"}, q_s, k_s, q_t, k_t, kpm=None, spec=spec)
+    cfg = attn_api._gluon_kernels({"fwd_kernel": "gluon"}, q_s, k_s, q_t, k_t, kpm=None, spec=spec)
     assert cfg["fwd_kernel"] == "triton"
-    assert attn_api._forward_kernel({"fwd_kernel": "triton"}, q_s, k_s, q_t, k_t, kpm=None, spec=spec) == {
+    assert attn_api._gluon_kernels({"fwd_kernel": "triton"}, q_s, k_s, q_t, k_t, kpm=None, spec=spec) == {
         "fwd_kernel": "triton"
     }
 
@@ -167,6 +188,55 @@ def test_key_padding_mask_and_fp32_stay_on_triton():
     assert not kg.gluon_forward_supported(q_t.transpose(1, 2), k_t, q_s, k_s, kpm=None, is_causal=True, causal_offset=0)
 
 
+@needs_sm90
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gluon_backward_matches_the_triton_backward(case, direction, reduction):
+    q_s, k_s, q_t, k_t = _cuda_inputs(case, seed=4)
+    causal, off = case[8], case[9]
+    weights = torch.rand(q_s.shape[:3], device="cuda") + 0.5  # per-row upstream gradients
+    grads = {}
+    for bwd in ("triton", "gluon"):
+        ins = [t.clone().requires_grad_(True) for t in (q_s, k_s)]
+        out = attention_kl(
+            *ins, q_t, k_t, is_causal=causal, causal_offset=off, direction=direction, reduction=reduction,
+            backend="triton", block_config={"fwd_kernel": "triton", "bwd_kernel": bwd},
+        )  # fmt: skip
+        (out if reduction == "mean" else (out * weights).sum()).backward()
+        grads[bwd] = [t.grad for t in ins]
+    for ref, got in zip(grads["triton"], grads["gluon"]):
+        assert torch.isfinite(got).all()
+        assert rel(got, ref) <= 1e-3  # dS rounded to 16 bits in both; the MMAs sum in another order
+
+
+@needs_sm90
+def test_gluon_backward_with_both_sides_trainable_falls_back_where_it_must():
+    case = CASES[3]  # GQA grouped differently on the two sides: dk of both on the Triton kernel
+    q_s, k_s, q_t, k_t = _cuda_inputs(case, seed=5)
+    grads = {}
+    for bwd in ("triton", "gluon"):
+        ins = [t.clone().requires_grad_(True) for t in (q_s, k_s, q_t, k_t)]
+        attention_kl(*ins, is_causal=True, block_config={"bwd_kernel": bwd}).backward()
+        grads[bwd] = [t.grad for t in ins]
+    for ref, got in zip(grads["triton"], grads["gluon"]):
+        assert rel(got, ref) <= 1e-3
+
+
+@needs_sm90
+@pytest.mark.parametrize("case", CASES[:5])
+def test_gluon_backward_against_float64(case):
+    q_s, k_s, q_t, k_t = _cuda_inputs(case, seed=6)
+    causal, off = case[8], case[9]
+    ins = [t.clone().requires_grad_(True) for t in (q_s, k_s)] + [q_t, k_t]
+    cfg = {"fwd_kernel": "gluon", "bwd_kernel": "gluon"}
+    attention_kl(*ins, is_causal=causal, causal_offset=off, block_config=cfg).backward()
+    ref_ins = [t.detach().double().requires_grad_(i < 2) for i, t in enumerate((q_s, k_s, q_t, k_t))]
+    reference_attention_kl(*ref_ins, is_causal=causal, causal_offset=off).backward()
+    for i in range(2):
+        assert rel(ins[i].grad, ref_ins[i].grad) <= 2e-2
+
+
 def test_the_gluon_forward_compiles_for_sm90_with_the_installed_triton():
     """The Gluon builtins it calls exist in this Triton (Triton 3.9 removed
     tma.async_copy_global_to_shared): compiled for sm90 offline, in a process outside the interpreter."""
@@ -180,3 +250,4 @@ def test_the_gluon_forward_compiles_for_sm90_with_the_installed_triton():
     done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "cubin bytes" in done.stdout
+    assert "dk cubin bytes" in done.stdout

@@ -150,18 +150,26 @@ def _pick_backend(backend: str, q_s, q_t, target: str) -> str:
     return ck.resolve_backend(backend, q_s.device)
 
 
-def _forward_kernel(cfg: Optional[dict], q_s, k_s, q_t, k_t, *, kpm, spec: AttnSpec) -> Optional[dict]:
-    """The Triton path's forward kernel: the Gluon one (Hopper, ``kernels_gluon.py``) where it is asked
-    for (``block_config={"fwd_kernel": "gluon"}``, NITROBREW_ATTN_GLUON=1) or measured faster, and
-    supports the case; else the Triton one. The choice travels in the block config."""
+def _gluon_kernels(cfg: Optional[dict], q_s, k_s, q_t, k_t, *, kpm, spec: AttnSpec) -> Optional[dict]:
+    """The Triton path's kernels on Hopper: the Gluon forward (``kernels_gluon.py``) and dq / dk kernels
+    (``kernels_gluon_bwd.py``) where they are asked for (``block_config={"fwd_kernel": "gluon"}``,
+    ``{"bwd_kernel": "gluon"}``, NITROBREW_ATTN_GLUON=1) or measured faster, and support the case; else
+    the Triton ones. The choice travels in the block config."""
     from .kernels_gluon import gluon_forward_enabled, gluon_forward_supported
+    from .kernels_gluon_bwd import gluon_backward_enabled
 
-    if not gluon_forward_enabled(cfg, q_s.shape[2]):
+    n = q_s.shape[2]
+    fwd, bwd = gluon_forward_enabled(cfg, n), gluon_backward_enabled(cfg, n)
+    if not (fwd or bwd):
         return cfg
     use = gluon_forward_supported(
         q_t, k_t, q_s, k_s, kpm=kpm, is_causal=spec.is_causal, causal_offset=spec.causal_offset
     )
-    return {**(cfg or {}), "fwd_kernel": "gluon" if use else "triton"}
+    return {
+        **(cfg or {}),
+        "fwd_kernel": "gluon" if use and fwd else "triton",
+        "bwd_kernel": "gluon" if use and bwd else "triton",
+    }
 
 
 def attention_kl(
@@ -228,7 +236,10 @@ def attention_kl(
             "fwd_kernel": "gluon" / "triton" picks the forward kernel on sm90 (default: the Gluon
             one, ``kernels_gluon.py``, from Nq = 8192 on), "fwd_gluon": which Gluon kernel,
             "warp_specialized" (the default from Nq = 8192 on) or "one_warpgroup" (below), or the
-            one-warpgroup kernel's tiles (BM, BN, num_warps, stages).
+            one-warpgroup kernel's tiles (BM, BN, num_warps, stages); "bwd_kernel": "gluon" /
+            "triton" picks the dq and dk kernels on sm90 (default: the warp-specialized Gluon ones,
+            ``kernels_gluon_bwd.py``, from Nq = 8192 on, for one side's gradients; both sides', or
+            kv heads grouped differently on the two sides for dk, run the Triton ones).
 
     Returns:
         float32 loss (float64 when an input is float64 on the PyTorch path).
@@ -269,7 +280,7 @@ def attention_kl(
     kpm = key_mask(key_padding_mask, kv_lengths, B, Nk, q_s.device)
     every_row = kpm is None and query_mask is None and Nk > 0 and (not is_causal or spec.causal_offset >= 0)
     if impl == "triton":
-        block_config = _forward_kernel(block_config, q_s, k_s, q_t, k_t, kpm=kpm, spec=spec)
+        block_config = _gluon_kernels(block_config, q_s, k_s, q_t, k_t, kpm=kpm, spec=spec)
     if impl == "triton" and every_row and reduction != "none" and B * H * Nq > 0:
         # every row sees a key and counts: the reduction is a known scale, done inside the Function
         from .triton_function import triton_total

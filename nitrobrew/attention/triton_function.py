@@ -154,6 +154,39 @@ def triton_forward(X: Side, Y: Side, kpm, spec: AttnSpec, lse_x=None, lse_y=None
     return kl, lsx, lsy
 
 
+def _gluon_grad(kind: str, X: Side, Y: Side, spec: AttnSpec, *, rows: tuple, grad_x: bool):
+    """One side's dq or dk from the Gluon kernels (kernels_gluon_bwd.py), or None where the launch failed
+    (a Triton release whose Gluon differs: warned once, the Triton kernels run). rows: the forward's
+    (lse_x, lse_y, kl), the upstream gradient and its multiplier, as triton_backward takes them."""
+    from .kernels_gluon_bwd import launch_bwd_dk_gluon, launch_bwd_dq_gluon, note_failure
+
+    lsx, lsy, kl, g, g_mult = rows
+    side = X if grad_x else Y
+    out = torch.empty_like(side.q if kind == "dq" else side.k)
+    launcher = launch_bwd_dq_gluon if kind == "dq" else launch_bwd_dk_gluon
+    try:
+        launcher(
+            X.q,
+            X.k,
+            Y.q,
+            Y.k,
+            lse=(lsx, lsy),
+            kl=kl,
+            g=g,
+            **{kind: out},
+            scales=(X.scale * LOG2E, Y.scale * LOG2E),
+            out_scale=side.scale * (1.0 if g_mult is None else g_mult),
+            causal=spec.is_causal,
+            causal_offset=spec.causal_offset,
+            grad_x=grad_x,
+            g_scalar=g_mult is not None,
+        )
+    except Exception as err:  # the Triton kernels instead
+        note_failure(err)
+        return None
+    return out
+
+
 def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need, cfg=None, g_mult=None):
     """need = dict(qx=bool, kx=bool, qy=bool, ky=bool). Returns dict of gradients (or None).
     g: the upstream gradient per row [B, H, Nq] float32, or with g_mult given a 0-dim tensor,
@@ -168,7 +201,18 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
     fp32 = torch.float32 in (X.q.dtype, Y.q.dtype)
     g_scalar = g_mult is not None
     mult = g_mult if g_scalar else 1.0
-    if need["qx"] or need["qy"]:
+    # chosen by api.py (kernels_gluon_bwd.gluon_backward_enabled, for the cases the Gluon forward supports):
+    # one side's dq, and one side's dk when both sides' kv heads are grouped alike
+    gluon = bool(cfg and cfg.get("bwd_kernel") == "gluon" and kpm is None)
+    if gluon and need["qx"] != need["qy"]:
+        out["qx" if need["qx"] else "qy"] = _gluon_grad(
+            "dq", X, Y, spec, rows=(lsx, lsy, kl, g, g_mult), grad_x=need["qx"]
+        )
+    if gluon and need["kx"] != need["ky"] and X.G == Y.G:
+        out["kx" if need["kx"] else "ky"] = _gluon_grad(
+            "dk", X, Y, spec, rows=(lsx, lsy, kl, g, g_mult), grad_x=need["kx"]
+        )
+    if (need["qx"] or need["qy"]) and out["qx"] is None and out["qy"] is None:
         BM, BN, warps, stages = resolve_config("dq", cfg, dev, max_bd, fp32)
         dqx = torch.empty_like(X.q) if need["qx"] else kl
         dqy = torch.empty_like(Y.q) if need["qy"] else kl
@@ -301,13 +345,14 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
         )
         return dka, (dkb if also_b else None)
 
-    if need["kx"] and need["ky"] and X.G == Y.G:
-        out["kx"], out["ky"] = dk_launch(X, Y, lsx, lsy, a_is_x=True, also_b=True)
-    else:
-        if need["kx"]:
-            out["kx"], _ = dk_launch(X, Y, lsx, lsy, a_is_x=True, also_b=False)
-        if need["ky"]:
-            out["ky"], _ = dk_launch(Y, X, lsy, lsx, a_is_x=False, also_b=False)
+    if out["kx"] is None and out["ky"] is None:  # not from the Gluon dk above
+        if need["kx"] and need["ky"] and X.G == Y.G:
+            out["kx"], out["ky"] = dk_launch(X, Y, lsx, lsy, a_is_x=True, also_b=True)
+        else:
+            if need["kx"]:
+                out["kx"], _ = dk_launch(X, Y, lsx, lsy, a_is_x=True, also_b=False)
+            if need["ky"]:
+                out["ky"], _ = dk_launch(Y, X, lsy, lsx, a_is_x=False, also_b=False)
     return out
 
 

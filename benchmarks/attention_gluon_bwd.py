@@ -1,0 +1,208 @@
+"""The Gluon (Hopper) dq kernel of attention_kl against the Triton dq kernel, and the backward's parts.
+
+(1) exactness on the GPU: the Gluon dq (kernels_gluon_bwd) against the Triton dq kernel on the same
+forward outputs, both directions (forward KL: dq of y; reverse: of x), per-row and scalar upstream
+gradients, odd cases (N not a multiple of the tiles, GQA, different head dims, causal offsets, fp16);
+(2) the table: B = 1, H = 32, D = 128, bf16, causal, forward KL: the Triton dq and dk kernels alone,
+the Gluon dq for each config, SDPA's default fwd+bwd, interleaved over rounds (CUDA-event medians).
+Needs an sm90 GPU:
+
+    python benchmarks/attention_gluon_bwd.py [--ns 4096 8192 16384] [--configs 64,3,160 64,2,160]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from nitrobrew.attention import kernels_gluon as kg
+from nitrobrew.attention import kernels_gluon_bwd as kgb
+from nitrobrew.attention.common import AttnSpec
+from nitrobrew.attention.kernels_fwd import LOG2E
+from nitrobrew.attention.triton_function import Side, triton_backward, triton_forward
+from nitrobrew.bench.common import time_ms
+from nitrobrew.environment import environment
+
+NEED_NONE = dict(qx=False, kx=False, qy=False, ky=False)
+WS_FWD = {"fwd_kernel": "gluon", "fwd_gluon": "warp_specialized"}
+
+
+def inputs(B, H, Nq, Nk, Ds, Dt, hs, ht, dtype, dev, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def r(*shape):
+        return (torch.randn(*shape, generator=g) * 1.5).to(dev, dtype)
+
+    return r(B, H, Nq, Ds), r(B, hs, Nk, Ds), r(B, H, Nq, Dt), r(B, ht, Nk, Dt)
+
+
+def setup(q_s, k_s, q_t, k_t, causal, off, direction):
+    S, T = Side(q_s, k_s, q_s.shape[-1] ** -0.5), Side(q_t, k_t, q_t.shape[-1] ** -0.5)
+    spec = AttnSpec(is_causal=causal, causal_offset=off, scale_s=S.scale, scale_t=T.scale, direction=direction)
+    # forward KL: x = teacher, y = student (dq of y); reverse: x = student (dq of x)
+    X, Y = (T, S) if direction == "forward" else (S, T)
+    return X, Y, spec
+
+
+def gluon_dq(X, Y, spec, lsx, lsy, kl, g, grad_x, g_mult, config=None):
+    side = X if grad_x else Y
+    dq = torch.empty_like(side.q)
+    kgb.launch_bwd_dq_gluon(
+        X.q, X.k, Y.q, Y.k,
+        lse=(lsx, lsy), kl=kl, g=g, dq=dq, scales=(X.scale * LOG2E, Y.scale * LOG2E),
+        out_scale=side.scale * (1.0 if g_mult is None else g_mult), causal=spec.is_causal,
+        causal_offset=spec.causal_offset, grad_x=grad_x, g_scalar=g_mult is not None, config=config,
+    )  # fmt: skip
+    return dq
+
+
+def gluon_dk(X, Y, spec, lsx, lsy, kl, g, grad_x, g_mult, config=None):
+    side = X if grad_x else Y
+    dk = torch.empty_like(side.k)
+    kgb.launch_bwd_dk_gluon(
+        X.q, X.k, Y.q, Y.k,
+        lse=(lsx, lsy), kl=kl, g=g, dk=dk, scales=(X.scale * LOG2E, Y.scale * LOG2E),
+        out_scale=side.scale * (1.0 if g_mult is None else g_mult), causal=spec.is_causal,
+        causal_offset=spec.causal_offset, grad_x=grad_x, g_scalar=g_mult is not None, config=config,
+    )  # fmt: skip
+    return dk
+
+
+def triton_dk(X, Y, spec, lsx, lsy, kl, g, grad_x, g_mult):
+    need = dict(NEED_NONE, **({"kx": True} if grad_x else {"ky": True}))
+    return triton_backward(X, Y, None, spec, lsx, lsy, kl, g, need, g_mult=g_mult)["kx" if grad_x else "ky"]
+
+
+def triton_dq(X, Y, spec, lsx, lsy, kl, g, grad_x, g_mult):
+    need = dict(NEED_NONE, **({"qx": True} if grad_x else {"qy": True}))
+    return triton_backward(X, Y, None, spec, lsx, lsy, kl, g, need, g_mult=g_mult)["qx" if grad_x else "qy"]
+
+
+def check(dev, configs, dk_configs) -> bool:
+    print("## Exactness on the GPU: Gluon dq / dk against the Triton dq / dk kernels\n")
+    print("| case | direction | upstream | kernel, config | rel diff (norm) | max abs diff / max abs |")
+    print("|---|---|---|---|---|---|")
+    cases = [
+        ("causal N=1000 D=64 B=2", (2, 3, 1000, 1000, 64, 64, 3, 3, torch.bfloat16, True, 0)),
+        ("non-causal N=333", (1, 4, 333, 333, 128, 128, 4, 4, torch.bfloat16, False, 0)),
+        ("GQA 8/2 (s) 8/4 (t), Ds=64 Dt=128, N=517", (1, 8, 517, 517, 64, 128, 2, 4, torch.bfloat16, True, 0)),
+        ("fp16 Nq=200 Nk=461 offset 261, Ds=32", (1, 2, 200, 461, 32, 128, 2, 2, torch.float16, True, 261)),
+        ("offset 37, Ds=16 Dt=64, N=300", (1, 2, 300, 300, 16, 64, 1, 2, torch.bfloat16, True, 37)),
+        ("causal N=1536 H=4 D=128", (1, 4, 1536, 1536, 128, 128, 4, 4, torch.bfloat16, True, 0)),
+        ("GQA 8/2 both sides, Ds=64 Dt=128, N=700", (1, 8, 700, 700, 64, 128, 2, 2, torch.bfloat16, True, 0)),
+        ("Nq=300 Nk=1000 offset 700, Dt=64, B=2", (2, 2, 300, 1000, 128, 64, 2, 2, torch.bfloat16, True, 700)),
+    ]
+    ok = True
+    for name, (B, H, Nq, Nk, Ds, Dt, hs, ht, dtype, causal, off) in cases:
+        q_s, k_s, q_t, k_t = inputs(B, H, Nq, Nk, Ds, Dt, hs, ht, dtype, dev)
+        for direction in ("forward", "reverse"):
+            X, Y, spec = setup(q_s, k_s, q_t, k_t, causal, off, direction)
+            kl, lsx, lsy = triton_forward(X, Y, None, spec)
+            grad_x = direction == "reverse"
+            for upstream in ("rows", "scalar"):
+                if upstream == "rows":
+                    g, g_mult = torch.rand(B, H, Nq, device=dev) + 0.5, None
+                else:
+                    g, g_mult = torch.tensor(0.75, device=dev), 1.0 / kl.numel()
+                runs = [("dq", c, triton_dq, gluon_dq) for c in configs]
+                if X.G == Y.G:
+                    runs += [("dk", c, triton_dk, gluon_dk) for c in dk_configs]
+                refs = {}
+                for kind, config, ref_fn, fn in runs:
+                    try:
+                        if kind not in refs:
+                            refs[kind] = ref_fn(X, Y, spec, lsx, lsy, kl, g, grad_x, g_mult).float()
+                        ref = refs[kind]
+                        got = fn(X, Y, spec, lsx, lsy, kl, g, grad_x, g_mult, config).float()
+                        torch.cuda.synchronize()
+                        rel = ((got - ref).norm() / ref.norm()).item()
+                        mx = ((got - ref).abs().max() / ref.abs().max()).item()
+                        good = rel <= 2e-2 and torch.isfinite(got).all().item()
+                        ok &= good
+                        flag = "" if good else " FAIL"
+                        print(f"| {name} | {direction} | {upstream} | {kind} {config} | {rel:.1e} | {mx:.1e} |{flag}")
+                    except Exception as err:  # noqa: BLE001 - report and go on
+                        ok = False
+                        print(f"| {name} | {direction} | {upstream} | {kind} {config} | error: {type(err).__name__}: "
+                              f"{str(err)[:300]} | |")  # fmt: skip
+                    sys.stdout.flush()
+    print()
+    return ok
+
+
+def table(dev, ns, configs, dk_configs, reps, rounds):
+    print("## B=1, H=32, D=128, bf16, causal, forward KL (dq and dk of the student): kernels alone\n")
+    head = " | ".join([f"Gluon dq {c} ms" for c in configs] + [f"Gluon dk {c} ms" for c in dk_configs])
+    print(f"| N | Triton dq ms | Triton dk ms | {head} | best Gluon dq ÷ Triton dq | best Gluon dk ÷ Triton dk "
+          "| SDPA fwd ms | SDPA fwd+bwd ms | Triton fwd ms | Gluon WS fwd ms | WS fwd + best Gluon dq + dk "
+          "÷ SDPA fwd+bwd |")  # fmt: skip
+    print("|" + "---|" * (10 + len(configs) + len(dk_configs)))
+    for n in ns:
+        q_s, k_s, q_t, k_t = inputs(1, 32, n, n, 128, 128, 32, 32, torch.bfloat16, dev)
+        X, Y, spec = setup(q_s, k_s, q_t, k_t, True, 0, "forward")
+        kl, lsx, lsy = triton_forward(X, Y, None, spec)
+        g = torch.ones((), device=dev)
+        v = torch.randn_like(q_s)
+        qv, kv, vv = (t.clone().requires_grad_(True) for t in (q_s, k_s, v))
+        need_dk = dict(NEED_NONE, ky=True)
+        fns = {
+            "dq": lambda: triton_dq(X, Y, spec, lsx, lsy, kl, g, False, 1.0),
+            "dk": lambda: triton_backward(X, Y, None, spec, lsx, lsy, kl, g, need_dk, g_mult=1.0),
+            "sdpa_fwd": lambda: F.scaled_dot_product_attention(q_s, k_s, v, is_causal=True),
+            "sdpa": lambda: F.scaled_dot_product_attention(qv, kv, vv, is_causal=True).sum().backward(),
+            "fwd_triton": lambda: triton_forward(X, Y, None, spec),
+            "fwd_ws": lambda: triton_forward(X, Y, None, spec, cfg=WS_FWD),
+        }  # fmt: skip
+        for c in configs:
+            fns[("dq", c)] = lambda c=c: gluon_dq(X, Y, spec, lsx, lsy, kl, g, False, 1.0, c)
+        for c in dk_configs:
+            fns[("dk", c)] = lambda c=c: gluon_dk(X, Y, spec, lsx, lsy, kl, g, False, 1.0, c)
+        times = {k: [] for k in fns}
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                try:
+                    times[k].append(time_ms(fn, dev, 2, reps))
+                except Exception as err:  # noqa: BLE001
+                    print(f"<!-- {k}: {type(err).__name__}: {str(err)[:200]} -->")
+                    times[k].append(float("nan"))
+        med = {k: statistics.median(t) for k, t in times.items()}
+        best_dq = min(med[("dq", c)] for c in configs)
+        best_dk = min(med[("dk", c)] for c in dk_configs)
+        cells = " | ".join(f"{med[k]:.3f}" for k in fns if isinstance(k, tuple))
+        total = (med["fwd_ws"] + best_dq + best_dk) / med["sdpa"]
+        print(f"| {n} | {med['dq']:.3f} | {med['dk']:.3f} | {cells} | {best_dq / med['dq']:.2f} "
+              f"| {best_dk / med['dk']:.2f} | {med['sdpa_fwd']:.3f} | {med['sdpa']:.3f} | {med['fwd_triton']:.3f} "
+              f"| {med['fwd_ws']:.3f} | {total:.2f} |")  # fmt: skip
+        sys.stdout.flush()
+        del q_s, k_s, q_t, k_t, v, qv, kv, vv
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ns", type=int, nargs="*", default=[4096, 8192, 16384])
+    ap.add_argument("--configs", nargs="+", default=["64,3,160"], help="BN,STAGES,CONSUMER_REGS of the Gluon dq")
+    ap.add_argument("--dk-configs", nargs="+", default=["32,4,160"], help="BQ,STAGES,CONSUMER_REGS of the Gluon dk")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-check", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"# attention_kl Gluon dq, {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}\n")
+    print(", ".join(f"{k} {v}" for k, v in environment().items()) + "\n")
+    if dev.type != "cuda" or torch.cuda.get_device_capability() != (9, 0) or not kg.HAVE_GLUON:
+        print("needs an sm90 GPU and Gluon")
+        return 0
+    configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
+    dk_configs = [tuple(int(v) for v in c.split(",")) for c in args.dk_configs]
+    ok = True if args.no_check else check(dev, configs, dk_configs)
+    table(dev, args.ns, configs, dk_configs, args.reps, args.rounds)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,700 @@
+"""Gluon dq kernel of attention KL for Hopper (sm90): the warp-specialized forward's structure, backward.
+
+Experimental, like ``kernels_gluon.py``, whose producer warp, program layout and key-block ranges it
+shares. The Triton dq kernel (``kernels_bwd.attention_bwd_dq_kernel``) stays the portable path and the
+reference it is tested against; the dk kernel is the Triton one.
+
+Program = (3 x 64 query rows, batch * head). A producer warp (``kernels_gluon._ws_load_partition``)
+loads the program's query tiles and streams both sides' key blocks into a ring; three consumer
+warpgroups (``_ws_dq_partition``) each own 64 query rows. Per key block a consumer recomputes both
+score tiles (two asynchronous warpgroup MMAs), forms dS from the forward's row statistics
+(``_dq_scores_grad``: kernels_bwd's dS_y = g (Y - X) or dS_x = g X (ln X - ln Y - KL), the scale
+inside each exponent's FMA as in the forward), and adds dS k to its dq accumulator with a third
+warpgroup MMA whose A operand comes from registers. While one warpgroup waits on its MMAs the others'
+exponentials run. One side's dq a launch (``GRAD_X``); the rows are written once, scaled by
+``out_scale`` (the side's scale times the upstream multiplier).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional
+
+from . import kernels_gluon as kg
+
+if kg.HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from .kernels_gluon import _key_blocks, _program_origin, _ws_load_partition, tma_load
+
+# Chosen without being asked from this many query rows on (H100: the dq kernel 0.79-0.92x and the dk
+# kernel 0.75-0.78x the Triton kernels' times at N = 8192-16384; at 4096 1.22x and 1.02x), on the Triton
+# releases the forward was tested with (kernels_gluon.TESTED_TRITON).
+AUTO_MIN_ROWS = 8192
+FAILED = False  # set by note_failure
+# 3 consumer warpgroups of 64 query rows; BN keys a block in a ring of STAGES; registers a thread of a
+# consumer / of the producer (3 x CONSUMER + PRODUCER <= 512). A consumer holds two [64, BN] score tiles
+# and the [64, D] dq accumulator: BN = 64 keeps that within 160 registers at D = 128.
+DQ_ROWS, DQ_BN, DQ_STAGES, DQ_CONSUMER_REGS, DQ_PRODUCER_REGS = 64, 64, 3, 160, 24
+# The dk kernel's mirror image: 3 consumer warpgroups of 64 keys; query blocks of DK_BQ rows in a ring of
+# DK_STAGES; the same registers.
+DK_KEYS, DK_BQ, DK_STAGES = 64, 64, 3
+
+
+if kg.HAVE_GLUON:
+
+    @gluon.jit
+    def _dq_scores_grad(
+        sx,
+        sy,
+        lsex,
+        lsey,
+        kl2,
+        g,
+        start_m,
+        start_n,
+        Nq,
+        Nk,
+        causal_offset,
+        scale_x,
+        scale_y,
+        BM: gl.constexpr,
+        BN: gl.constexpr,
+        LAYOUT: gl.constexpr,
+        MASKED: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        GRAD_X: gl.constexpr,
+    ):
+        """dS of one [rows, keys] tile from the raw scores (natural units of the scores): the arguments
+        x - lse_x, y - lse_y each one FMA; invisible pairs have X = Y = 0, hence dS = 0."""
+        arg_x = sx * scale_x - gl.expand_dims(lsex, 1)
+        arg_y = sy * scale_y - gl.expand_dims(lsey, 1)
+        if MASKED:
+            cols = gl.expand_dims(start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, LAYOUT)), 0)
+            rows = gl.expand_dims(start_m + gl.arange(0, BM, layout=gl.SliceLayout(1, LAYOUT)), 1)
+            # rows past Nq matter to dk (a tile's column sums): hidden too
+            valid = (cols < Nk) & (rows < Nq)
+            if CAUSAL:
+                valid = valid & (cols <= rows + causal_offset)
+            px = gl.exp2(gl.where(valid, arg_x, float("-inf")))
+        else:
+            px = gl.exp2(arg_x)
+        if GRAD_X:
+            # ln 2 turns the log2-unit log-ratio into nats
+            ds = gl.expand_dims(g * 0.6931471805599453, 1) * px * ((arg_x - arg_y) - gl.expand_dims(kl2, 1))
+        else:
+            if MASKED:
+                py = gl.exp2(gl.where(valid, arg_y, float("-inf")))
+            else:
+                py = gl.exp2(arg_y)
+            ds = gl.expand_dims(g, 1) * (py - px)
+        return ds
+
+    @gluon.jit
+    def _dq_block(
+        qx,
+        qy,
+        kx_smem,
+        ky_smem,
+        ready,
+        empty,
+        j,
+        acc,
+        zero,
+        lsex,
+        lsey,
+        kl2,
+        g,
+        start_m,
+        Nq,
+        Nk,
+        causal_offset,
+        scale_x,
+        scale_y,
+        S_LAYOUT: gl.constexpr,
+        OP_LAYOUT: gl.constexpr,
+        MASKED: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        GRAD_X: gl.constexpr,
+    ):
+        """Key block j: both score tiles, dS, acc += dS k; the buffer is released once the three MMAs
+        have read it."""
+        STAGES: gl.constexpr = kx_smem.shape[0]
+        BN: gl.constexpr = kx_smem.shape[1]
+        BM: gl.constexpr = qx.shape[0]
+        stage = j % STAGES
+        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+        kx = kx_smem.index(stage)
+        ky = ky_smem.index(stage)
+        sx = warpgroup_mma(qx, kx.permute((1, 0)), zero, use_acc=False, is_async=True)
+        sy = warpgroup_mma(qy, ky.permute((1, 0)), zero, use_acc=False, is_async=True)
+        sx, sy = warpgroup_mma_wait(num_outstanding=0, deps=(sx, sy))
+        ds = _dq_scores_grad(
+            sx, sy, lsex, lsey, kl2, g, start_m, j * BN, Nq, Nk, causal_offset, scale_x, scale_y,
+            BM, BN, S_LAYOUT, MASKED, CAUSAL, GRAD_X,
+        )  # fmt: skip
+        op = gl.convert_layout(ds.to(qx.dtype), OP_LAYOUT)
+        if GRAD_X:
+            acc = warpgroup_mma(op, kx, acc, is_async=True)
+        else:
+            acc = warpgroup_mma(op, ky, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(stage), count=1)
+        return acc
+
+    @gluon.jit
+    def _ws_dq_partition(
+        qx_smem,
+        qy_smem,
+        kx_smem,
+        ky_smem,
+        q_bar,
+        ready,
+        empty,
+        part,
+        start_m0,
+        pid_bh,
+        n_blocks,
+        Nq,
+        Nk,
+        causal_offset,
+        scale_x,
+        scale_y,
+        out_scale,
+        LSEX,
+        LSEY,
+        KL,
+        G,
+        DQ,
+        CAUSAL: gl.constexpr,
+        GRAD_X: gl.constexpr,
+        G_SCALAR: gl.constexpr,
+    ):
+        """A consumer warpgroup of attention_bwd_dq_gluon_ws_kernel: dq of its 64 query rows over every key
+        block of the program (blocks past its own rows are fully masked for it)."""
+        BM: gl.constexpr = qx_smem.shape[1]
+        BN: gl.constexpr = kx_smem.shape[1]
+        DG: gl.constexpr = kx_smem.shape[2] if GRAD_X else ky_smem.shape[2]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DG, 16]
+        )
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        start_m = start_m0 + part * BM
+        n_full, _ = _key_blocks(start_m, BM, Nk, causal_offset, BN, CAUSAL)
+        rows = start_m + gl.arange(0, BM, layout=row_layout)
+        row_ok = rows < Nq
+        flat = pid_bh.to(gl.int64) * Nq + rows
+        lsex = gl.load(LSEX + flat, mask=row_ok, other=0.0)
+        lsey = gl.load(LSEY + flat, mask=row_ok, other=0.0)
+        kl2 = gl.load(KL + flat, mask=row_ok, other=0.0) * 1.4426950408889634
+        if G_SCALAR:
+            g = gl.where(row_ok, gl.load(G).to(gl.float32), 0.0)
+        else:
+            g = gl.load(G + flat, mask=row_ok, other=0.0)
+        zero = gl.zeros([BM, BN], gl.float32, s_layout)
+        acc = gl.zeros([BM, DG], gl.float32, acc_layout)
+        qx = qx_smem.index(part)
+        qy = qy_smem.index(part)
+        mbarrier.wait(q_bar, 0)
+        for j in range(0, n_full):
+            acc = _dq_block(
+                qx, qy, kx_smem, ky_smem, ready, empty, j, acc, zero, lsex, lsey, kl2, g, start_m, Nq, Nk,
+                causal_offset, scale_x, scale_y, s_layout, op_layout, False, CAUSAL, GRAD_X,
+            )  # fmt: skip
+        for j in range(n_full, n_blocks):
+            acc = _dq_block(
+                qx, qy, kx_smem, ky_smem, ready, empty, j, acc, zero, lsex, lsey, kl2, g, start_m, Nq, Nk,
+                causal_offset, scale_x, scale_y, s_layout, op_layout, True, CAUSAL, GRAD_X,
+            )  # fmt: skip
+        out_rows = start_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, DG, layout=gl.SliceLayout(0, acc_layout))
+        ptrs = DQ + gl.expand_dims(pid_bh.to(gl.int64) * Nq + out_rows, 1) * DG + gl.expand_dims(cols, 0)
+        gl.store(ptrs, (acc * out_scale).to(DQ.dtype.element_ty), mask=gl.expand_dims(out_rows < Nq, 1))
+
+    @gluon.jit
+    def attention_bwd_dq_gluon_ws_kernel(
+        qx_desc,
+        kx_desc,
+        qy_desc,
+        ky_desc,
+        LSEX,
+        LSEY,
+        KL,
+        G,
+        DQ,
+        H,
+        Nq,
+        Nk,
+        GX,
+        GY,
+        scale_x,
+        scale_y,
+        out_scale,
+        causal_offset,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        GRAD_X: gl.constexpr,
+        G_SCALAR: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """Warp-specialized dq: program = (3 x 64 query rows, batch * head); three consumer warpgroups run
+        _ws_dq_partition on their rows, a producer warp runs kernels_gluon._ws_load_partition."""
+        ROWS: gl.constexpr = qx_desc.block_type.shape[0]
+        BN: gl.constexpr = kx_desc.block_type.shape[0]
+        gl.static_assert(num_warps == 4)
+        gl.static_assert(ROWS == 64)
+        pid_bh, start_m0, q_row0, kx_row0, ky_row0 = _program_origin(H, Nq, Nk, GX, GY, 3 * ROWS)
+        _, n_blocks = _key_blocks(start_m0, 3 * ROWS, Nk, causal_offset, BN, CAUSAL)
+
+        qx_smem = gl.allocate_shared_memory(qx_desc.dtype, [3] + qx_desc.block_type.shape, qx_desc.layout)
+        qy_smem = gl.allocate_shared_memory(qy_desc.dtype, [3] + qy_desc.block_type.shape, qy_desc.layout)
+        kx_smem = gl.allocate_shared_memory(kx_desc.dtype, [STAGES] + kx_desc.block_type.shape, kx_desc.layout)
+        ky_smem = gl.allocate_shared_memory(ky_desc.dtype, [STAGES] + ky_desc.block_type.shape, ky_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=3)  # one release per consumer
+
+        # The partitions' arguments are written out: a tuple built by concatenation loses its constexprs.
+        gl.warp_specialize(
+            [
+                (
+                    _ws_dq_partition,
+                    (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, 0, start_m0, pid_bh, n_blocks, Nq,
+                     Nk, causal_offset, scale_x, scale_y, out_scale, LSEX, LSEY, KL, G, DQ,
+                     CAUSAL, GRAD_X, G_SCALAR),
+                ),
+                (
+                    _ws_dq_partition,
+                    (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, 1, start_m0, pid_bh, n_blocks, Nq,
+                     Nk, causal_offset, scale_x, scale_y, out_scale, LSEX, LSEY, KL, G, DQ,
+                     CAUSAL, GRAD_X, G_SCALAR),
+                ),
+                (
+                    _ws_dq_partition,
+                    (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, 2, start_m0, pid_bh, n_blocks, Nq,
+                     Nk, causal_offset, scale_x, scale_y, out_scale, LSEX, LSEY, KL, G, DQ,
+                     CAUSAL, GRAD_X, G_SCALAR),
+                ),
+                (
+                    _ws_load_partition,
+                    (qx_desc, kx_desc, qy_desc, ky_desc, qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready,
+                     empty, q_row0, kx_row0, ky_row0, n_blocks),
+                ),
+            ],
+            [4, 4, 1],
+            [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
+    @gluon.jit
+    def _dk_block(
+        kx,
+        ky,
+        qx_smem,
+        qy_smem,
+        ds_smem,
+        ready,
+        empty,
+        t,
+        acc,
+        zero,
+        LSEX,
+        LSEY,
+        KL,
+        G,
+        q_flat0,
+        start_n,
+        start_q,
+        Nq,
+        Nk,
+        causal_offset,
+        scale_x,
+        scale_y,
+        S_LAYOUT: gl.constexpr,
+        MASKED: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        GRAD_X: gl.constexpr,
+        G_SCALAR: gl.constexpr,
+    ):
+        """Streamed query block t (rows [start_q, start_q + BQ) of the head whose first flat row is q_flat0):
+        both [rows, keys] score tiles, dS (_dq_scores_grad: the row statistics are per row of the tile,
+        cheap in registers), then acc += dS^T q with dS^T read from shared memory (FlashAttention-3's dV
+        step); the buffer is released after the three MMAs."""
+        STAGES: gl.constexpr = qx_smem.shape[0]
+        BQ: gl.constexpr = qx_smem.shape[1]
+        BN: gl.constexpr = kx.shape[0]
+        stage = t % STAGES
+        mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+        qx = qx_smem.index(stage)
+        qy = qy_smem.index(stage)
+        sx = warpgroup_mma(qx, kx.permute((1, 0)), zero, use_acc=False, is_async=True)
+        sy = warpgroup_mma(qy, ky.permute((1, 0)), zero, use_acc=False, is_async=True)
+        # the rows' statistics load while the score MMAs run
+        rows = start_q + gl.arange(0, BQ, layout=gl.SliceLayout(1, S_LAYOUT))
+        row_ok = rows < Nq
+        flat = q_flat0 + rows
+        lsex = gl.load(LSEX + flat, mask=row_ok, other=0.0)
+        lsey = gl.load(LSEY + flat, mask=row_ok, other=0.0)
+        kl2 = gl.load(KL + flat, mask=row_ok, other=0.0) * 1.4426950408889634
+        if G_SCALAR:
+            g = gl.where(row_ok, gl.load(G).to(gl.float32), 0.0)
+        else:
+            g = gl.load(G + flat, mask=row_ok, other=0.0)
+        sx, sy = warpgroup_mma_wait(num_outstanding=0, deps=(sx, sy))
+        ds = _dq_scores_grad(
+            sx, sy, lsex, lsey, kl2, g, start_q, start_n, Nq, Nk, causal_offset, scale_x, scale_y,
+            BQ, BN, S_LAYOUT, MASKED, CAUSAL, GRAD_X,
+        )  # fmt: skip
+        ds_smem.store(ds.to(kx.dtype))
+        fence_async_shared()
+        if GRAD_X:
+            acc = warpgroup_mma(ds_smem.permute((1, 0)), qx, acc, is_async=True)
+        else:
+            acc = warpgroup_mma(ds_smem.permute((1, 0)), qy, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(stage), count=1)
+        return acc
+
+    @gluon.jit
+    def _dk_query_blocks(start_n, keys, Nq, causal_offset, BQ: gl.constexpr, CAUSAL: gl.constexpr):
+        """Query blocks of keys [start_n, start_n + keys): [0, vis) invisible, [vis, full) masked (they cut
+        the causal diagonal), [full, tail) unmasked, [tail, n_q) masked (past Nq) (kernels_bwd's dk ranges)."""
+        n_q = (Nq + BQ - 1) // BQ
+        if CAUSAL:
+            # keys past the last query row (+ offset) see no block at all: vis = n_q, every loop empty
+            vis = gl.minimum(gl.maximum(start_n - causal_offset, 0) // BQ, n_q)
+            full = gl.minimum(gl.maximum(start_n + keys - 1 - causal_offset + BQ - 1, 0) // BQ, n_q)
+        else:
+            vis = n_q * 0
+            full = vis
+        tail = gl.maximum(full, Nq // BQ)
+        return vis, full, tail, n_q
+
+    @gluon.jit
+    def _ws_dk_partition(
+        kx_smem,
+        ky_smem,
+        qx_smem,
+        qy_smem,
+        ds_smem,
+        k_bar,
+        ready,
+        empty,
+        part,
+        start_n0,
+        bh_q0,
+        heads,
+        j_lo,
+        Nq,
+        Nk,
+        causal_offset,
+        scale_x,
+        scale_y,
+        out_scale,
+        LSEX,
+        LSEY,
+        KL,
+        G,
+        DK,
+        dk_row0,
+        CAUSAL: gl.constexpr,
+        GRAD_X: gl.constexpr,
+        G_SCALAR: gl.constexpr,
+    ):
+        """A consumer warpgroup of attention_bwd_dk_gluon_ws_kernel: dk of its 64 keys over the query blocks
+        of every query head sharing the kv head (the program's stream starts at block j_lo of each head;
+        blocks before this warpgroup's first visible one are only released)."""
+        BN: gl.constexpr = kx_smem.shape[1]
+        BQ: gl.constexpr = qx_smem.shape[1]
+        DG: gl.constexpr = kx_smem.shape[2] if GRAD_X else ky_smem.shape[2]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DG, 16]
+        )
+        start_n = start_n0 + part * BN
+        vis, full, tail, n_q = _dk_query_blocks(start_n, BN, Nq, causal_offset, BQ, CAUSAL)
+        per_head = n_q - j_lo
+        ds = ds_smem.index(part)
+        zero = gl.zeros([BQ, BN], gl.float32, s_layout)
+        acc = gl.zeros([BN, DG], gl.float32, acc_layout)
+        kx = kx_smem.index(part)
+        ky = ky_smem.index(part)
+        mbarrier.wait(k_bar, 0)
+        for hl in range(heads):
+            q_flat0 = (bh_q0 + hl).to(gl.int64) * Nq
+            t0 = hl * per_head - j_lo
+            for j in range(j_lo, vis):  # invisible to these keys: released once loaded
+                stage = (t0 + j) % ready.shape[0]
+                mbarrier.wait(ready.index(stage), ((t0 + j) // ready.shape[0]) & 1)
+                mbarrier.arrive(empty.index(stage), count=1)
+            for j in range(vis, full):
+                acc = _dk_block(
+                    kx, ky, qx_smem, qy_smem, ds, ready, empty, t0 + j, acc, zero, LSEX, LSEY, KL, G, q_flat0,
+                    start_n, j * BQ, Nq, Nk, causal_offset, scale_x, scale_y, s_layout, True, CAUSAL, GRAD_X,
+                    G_SCALAR,
+                )  # fmt: skip
+            for j in range(full, tail):
+                acc = _dk_block(
+                    kx, ky, qx_smem, qy_smem, ds, ready, empty, t0 + j, acc, zero, LSEX, LSEY, KL, G, q_flat0,
+                    start_n, j * BQ, Nq, Nk, causal_offset, scale_x, scale_y, s_layout, False, CAUSAL, GRAD_X,
+                    G_SCALAR,
+                )  # fmt: skip
+            for j in range(tail, n_q):
+                acc = _dk_block(
+                    kx, ky, qx_smem, qy_smem, ds, ready, empty, t0 + j, acc, zero, LSEX, LSEY, KL, G, q_flat0,
+                    start_n, j * BQ, Nq, Nk, causal_offset, scale_x, scale_y, s_layout, True, CAUSAL, GRAD_X,
+                    G_SCALAR,
+                )  # fmt: skip
+        keys = start_n + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, DG, layout=gl.SliceLayout(0, acc_layout))
+        ptrs = DK + gl.expand_dims(dk_row0 + keys, 1) * DG + gl.expand_dims(cols, 0)
+        gl.store(ptrs, (acc * out_scale).to(DK.dtype.element_ty), mask=gl.expand_dims(keys < Nk, 1))
+
+    @gluon.jit
+    def _ws_dk_load_partition(
+        kx_desc,
+        ky_desc,
+        qx_desc,
+        qy_desc,
+        kx_smem,
+        ky_smem,
+        qx_smem,
+        qy_smem,
+        k_bar,
+        ready,
+        empty,
+        k_row0,
+        bh_q0,
+        heads,
+        j_lo,
+        Nq,
+    ):
+        """The producer warp of attention_bwd_dk_gluon_ws_kernel: the key tiles of every consumer, then the
+        query blocks [j_lo, n_q) of each query head sharing the kv head into the ring."""
+        STAGES: gl.constexpr = qx_smem.shape[0]
+        BQ: gl.constexpr = qx_smem.shape[1]
+        PARTS: gl.constexpr = kx_smem.shape[0]
+        BN: gl.constexpr = kx_smem.shape[1]
+        mbarrier.expect(k_bar, PARTS * (kx_desc.block_type.nbytes + ky_desc.block_type.nbytes))
+        for i in gl.static_range(PARTS):
+            tma_load(kx_desc, [k_row0 + i * BN, 0], k_bar, kx_smem.index(i))
+            tma_load(ky_desc, [k_row0 + i * BN, 0], k_bar, ky_smem.index(i))
+        n_q = (Nq + BQ - 1) // BQ
+        t = 0
+        for hl in range(heads):
+            q_row = (bh_q0 + hl) * Nq
+            for j in range(j_lo, n_q):
+                stage = t % STAGES
+                mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
+                bar = ready.index(stage)
+                mbarrier.expect(bar, qx_desc.block_type.nbytes + qy_desc.block_type.nbytes)
+                tma_load(qx_desc, [q_row + j * BQ, 0], bar, qx_smem.index(stage))
+                tma_load(qy_desc, [q_row + j * BQ, 0], bar, qy_smem.index(stage))
+                t += 1
+
+    @gluon.jit
+    def attention_bwd_dk_gluon_ws_kernel(
+        kx_desc,
+        qx_desc,
+        ky_desc,
+        qy_desc,
+        LSEX,
+        LSEY,
+        KL,
+        G,
+        DK,
+        H,
+        Nq,
+        Nk,
+        GROUP,
+        scale_x,
+        scale_y,
+        out_scale,
+        causal_offset,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        GRAD_X: gl.constexpr,
+        G_SCALAR: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """Warp-specialized dk of one side: program = (3 x 64 keys, batch * kv head), both sides' kv heads
+        shared by the same GROUP query heads; three consumer warpgroups run _ws_dk_partition on their keys,
+        a producer warp streams the query blocks (_ws_dk_load_partition)."""
+        BN: gl.constexpr = kx_desc.block_type.shape[0]
+        gl.static_assert(num_warps == 4)
+        gl.static_assert(BN == 64)
+        pid_n = gl.program_id(0)
+        pid_bkv = gl.program_id(1)
+        hkv_total = H // GROUP
+        b = pid_bkv // hkv_total
+        hkv = pid_bkv % hkv_total
+        start_n0 = pid_n * 3 * BN
+        k_row0 = pid_bkv * Nk + start_n0
+        bh_q0 = b * H + hkv * GROUP
+        j_lo, _, _, _ = _dk_query_blocks(start_n0, BN, Nq, causal_offset, qx_desc.block_type.shape[0], CAUSAL)
+
+        kx_smem = gl.allocate_shared_memory(kx_desc.dtype, [3] + kx_desc.block_type.shape, kx_desc.layout)
+        ky_smem = gl.allocate_shared_memory(ky_desc.dtype, [3] + ky_desc.block_type.shape, ky_desc.layout)
+        qx_smem = gl.allocate_shared_memory(qx_desc.dtype, [STAGES] + qx_desc.block_type.shape, qx_desc.layout)
+        qy_smem = gl.allocate_shared_memory(qy_desc.dtype, [STAGES] + qy_desc.block_type.shape, qy_desc.layout)
+        # each consumer's dS tile, the A operand (transposed) of its dk MMA
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        ds_smem = gl.allocate_shared_memory(kx_desc.dtype, [3, qx_desc.block_type.shape[0], BN], ds_layout)
+        k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(k_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=3)  # one release per consumer
+
+        # The partitions' arguments are written out: a tuple built by concatenation loses its constexprs.
+        gl.warp_specialize(
+            [
+                (
+                    _ws_dk_partition,
+                    (kx_smem, ky_smem, qx_smem, qy_smem, ds_smem, k_bar, ready, empty, 0, start_n0, bh_q0, GROUP,
+                     j_lo, Nq, Nk, causal_offset, scale_x, scale_y, out_scale, LSEX, LSEY, KL, G, DK, pid_bkv * Nk,
+                     CAUSAL, GRAD_X, G_SCALAR),
+                ),
+                (
+                    _ws_dk_partition,
+                    (kx_smem, ky_smem, qx_smem, qy_smem, ds_smem, k_bar, ready, empty, 1, start_n0, bh_q0, GROUP,
+                     j_lo, Nq, Nk, causal_offset, scale_x, scale_y, out_scale, LSEX, LSEY, KL, G, DK, pid_bkv * Nk,
+                     CAUSAL, GRAD_X, G_SCALAR),
+                ),
+                (
+                    _ws_dk_partition,
+                    (kx_smem, ky_smem, qx_smem, qy_smem, ds_smem, k_bar, ready, empty, 2, start_n0, bh_q0, GROUP,
+                     j_lo, Nq, Nk, causal_offset, scale_x, scale_y, out_scale, LSEX, LSEY, KL, G, DK, pid_bkv * Nk,
+                     CAUSAL, GRAD_X, G_SCALAR),
+                ),
+                (
+                    _ws_dk_load_partition,
+                    (kx_desc, ky_desc, qx_desc, qy_desc, kx_smem, ky_smem, qx_smem, qy_smem, k_bar, ready, empty,
+                     k_row0, bh_q0, GROUP, j_lo, Nq),
+                ),
+            ],
+            [4, 4, 1],
+            [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+
+
+def launch_bwd_dq_gluon(
+    q_x, k_x, q_y, k_y, *, lse, kl, g, dq, scales, out_scale, causal, causal_offset, grad_x, g_scalar, config=None
+) -> None:
+    """Fill dq (contiguous, the dtype of the q of the side it belongs to) with one side's dq, as
+    kernels_bwd's dq kernel does for that side. lse: (x, y) row log-sum-exps (log2 units), kl: the
+    forward's rows (nats), g: [B, H, Nq] float32 upstream gradients, or with g_scalar a 0-dim tensor;
+    scales: (x, y) in log2 units; out_scale: the side's scale times the upstream multiplier;
+    config: (BN, STAGES, CONSUMER_REGS) over (DQ_BN, DQ_STAGES, DQ_CONSUMER_REGS)."""
+    B, H, Nq, _ = q_x.shape
+    Nk = k_x.shape[2]
+    bn, stages, regs = config or (DQ_BN, DQ_STAGES, DQ_CONSUMER_REGS)
+    grid = ((Nq + 3 * DQ_ROWS - 1) // (3 * DQ_ROWS), B * H)
+    descs = (kg._desc(q_x, DQ_ROWS), kg._desc(k_x, bn), kg._desc(q_y, DQ_ROWS), kg._desc(k_y, bn))
+    attention_bwd_dq_gluon_ws_kernel[grid](
+        *descs,
+        *lse,
+        kl,
+        g,
+        dq,
+        H,
+        Nq,
+        Nk,
+        H // k_x.shape[1],
+        H // k_y.shape[1],
+        float(scales[0]),
+        float(scales[1]),
+        float(out_scale),
+        int(causal_offset) if causal else 0,
+        STAGES=stages,
+        CAUSAL=bool(causal),
+        GRAD_X=bool(grad_x),
+        G_SCALAR=bool(g_scalar),
+        CONSUMER_REGS=regs,
+        PRODUCER_REGS=DQ_PRODUCER_REGS,
+        num_warps=4,
+    )
+
+
+def launch_bwd_dk_gluon(
+    q_x, k_x, q_y, k_y, *, lse, kl, g, dk, scales, out_scale, causal, causal_offset, grad_x, g_scalar, config=None
+) -> None:
+    """Fill dk (contiguous, the dtype of the k of the side it belongs to) with one side's dk, as
+    kernels_bwd's dk kernel does; both sides' kv heads must be shared by the same number of query heads.
+    Arguments as launch_bwd_dq_gluon's; config: (BQ, STAGES, CONSUMER_REGS) over (DK_BQ, DK_STAGES,
+    DQ_CONSUMER_REGS)."""
+    B, H, Nq, _ = q_x.shape
+    Nk = k_x.shape[2]
+    hkv = k_x.shape[1]
+    bq, stages, regs = config or (DK_BQ, DK_STAGES, DQ_CONSUMER_REGS)
+    grid = ((Nk + 3 * DK_KEYS - 1) // (3 * DK_KEYS), B * hkv)
+    descs = (kg._desc(k_x, DK_KEYS), kg._desc(q_x, bq), kg._desc(k_y, DK_KEYS), kg._desc(q_y, bq))
+    attention_bwd_dk_gluon_ws_kernel[grid](
+        *descs,
+        *lse,
+        kl,
+        g,
+        dk,
+        H,
+        Nq,
+        Nk,
+        H // hkv,
+        float(scales[0]),
+        float(scales[1]),
+        float(out_scale),
+        int(causal_offset) if causal else 0,
+        STAGES=stages,
+        CAUSAL=bool(causal),
+        GRAD_X=bool(grad_x),
+        G_SCALAR=bool(g_scalar),
+        CONSUMER_REGS=regs,
+        PRODUCER_REGS=DQ_PRODUCER_REGS,
+        num_warps=4,
+    )
+
+
+def gluon_backward_enabled(cfg: Optional[dict], n_queries: int) -> bool:
+    """Whether to ask for these kernels: block_config {"bwd_kernel": "gluon" / "triton"} decides, then
+    NITROBREW_ATTN_GLUON ("1" / "0"); otherwise they are chosen where they were measured faster than the
+    Triton ones (Nq >= AUTO_MIN_ROWS) on a Triton release the Gluon code was tested with. The case must
+    also be one the forward supports (kernels_gluon.gluon_forward_supported)."""
+    choice = (cfg or {}).get("bwd_kernel")
+    if choice is not None:
+        return choice == "gluon"
+    env = os.environ.get(kg.ENV_SWITCH)
+    if env in ("0", "1"):
+        return env == "1"
+    return not FAILED and n_queries >= AUTO_MIN_ROWS and kg.TRITON_VERSION.startswith(kg.TESTED_TRITON)
+
+
+def note_failure(err: BaseException) -> None:
+    """A launch that failed (a Triton release whose Gluon differs): warn once, stop choosing these kernels."""
+    global FAILED
+    if not FAILED:
+        warnings.warn(
+            f"the Gluon attention backward failed ({type(err).__name__}: {err}); using the Triton one", stacklevel=3
+        )
+    FAILED = True
