@@ -18,6 +18,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from attention_gluon import inputs  # the forward's script, beside this one
 
 from nitrobrew.attention import kernels_gluon as kg
 from nitrobrew.attention import kernels_gluon_bwd as kgb
@@ -31,15 +32,6 @@ NEED_NONE = dict(qx=False, kx=False, qy=False, ky=False)
 WS_FWD = {"fwd_kernel": "gluon", "fwd_gluon": "warp_specialized"}
 
 
-def inputs(B, H, Nq, Nk, Ds, Dt, hs, ht, dtype, dev, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-
-    def r(*shape):
-        return (torch.randn(*shape, generator=g) * 1.5).to(dev, dtype)
-
-    return r(B, H, Nq, Ds), r(B, hs, Nk, Ds), r(B, H, Nq, Dt), r(B, ht, Nk, Dt)
-
-
 def setup(q_s, k_s, q_t, k_t, causal, off, direction):
     S, T = Side(q_s, k_s, q_s.shape[-1] ** -0.5), Side(q_t, k_t, q_t.shape[-1] ** -0.5)
     spec = AttnSpec(is_causal=causal, causal_offset=off, scale_s=S.scale, scale_t=T.scale, direction=direction)
@@ -48,38 +40,25 @@ def setup(q_s, k_s, q_t, k_t, causal, off, direction):
     return X, Y, spec
 
 
-def gluon_dq(X, Y, spec, lsx, lsy, kl, g, grad_x, g_mult, config=None):
+def gluon_grad(kind, X, Y, spec, lsx, lsy, kl, g, grad_x, g_mult, config=None):
+    """One side's dq or dk from the Gluon kernels."""
     side = X if grad_x else Y
-    dq = torch.empty_like(side.q)
-    kgb.launch_bwd_dq_gluon(
+    out = torch.empty_like(side.q if kind == "dq" else side.k)
+    launch = kgb.launch_bwd_dq_gluon if kind == "dq" else kgb.launch_bwd_dk_gluon
+    launch(
         X.q, X.k, Y.q, Y.k,
-        lse=(lsx, lsy), kl=kl, g=g, dq=dq, scales=(X.scale * LOG2E, Y.scale * LOG2E),
+        lse=(lsx, lsy), kl=kl, g=g, **{kind: out}, scales=(X.scale * LOG2E, Y.scale * LOG2E),
         out_scale=side.scale * (1.0 if g_mult is None else g_mult), causal=spec.is_causal,
         causal_offset=spec.causal_offset, grad_x=grad_x, g_scalar=g_mult is not None, config=config,
     )  # fmt: skip
-    return dq
+    return out
 
 
-def gluon_dk(X, Y, spec, lsx, lsy, kl, g, grad_x, g_mult, config=None):
-    side = X if grad_x else Y
-    dk = torch.empty_like(side.k)
-    kgb.launch_bwd_dk_gluon(
-        X.q, X.k, Y.q, Y.k,
-        lse=(lsx, lsy), kl=kl, g=g, dk=dk, scales=(X.scale * LOG2E, Y.scale * LOG2E),
-        out_scale=side.scale * (1.0 if g_mult is None else g_mult), causal=spec.is_causal,
-        causal_offset=spec.causal_offset, grad_x=grad_x, g_scalar=g_mult is not None, config=config,
-    )  # fmt: skip
-    return dk
-
-
-def triton_dk(X, Y, spec, lsx, lsy, kl, g, grad_x, g_mult):
-    need = dict(NEED_NONE, **({"kx": True} if grad_x else {"ky": True}))
-    return triton_backward(X, Y, None, spec, lsx, lsy, kl, g, need, g_mult=g_mult)["kx" if grad_x else "ky"]
-
-
-def triton_dq(X, Y, spec, lsx, lsy, kl, g, grad_x, g_mult):
-    need = dict(NEED_NONE, **({"qx": True} if grad_x else {"qy": True}))
-    return triton_backward(X, Y, None, spec, lsx, lsy, kl, g, need, g_mult=g_mult)["qx" if grad_x else "qy"]
+def triton_grad(kind, X, Y, spec, lsx, lsy, kl, g, grad_x, g_mult):
+    """The same from the Triton kernels."""
+    name = ("q" if kind == "dq" else "k") + ("x" if grad_x else "y")
+    need = dict(NEED_NONE, **{name: True})
+    return triton_backward(X, Y, None, spec, lsx, lsy, kl, g, need, g_mult=g_mult)[name]
 
 
 def check(dev, configs, dk_configs) -> bool:
@@ -108,16 +87,14 @@ def check(dev, configs, dk_configs) -> bool:
                     g, g_mult = torch.rand(B, H, Nq, device=dev) + 0.5, None
                 else:
                     g, g_mult = torch.tensor(0.75, device=dev), 1.0 / kl.numel()
-                runs = [("dq", c, triton_dq, gluon_dq) for c in configs]
-                if X.G == Y.G:
-                    runs += [("dk", c, triton_dk, gluon_dk) for c in dk_configs]
+                runs = [("dq", c) for c in configs] + ([("dk", c) for c in dk_configs] if X.G == Y.G else [])
                 refs = {}
-                for kind, config, ref_fn, fn in runs:
+                for kind, config in runs:
                     try:
                         if kind not in refs:
-                            refs[kind] = ref_fn(X, Y, spec, lsx, lsy, kl, g, grad_x, g_mult).float()
+                            refs[kind] = triton_grad(kind, X, Y, spec, lsx, lsy, kl, g, grad_x, g_mult).float()
                         ref = refs[kind]
-                        got = fn(X, Y, spec, lsx, lsy, kl, g, grad_x, g_mult, config).float()
+                        got = gluon_grad(kind, X, Y, spec, lsx, lsy, kl, g, grad_x, g_mult, config).float()
                         torch.cuda.synchronize()
                         rel = ((got - ref).norm() / ref.norm()).item()
                         mx = ((got - ref).abs().max() / ref.abs().max()).item()
@@ -148,19 +125,18 @@ def table(dev, ns, configs, dk_configs, reps, rounds):
         g = torch.ones((), device=dev)
         v = torch.randn_like(q_s)
         qv, kv, vv = (t.clone().requires_grad_(True) for t in (q_s, k_s, v))
-        need_dk = dict(NEED_NONE, ky=True)
         fns = {
-            "dq": lambda: triton_dq(X, Y, spec, lsx, lsy, kl, g, False, 1.0),
-            "dk": lambda: triton_backward(X, Y, None, spec, lsx, lsy, kl, g, need_dk, g_mult=1.0),
+            "dq": lambda: triton_grad("dq", X, Y, spec, lsx, lsy, kl, g, False, 1.0),
+            "dk": lambda: triton_grad("dk", X, Y, spec, lsx, lsy, kl, g, False, 1.0),
             "sdpa_fwd": lambda: F.scaled_dot_product_attention(q_s, k_s, v, is_causal=True),
             "sdpa": lambda: F.scaled_dot_product_attention(qv, kv, vv, is_causal=True).sum().backward(),
             "fwd_triton": lambda: triton_forward(X, Y, None, spec),
             "fwd_ws": lambda: triton_forward(X, Y, None, spec, cfg=WS_FWD),
         }  # fmt: skip
         for c in configs:
-            fns[("dq", c)] = lambda c=c: gluon_dq(X, Y, spec, lsx, lsy, kl, g, False, 1.0, c)
+            fns[("dq", c)] = lambda c=c: gluon_grad("dq", X, Y, spec, lsx, lsy, kl, g, False, 1.0, c)
         for c in dk_configs:
-            fns[("dk", c)] = lambda c=c: gluon_dk(X, Y, spec, lsx, lsy, kl, g, False, 1.0, c)
+            fns[("dk", c)] = lambda c=c: gluon_grad("dk", X, Y, spec, lsx, lsy, kl, g, False, 1.0, c)
         times = {k: [] for k in fns}
         for _ in range(rounds):
             for k, fn in fns.items():

@@ -478,6 +478,19 @@ if HAVE_GLUON:
         _store_rows(mx, my, lx, ly, c, flat, row_ok, KL_OUT, LSEX_OUT, LSEY_OUT)
 
     @gluon.jit
+    def _ws_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+        """The mbarriers of a warp-specialized program: one for the tiles it keeps, and per ring buffer
+        `ready` (its TMA landed) and `empty` (every consumer released it)."""
+        tiles_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(tiles_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=CONSUMERS)
+        return tiles_bar, ready, empty
+
+    @gluon.jit
     def attention_fwd_gluon_ws_kernel(
         qx_desc,
         kx_desc,
@@ -519,13 +532,7 @@ if HAVE_GLUON:
         qy_smem = gl.allocate_shared_memory(qy_desc.dtype, [3] + qy_desc.block_type.shape, qy_desc.layout)
         kx_smem = gl.allocate_shared_memory(kx_desc.dtype, [STAGES] + kx_desc.block_type.shape, kx_desc.layout)
         ky_smem = gl.allocate_shared_memory(ky_desc.dtype, [STAGES] + ky_desc.block_type.shape, ky_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=3)  # one release per consumer
+        q_bar, ready, empty = _ws_barriers(STAGES, 3)
 
         # The partitions' arguments are written out: a tuple built by concatenation loses its constexprs.
         gl.warp_specialize(

@@ -33,7 +33,7 @@ if kg.HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .kernels_gluon import _key_blocks, _program_origin, _ws_load_partition, tma_load
+    from .kernels_gluon import _key_blocks, _program_origin, _ws_barriers, _ws_load_partition, tma_load
 
 # Chosen without being asked from this many query rows on (H100: the dq kernel 0.79-0.92x and the dk
 # kernel 0.75-0.78x the Triton kernels' times at N = 8192-16384; at 4096 1.22x and 1.02x), on the Triton
@@ -264,13 +264,7 @@ if kg.HAVE_GLUON:
         qy_smem = gl.allocate_shared_memory(qy_desc.dtype, [3] + qy_desc.block_type.shape, qy_desc.layout)
         kx_smem = gl.allocate_shared_memory(kx_desc.dtype, [STAGES] + kx_desc.block_type.shape, kx_desc.layout)
         ky_smem = gl.allocate_shared_memory(ky_desc.dtype, [STAGES] + ky_desc.block_type.shape, ky_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=3)  # one release per consumer
+        q_bar, ready, empty = _ws_barriers(STAGES, 3)
 
         # The partitions' arguments are written out: a tuple built by concatenation loses its constexprs.
         gl.warp_specialize(
@@ -561,13 +555,7 @@ if kg.HAVE_GLUON:
         # each consumer's dS tile, the A operand (transposed) of its dk MMA
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         ds_smem = gl.allocate_shared_memory(kx_desc.dtype, [3, qx_desc.block_type.shape[0], BN], ds_layout)
-        k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(k_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=3)  # one release per consumer
+        k_bar, ready, empty = _ws_barriers(STAGES, 3)
 
         # The partitions' arguments are written out: a tuple built by concatenation loses its constexprs.
         gl.warp_specialize(
