@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from attention_gluon import inputs  # the forward's script, beside this one
 
+import nitrobrew as nb
 from nitrobrew.attention import kernels_gluon as kg
 from nitrobrew.attention import kernels_gluon_bwd as kgb
 from nitrobrew.attention.common import AttnSpec
@@ -158,6 +159,56 @@ def table(dev, ns, configs, dk_configs, reps, rounds):
         torch.cuda.empty_cache()
 
 
+API_CASES = [
+    # (name, N, kv heads student / teacher, Ds, Dt, direction)
+    ("MHA D=128, forward KL", 4096, 32, 32, 128, 128, "forward"),
+    ("MHA D=128, forward KL", 8192, 32, 32, 128, 128, "forward"),
+    ("MHA D=128, reverse KL", 16384, 32, 32, 128, 128, "reverse"),
+    ("GQA 32/8 both sides, forward KL", 8192, 8, 8, 128, 128, "forward"),
+    ("GQA 32/8 both sides, forward KL", 16384, 8, 8, 128, 128, "forward"),
+    ("GQA 32/8 (s) 32/4 (t), forward KL", 16384, 8, 4, 128, 128, "forward"),
+    ("Ds=64, Dt=128, forward KL", 16384, 32, 32, 64, 128, "forward"),
+]
+
+
+def api_table(dev, reps, rounds):
+    """The API's fwd+bwd (gradients to the student's q and k) with the Triton and the Gluon backward (the
+    Gluon forward in both), against SDPA's default fwd+bwd on the student's shapes (GQA as enable_gqa)."""
+    print("\n## API fwd+bwd, B=1, H=32, bf16, causal: Triton backward / Gluon backward / SDPA default\n")
+    print("| case | N | Triton bwd ms | Gluon bwd ms | SDPA fwd+bwd ms | Gluon ÷ Triton | **÷ SDPA**: Triton / Gluon |")
+    print("|---|---|---|---|---|---|---|")
+    for name, n, hs, ht, ds, dt, direction in API_CASES:
+        q_s, k_s, q_t, k_t = inputs(1, 32, n, n, ds, dt, hs, ht, torch.bfloat16, dev)
+        qs, ks = q_s.clone().requires_grad_(True), k_s.clone().requires_grad_(True)
+        v = torch.randn_like(k_s)
+        qv, kv, vv = (t.clone().requires_grad_(True) for t in (q_s, k_s, v))
+
+        def step(bwd):
+            cfg = {**WS_FWD, "bwd_kernel": bwd}
+            nb.attention_kl(qs, ks, q_t, k_t, is_causal=True, direction=direction, block_config=cfg).backward()
+
+        fns = {
+            "triton": lambda: step("triton"),
+            "gluon": lambda: step("gluon"),
+            "sdpa": lambda: (
+                F.scaled_dot_product_attention(qv, kv, vv, is_causal=True, enable_gqa=hs != 32).sum().backward()
+            ),
+        }
+        times = {k: [] for k in fns}
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                times[k].append(time_ms(fn, dev, 2, reps))
+        med = {k: statistics.median(t) for k, t in times.items()}
+        tri, glu, sdpa = med["triton"], med["gluon"], med["sdpa"]
+        print(
+            f"| {name} | {n} | {tri:.3f} | {glu:.3f} | {sdpa:.3f} | {glu / tri:.2f} "
+            f"| {tri / sdpa:.2f} / {glu / sdpa:.2f} |"
+        )
+        sys.stdout.flush()
+        del q_s, k_s, q_t, k_t, qs, ks, v, qv, kv, vv
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ns", type=int, nargs="*", default=[4096, 8192, 16384])
@@ -166,6 +217,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--api", action="store_true", help="also the API table (GQA, head dims, reverse KL)")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"# attention_kl Gluon dq, {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}\n")
@@ -176,7 +228,10 @@ def main() -> int:
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
     dk_configs = [tuple(int(v) for v in c.split(",")) for c in args.dk_configs]
     ok = True if args.no_check else check(dev, configs, dk_configs)
-    table(dev, args.ns, configs, dk_configs, args.reps, args.rounds)
+    if args.ns:
+        table(dev, args.ns, configs, dk_configs, args.reps, args.rounds)
+    if args.api:
+        api_table(dev, args.reps, args.rounds)
     return 0 if ok else 1
 
 
