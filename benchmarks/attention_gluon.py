@@ -6,7 +6,7 @@ and the loss and gradients against float64; (2) a sweep of the one-warpgroup ker
 warps, stages) at one N; (3) the table: B = 1, H = 32, D = 128, bf16, causal, forward KL: forward
 kernel alone (Triton, Gluon one-warpgroup, Gluon warp-specialized: the default; interleaved over three
 rounds), the API's fwd+bwd (Triton forward and backward; the warp-specialized forward with the Triton
-backward; with the Gluon dq/dk kernels: the default from N = 8192 on),
+backward; with the Gluon dq/dk kernels: the default from N = 6144 on),
 SDPA with no backend forced (cuDNN attention on Hopper, torch 2.11), and the achieved TFLOP/s
 (4 B H N^2 D / 2 per causal forward: the KL's two score GEMMs have the FLOPs of attention's QK^T
 and PV) beside FlashAttention-3's published forward rate at head dim 128 on H100 (~600-650 TFLOP/s).

@@ -171,13 +171,14 @@ API_CASES = [
 ]
 
 
-def api_table(dev, reps, rounds):
+def api_table(dev, reps, rounds, ns=None):
     """The API's fwd+bwd (gradients to the student's q and k) with the Triton and the Gluon backward (the
     Gluon forward in both), against SDPA's default fwd+bwd on the student's shapes (GQA as enable_gqa)."""
     print("\n## API fwd+bwd, B=1, H=32, bf16, causal: Triton backward / Gluon backward / SDPA default\n")
     print("| case | N | Triton bwd ms | Gluon bwd ms | SDPA fwd+bwd ms | Gluon ÷ Triton | **÷ SDPA**: Triton / Gluon |")
     print("|---|---|---|---|---|---|---|")
-    for name, n, hs, ht, ds, dt, direction in API_CASES:
+    cases = [("MHA D=128, forward KL", n, 32, 32, 128, 128, "forward") for n in ns] if ns else API_CASES
+    for name, n, hs, ht, ds, dt, direction in cases:
         q_s, k_s, q_t, k_t = inputs(1, 32, n, n, ds, dt, hs, ht, torch.bfloat16, dev)
         qs, ks = q_s.clone().requires_grad_(True), k_s.clone().requires_grad_(True)
         v = torch.randn_like(k_s)
@@ -218,6 +219,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--api", action="store_true", help="also the API table (GQA, head dims, reverse KL)")
+    ap.add_argument("--api-ns", type=int, nargs="*", help="the API table for MHA forward KL at these N instead")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"# attention_kl Gluon dq, {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}\n")
@@ -231,7 +233,7 @@ def main() -> int:
     if args.ns:
         table(dev, args.ns, configs, dk_configs, args.reps, args.rounds)
     if args.api:
-        api_table(dev, args.reps, args.rounds)
+        api_table(dev, args.reps, args.rounds, args.api_ns)
     return 0 if ok else 1
 
 

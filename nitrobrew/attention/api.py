@@ -238,7 +238,7 @@ def attention_kl(
             "warp_specialized" (the default from Nq = 8192 on) or "one_warpgroup" (below), or the
             one-warpgroup kernel's tiles (BM, BN, num_warps, stages); "bwd_kernel": "gluon" /
             "triton" picks the dq and dk kernels on sm90 (default: the warp-specialized Gluon ones,
-            ``kernels_gluon_bwd.py``, from Nq = 8192 on, for one side's gradients; both sides', or
+            ``kernels_gluon_bwd.py``, from Nq = 6144 on, for one side's gradients; both sides', or
             kv heads grouped differently on the two sides for dk, run the Triton ones).
 
     Returns:

@@ -35,10 +35,11 @@ if kg.HAVE_GLUON:
 
     from .kernels_gluon import _key_blocks, _program_origin, _ws_barriers, _ws_load_partition, tma_load
 
-# Chosen without being asked from this many query rows on (H100: the dq kernel 0.79-0.92x and the dk
-# kernel 0.75-0.78x the Triton kernels' times at N = 8192-16384; at 4096 1.22x and 1.02x), on the Triton
-# releases the forward was tested with (kernels_gluon.TESTED_TRITON).
-AUTO_MIN_ROWS = 8192
+# Chosen without being asked from this many query rows on, on the Triton releases the forward was tested
+# with (kernels_gluon.TESTED_TRITON). H100, the API's fwd+bwd with the Gluon backward against the Triton
+# one: 1.23x at N = 2048, 1.02x at 3072, 0.86-0.97x at 4096 (three runs), 0.88x at 6144, 0.85-0.88x at
+# 8192-16384 (benchmarks/results/attention/gluon_bwd_h100.md).
+AUTO_MIN_ROWS = 6144
 FAILED = False  # set by note_failure
 # 3 consumer warpgroups of 64 query rows; BN keys a block in a ring of STAGES; registers a thread of a
 # consumer / of the producer (3 x CONSUMER + PRODUCER <= 512). A consumer holds two [64, BN] score tiles
