@@ -1,18 +1,27 @@
-"""Gluon dq kernel of attention KL for Hopper (sm90): the warp-specialized forward's structure, backward.
+"""Gluon dq and dk kernels of attention KL for Hopper (sm90): the warp-specialized forward's structure.
 
-Experimental, like ``kernels_gluon.py``, whose producer warp, program layout and key-block ranges it
-shares. The Triton dq kernel (``kernels_bwd.attention_bwd_dq_kernel``) stays the portable path and the
-reference it is tested against; the dk kernel is the Triton one.
+Experimental, like ``kernels_gluon.py``, whose producer warp, program layout, key-block ranges and
+barriers they share. The Triton kernels (``kernels_bwd.py``) stay the portable path and the reference
+these are tested against; they also run what these do not: both sides' gradients at once, kv heads
+grouped unlike on the two sides (dk), key padding masks.
 
-Program = (3 x 64 query rows, batch * head). A producer warp (``kernels_gluon._ws_load_partition``)
-loads the program's query tiles and streams both sides' key blocks into a ring; three consumer
-warpgroups (``_ws_dq_partition``) each own 64 query rows. Per key block a consumer recomputes both
-score tiles (two asynchronous warpgroup MMAs), forms dS from the forward's row statistics
-(``_dq_scores_grad``: kernels_bwd's dS_y = g (Y - X) or dS_x = g X (ln X - ln Y - KL), the scale
-inside each exponent's FMA as in the forward), and adds dS k to its dq accumulator with a third
-warpgroup MMA whose A operand comes from registers. While one warpgroup waits on its MMAs the others'
-exponentials run. One side's dq a launch (``GRAD_X``); the rows are written once, scaled by
-``out_scale`` (the side's scale times the upstream multiplier).
+- ``attention_bwd_dq_gluon_ws_kernel``: program = (3 x 64 query rows, batch * head). A producer warp
+  (``kernels_gluon._ws_load_partition``) loads the program's query tiles and streams both sides' key
+  blocks into a ring; three consumer warpgroups (``_ws_dq_partition``) each own 64 query rows. Per key
+  block a consumer recomputes both score tiles (two asynchronous warpgroup MMAs), forms dS from the
+  forward's row statistics (``_dq_scores_grad``: kernels_bwd's dS_y = g (Y - X) or
+  dS_x = g X (ln X - ln Y - KL), the scale inside each exponent's FMA as in the forward), and adds dS k
+  with a third MMA whose A operand comes from registers.
+- ``attention_bwd_dk_gluon_ws_kernel``: program = (3 x 64 keys, batch * kv head). Its producer
+  (``_ws_dk_load_partition``) loads the key tiles and streams 64-row query blocks of every query head
+  sharing the kv head; each consumer (``_ws_dk_partition``) computes [query rows, keys] score tiles (the
+  row statistics stay per row of the tile: along its columns they cost 16 registers a vector and
+  spilled), writes dS to shared memory and reads it back transposed as the A operand of dk += dS^T q
+  (FlashAttention-3's dV step).
+
+While one warpgroup waits on its MMAs the others' exponentials run. One side's gradient a launch
+(``GRAD_X``), written once, scaled by ``out_scale`` (the side's scale times the upstream multiplier).
+Measured: benchmarks/results/attention/gluon_bwd_h100.md.
 """
 
 from __future__ import annotations
@@ -45,8 +54,8 @@ FAILED = False  # set by note_failure
 # consumer / of the producer (3 x CONSUMER + PRODUCER <= 512). A consumer holds two [64, BN] score tiles
 # and the [64, D] dq accumulator: BN = 64 keeps that within 160 registers at D = 128.
 DQ_ROWS, DQ_BN, DQ_STAGES, DQ_CONSUMER_REGS, DQ_PRODUCER_REGS = 64, 64, 3, 160, 24
-# The dk kernel's mirror image: 3 consumer warpgroups of 64 keys; query blocks of DK_BQ rows in a ring of
-# DK_STAGES; the same registers.
+# The dk kernel: 3 consumer warpgroups of 64 keys at DQ_CONSUMER_REGS; query blocks of DK_BQ rows in a ring
+# of DK_STAGES (two stages: 1.02-1.06x slower).
 DK_KEYS, DK_BQ, DK_STAGES = 64, 64, 3
 
 
