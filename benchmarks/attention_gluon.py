@@ -37,6 +37,17 @@ FA3_FWD_TFLOPS = "600-650 (FlashAttention-3, H100, hdim 128, published)"
 SWEEP = [(64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4)]
 
 
+# The exactness cases: (B, H, Nq, Nk, Ds, Dt, kv heads student / teacher, dtype, causal, causal offset)
+CASES = [
+    ("causal N=1000 D=64 B=2", (2, 3, 1000, 1000, 64, 64, 3, 3, torch.bfloat16, True, 0)),
+    ("non-causal N=333", (1, 4, 333, 333, 128, 128, 4, 4, torch.bfloat16, False, 0)),
+    ("GQA 8/2 (s) 8/4 (t), Ds=64 Dt=128, N=517", (1, 8, 517, 517, 64, 128, 2, 4, torch.bfloat16, True, 0)),
+    ("fp16 Nq=200 Nk=461 offset 261, Ds=32", (1, 2, 200, 461, 32, 128, 2, 2, torch.float16, True, 261)),
+    ("offset 37, Ds=16 Dt=64, N=300", (1, 2, 300, 300, 16, 64, 1, 2, torch.bfloat16, True, 37)),
+    ("causal N=1536 H=4 D=128", (1, 4, 1536, 1536, 128, 128, 4, 4, torch.bfloat16, True, 0)),
+]
+
+
 def inputs(B, H, Nq, Nk, Ds, Dt, hs, ht, dtype, dev, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
 
@@ -65,16 +76,8 @@ def check(dev) -> bool:
     print("## Exactness on the GPU\n")
     print("| case | max abs KL rows (Gluon - Triton) | max abs lse_x | loss rel err vs float64 | dq_s / dk_s rel err |")
     print("|---|---|---|---|---|")
-    cases = [
-        ("causal N=1000 D=64 B=2", (2, 3, 1000, 1000, 64, 64, 3, 3, torch.bfloat16, True, 0)),
-        ("non-causal N=333", (1, 4, 333, 333, 128, 128, 4, 4, torch.bfloat16, False, 0)),
-        ("GQA 8/2 (s) 8/4 (t), Ds=64 Dt=128, N=517", (1, 8, 517, 517, 64, 128, 2, 4, torch.bfloat16, True, 0)),
-        ("fp16 Nq=200 Nk=461 offset 261, Ds=32", (1, 2, 200, 461, 32, 128, 2, 2, torch.float16, True, 261)),
-        ("offset 37, Ds=16 Dt=64, N=300", (1, 2, 300, 300, 16, 64, 1, 2, torch.bfloat16, True, 37)),
-        ("causal N=1536 H=4 D=128", (1, 4, 1536, 1536, 128, 128, 4, 4, torch.bfloat16, True, 0)),
-    ]
     ok = True
-    for name, (B, H, Nq, Nk, Ds, Dt, hs, ht, dtype, causal, off) in cases:
+    for name, (B, H, Nq, Nk, Ds, Dt, hs, ht, dtype, causal, off) in CASES:
         q_s, k_s, q_t, k_t = inputs(B, H, Nq, Nk, Ds, Dt, hs, ht, dtype, dev)
         X, Y = sides(q_s, k_s, q_t, k_t)
         spec = spec_of(causal, off, q_s, q_t)

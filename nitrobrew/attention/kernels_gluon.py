@@ -98,6 +98,31 @@ FAILED = False  # set by note_failure
 if HAVE_GLUON:
 
     @gluon.jit
+    def _visible_pairs(
+        start_m,
+        start_n,
+        Nq,
+        Nk,
+        causal_offset,
+        BM: gl.constexpr,
+        BN: gl.constexpr,
+        LAYOUT: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        ROWS_TOO: gl.constexpr,
+    ):
+        """The visible (query row, key) pairs of a [BM, BN] tile at (start_m, start_n): keys < Nk, causal,
+        and with ROWS_TOO query rows < Nq (rows past Nq matter where a tile's columns are summed: dk)."""
+        cols = gl.expand_dims(start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, LAYOUT)), 0)
+        valid = cols < Nk
+        if CAUSAL or ROWS_TOO:
+            rows = gl.expand_dims(start_m + gl.arange(0, BM, layout=gl.SliceLayout(1, LAYOUT)), 1)
+            if ROWS_TOO:
+                valid = valid & (rows < Nq)
+            if CAUSAL:
+                valid = valid & (cols <= rows + causal_offset)
+        return valid
+
+    @gluon.jit
     def _kl_update(
         sx,
         sy,
@@ -126,11 +151,7 @@ if HAVE_GLUON:
         of twice, and the centred difference reuses them. 26% fewer FP32 instructions a score pair;
         benchmarks/results/attention/gluon_ws_h100.md."""
         if MASKED:
-            cols = gl.expand_dims(start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, LAYOUT)), 0)
-            valid = cols < Nk
-            if CAUSAL:
-                rows = gl.expand_dims(start_m + gl.arange(0, BM, layout=gl.SliceLayout(1, LAYOUT)), 1)
-                valid = valid & (cols <= rows + causal_offset)
+            valid = _visible_pairs(start_m, start_n, 0, Nk, causal_offset, BM, BN, LAYOUT, CAUSAL, False)
             rx = gl.where(valid, sx, float("-inf"))
             ry = gl.where(valid, sy, float("-inf"))
         else:
@@ -373,40 +394,49 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_load_partition(
-        qx_desc,
-        kx_desc,
-        qy_desc,
-        ky_desc,
-        qx_smem,
-        qy_smem,
-        kx_smem,
-        ky_smem,
-        q_bar,
+        fx_desc,
+        sx_desc,
+        fy_desc,
+        sy_desc,
+        fx_smem,
+        fy_smem,
+        sx_smem,
+        sy_smem,
+        fixed_bar,
         ready,
         empty,
-        q_row0,
-        kx_row0,
-        ky_row0,
-        n_blocks,
+        fixed_row0,
+        sx_row0,
+        sy_row0,
+        head_rows,
+        heads,
+        j_lo,
+        j_hi,
     ):
-        """The producer warp of attention_fwd_gluon_ws_kernel: the query tiles of every consumer, then each
-        key block into the ring as soon as all consumers have released its buffer."""
-        STAGES: gl.constexpr = kx_smem.shape[0]
-        BN: gl.constexpr = kx_smem.shape[1]
-        PARTS: gl.constexpr = qx_smem.shape[0]
-        ROWS: gl.constexpr = qx_smem.shape[1]
-        mbarrier.expect(q_bar, PARTS * (qx_desc.block_type.nbytes + qy_desc.block_type.nbytes))
+        """The producer warp of the warp-specialized kernels: each consumer's fixed tiles of both sides (rows
+        fixed_row0 + i * rows), then blocks [j_lo, j_hi) of both sides' streamed rows into the ring, for each
+        of `heads` heads head_rows apart, each as soon as every consumer has released its buffer. Forward and
+        dq: fixed query tiles, streamed key blocks of one head; dk: fixed key tiles, streamed query blocks of
+        every query head sharing the kv head."""
+        STAGES: gl.constexpr = sx_smem.shape[0]
+        BS: gl.constexpr = sx_smem.shape[1]
+        PARTS: gl.constexpr = fx_smem.shape[0]
+        ROWS: gl.constexpr = fx_smem.shape[1]
+        mbarrier.expect(fixed_bar, PARTS * (fx_desc.block_type.nbytes + fy_desc.block_type.nbytes))
         for i in gl.static_range(PARTS):
-            tma_load(qx_desc, [q_row0 + i * ROWS, 0], q_bar, qx_smem.index(i))
-            tma_load(qy_desc, [q_row0 + i * ROWS, 0], q_bar, qy_smem.index(i))
-        for j in range(n_blocks):
-            stage = j % STAGES
-            # a fresh barrier passes a wait on the parity before its first phase: the first round is free
-            mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
-            bar = ready.index(stage)
-            mbarrier.expect(bar, kx_desc.block_type.nbytes + ky_desc.block_type.nbytes)
-            tma_load(kx_desc, [kx_row0 + j * BN, 0], bar, kx_smem.index(stage))
-            tma_load(ky_desc, [ky_row0 + j * BN, 0], bar, ky_smem.index(stage))
+            tma_load(fx_desc, [fixed_row0 + i * ROWS, 0], fixed_bar, fx_smem.index(i))
+            tma_load(fy_desc, [fixed_row0 + i * ROWS, 0], fixed_bar, fy_smem.index(i))
+        t = 0
+        for h in range(heads):
+            for j in range(j_lo, j_hi):
+                stage = t % STAGES
+                # a fresh barrier passes a wait on the parity before its first phase: the first round is free
+                mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
+                bar = ready.index(stage)
+                mbarrier.expect(bar, sx_desc.block_type.nbytes + sy_desc.block_type.nbytes)
+                tma_load(sx_desc, [sx_row0 + h * head_rows + j * BS, 0], bar, sx_smem.index(stage))
+                tma_load(sy_desc, [sy_row0 + h * head_rows + j * BS, 0], bar, sy_smem.index(stage))
+                t += 1
 
     @gluon.jit
     def _ws_scores(qx, qy, kx_smem, ky_smem, ready, empty, j, zero):
@@ -558,7 +588,7 @@ if HAVE_GLUON:
                 (
                     _ws_load_partition,
                     (qx_desc, kx_desc, qy_desc, ky_desc, qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready,
-                     empty, q_row0, kx_row0, ky_row0, n_blocks),
+                     empty, q_row0, kx_row0, ky_row0, 0, 1, 0, n_blocks),
                 ),
             ],
             [4, 4, 1],
@@ -586,17 +616,22 @@ def gluon_forward_supported(q_x, k_x, q_y, k_y, *, kpm, is_causal: bool, causal_
     return all(t.shape[0] * t.shape[1] * t.shape[2] < 2**31 for t in tensors)
 
 
-def gluon_forward_enabled(cfg: Optional[dict], n_queries: int) -> bool:
-    """Whether to ask for this forward: block_config {"fwd_kernel": "gluon" / "triton"} decides, then
-    NITROBREW_ATTN_GLUON ("1" / "0"); otherwise it is chosen where it was measured faster than the
-    Triton forward (Nq >= AUTO_MIN_ROWS) on a Triton release it was tested with."""
-    choice = (cfg or {}).get("fwd_kernel")
+def gluon_chosen(choice: Optional[str], n_queries: int, min_rows: int, failed: bool) -> bool:
+    """The selection rule of the Gluon kernels (forward here, dq / dk in kernels_gluon_bwd): the block
+    config's choice ("gluon" / "triton") decides, then NITROBREW_ATTN_GLUON ("1" / "0"); otherwise they are
+    chosen where they were measured faster than the Triton ones (Nq >= min_rows), on a Triton release they
+    were tested with, unless a launch has failed."""
     if choice is not None:
         return choice == "gluon"
     env = os.environ.get(ENV_SWITCH)
     if env in ("0", "1"):
         return env == "1"
-    return not FAILED and n_queries >= AUTO_MIN_ROWS and TRITON_VERSION.startswith(TESTED_TRITON)
+    return not failed and n_queries >= min_rows and TRITON_VERSION.startswith(TESTED_TRITON)
+
+
+def gluon_forward_enabled(cfg: Optional[dict], n_queries: int) -> bool:
+    """Whether to ask for this forward (block_config "fwd_kernel"; gluon_chosen's rule from AUTO_MIN_ROWS)."""
+    return gluon_chosen((cfg or {}).get("fwd_kernel"), n_queries, AUTO_MIN_ROWS, FAILED)
 
 
 def note_failure(err: BaseException) -> None:

@@ -12,8 +12,8 @@ grouped unlike on the two sides (dk), key padding masks.
   forward's row statistics (``_dq_scores_grad``: kernels_bwd's dS_y = g (Y - X) or
   dS_x = g X (ln X - ln Y - KL), the scale inside each exponent's FMA as in the forward), and adds dS k
   with a third MMA whose A operand comes from registers.
-- ``attention_bwd_dk_gluon_ws_kernel``: program = (3 x 64 keys, batch * kv head). Its producer
-  (``_ws_dk_load_partition``) loads the key tiles and streams 64-row query blocks of every query head
+- ``attention_bwd_dk_gluon_ws_kernel``: program = (3 x 64 keys, batch * kv head). The same producer
+  loads the key tiles and streams 64-row query blocks of every query head
   sharing the kv head; each consumer (``_ws_dk_partition``) computes [query rows, keys] score tiles (the
   row statistics stay per row of the tile: along its columns they cost 16 registers a vector and
   spilled), writes dS to shared memory and reads it back transposed as the A operand of dk += dS^T q
@@ -26,7 +26,6 @@ Measured: benchmarks/results/attention/gluon_bwd_h100.md.
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Optional
 
@@ -42,7 +41,7 @@ if kg.HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .kernels_gluon import _key_blocks, _program_origin, _ws_barriers, _ws_load_partition, tma_load
+    from .kernels_gluon import _key_blocks, _program_origin, _visible_pairs, _ws_barriers, _ws_load_partition
 
 # Chosen without being asked from this many query rows on, on the Triton releases the forward was tested
 # with (kernels_gluon.TESTED_TRITON). H100, the API's fwd+bwd with the Gluon backward against the Triton
@@ -88,12 +87,7 @@ if kg.HAVE_GLUON:
         arg_x = sx * scale_x - gl.expand_dims(lsex, 1)
         arg_y = sy * scale_y - gl.expand_dims(lsey, 1)
         if MASKED:
-            cols = gl.expand_dims(start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, LAYOUT)), 0)
-            rows = gl.expand_dims(start_m + gl.arange(0, BM, layout=gl.SliceLayout(1, LAYOUT)), 1)
-            # rows past Nq matter to dk (a tile's column sums): hidden too
-            valid = (cols < Nk) & (rows < Nq)
-            if CAUSAL:
-                valid = valid & (cols <= rows + causal_offset)
+            valid = _visible_pairs(start_m, start_n, Nq, Nk, causal_offset, BM, BN, LAYOUT, CAUSAL, True)
             px = gl.exp2(gl.where(valid, arg_x, float("-inf")))
         else:
             px = gl.exp2(arg_x)
@@ -300,7 +294,7 @@ if kg.HAVE_GLUON:
                 (
                     _ws_load_partition,
                     (qx_desc, kx_desc, qy_desc, ky_desc, qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready,
-                     empty, q_row0, kx_row0, ky_row0, n_blocks),
+                     empty, q_row0, kx_row0, ky_row0, 0, 1, 0, n_blocks),
                 ),
             ],
             [4, 4, 1],
@@ -474,48 +468,6 @@ if kg.HAVE_GLUON:
         gl.store(ptrs, (acc * out_scale).to(DK.dtype.element_ty), mask=gl.expand_dims(keys < Nk, 1))
 
     @gluon.jit
-    def _ws_dk_load_partition(
-        kx_desc,
-        ky_desc,
-        qx_desc,
-        qy_desc,
-        kx_smem,
-        ky_smem,
-        qx_smem,
-        qy_smem,
-        k_bar,
-        ready,
-        empty,
-        k_row0,
-        bh_q0,
-        heads,
-        j_lo,
-        Nq,
-    ):
-        """The producer warp of attention_bwd_dk_gluon_ws_kernel: the key tiles of every consumer, then the
-        query blocks [j_lo, n_q) of each query head sharing the kv head into the ring."""
-        STAGES: gl.constexpr = qx_smem.shape[0]
-        BQ: gl.constexpr = qx_smem.shape[1]
-        PARTS: gl.constexpr = kx_smem.shape[0]
-        BN: gl.constexpr = kx_smem.shape[1]
-        mbarrier.expect(k_bar, PARTS * (kx_desc.block_type.nbytes + ky_desc.block_type.nbytes))
-        for i in gl.static_range(PARTS):
-            tma_load(kx_desc, [k_row0 + i * BN, 0], k_bar, kx_smem.index(i))
-            tma_load(ky_desc, [k_row0 + i * BN, 0], k_bar, ky_smem.index(i))
-        n_q = (Nq + BQ - 1) // BQ
-        t = 0
-        for hl in range(heads):
-            q_row = (bh_q0 + hl) * Nq
-            for j in range(j_lo, n_q):
-                stage = t % STAGES
-                mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
-                bar = ready.index(stage)
-                mbarrier.expect(bar, qx_desc.block_type.nbytes + qy_desc.block_type.nbytes)
-                tma_load(qx_desc, [q_row + j * BQ, 0], bar, qx_smem.index(stage))
-                tma_load(qy_desc, [q_row + j * BQ, 0], bar, qy_smem.index(stage))
-                t += 1
-
-    @gluon.jit
     def attention_bwd_dk_gluon_ws_kernel(
         kx_desc,
         qx_desc,
@@ -544,7 +496,7 @@ if kg.HAVE_GLUON:
     ):
         """Warp-specialized dk of one side: program = (3 x 64 keys, batch * kv head), both sides' kv heads
         shared by the same GROUP query heads; three consumer warpgroups run _ws_dk_partition on their keys,
-        a producer warp streams the query blocks (_ws_dk_load_partition)."""
+        a producer warp (kernels_gluon._ws_load_partition) streams the query blocks."""
         BN: gl.constexpr = kx_desc.block_type.shape[0]
         gl.static_assert(num_warps == 4)
         gl.static_assert(BN == 64)
@@ -556,7 +508,8 @@ if kg.HAVE_GLUON:
         start_n0 = pid_n * 3 * BN
         k_row0 = pid_bkv * Nk + start_n0
         bh_q0 = b * H + hkv * GROUP
-        j_lo, _, _, _ = _dk_query_blocks(start_n0, BN, Nq, causal_offset, qx_desc.block_type.shape[0], CAUSAL)
+        BQ: gl.constexpr = qx_desc.block_type.shape[0]
+        j_lo, _, _, _ = _dk_query_blocks(start_n0, BN, Nq, causal_offset, BQ, CAUSAL)
 
         kx_smem = gl.allocate_shared_memory(kx_desc.dtype, [3] + kx_desc.block_type.shape, kx_desc.layout)
         ky_smem = gl.allocate_shared_memory(ky_desc.dtype, [3] + ky_desc.block_type.shape, ky_desc.layout)
@@ -589,9 +542,9 @@ if kg.HAVE_GLUON:
                      CAUSAL, GRAD_X, G_SCALAR),
                 ),
                 (
-                    _ws_dk_load_partition,
-                    (kx_desc, ky_desc, qx_desc, qy_desc, kx_smem, ky_smem, qx_smem, qy_smem, k_bar, ready, empty,
-                     k_row0, bh_q0, GROUP, j_lo, Nq),
+                    _ws_load_partition,
+                    (kx_desc, qx_desc, ky_desc, qy_desc, kx_smem, ky_smem, qx_smem, qy_smem, k_bar, ready, empty,
+                     k_row0, bh_q0 * Nq, bh_q0 * Nq, Nq, GROUP, j_lo, (Nq + BQ - 1) // BQ),
                 ),
             ],
             [4, 4, 1],
@@ -599,67 +552,54 @@ if kg.HAVE_GLUON:
         )  # fmt: skip
 
 
-def launch_bwd_dq_gluon(
-    q_x, k_x, q_y, k_y, *, lse, kl, g, dq, scales, out_scale, causal, causal_offset, grad_x, g_scalar, config=None
+def launch_bwd_gluon(
+    kind: str,
+    q_x,
+    k_x,
+    q_y,
+    k_y,
+    *,
+    out,
+    lse,
+    kl,
+    g,
+    scales,
+    out_scale,
+    causal,
+    causal_offset,
+    grad_x,
+    g_scalar,
+    config=None,
 ) -> None:
-    """Fill dq (contiguous, the dtype of the q of the side it belongs to) with one side's dq, as
-    kernels_bwd's dq kernel does for that side. lse: (x, y) row log-sum-exps (log2 units), kl: the
-    forward's rows (nats), g: [B, H, Nq] float32 upstream gradients, or with g_scalar a 0-dim tensor;
-    scales: (x, y) in log2 units; out_scale: the side's scale times the upstream multiplier;
-    config: (BN, STAGES, CONSUMER_REGS) over (DQ_BN, DQ_STAGES, DQ_CONSUMER_REGS)."""
-    B, H, Nq, _ = q_x.shape
-    Nk = k_x.shape[2]
-    bn, stages, regs = config or (DQ_BN, DQ_STAGES, DQ_CONSUMER_REGS)
-    grid = ((Nq + 3 * DQ_ROWS - 1) // (3 * DQ_ROWS), B * H)
-    descs = (kg._desc(q_x, DQ_ROWS), kg._desc(k_x, bn), kg._desc(q_y, DQ_ROWS), kg._desc(k_y, bn))
-    attention_bwd_dq_gluon_ws_kernel[grid](
-        *descs,
-        *lse,
-        kl,
-        g,
-        dq,
-        H,
-        Nq,
-        Nk,
-        H // k_x.shape[1],
-        H // k_y.shape[1],
-        float(scales[0]),
-        float(scales[1]),
-        float(out_scale),
-        int(causal_offset) if causal else 0,
-        STAGES=stages,
-        CAUSAL=bool(causal),
-        GRAD_X=bool(grad_x),
-        G_SCALAR=bool(g_scalar),
-        CONSUMER_REGS=regs,
-        PRODUCER_REGS=DQ_PRODUCER_REGS,
-        num_warps=4,
-    )
-
-
-def launch_bwd_dk_gluon(
-    q_x, k_x, q_y, k_y, *, lse, kl, g, dk, scales, out_scale, causal, causal_offset, grad_x, g_scalar, config=None
-) -> None:
-    """Fill dk (contiguous, the dtype of the k of the side it belongs to) with one side's dk, as
-    kernels_bwd's dk kernel does; both sides' kv heads must be shared by the same number of query heads.
-    Arguments as launch_bwd_dq_gluon's; config: (BQ, STAGES, CONSUMER_REGS) over (DK_BQ, DK_STAGES,
+    """Fill out with one side's dq (kind "dq": the q of side x if grad_x, else of side y) or dk ("dk": its
+    k; both sides' kv heads shared by the same number of query heads), as kernels_bwd's kernels do; out is
+    contiguous in that tensor's dtype. lse: (x, y) row log-sum-exps (log2 units), kl: the forward's rows
+    (nats), g: [B, H, Nq] float32 upstream gradients, or with g_scalar a 0-dim tensor; scales: (x, y) in
+    log2 units; out_scale: the side's scale times the upstream multiplier; config: (streamed block rows,
+    STAGES, CONSUMER_REGS) over the kind's defaults (DQ_BN / DK_BQ, DQ_STAGES / DK_STAGES,
     DQ_CONSUMER_REGS)."""
     B, H, Nq, _ = q_x.shape
     Nk = k_x.shape[2]
-    hkv = k_x.shape[1]
-    bq, stages, regs = config or (DK_BQ, DK_STAGES, DQ_CONSUMER_REGS)
-    grid = ((Nk + 3 * DK_KEYS - 1) // (3 * DK_KEYS), B * hkv)
-    descs = (kg._desc(k_x, DK_KEYS), kg._desc(q_x, bq), kg._desc(k_y, DK_KEYS), kg._desc(q_y, bq))
-    attention_bwd_dk_gluon_ws_kernel[grid](
+    if kind == "dq":  # program = 3 x 64 query rows of a head; key blocks streamed
+        block, stages, regs = config or (DQ_BN, DQ_STAGES, DQ_CONSUMER_REGS)
+        kernel, grid = attention_bwd_dq_gluon_ws_kernel, ((Nq + 3 * DQ_ROWS - 1) // (3 * DQ_ROWS), B * H)
+        descs = (kg._desc(q_x, DQ_ROWS), kg._desc(k_x, block), kg._desc(q_y, DQ_ROWS), kg._desc(k_y, block))
+        groups = (H // k_x.shape[1], H // k_y.shape[1])
+    else:  # program = 3 x 64 keys of a kv head; query blocks streamed
+        block, stages, regs = config or (DK_BQ, DK_STAGES, DQ_CONSUMER_REGS)
+        kernel, grid = attention_bwd_dk_gluon_ws_kernel, ((Nk + 3 * DK_KEYS - 1) // (3 * DK_KEYS), B * k_x.shape[1])
+        descs = (kg._desc(k_x, DK_KEYS), kg._desc(q_x, block), kg._desc(k_y, DK_KEYS), kg._desc(q_y, block))
+        groups = (H // k_x.shape[1],)
+    kernel[grid](
         *descs,
         *lse,
         kl,
         g,
-        dk,
+        out,
         H,
         Nq,
         Nk,
-        H // hkv,
+        *groups,
         float(scales[0]),
         float(scales[1]),
         float(out_scale),
@@ -675,17 +615,9 @@ def launch_bwd_dk_gluon(
 
 
 def gluon_backward_enabled(cfg: Optional[dict], n_queries: int) -> bool:
-    """Whether to ask for these kernels: block_config {"bwd_kernel": "gluon" / "triton"} decides, then
-    NITROBREW_ATTN_GLUON ("1" / "0"); otherwise they are chosen where they were measured faster than the
-    Triton ones (Nq >= AUTO_MIN_ROWS) on a Triton release the Gluon code was tested with. The case must
-    also be one the forward supports (kernels_gluon.gluon_forward_supported)."""
-    choice = (cfg or {}).get("bwd_kernel")
-    if choice is not None:
-        return choice == "gluon"
-    env = os.environ.get(kg.ENV_SWITCH)
-    if env in ("0", "1"):
-        return env == "1"
-    return not FAILED and n_queries >= AUTO_MIN_ROWS and kg.TRITON_VERSION.startswith(kg.TESTED_TRITON)
+    """Whether to ask for these kernels (block_config "bwd_kernel"; kernels_gluon.gluon_chosen's rule from
+    AUTO_MIN_ROWS). The case must also be one the forward supports (kernels_gluon.gluon_forward_supported)."""
+    return kg.gluon_chosen((cfg or {}).get("bwd_kernel"), n_queries, AUTO_MIN_ROWS, FAILED)
 
 
 def note_failure(err: BaseException) -> None:

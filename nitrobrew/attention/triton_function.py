@@ -154,37 +154,46 @@ def triton_forward(X: Side, Y: Side, kpm, spec: AttnSpec, lse_x=None, lse_y=None
     return kl, lsx, lsy
 
 
-def _gluon_grad(kind: str, X: Side, Y: Side, spec: AttnSpec, *, rows: tuple, grad_x: bool):
-    """One side's dq or dk from the Gluon kernels (kernels_gluon_bwd.py), or None where the launch failed
-    (a Triton release whose Gluon differs: warned once, the Triton kernels run). rows: the forward's
-    (lse_x, lse_y, kl), the upstream gradient and its multiplier, as triton_backward takes them."""
-    from .kernels_gluon_bwd import launch_bwd_dk_gluon, launch_bwd_dq_gluon, note_failure
+def gluon_grad(kind: str, X: Side, Y: Side, spec: AttnSpec, *, rows: tuple, grad_x: bool, config=None):
+    """One side's dq or dk (kind "dq" / "dk"; of side x if grad_x) from the Gluon kernels
+    (kernels_gluon_bwd.py). rows: the forward's (lse_x, lse_y, kl), the upstream gradient and its
+    multiplier, as triton_backward takes them; config: kernels_gluon_bwd.launch_bwd_gluon's."""
+    from .kernels_gluon_bwd import launch_bwd_gluon
 
     lsx, lsy, kl, g, g_mult = rows
     side = X if grad_x else Y
     out = torch.empty_like(side.q if kind == "dq" else side.k)
-    launcher = launch_bwd_dq_gluon if kind == "dq" else launch_bwd_dk_gluon
+    launch_bwd_gluon(
+        kind,
+        X.q,
+        X.k,
+        Y.q,
+        Y.k,
+        out=out,
+        lse=(lsx, lsy),
+        kl=kl,
+        g=g,
+        scales=(X.scale * LOG2E, Y.scale * LOG2E),
+        out_scale=side.scale * (1.0 if g_mult is None else g_mult),
+        causal=spec.is_causal,
+        causal_offset=spec.causal_offset,
+        grad_x=grad_x,
+        g_scalar=g_mult is not None,
+        config=config,
+    )
+    return out
+
+
+def _gluon_grad_or_none(kind: str, X: Side, Y: Side, spec: AttnSpec, *, rows: tuple, grad_x: bool):
+    """gluon_grad, or None where the launch failed (a Triton release whose Gluon differs: warned once, the
+    Triton kernels run)."""
+    from .kernels_gluon_bwd import note_failure
+
     try:
-        launcher(
-            X.q,
-            X.k,
-            Y.q,
-            Y.k,
-            lse=(lsx, lsy),
-            kl=kl,
-            g=g,
-            **{kind: out},
-            scales=(X.scale * LOG2E, Y.scale * LOG2E),
-            out_scale=side.scale * (1.0 if g_mult is None else g_mult),
-            causal=spec.is_causal,
-            causal_offset=spec.causal_offset,
-            grad_x=grad_x,
-            g_scalar=g_mult is not None,
-        )
+        return gluon_grad(kind, X, Y, spec, rows=rows, grad_x=grad_x)
     except Exception as err:  # the Triton kernels instead
         note_failure(err)
         return None
-    return out
 
 
 def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need, cfg=None, g_mult=None):
@@ -205,11 +214,11 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
     # one side's dq, and one side's dk when both sides' kv heads are grouped alike
     gluon = bool(cfg and cfg.get("bwd_kernel") == "gluon" and kpm is None)
     if gluon and need["qx"] != need["qy"]:
-        out["qx" if need["qx"] else "qy"] = _gluon_grad(
+        out["qx" if need["qx"] else "qy"] = _gluon_grad_or_none(
             "dq", X, Y, spec, rows=(lsx, lsy, kl, g, g_mult), grad_x=need["qx"]
         )
     if gluon and need["kx"] != need["ky"] and X.G == Y.G:
-        out["kx" if need["kx"] else "ky"] = _gluon_grad(
+        out["kx" if need["kx"] else "ky"] = _gluon_grad_or_none(
             "dk", X, Y, spec, rows=(lsx, lsy, kl, g, g_mult), grad_x=need["kx"]
         )
     if (need["qx"] or need["qy"]) and out["qx"] is None and out["qy"] is None:
