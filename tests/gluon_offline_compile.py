@@ -61,8 +61,6 @@ def main() -> int:
         CAUSAL=True,
         X_FIXED=True,
         Y_FIXED=False,
-        FMA_SHARE=kg.WS_FMA_SHARE,
-        LATE_RELEASE=False,
         CONSUMER_REGS=kg.WS_CONSUMER_REGS,
         PRODUCER_REGS=kg.WS_PRODUCER_REGS,
         num_warps=4,
@@ -74,14 +72,14 @@ def main() -> int:
     descs = (kg._desc(q, kgb.DQ_ROWS), kg._desc(q, kgb.DQ_BN), kg._desc(q, kgb.DQ_ROWS), kg._desc(q, kgb.DQ_BN))
     dq = kgb.attention_bwd_dq_gluon_ws_kernel.warmup(
         *descs, *grads, 1, 1, 1.0, 1.0, 1.0, 0,
-        STAGES=kgb.DQ_STAGES, CAUSAL=True, GRAD_X=False, G_SCALAR=True, FMA_SHARE=kgb.BWD_FMA_SHARE,
+        STAGES=kgb.DQ_STAGES, CAUSAL=True, GRAD_X=False, G_SCALAR=True,
         CONSUMER_REGS=kgb.DQ_CONSUMER_REGS, PRODUCER_REGS=kgb.DQ_PRODUCER_REGS, num_warps=4, grid=(1,),
     )  # fmt: skip
     print("dq cubin bytes", len(dq.asm["cubin"]))
     descs = (kg._desc(q, kgb.DK_KEYS), kg._desc(q, kgb.DK_BQ), kg._desc(q, kgb.DK_KEYS), kg._desc(q, kgb.DK_BQ))
     dk = kgb.attention_bwd_dk_gluon_ws_kernel.warmup(
         *descs, *grads, 1, 1.0, 1.0, 1.0, 0,
-        STAGES=kgb.DK_STAGES, CAUSAL=True, GRAD_X=False, G_SCALAR=False, FMA_SHARE=kgb.BWD_FMA_SHARE, EARLY_STATS=False,
+        STAGES=kgb.DK_STAGES, CAUSAL=True, GRAD_X=True, G_SCALAR=False,
         CONSUMER_REGS=kgb.DQ_CONSUMER_REGS, PRODUCER_REGS=kgb.DQ_PRODUCER_REGS, num_warps=4, grid=(1,),
     )  # fmt: skip
     print("dk cubin bytes", len(dk.asm["cubin"]))

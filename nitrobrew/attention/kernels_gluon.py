@@ -80,8 +80,6 @@ ONE_WARPGROUP = "one_warpgroup"
 # (3 x 2 query tiles and 2 x 2 key tiles of head dim 128 in bf16: 224 KiB of shared memory), a producer
 # warp at 24 registers (3 x 160 + 24 <= 512 registers a thread of each warpgroup slot).
 WS_ROWS, WS_BN, WS_STAGES, WS_CONSUMER_REGS, WS_PRODUCER_REGS = 64, 128, 2, 160, 24
-# 1 / WS_FMA_SHARE of side y's exponentials in unmasked key blocks on the FMA units (_exp2_mixed; 0: none).
-WS_FMA_SHARE = 0
 # (BM, BN, num_warps, STAGES) of the one-warpgroup kernel (attention_fwd_gluon_kernel), asked for by a
 # config tuple: one warpgroup of 64 query rows; BN = 64 keeps the in-flight and the current score tiles
 # of both sides (4 x 32 fp32 registers a thread) with room for the update, and two stages let two
@@ -125,48 +123,6 @@ if HAVE_GLUON:
         return valid
 
     @gluon.jit
-    def _exp2_fma(x):
-        """2^x on the FMA units (FlashAttention-4's offload of the exponential unit), for x <= 0.5: x = n + f
-        (n = rint x by the 1.5 * 2^23 shift, |f| <= 1/2), a degree-5 near-minimax polynomial of 2^f (max
-        relative error 7.5e-8 in exact arithmetic, ex2.approx's is 2 ulp), n added to the exponent bits.
-        x is clamped at -126: what ex2.approx.ftz flushes to 0 comes out below 2^-126 instead."""
-        x = gl.maximum(x, -126.0)
-        shifted = x + 12582912.0
-        f = x - (shifted - 12582912.0)
-        p = 0.0013276444402470133 * f + 0.009675537697167797
-        p = p * f + 0.05550713315236906
-        p = p * f + 0.24022119793277946
-        p = p * f + 0.69314696706795
-        p = p * f + 1.0000000716400317
-        bits = p.to(gl.int32, bitcast=True) + (shifted.to(gl.int32, bitcast=True) << 23)
-        return bits.to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _exp2_split(x, FMA_SHARE: gl.constexpr):
-        """2^x of a [BM, BN] tile with its last BN / FMA_SHARE columns on the FMA units (FMA_SHARE: 1 or a
-        larger power of 2), the rest on the exponential unit: the upper half of the columns goes on with half
-        the share, down to the part that _exp2_fma takes. The columns are split where each thread holds them
-        in registers in the MMA layout, so no data moves; the result's layout is x's, written another way."""
-        if FMA_SHARE == 1:
-            return _exp2_fma(x)
-        else:
-            BM: gl.constexpr = x.shape[0]
-            BN: gl.constexpr = x.shape[1]
-            lo, hi = gl.split(gl.permute(gl.reshape(x, [BM, 2, BN // 2]), (0, 2, 1)))
-            lo = gl.exp2(lo)
-            hi = gl.convert_layout(_exp2_split(hi, FMA_SHARE // 2), lo.type.layout)
-            return gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [BM, BN])
-
-    @gluon.jit
-    def _exp2_mixed(x, FMA_SHARE: gl.constexpr, LAYOUT: gl.constexpr):
-        """2^x on the exponential unit (FMA_SHARE = 0), or with 1 / FMA_SHARE of the columns on the FMA units
-        (_exp2_split)."""
-        if FMA_SHARE == 0:
-            return gl.exp2(x)
-        else:
-            return gl.convert_layout(_exp2_split(x, FMA_SHARE), LAYOUT)
-
-    @gluon.jit
     def _kl_update(
         sx,
         sy,
@@ -188,7 +144,6 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr,
         X_FIXED: gl.constexpr,
         Y_FIXED: gl.constexpr,
-        FMA_SHARE: gl.constexpr = 0,
     ):
         """The row state after one key block from the raw (unscaled) scores: kernels_fwd._online_step's math
         with the scale inside each exponent's FMA. max(s * scale) = scale * max(s) for scale > 0 (rounding
@@ -217,7 +172,7 @@ if HAVE_GLUON:
             py = gl.exp2(gl.where(valid, arg_y, float("-inf")))
         else:
             px = gl.exp2(arg_x)
-            py = _exp2_mixed(arg_y, FMA_SHARE, LAYOUT)
+            py = gl.exp2(arg_y)
         ax = gl.exp2(mx - mx_new)
         ay = gl.exp2(my - my_new)
         c = ax * (c + lx * ((mx - mx_new) - (my - my_new))) + gl.sum(px * (arg_x - arg_y), 1)
@@ -484,17 +439,15 @@ if HAVE_GLUON:
                 t += 1
 
     @gluon.jit
-    def _ws_scores(qx, qy, kx_smem, ky_smem, ready, empty, j, zero, RELEASE: gl.constexpr = True):
-        """Key block j's two score tiles; its buffer is released once both GEMMs have read it (RELEASE), else
-        by the caller."""
+    def _ws_scores(qx, qy, kx_smem, ky_smem, ready, empty, j, zero):
+        """Key block j's two score tiles; its buffer is released once both GEMMs have read it."""
         STAGES: gl.constexpr = kx_smem.shape[0]
         stage = j % STAGES
         mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
         sx = warpgroup_mma(qx, kx_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
         sy = warpgroup_mma(qy, ky_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
         sx, sy = warpgroup_mma_wait(num_outstanding=0, deps=(sx, sy))
-        if RELEASE:
-            mbarrier.arrive(empty.index(stage), count=1)
+        mbarrier.arrive(empty.index(stage), count=1)
         return sx, sy
 
     @gluon.jit
@@ -523,8 +476,6 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr,
         X_FIXED: gl.constexpr,
         Y_FIXED: gl.constexpr,
-        FMA_SHARE: gl.constexpr,
-        LATE_RELEASE: gl.constexpr,
     ):
         """A consumer warpgroup of attention_fwd_gluon_ws_kernel: the online-KL update of its 64 query rows
         over every key block of the program (blocks past its own rows are fully masked for it)."""
@@ -543,13 +494,11 @@ if HAVE_GLUON:
         qy = qy_smem.index(part)
         mbarrier.wait(q_bar, 0)
         for j in range(0, n_full):
-            sx, sy = _ws_scores(qx, qy, kx_smem, ky_smem, ready, empty, j, zero, not LATE_RELEASE)
+            sx, sy = _ws_scores(qx, qy, kx_smem, ky_smem, ready, empty, j, zero)
             mx, my, lx, ly, c = _kl_update(
                 sx, sy, mx, my, lx, ly, c, start_m, j * BN, Nk, causal_offset, scale_x, scale_y,
-                BM, BN, layout, False, CAUSAL, X_FIXED, Y_FIXED, FMA_SHARE,
+                BM, BN, layout, False, CAUSAL, X_FIXED, Y_FIXED,
             )  # fmt: skip
-            if LATE_RELEASE:
-                mbarrier.arrive(empty.index(j % kx_smem.shape[0]), count=1)
         for j in range(n_full, n_blocks):
             sx, sy = _ws_scores(qx, qy, kx_smem, ky_smem, ready, empty, j, zero)
             mx, my, lx, ly, c = _kl_update(
@@ -594,8 +543,6 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr,
         X_FIXED: gl.constexpr,
         Y_FIXED: gl.constexpr,
-        FMA_SHARE: gl.constexpr,
-        LATE_RELEASE: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
@@ -624,19 +571,19 @@ if HAVE_GLUON:
                     _ws_kl_partition,
                     (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, 0, start_m0, pid_bh, n_blocks, Nq,
                      Nk, causal_offset, scale_x, scale_y, LSEX_IN, LSEY_IN, KL_OUT, LSEX_OUT, LSEY_OUT,
-                     CAUSAL, X_FIXED, Y_FIXED, FMA_SHARE, LATE_RELEASE),
+                     CAUSAL, X_FIXED, Y_FIXED),
                 ),
                 (
                     _ws_kl_partition,
                     (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, 1, start_m0, pid_bh, n_blocks, Nq,
                      Nk, causal_offset, scale_x, scale_y, LSEX_IN, LSEY_IN, KL_OUT, LSEX_OUT, LSEY_OUT,
-                     CAUSAL, X_FIXED, Y_FIXED, FMA_SHARE, LATE_RELEASE),
+                     CAUSAL, X_FIXED, Y_FIXED),
                 ),
                 (
                     _ws_kl_partition,
                     (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, 2, start_m0, pid_bh, n_blocks, Nq,
                      Nk, causal_offset, scale_x, scale_y, LSEX_IN, LSEY_IN, KL_OUT, LSEX_OUT, LSEY_OUT,
-                     CAUSAL, X_FIXED, Y_FIXED, FMA_SHARE, LATE_RELEASE),
+                     CAUSAL, X_FIXED, Y_FIXED),
                 ),
                 (
                     _ws_load_partition,
@@ -709,22 +656,7 @@ def _desc(t: torch.Tensor, rows: int):
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, d], layout)
 
 
-def launch_fwd_gluon(
-    q_x,
-    k_x,
-    q_y,
-    k_y,
-    *,
-    lse_in,
-    out,
-    scales,
-    causal,
-    causal_offset,
-    fixed,
-    config=None,
-    fma_share=None,
-    late_release=False,
-) -> None:
+def launch_fwd_gluon(q_x, k_x, q_y, k_y, *, lse_in, out, scales, causal, causal_offset, fixed, config=None) -> None:
     """Fill out = (kl, lse_x, lse_y) ([B, H, Nq] float32; lse's in log2 units) as kernels_fwd's
     forward does. lse_in: (x, y) fixed log-sum-exps (natural log; read where fixed says so), scales:
     (x, y) in log2 units, config: WARP_SPECIALIZED, ONE_WARPGROUP (its DEFAULT_CONFIG tiles) or its
@@ -745,8 +677,6 @@ def launch_fwd_gluon(
             *rows_in_out,
             *scalars,
             STAGES=WS_STAGES,
-            FMA_SHARE=WS_FMA_SHARE if fma_share is None else int(fma_share),
-            LATE_RELEASE=bool(late_release),
             CONSUMER_REGS=WS_CONSUMER_REGS,
             PRODUCER_REGS=WS_PRODUCER_REGS,
             num_warps=4,

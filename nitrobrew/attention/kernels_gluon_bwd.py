@@ -41,14 +41,7 @@ if kg.HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .kernels_gluon import (
-        _exp2_mixed,
-        _key_blocks,
-        _program_origin,
-        _visible_pairs,
-        _ws_barriers,
-        _ws_load_partition,
-    )
+    from .kernels_gluon import _key_blocks, _program_origin, _visible_pairs, _ws_barriers, _ws_load_partition
 
 # Chosen without being asked from this many query rows on, on the Triton releases the forward was tested
 # with (kernels_gluon.TESTED_TRITON). H100, the API's fwd+bwd with the Gluon backward against the Triton
@@ -63,9 +56,6 @@ DQ_ROWS, DQ_BN, DQ_STAGES, DQ_CONSUMER_REGS, DQ_PRODUCER_REGS = 64, 64, 3, 160, 
 # The dk kernel: 3 consumer warpgroups of 64 keys at DQ_CONSUMER_REGS; query blocks of DK_BQ rows in a ring
 # of DK_STAGES (two stages: 1.02-1.06x slower).
 DK_KEYS, DK_BQ, DK_STAGES = 64, 64, 3
-# 1 / BWD_FMA_SHARE of the student-side exponentials of both kernels on the FMA units (0: none);
-# kernels_gluon._exp2_mixed.
-BWD_FMA_SHARE = 0
 
 
 if kg.HAVE_GLUON:
@@ -91,7 +81,6 @@ if kg.HAVE_GLUON:
         MASKED: gl.constexpr,
         CAUSAL: gl.constexpr,
         GRAD_X: gl.constexpr,
-        FMA_SHARE: gl.constexpr = 0,
     ):
         """dS of one [rows, keys] tile from the raw scores (natural units of the scores): the arguments
         x - lse_x, y - lse_y each one FMA; invisible pairs have X = Y = 0, hence dS = 0."""
@@ -109,7 +98,7 @@ if kg.HAVE_GLUON:
             if MASKED:
                 py = gl.exp2(gl.where(valid, arg_y, float("-inf")))
             else:
-                py = _exp2_mixed(arg_y, FMA_SHARE, LAYOUT)
+                py = gl.exp2(arg_y)
             ds = gl.expand_dims(g, 1) * (py - px)
         return ds
 
@@ -139,7 +128,6 @@ if kg.HAVE_GLUON:
         MASKED: gl.constexpr,
         CAUSAL: gl.constexpr,
         GRAD_X: gl.constexpr,
-        FMA_SHARE: gl.constexpr,
     ):
         """Key block j: both score tiles, dS, acc += dS k; the buffer is released once the three MMAs
         have read it."""
@@ -155,7 +143,7 @@ if kg.HAVE_GLUON:
         sx, sy = warpgroup_mma_wait(num_outstanding=0, deps=(sx, sy))
         ds = _dq_scores_grad(
             sx, sy, lsex, lsey, kl2, g, start_m, j * BN, Nq, Nk, causal_offset, scale_x, scale_y,
-            BM, BN, S_LAYOUT, MASKED, CAUSAL, GRAD_X, FMA_SHARE,
+            BM, BN, S_LAYOUT, MASKED, CAUSAL, GRAD_X,
         )  # fmt: skip
         op = gl.convert_layout(ds.to(qx.dtype), OP_LAYOUT)
         if GRAD_X:
@@ -193,7 +181,6 @@ if kg.HAVE_GLUON:
         CAUSAL: gl.constexpr,
         GRAD_X: gl.constexpr,
         G_SCALAR: gl.constexpr,
-        FMA_SHARE: gl.constexpr,
     ):
         """A consumer warpgroup of attention_bwd_dq_gluon_ws_kernel: dq of its 64 query rows over every key
         block of the program (blocks past its own rows are fully masked for it)."""
@@ -228,12 +215,12 @@ if kg.HAVE_GLUON:
         for j in range(0, n_full):
             acc = _dq_block(
                 qx, qy, kx_smem, ky_smem, ready, empty, j, acc, zero, lsex, lsey, kl2, g, start_m, Nq, Nk,
-                causal_offset, scale_x, scale_y, s_layout, op_layout, False, CAUSAL, GRAD_X, FMA_SHARE,
+                causal_offset, scale_x, scale_y, s_layout, op_layout, False, CAUSAL, GRAD_X,
             )  # fmt: skip
         for j in range(n_full, n_blocks):
             acc = _dq_block(
                 qx, qy, kx_smem, ky_smem, ready, empty, j, acc, zero, lsex, lsey, kl2, g, start_m, Nq, Nk,
-                causal_offset, scale_x, scale_y, s_layout, op_layout, True, CAUSAL, GRAD_X, 0,
+                causal_offset, scale_x, scale_y, s_layout, op_layout, True, CAUSAL, GRAD_X,
             )  # fmt: skip
         out_rows = start_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
         cols = gl.arange(0, DG, layout=gl.SliceLayout(0, acc_layout))
@@ -264,7 +251,6 @@ if kg.HAVE_GLUON:
         CAUSAL: gl.constexpr,
         GRAD_X: gl.constexpr,
         G_SCALAR: gl.constexpr,
-        FMA_SHARE: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
@@ -291,19 +277,19 @@ if kg.HAVE_GLUON:
                     _ws_dq_partition,
                     (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, 0, start_m0, pid_bh, n_blocks, Nq,
                      Nk, causal_offset, scale_x, scale_y, out_scale, LSEX, LSEY, KL, G, DQ,
-                     CAUSAL, GRAD_X, G_SCALAR, FMA_SHARE),
+                     CAUSAL, GRAD_X, G_SCALAR),
                 ),
                 (
                     _ws_dq_partition,
                     (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, 1, start_m0, pid_bh, n_blocks, Nq,
                      Nk, causal_offset, scale_x, scale_y, out_scale, LSEX, LSEY, KL, G, DQ,
-                     CAUSAL, GRAD_X, G_SCALAR, FMA_SHARE),
+                     CAUSAL, GRAD_X, G_SCALAR),
                 ),
                 (
                     _ws_dq_partition,
                     (qx_smem, qy_smem, kx_smem, ky_smem, q_bar, ready, empty, 2, start_m0, pid_bh, n_blocks, Nq,
                      Nk, causal_offset, scale_x, scale_y, out_scale, LSEX, LSEY, KL, G, DQ,
-                     CAUSAL, GRAD_X, G_SCALAR, FMA_SHARE),
+                     CAUSAL, GRAD_X, G_SCALAR),
                 ),
                 (
                     _ws_load_partition,
@@ -314,24 +300,6 @@ if kg.HAVE_GLUON:
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
         )  # fmt: skip
-
-    @gluon.jit
-    def _dk_row_stats(
-        LSEX, LSEY, KL, G, q_flat0, start_q, Nq, BQ: gl.constexpr, S_LAYOUT: gl.constexpr, G_SCALAR: gl.constexpr
-    ):
-        """The forward's row statistics of query rows [start_q, start_q + BQ) of the head starting at q_flat0:
-        lse_x, lse_y (log2 units), KL in log2 units, the upstream gradient."""
-        rows = start_q + gl.arange(0, BQ, layout=gl.SliceLayout(1, S_LAYOUT))
-        row_ok = rows < Nq
-        flat = q_flat0 + rows
-        lsex = gl.load(LSEX + flat, mask=row_ok, other=0.0)
-        lsey = gl.load(LSEY + flat, mask=row_ok, other=0.0)
-        kl2 = gl.load(KL + flat, mask=row_ok, other=0.0) * 1.4426950408889634
-        if G_SCALAR:
-            g = gl.where(row_ok, gl.load(G).to(gl.float32), 0.0)
-        else:
-            g = gl.load(G + flat, mask=row_ok, other=0.0)
-        return lsex, lsey, kl2, g
 
     @gluon.jit
     def _dk_block(
@@ -362,8 +330,6 @@ if kg.HAVE_GLUON:
         CAUSAL: gl.constexpr,
         GRAD_X: gl.constexpr,
         G_SCALAR: gl.constexpr,
-        FMA_SHARE: gl.constexpr,
-        EARLY_STATS: gl.constexpr,
     ):
         """Streamed query block t (rows [start_q, start_q + BQ) of the head whose first flat row is q_flat0):
         both [rows, keys] score tiles, dS (_dq_scores_grad: the row statistics are per row of the tile,
@@ -373,19 +339,27 @@ if kg.HAVE_GLUON:
         BQ: gl.constexpr = qx_smem.shape[1]
         BN: gl.constexpr = kx.shape[0]
         stage = t % STAGES
-        if EARLY_STATS:  # the rows' statistics load while the query tiles land
-            lsex, lsey, kl2, g = _dk_row_stats(LSEX, LSEY, KL, G, q_flat0, start_q, Nq, BQ, S_LAYOUT, G_SCALAR)
+        # the rows' statistics load before the wait: their latency overlaps it and the MMA issue (loaded
+        # after the issue, fwd+bwd took 1.01-1.02x as long; benchmarks/results/attention/gluon_profile_h100.md)
+        rows = start_q + gl.arange(0, BQ, layout=gl.SliceLayout(1, S_LAYOUT))
+        row_ok = rows < Nq
+        flat = q_flat0 + rows
+        lsex = gl.load(LSEX + flat, mask=row_ok, other=0.0)
+        lsey = gl.load(LSEY + flat, mask=row_ok, other=0.0)
+        kl2 = gl.load(KL + flat, mask=row_ok, other=0.0) * 1.4426950408889634
+        if G_SCALAR:
+            g = gl.where(row_ok, gl.load(G).to(gl.float32), 0.0)
+        else:
+            g = gl.load(G + flat, mask=row_ok, other=0.0)
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
         qx = qx_smem.index(stage)
         qy = qy_smem.index(stage)
         sx = warpgroup_mma(qx, kx.permute((1, 0)), zero, use_acc=False, is_async=True)
         sy = warpgroup_mma(qy, ky.permute((1, 0)), zero, use_acc=False, is_async=True)
-        if not EARLY_STATS:  # the rows' statistics load while the score MMAs run
-            lsex, lsey, kl2, g = _dk_row_stats(LSEX, LSEY, KL, G, q_flat0, start_q, Nq, BQ, S_LAYOUT, G_SCALAR)
         sx, sy = warpgroup_mma_wait(num_outstanding=0, deps=(sx, sy))
         ds = _dq_scores_grad(
             sx, sy, lsex, lsey, kl2, g, start_q, start_n, Nq, Nk, causal_offset, scale_x, scale_y,
-            BQ, BN, S_LAYOUT, MASKED, CAUSAL, GRAD_X, FMA_SHARE,
+            BQ, BN, S_LAYOUT, MASKED, CAUSAL, GRAD_X,
         )  # fmt: skip
         ds_smem.store(ds.to(kx.dtype))
         fence_async_shared()
@@ -442,8 +416,6 @@ if kg.HAVE_GLUON:
         CAUSAL: gl.constexpr,
         GRAD_X: gl.constexpr,
         G_SCALAR: gl.constexpr,
-        FMA_SHARE: gl.constexpr,
-        EARLY_STATS: gl.constexpr,
     ):
         """A consumer warpgroup of attention_bwd_dk_gluon_ws_kernel: dk of its 64 keys over the query blocks
         of every query head sharing the kv head (the program's stream starts at block j_lo of each head;
@@ -477,19 +449,19 @@ if kg.HAVE_GLUON:
                 acc = _dk_block(
                     kx, ky, qx_smem, qy_smem, ds, ready, empty, t0 + j, acc, zero, LSEX, LSEY, KL, G, q_flat0,
                     start_n, j * BQ, Nq, Nk, causal_offset, scale_x, scale_y, s_layout, True, CAUSAL, GRAD_X,
-                    G_SCALAR, 0, EARLY_STATS,
+                    G_SCALAR,
                 )  # fmt: skip
             for j in range(full, tail):
                 acc = _dk_block(
                     kx, ky, qx_smem, qy_smem, ds, ready, empty, t0 + j, acc, zero, LSEX, LSEY, KL, G, q_flat0,
                     start_n, j * BQ, Nq, Nk, causal_offset, scale_x, scale_y, s_layout, False, CAUSAL, GRAD_X,
-                    G_SCALAR, FMA_SHARE, EARLY_STATS,
+                    G_SCALAR,
                 )  # fmt: skip
             for j in range(tail, n_q):
                 acc = _dk_block(
                     kx, ky, qx_smem, qy_smem, ds, ready, empty, t0 + j, acc, zero, LSEX, LSEY, KL, G, q_flat0,
                     start_n, j * BQ, Nq, Nk, causal_offset, scale_x, scale_y, s_layout, True, CAUSAL, GRAD_X,
-                    G_SCALAR, 0, EARLY_STATS,
+                    G_SCALAR,
                 )  # fmt: skip
         keys = start_n + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
         cols = gl.arange(0, DG, layout=gl.SliceLayout(0, acc_layout))
@@ -519,8 +491,6 @@ if kg.HAVE_GLUON:
         CAUSAL: gl.constexpr,
         GRAD_X: gl.constexpr,
         G_SCALAR: gl.constexpr,
-        FMA_SHARE: gl.constexpr,
-        EARLY_STATS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
         num_warps: gl.constexpr,
@@ -558,19 +528,19 @@ if kg.HAVE_GLUON:
                     _ws_dk_partition,
                     (kx_smem, ky_smem, qx_smem, qy_smem, ds_smem, k_bar, ready, empty, 0, start_n0, bh_q0, GROUP,
                      j_lo, Nq, Nk, causal_offset, scale_x, scale_y, out_scale, LSEX, LSEY, KL, G, DK, pid_bkv * Nk,
-                     CAUSAL, GRAD_X, G_SCALAR, FMA_SHARE, EARLY_STATS),
+                     CAUSAL, GRAD_X, G_SCALAR),
                 ),
                 (
                     _ws_dk_partition,
                     (kx_smem, ky_smem, qx_smem, qy_smem, ds_smem, k_bar, ready, empty, 1, start_n0, bh_q0, GROUP,
                      j_lo, Nq, Nk, causal_offset, scale_x, scale_y, out_scale, LSEX, LSEY, KL, G, DK, pid_bkv * Nk,
-                     CAUSAL, GRAD_X, G_SCALAR, FMA_SHARE, EARLY_STATS),
+                     CAUSAL, GRAD_X, G_SCALAR),
                 ),
                 (
                     _ws_dk_partition,
                     (kx_smem, ky_smem, qx_smem, qy_smem, ds_smem, k_bar, ready, empty, 2, start_n0, bh_q0, GROUP,
                      j_lo, Nq, Nk, causal_offset, scale_x, scale_y, out_scale, LSEX, LSEY, KL, G, DK, pid_bkv * Nk,
-                     CAUSAL, GRAD_X, G_SCALAR, FMA_SHARE, EARLY_STATS),
+                     CAUSAL, GRAD_X, G_SCALAR),
                 ),
                 (
                     _ws_load_partition,
@@ -601,8 +571,6 @@ def launch_bwd_gluon(
     grad_x,
     g_scalar,
     config=None,
-    fma_share=None,
-    early_stats=False,
 ) -> None:
     """Fill out with one side's dq (kind "dq": the q of side x if grad_x, else of side y) or dk ("dk": its
     k; both sides' kv heads shared by the same number of query heads), as kernels_bwd's kernels do; out is
@@ -641,8 +609,6 @@ def launch_bwd_gluon(
         CAUSAL=bool(causal),
         GRAD_X=bool(grad_x),
         G_SCALAR=bool(g_scalar),
-        FMA_SHARE=BWD_FMA_SHARE if fma_share is None else int(fma_share),
-        **({"EARLY_STATS": bool(early_stats)} if kind == "dk" else {}),
         CONSUMER_REGS=regs,
         PRODUCER_REGS=DQ_PRODUCER_REGS,
         num_warps=4,

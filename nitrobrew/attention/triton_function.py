@@ -96,8 +96,6 @@ def triton_forward(X: Side, Y: Side, kpm, spec: AttnSpec, lse_x=None, lse_y=None
                 causal_offset=spec.causal_offset,
                 fixed=(x_fixed, y_fixed),
                 config=cfg.get("fwd_gluon"),
-                fma_share=cfg.get("fwd_fma_share"),
-                late_release=bool(cfg.get("fwd_late_release")),
             )
             return kl, lsx, lsy
         except Exception as err:  # a Triton release whose Gluon differs: the Triton kernel below
@@ -156,21 +154,10 @@ def triton_forward(X: Side, Y: Side, kpm, spec: AttnSpec, lse_x=None, lse_y=None
     return kl, lsx, lsy
 
 
-def gluon_grad(
-    kind: str,
-    X: Side,
-    Y: Side,
-    spec: AttnSpec,
-    *,
-    rows: tuple,
-    grad_x: bool,
-    config=None,
-    fma_share=None,
-    early_stats=False,
-):
+def gluon_grad(kind: str, X: Side, Y: Side, spec: AttnSpec, *, rows: tuple, grad_x: bool, config=None):
     """One side's dq or dk (kind "dq" / "dk"; of side x if grad_x) from the Gluon kernels
     (kernels_gluon_bwd.py). rows: the forward's (lse_x, lse_y, kl), the upstream gradient and its
-    multiplier, as triton_backward takes them; config, fma_share: kernels_gluon_bwd.launch_bwd_gluon's."""
+    multiplier, as triton_backward takes them; config: kernels_gluon_bwd.launch_bwd_gluon's."""
     from .kernels_gluon_bwd import launch_bwd_gluon
 
     lsx, lsy, kl, g, g_mult = rows
@@ -193,21 +180,17 @@ def gluon_grad(
         grad_x=grad_x,
         g_scalar=g_mult is not None,
         config=config,
-        fma_share=fma_share,
-        early_stats=early_stats,
     )
     return out
 
 
-def _gluon_grad_or_none(
-    kind: str, X: Side, Y: Side, spec: AttnSpec, *, rows: tuple, grad_x: bool, fma_share, early_stats=False
-):
+def _gluon_grad_or_none(kind: str, X: Side, Y: Side, spec: AttnSpec, *, rows: tuple, grad_x: bool):
     """gluon_grad, or None where the launch failed (a Triton release whose Gluon differs: warned once, the
     Triton kernels run)."""
     from .kernels_gluon_bwd import note_failure
 
     try:
-        return gluon_grad(kind, X, Y, spec, rows=rows, grad_x=grad_x, fma_share=fma_share, early_stats=early_stats)
+        return gluon_grad(kind, X, Y, spec, rows=rows, grad_x=grad_x)
     except Exception as err:  # the Triton kernels instead
         note_failure(err)
         return None
@@ -232,18 +215,11 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
     gluon = bool(cfg and cfg.get("bwd_kernel") == "gluon" and kpm is None)
     if gluon and need["qx"] != need["qy"]:
         out["qx" if need["qx"] else "qy"] = _gluon_grad_or_none(
-            "dq", X, Y, spec, rows=(lsx, lsy, kl, g, g_mult), grad_x=need["qx"], fma_share=cfg.get("bwd_fma_share")
+            "dq", X, Y, spec, rows=(lsx, lsy, kl, g, g_mult), grad_x=need["qx"]
         )
     if gluon and need["kx"] != need["ky"] and X.G == Y.G:
         out["kx" if need["kx"] else "ky"] = _gluon_grad_or_none(
-            "dk",
-            X,
-            Y,
-            spec,
-            rows=(lsx, lsy, kl, g, g_mult),
-            grad_x=need["kx"],
-            fma_share=cfg.get("bwd_fma_share"),
-            early_stats=bool(cfg.get("bwd_early_stats")),
+            "dk", X, Y, spec, rows=(lsx, lsy, kl, g, g_mult), grad_x=need["kx"]
         )
     if (need["qx"] or need["qy"]) and out["qx"] is None and out["qy"] is None:
         BM, BN, warps, stages = resolve_config("dq", cfg, dev, max_bd, fp32)
