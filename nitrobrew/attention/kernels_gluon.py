@@ -15,10 +15,11 @@ score run one after the other (benchmarks/results/attention/fwd_tma_h100.md). Tw
 - ``attention_fwd_gluon_ws_kernel`` (warp-specialized, FlashAttention-3's structure; the default from
   WS_MIN_ROWS query rows on): a producer warp fills a ring of 128-key blocks for three consumer
   warpgroups of 64 query rows each (``gl.warp_specialize``, registers moved to the consumers by
-  ``setmaxnreg``), each releasing a buffer through an ``empty`` mbarrier. The update is bound by the
-  exponential unit (two exponentials a score pair; alone it takes about SDPA's whole forward time), so
-  what pays is keeping it fed: while one warpgroup waits on its GEMMs, the other two's exponentials run
-  (benchmarks/results/attention/gluon_ws_h100.md).
+  ``setmaxnreg``), each releasing a buffer through an ``empty`` mbarrier. The update alone (two
+  exponentials a score pair) takes about SDPA's whole forward time, so what pays is overlap: while one
+  warpgroup waits on its GEMMs, the other two's exponentials run (benchmarks/results/attention/
+  gluon_ws_h100.md). The tensor pipe and the exponential unit are each still idle about 45% of the time,
+  the warps held at the warpgroup barriers around each key block (gluon_profile_h100.md there).
 
 The math is the Triton forward's (docs/design.md §3), the scale taken inside each exponent's FMA
 (``_kl_update``; same maxima, arguments rounded once): scores in log2 units (the scale folds in
