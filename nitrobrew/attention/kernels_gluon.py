@@ -522,6 +522,16 @@ if HAVE_GLUON:
         return tiles_bar, ready, empty
 
     @gluon.jit
+    def _ws_tile_buffers(fx_desc, fy_desc, sx_desc, sy_desc, STAGES: gl.constexpr):
+        """The shared memory _ws_load_partition fills: both sides' fixed tiles, one per consumer warpgroup (3),
+        and a ring of STAGES streamed blocks of both sides."""
+        fx_smem = gl.allocate_shared_memory(fx_desc.dtype, [3] + fx_desc.block_type.shape, fx_desc.layout)
+        fy_smem = gl.allocate_shared_memory(fy_desc.dtype, [3] + fy_desc.block_type.shape, fy_desc.layout)
+        sx_smem = gl.allocate_shared_memory(sx_desc.dtype, [STAGES] + sx_desc.block_type.shape, sx_desc.layout)
+        sy_smem = gl.allocate_shared_memory(sy_desc.dtype, [STAGES] + sy_desc.block_type.shape, sy_desc.layout)
+        return fx_smem, fy_smem, sx_smem, sy_smem
+
+    @gluon.jit
     def attention_fwd_gluon_ws_kernel(
         qx_desc,
         kx_desc,
@@ -559,10 +569,7 @@ if HAVE_GLUON:
         pid_bh, start_m0, q_row0, kx_row0, ky_row0 = _program_origin(H, Nq, Nk, GX, GY, 3 * ROWS)
         _, n_blocks = _key_blocks(start_m0, 3 * ROWS, Nk, causal_offset, BN, CAUSAL)
 
-        qx_smem = gl.allocate_shared_memory(qx_desc.dtype, [3] + qx_desc.block_type.shape, qx_desc.layout)
-        qy_smem = gl.allocate_shared_memory(qy_desc.dtype, [3] + qy_desc.block_type.shape, qy_desc.layout)
-        kx_smem = gl.allocate_shared_memory(kx_desc.dtype, [STAGES] + kx_desc.block_type.shape, kx_desc.layout)
-        ky_smem = gl.allocate_shared_memory(ky_desc.dtype, [STAGES] + ky_desc.block_type.shape, ky_desc.layout)
+        qx_smem, qy_smem, kx_smem, ky_smem = _ws_tile_buffers(qx_desc, qy_desc, kx_desc, ky_desc, STAGES)
         q_bar, ready, empty = _ws_barriers(STAGES, 3)
 
         # The partitions' arguments are written out: a tuple built by concatenation loses its constexprs.

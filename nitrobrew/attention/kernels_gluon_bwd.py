@@ -41,7 +41,14 @@ if kg.HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .kernels_gluon import _key_blocks, _program_origin, _visible_pairs, _ws_barriers, _ws_load_partition
+    from .kernels_gluon import (
+        _key_blocks,
+        _program_origin,
+        _visible_pairs,
+        _ws_barriers,
+        _ws_load_partition,
+        _ws_tile_buffers,
+    )
 
 # Chosen without being asked from this many query rows on, on the Triton releases the forward was tested
 # with (kernels_gluon.TESTED_TRITON). H100, the API's fwd+bwd with the Gluon backward against the Triton
@@ -264,10 +271,7 @@ if kg.HAVE_GLUON:
         pid_bh, start_m0, q_row0, kx_row0, ky_row0 = _program_origin(H, Nq, Nk, GX, GY, 3 * ROWS)
         _, n_blocks = _key_blocks(start_m0, 3 * ROWS, Nk, causal_offset, BN, CAUSAL)
 
-        qx_smem = gl.allocate_shared_memory(qx_desc.dtype, [3] + qx_desc.block_type.shape, qx_desc.layout)
-        qy_smem = gl.allocate_shared_memory(qy_desc.dtype, [3] + qy_desc.block_type.shape, qy_desc.layout)
-        kx_smem = gl.allocate_shared_memory(kx_desc.dtype, [STAGES] + kx_desc.block_type.shape, kx_desc.layout)
-        ky_smem = gl.allocate_shared_memory(ky_desc.dtype, [STAGES] + ky_desc.block_type.shape, ky_desc.layout)
+        qx_smem, qy_smem, kx_smem, ky_smem = _ws_tile_buffers(qx_desc, qy_desc, kx_desc, ky_desc, STAGES)
         q_bar, ready, empty = _ws_barriers(STAGES, 3)
 
         # The partitions' arguments are written out: a tuple built by concatenation loses its constexprs.
@@ -512,10 +516,7 @@ if kg.HAVE_GLUON:
         BQ: gl.constexpr = qx_desc.block_type.shape[0]
         j_lo, _, _, _ = _dk_query_blocks(start_n0, BN, Nq, causal_offset, BQ, CAUSAL)
 
-        kx_smem = gl.allocate_shared_memory(kx_desc.dtype, [3] + kx_desc.block_type.shape, kx_desc.layout)
-        ky_smem = gl.allocate_shared_memory(ky_desc.dtype, [3] + ky_desc.block_type.shape, ky_desc.layout)
-        qx_smem = gl.allocate_shared_memory(qx_desc.dtype, [STAGES] + qx_desc.block_type.shape, qx_desc.layout)
-        qy_smem = gl.allocate_shared_memory(qy_desc.dtype, [STAGES] + qy_desc.block_type.shape, qy_desc.layout)
+        kx_smem, ky_smem, qx_smem, qy_smem = _ws_tile_buffers(kx_desc, ky_desc, qx_desc, qy_desc, STAGES)
         # each consumer's dS tile, the A operand (transposed) of its dk MMA
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         ds_smem = gl.allocate_shared_memory(kx_desc.dtype, [3, qx_desc.block_type.shape[0], BN], ds_layout)
