@@ -159,7 +159,9 @@ def fwd_tma_kernel(
 ):
     """ROTATE: the unmasked loop issues the next key block's products before this block's
     exponentials (a hand-rotated software pipeline, so the tensor cores can overlap them)."""
-    pid_bh, h, b64, start_m, offs_m, offs_n0, _dx, _dy = program_block(H, BM, BN, DX, DY, True)
+    pid_bh, h, b64, start_m, offs_m, offs_n0, _dx, _dy = program_block(
+        H, Nq, 1, BR=BM, BO=BN, BD1=DX, BD2=DY, LAST_FIRST=True
+    )
     qx = _head_desc(QX, b64, h, s_qx_b, s_qx_h, s_qx_m, Nq, DX, BM).load([start_m, 0])
     qy = _head_desc(QY, b64, h, s_qy_b, s_qy_h, s_qy_m, Nq, DY, BM).load([start_m, 0])
     dkx = _head_desc(KX, b64, h // GX, s_kx_b, s_kx_h, s_kx_n, Nk, DX, BN)
@@ -225,7 +227,7 @@ def tma_forward(X: Side, Y: Side, spec: AttnSpec, setting, lse_x=None, lse_y=Non
         triton.set_allocator(_scratch)  # descriptors made in a kernel live in global scratch
     launch(
         fwd_tma_kernel,
-        (cdiv(Nq, BM), B * H),
+        (cdiv(Nq, BM) * B * H,),
         X.q,
         X.k,
         Y.q,

@@ -39,7 +39,7 @@ def main() -> int:
     b, h, n, d = 1, 2, 256, 64
     q = torch.empty(b, h, n, d, dtype=torch.bfloat16)
     rows = torch.empty(b, h, n)
-    tail = (rows, rows, rows, rows, rows, h, n, n, 1, 1, 1.0, 1.0, 0)
+    tail = (rows, rows, rows, rows, rows, h, n, n, 1, 1, 1.0, 1.0, 0, 1)
     driver_module.driver.set_active(Sm90Target())  # for this process, which compiles and exits
     bm, bn, warps, stages = kg.DEFAULT_CONFIG
     desc_q, desc_k = kg._desc(q, bm), kg._desc(q, bn)
@@ -71,16 +71,18 @@ def main() -> int:
     grads = (rows, rows, rows, rows, q, h, n, n)
     descs = (kg._desc(q, kgb.DQ_ROWS), kg._desc(q, kgb.DQ_BN), kg._desc(q, kgb.DQ_ROWS), kg._desc(q, kgb.DQ_BN))
     dq = kgb.attention_bwd_dq_gluon_ws_kernel.warmup(
-        *descs, *grads, 1, 1, 1.0, 1.0, 1.0, 0,
+        *descs, *grads, 1, 1, 1.0, 1.0, 1.0, 0, 1,
         STAGES=kgb.DQ_STAGES, CAUSAL=True, GRAD_X=False, G_SCALAR=True,
-        CONSUMER_REGS=kgb.DQ_CONSUMER_REGS, PRODUCER_REGS=kgb.DQ_PRODUCER_REGS, num_warps=4, grid=(1,),
+        CONSUMER_REGS=kgb.DQ_CONSUMER_REGS, PRODUCER_REGS=kgb.DQ_PRODUCER_REGS, num_warps=4,
+        grid=(1,),
     )  # fmt: skip
     print("dq cubin bytes", len(dq.asm["cubin"]))
     descs = (kg._desc(q, kgb.DK_KEYS), kg._desc(q, kgb.DK_BQ), kg._desc(q, kgb.DK_KEYS), kg._desc(q, kgb.DK_BQ))
     dk = kgb.attention_bwd_dk_gluon_ws_kernel.warmup(
-        *descs, *grads, 1, 1.0, 1.0, 1.0, 0,
+        *descs, *grads, 1, 1.0, 1.0, 1.0, 0, 1,
         STAGES=kgb.DK_STAGES, CAUSAL=True, GRAD_X=True, G_SCALAR=False,
-        CONSUMER_REGS=kgb.DQ_CONSUMER_REGS, PRODUCER_REGS=kgb.DQ_PRODUCER_REGS, num_warps=4, grid=(1,),
+        CONSUMER_REGS=kgb.DQ_CONSUMER_REGS, PRODUCER_REGS=kgb.DQ_PRODUCER_REGS, num_warps=4,
+        grid=(1,),
     )  # fmt: skip
     print("dk cubin bytes", len(dk.asm["cubin"]))
     return 0

@@ -106,3 +106,76 @@ def test_fully_masked_and_strided_inputs():
         assert torch.isfinite(t.grad).all()
         assert (t.grad[1] == 0).all()
     compare([t.detach() for t in ins], backend="triton", key_padding_mask=kpm, teacher_grad=True)
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from nitrobrew.attention import kernels_tiles as kt
+
+    @triton.jit
+    def launch_ids_kernel(OUT, n_rows, heads_per_section, BR: tl.constexpr, LAST_FIRST: tl.constexpr):
+        """Writes (block, head) of each program as the attention kernels take them."""
+        block, head = kt.program_ids(n_rows, heads_per_section, BR, LAST_FIRST)
+        pid = tl.program_id(0)
+        tl.store(OUT + 2 * pid, block)
+        tl.store(OUT + 2 * pid + 1, head)
+
+
+def _launch_pairs(n_rows, block_rows, heads, streamed_bytes, last_first):
+    """(block, head) of each program of kernels_tiles.program_grid's launch, in launch order."""
+    blocks = triton.cdiv(n_rows, block_rows)
+    grid, section = kt.program_grid(blocks, heads, streamed_bytes)
+    out = torch.full((2 * grid[0],), -1, dtype=torch.int32)
+    launch_ids_kernel[grid](out, n_rows, section, BR=block_rows, LAST_FIRST=last_first)
+    return [tuple(p) for p in out.view(-1, 2).tolist()], section, blocks
+
+
+@pytest.mark.parametrize(
+    "n_rows,block_rows,heads,section_heads", [(1000, 64, 5, 5), (64, 64, 3, 1), (300, 16, 7, 3), (129, 64, 32, 32)]
+)
+@pytest.mark.parametrize("last_first", [True, False])
+def test_launch_sections_run_every_block_once_longest_first(
+    n_rows, block_rows, heads, section_heads, last_first, monkeypatch
+):
+    """Every (block, head) exactly once; within a section of heads, block by block (the first block the
+    longest when last_first), the sections one after the other; a last section that is partial."""
+    monkeypatch.setattr(kt, "L2_SECTION_BYTES", section_heads * 1000)
+    pairs, section, blocks = _launch_pairs(n_rows, block_rows, heads, 1000, last_first)
+    assert section == section_heads
+    assert sorted(pairs) == [(b, h) for b in range(blocks) for h in range(heads)]
+    expected = []
+    for first in range(0, heads, section):
+        for i in range(blocks):
+            b = blocks - 1 - i if last_first else i
+            expected += [(b, h) for h in range(first, min(heads, first + section))]
+    assert pairs == expected
+
+
+def test_launch_section_size_from_the_l2_budget():
+    mib = 2**20
+    assert kt.program_grid(10, 32, 1 * mib) == ((320,), 32)  # N = 2048, D = 128, bf16, both sides
+    assert kt.program_grid(10, 32, 4 * mib) == ((320,), 8)
+    assert kt.program_grid(10, 32, 16 * mib) == ((320,), 2)
+    assert kt.program_grid(10, 32, 64 * mib) == ((320,), 1)  # more than the budget: head by head
+    assert kt.program_grid(10, 3, 1) == ((30,), 3)  # never more than the heads
+
+
+@pytest.mark.parametrize("section_bytes", [1, 10**12])
+def test_results_do_not_depend_on_the_launch_order(section_bytes, monkeypatch):
+    """Head by head and all heads in one section: the same loss and gradients, bit for bit, as the
+    default sections (GQA, causal offset, odd N)."""
+    ins = make_inputs(B=2, H=4, Nq=37, Ds=16, Dt=24, hkv_s=2, hkv_t=1, seed=5)
+
+    def run():
+        x = [t.clone().requires_grad_(i < 2) for i, t in enumerate(ins)]
+        out = attention_kl(*x, is_causal=True, causal_offset=3, reduction="none", backend="triton")
+        out.sum().backward()
+        return out.detach(), x[0].grad, x[1].grad
+
+    monkeypatch.setattr(kt, "L2_SECTION_BYTES", 4 * 37 * (16 + 24) * 4)  # sections of 4 of the 8 heads
+    base = run()
+    monkeypatch.setattr(kt, "L2_SECTION_BYTES", section_bytes)
+    for a, b in zip(base, run()):
+        assert torch.equal(a, b)

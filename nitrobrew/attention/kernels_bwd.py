@@ -201,6 +201,7 @@ def attention_bwd_dq_kernel(
     out_scale_x,
     out_scale_y,
     causal_offset,
+    heads_per_section,
     DX: tl.constexpr,
     DY: tl.constexpr,
     BDX: tl.constexpr,
@@ -217,7 +218,9 @@ def attention_bwd_dq_kernel(
     PREC_Y: tl.constexpr,
     G_SCALAR: tl.constexpr,
 ):
-    pid_bh, h, b64, start_m, offs_m, offs_n0, offs_dx, offs_dy = program_block(H, BM, BN, BDX, BDY, True)
+    pid_bh, h, b64, start_m, offs_m, offs_n0, offs_dx, offs_dy = program_block(
+        H, Nq, heads_per_section, BR=BM, BO=BN, BD1=BDX, BD2=BDY, LAST_FIRST=True
+    )
     h64 = h.to(tl.int64)
     qx = load_tile(QX + b64 * s_qx_b + h64 * s_qx_h, offs_m, offs_dx, s_qx_m, Nq, DX, BDX, EVEN_M)
     qy = load_tile(QY + b64 * s_qy_b + h64 * s_qy_h, offs_m, offs_dy, s_qy_m, Nq, DY, BDY, EVEN_M)
@@ -562,6 +565,7 @@ def attention_bwd_dk_kernel(
     out_scale_a,
     out_scale_b,
     causal_offset,
+    heads_per_section,
     DA: tl.constexpr,
     DB: tl.constexpr,
     BDA: tl.constexpr,
@@ -579,7 +583,9 @@ def attention_bwd_dk_kernel(
     GROUPED: tl.constexpr,
     G_SCALAR: tl.constexpr,
 ):
-    _pid_bk, kvh, b64, start_n, offs_n, offs_m0, offs_da, offs_db = program_block(HKVA, BN, BM, BDA, BDB, False)
+    _pid_bk, kvh, b64, start_n, offs_n, offs_m0, offs_da, offs_db = program_block(
+        HKVA, Nk, heads_per_section, BR=BN, BO=BM, BD1=BDA, BD2=BDB, LAST_FIRST=False
+    )
     ka = load_tile(KA + b64 * s_ka_b + kvh.to(tl.int64) * s_ka_h, offs_n, offs_da, s_ka_n, Nk, DA, BDA, EVEN_N)
     KPMb = KPM + b64 * s_kpm_b
     dka = tl.zeros([BN, BDA], tl.float32)

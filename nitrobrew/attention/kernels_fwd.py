@@ -203,6 +203,7 @@ def attention_fwd_kernel(
     scale_x,
     scale_y,
     causal_offset,
+    heads_per_section,
     DX: tl.constexpr,
     DY: tl.constexpr,
     BDX: tl.constexpr,
@@ -218,7 +219,9 @@ def attention_fwd_kernel(
     PREC_X: tl.constexpr,
     PREC_Y: tl.constexpr,
 ):
-    pid_bh, h, b64, start_m, offs_m, offs_n0, offs_dx, offs_dy = program_block(H, BM, BN, BDX, BDY, True)
+    pid_bh, h, b64, start_m, offs_m, offs_n0, offs_dx, offs_dy = program_block(
+        H, Nq, heads_per_section, BR=BM, BO=BN, BD1=BDX, BD2=BDY, LAST_FIRST=True
+    )
     qx = load_tile(QX + b64 * s_qx_b + h.to(tl.int64) * s_qx_h, offs_m, offs_dx, s_qx_m, Nq, DX, BDX, EVEN_M)
     qy = load_tile(QY + b64 * s_qy_b + h.to(tl.int64) * s_qy_h, offs_m, offs_dy, s_qy_m, Nq, DY, BDY, EVEN_M)
     KXb, KYb, KPMb = key_heads(KX, KY, KPM, b64, h, GX, GY, s_kx_b, s_kx_h, s_ky_b, s_ky_h, s_kpm_b)

@@ -60,6 +60,7 @@ try:  # Gluon ships with Triton >= 3.5; the names below are those of Triton 3.6 
     # The Triton forward's row outputs, called as they are: a @triton.jit helper called from a @gluon.jit
     # function compiles with Gluon's semantics, on the caller's layouts.
     from .kernels_fwd import _store_rows
+    from .kernels_tiles import program_grid, program_ids, row_bytes
 
     HAVE_GLUON = True
     TRITON_VERSION = __import__("triton").__version__
@@ -248,12 +249,11 @@ if HAVE_GLUON:
         return gl.maximum(full_hi, 0) // BN, (hi + BN - 1) // BN
 
     @gluon.jit
-    def _program_origin(H, Nq, Nk, GX, GY, ROWS: gl.constexpr):
+    def _program_origin(H, Nq, Nk, GX, GY, heads_per_section, ROWS: gl.constexpr):
         """Program = (ROWS query rows, batch * head), longest query blocks first (causal): the head, its
         first query row and the first rows of its query tile and of both sides' key heads in the [rows, D]
         views."""
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-        pid_bh = gl.program_id(1)
+        pid_m, pid_bh = program_ids(Nq, heads_per_section, ROWS, True)
         b = pid_bh // H
         h = pid_bh % H
         start_m = pid_m * ROWS
@@ -300,6 +300,7 @@ if HAVE_GLUON:
         scale_x,
         scale_y,
         causal_offset,
+        heads_per_section,
         BN: gl.constexpr,
         STAGES: gl.constexpr,
         CAUSAL: gl.constexpr,
@@ -316,7 +317,7 @@ if HAVE_GLUON:
         )
         row_layout: gl.constexpr = gl.SliceLayout(1, layout)
 
-        pid_bh, start_m, q_row0, kx_row0, ky_row0 = _program_origin(H, Nq, Nk, GX, GY, BM)
+        pid_bh, start_m, q_row0, kx_row0, ky_row0 = _program_origin(H, Nq, Nk, GX, GY, heads_per_section, BM)
 
         n_full, n_blocks = _key_blocks(start_m, BM, Nk, causal_offset, BN, CAUSAL)
 
@@ -452,6 +453,14 @@ if HAVE_GLUON:
         return sx, sy
 
     @gluon.jit
+    def _ws_release(ready, empty, j):
+        """Release ring buffer of block j, unread, once it has landed (a block this warpgroup does not see). The
+        wait keeps each arrival in its own phase of the `empty` barrier."""
+        STAGES: gl.constexpr = ready.shape[0]
+        mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1)
+        mbarrier.arrive(empty.index(j % STAGES), count=1)
+
+    @gluon.jit
     def _ws_kl_partition(
         qx_smem,
         qy_smem,
@@ -479,12 +488,12 @@ if HAVE_GLUON:
         Y_FIXED: gl.constexpr,
     ):
         """A consumer warpgroup of attention_fwd_gluon_ws_kernel: the online-KL update of its 64 query rows
-        over every key block of the program (blocks past its own rows are fully masked for it)."""
+        over the key blocks of the program it sees (the causal blocks past its own rows are released unread)."""
         BM: gl.constexpr = qx_smem.shape[1]
         BN: gl.constexpr = kx_smem.shape[1]
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         start_m = start_m0 + part * BM
-        n_full, _ = _key_blocks(start_m, BM, Nk, causal_offset, BN, CAUSAL)
+        n_full, n_seen = _key_blocks(start_m, BM, Nk, causal_offset, BN, CAUSAL)
         row_layout: gl.constexpr = gl.SliceLayout(1, layout)
         rows = start_m + gl.arange(0, BM, layout=row_layout)
         row_ok = rows < Nq
@@ -500,12 +509,14 @@ if HAVE_GLUON:
                 sx, sy, mx, my, lx, ly, c, start_m, j * BN, Nk, causal_offset, scale_x, scale_y,
                 BM, BN, layout, False, CAUSAL, X_FIXED, Y_FIXED,
             )  # fmt: skip
-        for j in range(n_full, n_blocks):
+        for j in range(n_full, n_seen):
             sx, sy = _ws_scores(qx, qy, kx_smem, ky_smem, ready, empty, j, zero)
             mx, my, lx, ly, c = _kl_update(
                 sx, sy, mx, my, lx, ly, c, start_m, j * BN, Nk, causal_offset, scale_x, scale_y,
                 BM, BN, layout, True, CAUSAL, X_FIXED, Y_FIXED,
             )  # fmt: skip
+        for j in range(n_seen, n_blocks):  # past this warpgroup's rows (causal)
+            _ws_release(ready, empty, j)
         _store_rows(mx, my, lx, ly, c, flat, row_ok, KL_OUT, LSEX_OUT, LSEY_OUT)
 
     @gluon.jit
@@ -550,6 +561,7 @@ if HAVE_GLUON:
         scale_x,
         scale_y,
         causal_offset,
+        heads_per_section,
         STAGES: gl.constexpr,
         CAUSAL: gl.constexpr,
         X_FIXED: gl.constexpr,
@@ -566,7 +578,7 @@ if HAVE_GLUON:
         BN: gl.constexpr = kx_desc.block_type.shape[0]
         gl.static_assert(num_warps == 4)
         gl.static_assert(ROWS == 64)
-        pid_bh, start_m0, q_row0, kx_row0, ky_row0 = _program_origin(H, Nq, Nk, GX, GY, 3 * ROWS)
+        pid_bh, start_m0, q_row0, kx_row0, ky_row0 = _program_origin(H, Nq, Nk, GX, GY, heads_per_section, 3 * ROWS)
         _, n_blocks = _key_blocks(start_m0, 3 * ROWS, Nk, causal_offset, BN, CAUSAL)
 
         qx_smem, qy_smem, kx_smem, ky_smem = _ws_tile_buffers(qx_desc, qy_desc, kx_desc, ky_desc, STAGES)
@@ -677,13 +689,15 @@ def launch_fwd_gluon(q_x, k_x, q_y, k_y, *, lse_in, out, scales, causal, causal_
     rows_in_out = (*lse_in, *out, H, Nq, Nk, H // k_x.shape[1], H // k_y.shape[1])
     scalars = (float(scales[0]), float(scales[1]), int(causal_offset) if causal else 0)
     flags = dict(CAUSAL=bool(causal), X_FIXED=bool(fixed[0]), Y_FIXED=bool(fixed[1]))
+    key_bytes = Nk * row_bytes(k_x, k_y)
     if config == WARP_SPECIALIZED:
-        grid = ((Nq + 3 * WS_ROWS - 1) // (3 * WS_ROWS), B * H)
+        grid, section = program_grid((Nq + 3 * WS_ROWS - 1) // (3 * WS_ROWS), B * H, key_bytes)
         descs = (_desc(q_x, WS_ROWS), _desc(k_x, WS_BN), _desc(q_y, WS_ROWS), _desc(k_y, WS_BN))
         attention_fwd_gluon_ws_kernel[grid](
             *descs,
             *rows_in_out,
             *scalars,
+            section,
             STAGES=WS_STAGES,
             CONSUMER_REGS=WS_CONSUMER_REGS,
             PRODUCER_REGS=WS_PRODUCER_REGS,
@@ -692,6 +706,8 @@ def launch_fwd_gluon(q_x, k_x, q_y, k_y, *, lse_in, out, scales, causal, causal_
         )
         return
     BM, BN, warps, stages = DEFAULT_CONFIG if config == ONE_WARPGROUP else config
-    grid = ((Nq + BM - 1) // BM, B * H)
+    grid, section = program_grid((Nq + BM - 1) // BM, B * H, key_bytes)
     descs = (_desc(q_x, BM), _desc(k_x, BN), _desc(q_y, BM), _desc(k_y, BN))
-    attention_fwd_gluon_kernel[grid](*descs, *rows_in_out, *scalars, BN=BN, STAGES=stages, num_warps=warps, **flags)
+    attention_fwd_gluon_kernel[grid](
+        *descs, *rows_in_out, *scalars, section, BN=BN, STAGES=stages, num_warps=warps, **flags
+    )

@@ -47,8 +47,10 @@ if kg.HAVE_GLUON:
         _visible_pairs,
         _ws_barriers,
         _ws_load_partition,
+        _ws_release,
         _ws_tile_buffers,
     )
+    from .kernels_tiles import program_grid, program_ids, row_bytes
 
 # Chosen without being asked from this many query rows on, on the Triton releases the forward was tested
 # with (kernels_gluon.TESTED_TRITON). H100, the API's fwd+bwd with the Gluon backward against the Triton
@@ -189,8 +191,8 @@ if kg.HAVE_GLUON:
         GRAD_X: gl.constexpr,
         G_SCALAR: gl.constexpr,
     ):
-        """A consumer warpgroup of attention_bwd_dq_gluon_ws_kernel: dq of its 64 query rows over every key
-        block of the program (blocks past its own rows are fully masked for it)."""
+        """A consumer warpgroup of attention_bwd_dq_gluon_ws_kernel: dq of its 64 query rows over the key
+        blocks of the program it sees (the causal blocks past its own rows are released unread)."""
         BM: gl.constexpr = qx_smem.shape[1]
         BN: gl.constexpr = kx_smem.shape[1]
         DG: gl.constexpr = kx_smem.shape[2] if GRAD_X else ky_smem.shape[2]
@@ -203,7 +205,7 @@ if kg.HAVE_GLUON:
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         start_m = start_m0 + part * BM
-        n_full, _ = _key_blocks(start_m, BM, Nk, causal_offset, BN, CAUSAL)
+        n_full, n_seen = _key_blocks(start_m, BM, Nk, causal_offset, BN, CAUSAL)
         rows = start_m + gl.arange(0, BM, layout=row_layout)
         row_ok = rows < Nq
         flat = pid_bh.to(gl.int64) * Nq + rows
@@ -224,11 +226,13 @@ if kg.HAVE_GLUON:
                 qx, qy, kx_smem, ky_smem, ready, empty, j, acc, zero, lsex, lsey, kl2, g, start_m, Nq, Nk,
                 causal_offset, scale_x, scale_y, s_layout, op_layout, False, CAUSAL, GRAD_X,
             )  # fmt: skip
-        for j in range(n_full, n_blocks):
+        for j in range(n_full, n_seen):
             acc = _dq_block(
                 qx, qy, kx_smem, ky_smem, ready, empty, j, acc, zero, lsex, lsey, kl2, g, start_m, Nq, Nk,
                 causal_offset, scale_x, scale_y, s_layout, op_layout, True, CAUSAL, GRAD_X,
             )  # fmt: skip
+        for j in range(n_seen, n_blocks):  # past this warpgroup's rows (causal)
+            _ws_release(ready, empty, j)
         out_rows = start_m + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
         cols = gl.arange(0, DG, layout=gl.SliceLayout(0, acc_layout))
         ptrs = DQ + gl.expand_dims(pid_bh.to(gl.int64) * Nq + out_rows, 1) * DG + gl.expand_dims(cols, 0)
@@ -254,6 +258,7 @@ if kg.HAVE_GLUON:
         scale_y,
         out_scale,
         causal_offset,
+        heads_per_section,
         STAGES: gl.constexpr,
         CAUSAL: gl.constexpr,
         GRAD_X: gl.constexpr,
@@ -268,7 +273,7 @@ if kg.HAVE_GLUON:
         BN: gl.constexpr = kx_desc.block_type.shape[0]
         gl.static_assert(num_warps == 4)
         gl.static_assert(ROWS == 64)
-        pid_bh, start_m0, q_row0, kx_row0, ky_row0 = _program_origin(H, Nq, Nk, GX, GY, 3 * ROWS)
+        pid_bh, start_m0, q_row0, kx_row0, ky_row0 = _program_origin(H, Nq, Nk, GX, GY, heads_per_section, 3 * ROWS)
         _, n_blocks = _key_blocks(start_m0, 3 * ROWS, Nk, causal_offset, BN, CAUSAL)
 
         qx_smem, qy_smem, kx_smem, ky_smem = _ws_tile_buffers(qx_desc, qy_desc, kx_desc, ky_desc, STAGES)
@@ -445,10 +450,8 @@ if kg.HAVE_GLUON:
         for hl in range(heads):
             q_flat0 = (bh_q0 + hl).to(gl.int64) * Nq
             t0 = hl * per_head - j_lo
-            for j in range(j_lo, vis):  # invisible to these keys: released once loaded
-                stage = (t0 + j) % ready.shape[0]
-                mbarrier.wait(ready.index(stage), ((t0 + j) // ready.shape[0]) & 1)
-                mbarrier.arrive(empty.index(stage), count=1)
+            for j in range(j_lo, vis):  # invisible to these keys
+                _ws_release(ready, empty, t0 + j)
             for j in range(vis, full):
                 acc = _dk_block(
                     kx, ky, qx_smem, qy_smem, ds, ready, empty, t0 + j, acc, zero, LSEX, LSEY, KL, G, q_flat0,
@@ -491,6 +494,7 @@ if kg.HAVE_GLUON:
         scale_y,
         out_scale,
         causal_offset,
+        heads_per_section,
         STAGES: gl.constexpr,
         CAUSAL: gl.constexpr,
         GRAD_X: gl.constexpr,
@@ -505,8 +509,7 @@ if kg.HAVE_GLUON:
         BN: gl.constexpr = kx_desc.block_type.shape[0]
         gl.static_assert(num_warps == 4)
         gl.static_assert(BN == 64)
-        pid_n = gl.program_id(0)
-        pid_bkv = gl.program_id(1)
+        pid_n, pid_bkv = program_ids(Nk, heads_per_section, 3 * BN, False)
         hkv_total = H // GROUP
         b = pid_bkv // hkv_total
         hkv = pid_bkv % hkv_total
@@ -584,14 +587,18 @@ def launch_bwd_gluon(
     Nk = k_x.shape[2]
     if kind == "dq":  # program = 3 x 64 query rows of a head; key blocks streamed
         block, stages, regs = config or (DQ_BN, DQ_STAGES, DQ_CONSUMER_REGS)
-        kernel, grid = attention_bwd_dq_gluon_ws_kernel, ((Nq + 3 * DQ_ROWS - 1) // (3 * DQ_ROWS), B * H)
+        kernel, blocks, heads = attention_bwd_dq_gluon_ws_kernel, (Nq + 3 * DQ_ROWS - 1) // (3 * DQ_ROWS), B * H
+        streamed = Nk * row_bytes(k_x, k_y)
         descs = (kg._desc(q_x, DQ_ROWS), kg._desc(k_x, block), kg._desc(q_y, DQ_ROWS), kg._desc(k_y, block))
         groups = (H // k_x.shape[1], H // k_y.shape[1])
     else:  # program = 3 x 64 keys of a kv head; query blocks streamed
         block, stages, regs = config or (DK_BQ, DK_STAGES, DQ_CONSUMER_REGS)
-        kernel, grid = attention_bwd_dk_gluon_ws_kernel, ((Nk + 3 * DK_KEYS - 1) // (3 * DK_KEYS), B * k_x.shape[1])
+        kernel, heads = attention_bwd_dk_gluon_ws_kernel, B * k_x.shape[1]
+        blocks = (Nk + 3 * DK_KEYS - 1) // (3 * DK_KEYS)
+        streamed = Nq * (H // k_x.shape[1]) * row_bytes(q_x, q_y)
         descs = (kg._desc(k_x, DK_KEYS), kg._desc(q_x, block), kg._desc(k_y, DK_KEYS), kg._desc(q_y, block))
         groups = (H // k_x.shape[1],)
+    grid, section = program_grid(blocks, heads, streamed)
     kernel[grid](
         *descs,
         *lse,
@@ -606,6 +613,7 @@ def launch_bwd_gluon(
         float(scales[1]),
         float(out_scale),
         int(causal_offset) if causal else 0,
+        section,
         STAGES=stages,
         CAUSAL=bool(causal),
         GRAD_X=bool(grad_x),

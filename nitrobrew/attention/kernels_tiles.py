@@ -13,20 +13,61 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# The streamed rows (both sides' keys, or queries for the dk kernel) that the heads of one launch section
+# (program_grid) may read at once: a part of the L2 cache (50 MiB on H100), so each head's rows are read
+# from memory about once per section.
+L2_SECTION_BYTES = 32 * 2**20
+
+
+def program_grid(blocks: int, heads: int, streamed_bytes: int) -> tuple[tuple[int], int]:
+    """The launch grid (one axis) of `blocks` row blocks for each of `heads` batch*heads, and the heads of
+    a section (program_block's heads_per_section). The GPU starts programs in order of their index. The
+    heads go in sections, and within a section the programs run block by block across its heads, the
+    kernel's longest (causal) block first: the launch ends on short programs. Head by head, the last
+    heads' longest blocks start near the end and run on alone (1.04-1.10x the time at N = 2048-8192 on
+    H100); every head at once spreads the reads of all their keys over the same time, more than the L2
+    cache holds (1.02-1.15x at 16384-32768; benchmarks/results/attention/launch_order_h100.md). A
+    section holds as many heads as fit L2_SECTION_BYTES, streamed_bytes a head."""
+    section = max(1, min(heads, L2_SECTION_BYTES // max(1, streamed_bytes)))
+    return (blocks * heads,), section
+
+
+def row_bytes(*tensors) -> int:
+    """Bytes of one row ([..., D]) of each tensor, summed: program_grid's streamed bytes a row."""
+    return sum(t.shape[-1] * t.element_size() for t in tensors)
+
+
+@triton.jit
+def program_ids(n_rows, heads_per_section, BR: tl.constexpr, LAST_FIRST: tl.constexpr):
+    """(block, batch*head) of this program on program_grid's axis: blocks of BR of the n_rows rows (query
+    rows, or keys for the dk kernel); LAST_FIRST numbers them from the last (causal query blocks: the
+    longest rows first). Scalars only: the Gluon kernels call it too."""
+    blocks = tl.cdiv(n_rows, BR)
+    pid = tl.program_id(0)
+    heads = tl.num_programs(0) // blocks
+    first_head = pid // (heads_per_section * blocks) * heads_per_section
+    section_heads = tl.minimum(heads_per_section, heads - first_head)
+    within = pid - first_head * blocks
+    pid_r = within // section_heads
+    if LAST_FIRST:
+        pid_r = blocks - 1 - pid_r
+    return pid_r, first_head + within % section_heads
+
 
 @triton.jit
 def program_block(
-    H, BR: tl.constexpr, BO: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr, LAST_FIRST: tl.constexpr
+    H,
+    n_rows,
+    heads_per_section,
+    BR: tl.constexpr,
+    BO: tl.constexpr,
+    BD1: tl.constexpr,
+    BD2: tl.constexpr,
+    LAST_FIRST: tl.constexpr,
 ):
-    """This program's block of BR rows (grid axis 0: query rows, or keys for the dk kernel) and
-    batch*head (axis 1): (pid_bh, head, batch as int64, first row, the block's rows, offsets in a
-    block of BO along the other axis, both head-dim ranges). LAST_FIRST runs the blocks in
-    reverse: causal query blocks, the longest rows first."""
-    if LAST_FIRST:
-        pid_r = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        pid_r = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    """This program's block of BR rows (program_ids) and batch*head: (pid_bh, head, batch as int64,
+    first row, the block's rows, offsets in a block of BO along the other axis, both head-dim ranges)."""
+    pid_r, pid_bh = program_ids(n_rows, heads_per_section, BR, LAST_FIRST)
     b = pid_bh // H
     h = pid_bh % H
     start_r = pid_r * BR

@@ -12,6 +12,7 @@ from ..core.launch import cdiv
 from .common import AttnSpec
 from .kernels_bwd import launch_bwd_dk, launch_bwd_dq
 from .kernels_fwd import DEFAULT_CONFIGS, LOG2E, launch_fwd, next_pow2_dim
+from .kernels_tiles import program_grid, row_bytes
 
 
 class Side:
@@ -100,7 +101,7 @@ def triton_forward(X: Side, Y: Side, kpm, spec: AttnSpec, lse_x=None, lse_y=None
             return kl, lsx, lsy
         except Exception as err:  # a Triton release whose Gluon differs: the Triton kernel below
             note_failure(err)
-    grid = (cdiv(Nq, BM), B * H)
+    grid, section = program_grid(cdiv(Nq, BM), B * H, Nk * row_bytes(X.k, Y.k))
     launch_fwd(
         grid,
         X.q,
@@ -134,6 +135,7 @@ def triton_forward(X: Side, Y: Side, kpm, spec: AttnSpec, lse_x=None, lse_y=None
         X.scale * LOG2E,
         Y.scale * LOG2E,
         spec.causal_offset if spec.is_causal else 0,
+        section,
         DX=X.D,
         DY=Y.D,
         BDX=X.BD,
@@ -227,8 +229,9 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
         dqy = torch.empty_like(Y.q) if need["qy"] else kl
         sx3 = dqx.stride()[:3] if need["qx"] else (0, 0, 0)
         sy3 = dqy.stride()[:3] if need["qy"] else (0, 0, 0)
+        grid, section = program_grid(cdiv(Nq, BM), B * H, Nk * row_bytes(X.k, Y.k))
         launch_bwd_dq(
-            (cdiv(Nq, BM), B * H),
+            grid,
             X.q,
             X.k,
             Y.q,
@@ -265,6 +268,7 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
             X.scale * mult,
             Y.scale * mult,
             off,
+            section,
             DX=X.D,
             DY=Y.D,
             BDX=X.BD,
@@ -294,8 +298,9 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
         dka = torch.empty_like(A.k)
         dkb = torch.empty_like(Bs.k) if also_b else kl
         sb3 = dkb.stride()[:3] if also_b else (0, 0, 0)
+        grid, section = program_grid(cdiv(Nk, BN), B * Hkva, Nq * A.G * row_bytes(A.q, Bs.q))
         launch_bwd_dk(
-            (cdiv(Nk, BN), B * Hkva),
+            grid,
             A.q,
             A.k,
             Bs.q,
@@ -333,6 +338,7 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
             A.scale * mult,
             Bs.scale * mult,
             off,
+            section,
             DA=A.D,
             DB=Bs.D,
             BDA=A.BD,
