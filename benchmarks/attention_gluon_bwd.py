@@ -22,6 +22,7 @@ from attention_gluon import CASES, inputs  # the forward's script, beside this o
 
 import nitrobrew as nb
 from nitrobrew.attention import kernels_gluon as kg
+from nitrobrew.attention import kernels_gluon_bwd as kgb
 from nitrobrew.attention import triton_function as tf
 from nitrobrew.attention.common import AttnSpec
 from nitrobrew.attention.triton_function import Side, triton_backward, triton_forward
@@ -199,7 +200,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ns", type=int, nargs="*", default=[4096, 8192, 16384])
     ap.add_argument("--configs", nargs="+", default=["64,3,160"], help="BN,STAGES,CONSUMER_REGS of the Gluon dq")
-    ap.add_argument("--dk-configs", nargs="+", default=["32,4,160"], help="BQ,STAGES,CONSUMER_REGS of the Gluon dk")
+    dk_default = f"{kgb.DK_BQ},{kgb.DK_STAGES},{kgb.DQ_CONSUMER_REGS}"
+    ap.add_argument("--dk-configs", nargs="+", default=[dk_default], help="BQ,STAGES,CONSUMER_REGS of the Gluon dk")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-check", action="store_true")

@@ -42,9 +42,13 @@ def set_section(heads: int, head_bytes: int) -> None:
     kt.L2_SECTION_BYTES = heads * head_bytes if heads else DEFAULT_L2_BYTES
 
 
-def inputs(n: int, dev):
+def inputs(n: int, kv_heads: int, dev):
+    """q_s, k_s, q_t, k_t: 32 query heads, kv_heads key heads on both sides."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    return [(torch.randn(1, 32, n, 128, generator=g) * 1.5).to(dev, torch.bfloat16) for _ in range(4)]
+    return [
+        (torch.randn(1, heads, n, 128, generator=g) * 1.5).to(dev, torch.bfloat16)
+        for heads in (32, kv_heads, 32, kv_heads)
+    ]
 
 
 def main() -> int:
@@ -53,13 +57,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--fb-max-n", type=int, default=32768, help="fwd+bwd up to this N")
+    ap.add_argument("--kv-heads", type=int, default=32, help="key heads of both sides (grouped-query below 32)")
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or not kg.HAVE_GLUON:
         print("needs an sm90 GPU (H100/H200) and Triton with Gluon: nothing to measure here")
         return 0
     dev = torch.device("cuda")
     t0 = time.time()
-    print(f"# attention_kl launch order, {torch.cuda.get_device_name()}\n")
+    print(f"# attention_kl launch order, {torch.cuda.get_device_name()}, {args.kv_heads} kv heads\n")
     print(", ".join(f"{k} {v}" for k, v in environment().items()) + "\n")
     fwd_cfgs = {
         "Triton": {"fwd_kernel": "triton"},
@@ -79,21 +84,27 @@ def main() -> int:
     print("|---|---|---|" + "---|" * len(SECTIONS) + "---|---|---|---|")
     ok = True
     for n in args.ns:
-        q_s, k_s, q_t, k_t = inputs(n, dev)
-        head_bytes = n * kt.row_bytes(k_s, k_t)  # every kernel streams N rows of both sides a head here
+        q_s, k_s, q_t, k_t = inputs(n, args.kv_heads, dev)
+        # S counts query heads of the forward and dq kernels (keys of both sides over the query heads that
+        # share them); the dk kernel's sections hold kv heads, streaming their query heads' queries
+        head_bytes = kt.key_bytes_per_query_head(k_s, k_t, 32)
         rule = max(1, min(32, DEFAULT_L2_BYTES // head_bytes))
         sections = sorted(set(SECTIONS) | {rule})
         st = Side(q_t, k_t, 128**-0.5)
         ss = Side(q_s, k_s, 128**-0.5)
         spec = AttnSpec(is_causal=True, causal_offset=0, scale_s=128**-0.5, scale_t=128**-0.5, direction="forward")
-        v = torch.randn_like(q_s)
+        v = torch.randn_like(k_s)
         qs, ks = q_s.clone().requires_grad_(True), k_s.clone().requires_grad_(True)
         qv, kv, vv = (t.clone().requires_grad_(True) for t in (q_s, k_s, v))
         reps = args.reps if n <= 16384 else 3
+        gqa = args.kv_heads != 32
         do_fb = n <= args.fb_max_n
 
         def fwd(cfg):
             return triton_forward(st, ss, None, spec, cfg=cfg)
+
+        def sdpa_fb():
+            F.scaled_dot_product_attention(qv, kv, vv, is_causal=True, enable_gqa=gqa).sum().backward()
 
         def fb(cfg):
             qs.grad = ks.grad = None
@@ -123,14 +134,18 @@ def main() -> int:
                     times.setdefault(("fwd " + name, sec), []).append(time_ms(lambda: fwd(cfg), dev, 2, reps))
             with torch.no_grad():
                 times.setdefault(("fwd SDPA", 0), []).append(
-                    time_ms(lambda: F.scaled_dot_product_attention(q_s, k_s, v, is_causal=True), dev, 2, reps)
+                    time_ms(
+                        lambda: F.scaled_dot_product_attention(q_s, k_s, v, is_causal=True, enable_gqa=gqa),
+                        dev,
+                        2,
+                        reps,
+                    )
                 )
             if do_fb:
                 for name, cfg in fb_cfgs.items():
                     for sec in sections:
                         set_section(sec, head_bytes)
                         times.setdefault(("fwd+bwd " + name, sec), []).append(time_ms(lambda: fb(cfg), dev, 2, reps))
-                sdpa_fb = lambda: F.scaled_dot_product_attention(qv, kv, vv, is_causal=True).sum().backward()  # noqa: E731
                 times.setdefault(("fwd+bwd SDPA", 0), []).append(time_ms(sdpa_fb, dev, 2, reps))
         set_section(0, head_bytes)
         med = {k: statistics.median(t) for k, t in times.items()}

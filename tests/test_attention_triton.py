@@ -160,6 +160,12 @@ def test_launch_section_size_from_the_l2_budget():
     assert kt.program_grid(10, 32, 16 * mib) == ((320,), 2)
     assert kt.program_grid(10, 32, 64 * mib) == ((320,), 1)  # more than the budget: head by head
     assert kt.program_grid(10, 3, 1) == ((30,), 3)  # never more than the heads
+    # grouped-query keys count once per kv head: 4 query heads a kv head fit 4x the heads a section
+    k = torch.empty(1, 32, 8192, 128, dtype=torch.bfloat16)
+    k_gqa = torch.empty(1, 8, 8192, 128, dtype=torch.bfloat16)
+    assert kt.key_bytes_per_query_head(k, k, 32) == 4 * mib
+    assert kt.key_bytes_per_query_head(k_gqa, k_gqa, 32) == mib
+    assert kt.key_bytes_per_query_head(k_gqa, k[:, :, :, :64], 32) == mib // 2 + mib
 
 
 @pytest.mark.parametrize("section_bytes", [1, 10**12])

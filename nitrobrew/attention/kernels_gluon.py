@@ -60,7 +60,7 @@ try:  # Gluon ships with Triton >= 3.5; the names below are those of Triton 3.6 
     # The Triton forward's row outputs, called as they are: a @triton.jit helper called from a @gluon.jit
     # function compiles with Gluon's semantics, on the caller's layouts.
     from .kernels_fwd import _store_rows
-    from .kernels_tiles import program_grid, program_ids, row_bytes
+    from .kernels_tiles import key_bytes_per_query_head, program_grid, program_ids
 
     HAVE_GLUON = True
     TRITON_VERSION = __import__("triton").__version__
@@ -689,7 +689,7 @@ def launch_fwd_gluon(q_x, k_x, q_y, k_y, *, lse_in, out, scales, causal, causal_
     rows_in_out = (*lse_in, *out, H, Nq, Nk, H // k_x.shape[1], H // k_y.shape[1])
     scalars = (float(scales[0]), float(scales[1]), int(causal_offset) if causal else 0)
     flags = dict(CAUSAL=bool(causal), X_FIXED=bool(fixed[0]), Y_FIXED=bool(fixed[1]))
-    key_bytes = Nk * row_bytes(k_x, k_y)
+    key_bytes = key_bytes_per_query_head(k_x, k_y, H)
     if config == WARP_SPECIALIZED:
         grid, section = program_grid((Nq + 3 * WS_ROWS - 1) // (3 * WS_ROWS), B * H, key_bytes)
         descs = (_desc(q_x, WS_ROWS), _desc(k_x, WS_BN), _desc(q_y, WS_ROWS), _desc(k_y, WS_BN))

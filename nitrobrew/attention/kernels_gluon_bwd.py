@@ -50,7 +50,7 @@ if kg.HAVE_GLUON:
         _ws_release,
         _ws_tile_buffers,
     )
-    from .kernels_tiles import program_grid, program_ids, row_bytes
+    from .kernels_tiles import key_bytes_per_query_head, program_grid, program_ids, row_bytes
 
 # Chosen without being asked from this many query rows on, on the Triton releases the forward was tested
 # with (kernels_gluon.TESTED_TRITON). H100, the API's fwd+bwd with the Gluon backward against the Triton
@@ -588,7 +588,7 @@ def launch_bwd_gluon(
     if kind == "dq":  # program = 3 x 64 query rows of a head; key blocks streamed
         block, stages, regs = config or (DQ_BN, DQ_STAGES, DQ_CONSUMER_REGS)
         kernel, blocks, heads = attention_bwd_dq_gluon_ws_kernel, (Nq + 3 * DQ_ROWS - 1) // (3 * DQ_ROWS), B * H
-        streamed = Nk * row_bytes(k_x, k_y)
+        streamed = key_bytes_per_query_head(k_x, k_y, H)
         descs = (kg._desc(q_x, DQ_ROWS), kg._desc(k_x, block), kg._desc(q_y, DQ_ROWS), kg._desc(k_y, block))
         groups = (H // k_x.shape[1], H // k_y.shape[1])
     else:  # program = 3 x 64 keys of a kv head; query blocks streamed

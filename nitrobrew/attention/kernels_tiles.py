@@ -37,6 +37,14 @@ def row_bytes(*tensors) -> int:
     return sum(t.shape[-1] * t.element_size() for t in tensors)
 
 
+def key_bytes_per_query_head(k_x, k_y, query_heads: int) -> int:
+    """program_grid's streamed bytes a head for kernels that stream keys ([B, Hkv, Nk, D] each side):
+    both sides' keys of one batch over its query heads, since grouped query heads share their kv head's
+    keys (grouped-query attention fits more query heads a section)."""
+    n_keys = k_x.shape[2]
+    return n_keys * (k_x.shape[1] * row_bytes(k_x) + k_y.shape[1] * row_bytes(k_y)) // query_heads
+
+
 @triton.jit
 def program_ids(n_rows, heads_per_section, BR: tl.constexpr, LAST_FIRST: tl.constexpr):
     """(block, batch*head) of this program on program_grid's axis: blocks of BR of the n_rows rows (query

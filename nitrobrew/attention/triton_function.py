@@ -12,7 +12,7 @@ from ..core.launch import cdiv
 from .common import AttnSpec
 from .kernels_bwd import launch_bwd_dk, launch_bwd_dq
 from .kernels_fwd import DEFAULT_CONFIGS, LOG2E, launch_fwd, next_pow2_dim
-from .kernels_tiles import program_grid, row_bytes
+from .kernels_tiles import key_bytes_per_query_head, program_grid, row_bytes
 
 
 class Side:
@@ -101,7 +101,7 @@ def triton_forward(X: Side, Y: Side, kpm, spec: AttnSpec, lse_x=None, lse_y=None
             return kl, lsx, lsy
         except Exception as err:  # a Triton release whose Gluon differs: the Triton kernel below
             note_failure(err)
-    grid, section = program_grid(cdiv(Nq, BM), B * H, Nk * row_bytes(X.k, Y.k))
+    grid, section = program_grid(cdiv(Nq, BM), B * H, key_bytes_per_query_head(X.k, Y.k, H))
     launch_fwd(
         grid,
         X.q,
@@ -229,7 +229,7 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
         dqy = torch.empty_like(Y.q) if need["qy"] else kl
         sx3 = dqx.stride()[:3] if need["qx"] else (0, 0, 0)
         sy3 = dqy.stride()[:3] if need["qy"] else (0, 0, 0)
-        grid, section = program_grid(cdiv(Nq, BM), B * H, Nk * row_bytes(X.k, Y.k))
+        grid, section = program_grid(cdiv(Nq, BM), B * H, key_bytes_per_query_head(X.k, Y.k, H))
         launch_bwd_dq(
             grid,
             X.q,
