@@ -21,13 +21,13 @@ L2_SECTION_BYTES = 32 * 2**20
 
 def program_grid(blocks: int, heads: int, streamed_bytes: int) -> tuple[tuple[int], int]:
     """The launch grid (one axis) of `blocks` row blocks for each of `heads` batch*heads, and the heads of
-    a section (program_block's heads_per_section). The GPU starts programs in order of their index. The
+    a section (program_ids' heads_per_section). The GPU starts programs in order of their index. The
     heads go in sections, and within a section the programs run block by block across its heads, the
     kernel's longest (causal) block first: the launch ends on short programs. Head by head, the last
-    heads' longest blocks start near the end and run on alone (1.04-1.10x the time at N = 2048-8192 on
-    H100); every head at once spreads the reads of all their keys over the same time, more than the L2
-    cache holds (1.02-1.15x at 16384-32768; benchmarks/results/attention/launch_order_h100.md). A
-    section holds as many heads as fit L2_SECTION_BYTES, streamed_bytes a head."""
+    heads' longest blocks start near the end and run on alone (the forward 1.09-1.17x its time in sections at
+    N = 2048-16384 on H100); every head at once spreads the reads of all their keys over the same time,
+    more than the L2 cache holds (1.02-1.15x at 16384-32768; benchmarks/results/attention/
+    launch_order_h100.md). A section holds as many heads as fit L2_SECTION_BYTES, streamed_bytes a head."""
     section = max(1, min(heads, L2_SECTION_BYTES // max(1, streamed_bytes)))
     return (blocks * heads,), section
 
