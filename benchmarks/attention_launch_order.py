@@ -88,7 +88,7 @@ def main() -> int:
         # S counts query heads of the forward and dq kernels (keys of both sides over the query heads that
         # share them); the dk kernel's sections hold kv heads, streaming their query heads' queries
         head_bytes = kt.key_bytes_per_query_head(k_s, k_t, 32)
-        rule = max(1, min(32, DEFAULT_L2_BYTES // head_bytes))
+        rule = kt.program_grid(1, 32, head_bytes)[1]  # the default sections' heads
         sections = sorted(set(SECTIONS) | {rule})
         st = Side(q_t, k_t, 128**-0.5)
         ss = Side(q_s, k_s, 128**-0.5)

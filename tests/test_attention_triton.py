@@ -166,6 +166,9 @@ def test_launch_section_size_from_the_l2_budget():
     assert kt.key_bytes_per_query_head(k, k, 32) == 4 * mib
     assert kt.key_bytes_per_query_head(k_gqa, k_gqa, 32) == mib
     assert kt.key_bytes_per_query_head(k_gqa, k[:, :, :, :64], 32) == mib // 2 + mib
+    # the dk kernels' sections hold kv heads, each streaming the queries of its 4 query heads
+    assert kt.query_bytes_per_kv_head(k, k, 8) == 4 * 4 * mib
+    assert kt.query_bytes_per_kv_head(k, k, 32) == 4 * mib
 
 
 @pytest.mark.parametrize("section_bytes", [1, 10**12])

@@ -50,7 +50,7 @@ if kg.HAVE_GLUON:
         _ws_release,
         _ws_tile_buffers,
     )
-    from .kernels_tiles import key_bytes_per_query_head, program_grid, program_ids, row_bytes
+    from .kernels_tiles import key_bytes_per_query_head, program_grid, program_ids, query_bytes_per_kv_head
 
 # Chosen without being asked from this many query rows on, on the Triton releases the forward was tested
 # with (kernels_gluon.TESTED_TRITON). H100, the API's fwd+bwd with the Gluon backward against the Triton
@@ -595,7 +595,7 @@ def launch_bwd_gluon(
         block, stages, regs = config or (DK_BQ, DK_STAGES, DQ_CONSUMER_REGS)
         kernel, heads = attention_bwd_dk_gluon_ws_kernel, B * k_x.shape[1]
         blocks = (Nk + 3 * DK_KEYS - 1) // (3 * DK_KEYS)
-        streamed = Nq * (H // k_x.shape[1]) * row_bytes(q_x, q_y)
+        streamed = query_bytes_per_kv_head(q_x, q_y, k_x.shape[1])
         descs = (kg._desc(k_x, DK_KEYS), kg._desc(q_x, block), kg._desc(k_y, DK_KEYS), kg._desc(q_y, block))
         groups = (H // k_x.shape[1],)
     grid, section = program_grid(blocks, heads, streamed)

@@ -45,6 +45,12 @@ def key_bytes_per_query_head(k_x, k_y, query_heads: int) -> int:
     return n_keys * (k_x.shape[1] * row_bytes(k_x) + k_y.shape[1] * row_bytes(k_y)) // query_heads
 
 
+def query_bytes_per_kv_head(q_x, q_y, kv_heads: int) -> int:
+    """program_grid's streamed bytes a head for the dk kernels, whose programs hold a kv head's keys and
+    stream the queries ([B, H, Nq, D] each side) of every query head sharing it."""
+    return q_x.shape[2] * (q_x.shape[1] // kv_heads) * row_bytes(q_x, q_y)
+
+
 @triton.jit
 def program_ids(n_rows, heads_per_section, BR: tl.constexpr, LAST_FIRST: tl.constexpr):
     """(block, batch*head) of this program on program_grid's axis: blocks of BR of the n_rows rows (query

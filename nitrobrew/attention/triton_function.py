@@ -12,7 +12,7 @@ from ..core.launch import cdiv
 from .common import AttnSpec
 from .kernels_bwd import launch_bwd_dk, launch_bwd_dq
 from .kernels_fwd import DEFAULT_CONFIGS, LOG2E, launch_fwd, next_pow2_dim
-from .kernels_tiles import key_bytes_per_query_head, program_grid, row_bytes
+from .kernels_tiles import key_bytes_per_query_head, program_grid, query_bytes_per_kv_head
 
 
 class Side:
@@ -298,7 +298,7 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
         dka = torch.empty_like(A.k)
         dkb = torch.empty_like(Bs.k) if also_b else kl
         sb3 = dkb.stride()[:3] if also_b else (0, 0, 0)
-        grid, section = program_grid(cdiv(Nk, BN), B * Hkva, Nq * A.G * row_bytes(A.q, Bs.q))
+        grid, section = program_grid(cdiv(Nk, BN), B * Hkva, query_bytes_per_kv_head(A.q, Bs.q, Hkva))
         launch_bwd_dk(
             grid,
             A.q,
