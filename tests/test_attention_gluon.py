@@ -30,6 +30,34 @@ needs_sm90 = pytest.mark.skipif(
 )
 
 
+needs_gluon = pytest.mark.skipif(not kg.HAVE_GLUON, reason="Gluon is not in this Triton")
+
+
+@needs_gluon
+def test_descriptors_are_kept_without_their_tensors(monkeypatch):
+    """_desc builds a descriptor once per (address, shape, strides, rows, dtype), keeps the address and
+    dtype but not the tensor (its memory is freed as usual), and starts over when full."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(kg, "_DESCRIPTORS", {})
+    t = torch.zeros(1, 2, 64, 32, dtype=torch.bfloat16)
+    d = kg._desc(t, 16)
+    assert kg._desc(t, 16) is d
+    assert kg._desc(t, 32) is not d and kg._desc(t.view(2, 1, 64, 32), 16) is not d
+    assert d.base.data_ptr() == t.data_ptr() and d.base.dtype == torch.bfloat16
+    assert list(d.shape) == [128, 32] and list(d.strides) == [32, 1] and list(d.block_shape) == [16, 32]
+    alive = weakref.ref(t)
+    del t
+    gc.collect()
+    assert alive() is None  # the cache did not keep the tensor
+    monkeypatch.setattr(kg, "_MAX_DESCRIPTORS", 3)
+    kept = [torch.zeros(1, 1, 16, 32, dtype=torch.bfloat16) for _ in range(4)]
+    for x in kept:
+        kg._desc(x, 16)
+    assert len(kg._DESCRIPTORS) == 1  # cleared at the fourth
+
+
 def test_enabled_by_config_environment_or_size(monkeypatch):
     monkeypatch.delenv(kg.ENV_SWITCH, raising=False)
     monkeypatch.setattr(kg, "TRITON_VERSION", "3.6.0")

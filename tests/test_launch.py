@@ -116,3 +116,46 @@ def test_host_grid_helpers_match_triton():
         for b in (1, 16, 64, 100):
             assert _launch.cdiv(n, b) == triton.cdiv(n, b)
     assert _launch.cdiv(0, 16) == 0
+
+
+def _gluon_desc(t, rows):
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from nitrobrew.attention import kernels_gluon as kg
+
+    if not kg.HAVE_GLUON:
+        pytest.skip("Gluon not in this Triton")
+    return kg._desc(t, rows), hopper
+
+
+@pytest.mark.parametrize("change", [None, "base", "rows", "dtype"])
+def test_tma_descriptors_key_on_their_type_not_their_tensor(direct, change):
+    """A Gluon kernel's descriptors: another tensor of the same type reuses the kernel (the launcher builds
+    the tensor map from the base, shape and strides on every launch); another block shape or dtype does not."""
+    k = FakeKernel()
+    q = torch.zeros(1, 2, 64, 32, dtype=torch.bfloat16)
+    d, _ = _gluon_desc(q, 16)
+    _launch.launch(k, (3,), d, torch.zeros(4), 64, 32, 0.5, BLOCK=16, FLAG=True)
+    other = torch.zeros(1, 2, 128, 32, dtype=torch.float16 if change == "dtype" else torch.bfloat16)
+    d2, _ = _gluon_desc(q if change is None else other, 32 if change == "rows" else 16)
+    _launch.launch(k, (3,), d2, torch.zeros(4), 64, 32, 0.5, BLOCK=16, FLAG=True)
+    assert _kinds(k) == (["jit", "direct"] if change in (None, "base") else ["jit", "jit"])
+    if change == "base":
+        assert k.log[1][2][0] is d2  # the new tensor's descriptor is what runs
+
+
+def test_inline_key_matches_the_per_argument_rule():
+    """_arg_key inlines _spec for ints and tensors: the same key for every kind of argument."""
+    hyp = pytest.importorskip("hypothesis")
+    st = hyp.strategies
+
+    ints = st.integers(min_value=-(2**64), max_value=2**64)
+    scalars = st.one_of(ints, st.floats(allow_nan=False), st.booleans(), st.none())
+
+    @hyp.given(st.lists(scalars, max_size=12), st.integers(0, 3))
+    @hyp.settings(max_examples=200, deadline=None)
+    def check(values, offset):
+        t = torch.zeros(8)[offset:]  # 16-byte aligned only at offset 0
+        args = [t, *values, torch.nn.Parameter(torch.zeros(2)), torch.zeros(2, dtype=torch.int64)]
+        assert _launch._arg_key(args) == tuple(map(_launch._spec, args))
+
+    check()

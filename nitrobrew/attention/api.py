@@ -234,11 +234,11 @@ def attention_kl(
         chunk_size: key chunk of the PyTorch path (None = automatic).
         block_config: Triton tile settings override (see ``kernels_fwd.DEFAULT_CONFIGS``); its
             "fwd_kernel": "gluon" / "triton" picks the forward kernel on sm90 (default: the Gluon
-            one, ``kernels_gluon.py``, from Nq = 8192 on), "fwd_gluon": which Gluon kernel,
+            one, ``kernels_gluon.py``, from Nq = 4096 on), "fwd_gluon": which Gluon kernel,
             "warp_specialized" (the default from Nq = 8192 on) or "one_warpgroup" (below), or the
             one-warpgroup kernel's tiles (BM, BN, num_warps, stages); "bwd_kernel": "gluon" /
             "triton" picks the dq and dk kernels on sm90 (default: the warp-specialized Gluon ones,
-            ``kernels_gluon_bwd.py``, from Nq = 6144 on, for one side's gradients; both sides', or
+            ``kernels_gluon_bwd.py``, from Nq = 4096 on, for one side's gradients; both sides', or
             kv heads grouped differently on the two sides for dk, run the Triton ones).
 
     Returns:

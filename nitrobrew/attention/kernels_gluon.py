@@ -1,7 +1,7 @@
 """Gluon forward of attention KL for Hopper (sm90): asynchronous warpgroup MMA under the softmax work.
 
 Experimental. ``api.py`` selects it on sm90 for the cases it supports (``gluon_forward_supported``)
-when asked, or by itself where it was measured faster (``gluon_forward_enabled``: Nq >= 8192 on the
+when asked, or by itself where it was measured faster (``gluon_forward_enabled``: Nq >= 4096 on the
 Triton release it was tested with); the Triton kernel of ``kernels_fwd.py`` stays the portable path
 and the reference it is tested against.
 
@@ -36,11 +36,14 @@ offsets >= 0, Nk > 0.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Optional
 
 import torch
+
+from ..core.launch import launch, remember_spec
 
 try:  # Gluon ships with Triton >= 3.5; the names below are those of Triton 3.6 (and 3.9: tma_load)
     from triton.experimental import gluon
@@ -90,9 +93,10 @@ WS_ROWS, WS_BN, WS_STAGES, WS_CONSUMER_REGS, WS_PRODUCER_REGS = 64, 128, 2, 160,
 DEFAULT_CONFIG = (64, 64, 4, 2)
 ENV_SWITCH = "NITROBREW_ATTN_GLUON"  # "1": use this forward where supported; "0" never
 # Chosen without being asked from this many query rows on (H100: the warp-specialized kernel 0.75-0.92x
-# the Triton forward's time at N = 8192-131072; Gluon was slower at 2048-4096), on the Triton releases
-# it was tested with.
-AUTO_MIN_ROWS = 8192
+# the Triton forward's time at N = 8192-131072; the one-warpgroup kernel 0.83x its kernel time and 0.95x
+# a call's time at 4096; at 2048 its launch's extra host time outweighs the kernel's gain, 1.10x a call:
+# benchmarks/results/attention/small_n_h100.md), on the Triton releases it was tested with.
+AUTO_MIN_ROWS = 4096
 TESTED_TRITON = ("3.6.",)
 FAILED = False  # set by note_failure
 
@@ -664,16 +668,52 @@ def note_failure(err: BaseException) -> None:
     FAILED = True
 
 
-def _gl_dtype(t: torch.Tensor):
-    return gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+@functools.lru_cache(maxsize=None)
+def _shared_layout(rows: int, d: int, dtype: torch.dtype):
+    # the same few layouts on every call: get_default_for costs ~10 us of Python per descriptor
+    return gl.NVMMASharedLayout.get_default_for([rows, d], _gl_dtype(dtype))
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
+class _Address:
+    """What a built TMA descriptor needs of its tensor: the address and the element type (Triton's launcher
+    reads base.data_ptr() to build the tensor map, its specialization base.dtype). Holding this instead of
+    the tensor lets descriptors be kept without keeping the tensors' memory."""
+
+    __slots__ = ("_ptr", "dtype")
+
+    def __init__(self, t: torch.Tensor):
+        self._ptr, self.dtype = t.data_ptr(), t.dtype
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+# Descriptors by (address, shape, strides, tile rows, dtype): one is those values and nothing else, so one
+# built for memory since freed and reused by a tensor of the same shape is still right. Building one costs
+# ~12 us of host time on an H100 machine (4 a launch); cleared when full.
+_DESCRIPTORS: dict = {}
+_MAX_DESCRIPTORS = 256
 
 
 def _desc(t: torch.Tensor, rows: int):
     """TMA descriptor of a contiguous [B, H, N, D] tensor viewed as [B*H*N, D], tiles of [rows, D]."""
-    d = t.shape[-1]
-    flat = t.view(-1, d)
-    layout = gl.NVMMASharedLayout.get_default_for([rows, d], _gl_dtype(t))
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, d], layout)
+    key = (t.data_ptr(), t.shape, t.stride(), rows, t.dtype)
+    desc = _DESCRIPTORS.get(key)
+    if desc is None:
+        d = t.shape[-1]
+        flat = t.view(-1, d)
+        layout = _shared_layout(rows, d, t.dtype)
+        desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, d], layout)
+        desc.base = _Address(flat)
+        remember_spec(desc)
+        if len(_DESCRIPTORS) >= _MAX_DESCRIPTORS:
+            _DESCRIPTORS.clear()
+        _DESCRIPTORS[key] = desc
+    return desc
 
 
 def launch_fwd_gluon(q_x, k_x, q_y, k_y, *, lse_in, out, scales, causal, causal_offset, fixed, config=None) -> None:
@@ -693,7 +733,9 @@ def launch_fwd_gluon(q_x, k_x, q_y, k_y, *, lse_in, out, scales, causal, causal_
     if config == WARP_SPECIALIZED:
         grid, section = program_grid((Nq + 3 * WS_ROWS - 1) // (3 * WS_ROWS), B * H, key_bytes)
         descs = (_desc(q_x, WS_ROWS), _desc(k_x, WS_BN), _desc(q_y, WS_ROWS), _desc(k_y, WS_BN))
-        attention_fwd_gluon_ws_kernel[grid](
+        launch(
+            attention_fwd_gluon_ws_kernel,
+            grid,
             *descs,
             *rows_in_out,
             *scalars,
@@ -708,6 +750,15 @@ def launch_fwd_gluon(q_x, k_x, q_y, k_y, *, lse_in, out, scales, causal, causal_
     BM, BN, warps, stages = DEFAULT_CONFIG if config == ONE_WARPGROUP else config
     grid, section = program_grid((Nq + BM - 1) // BM, B * H, key_bytes)
     descs = (_desc(q_x, BM), _desc(k_x, BN), _desc(q_y, BM), _desc(k_y, BN))
-    attention_fwd_gluon_kernel[grid](
-        *descs, *rows_in_out, *scalars, section, BN=BN, STAGES=stages, num_warps=warps, **flags
+    launch(
+        attention_fwd_gluon_kernel,
+        grid,
+        *descs,
+        *rows_in_out,
+        *scalars,
+        section,
+        BN=BN,
+        STAGES=stages,
+        num_warps=warps,
+        **flags,
     )

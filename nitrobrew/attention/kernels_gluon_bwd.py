@@ -29,6 +29,7 @@ from __future__ import annotations
 import warnings
 from typing import Optional
 
+from ..core.launch import launch
 from . import kernels_gluon as kg
 
 if kg.HAVE_GLUON:
@@ -55,8 +56,9 @@ if kg.HAVE_GLUON:
 # Chosen without being asked from this many query rows on, on the Triton releases the forward was tested
 # with (kernels_gluon.TESTED_TRITON). H100, the API's fwd+bwd with the Gluon backward against the Triton
 # one: 1.23x at N = 2048, 1.02x at 3072, 0.86-0.97x at 4096 (three runs), 0.88x at 6144, 0.85-0.88x at
-# 8192-16384 (benchmarks/results/attention/gluon_bwd_h100.md).
-AUTO_MIN_ROWS = 6144
+# 8192-16384 (benchmarks/results/attention/gluon_bwd_h100.md); launched directly, 0.92x at 4096 and 0.93x
+# at 3072 (kernels 0.92x, but back-to-back steps 1.02x: host-bound; small_n_h100.md, call 4).
+AUTO_MIN_ROWS = 4096
 FAILED = False  # set by note_failure
 # 3 consumer warpgroups of 64 query rows; BN keys a block in a ring of STAGES; registers a thread of a
 # consumer / of the producer (3 x CONSUMER + PRODUCER <= 512). A consumer holds two [64, BN] score tiles
@@ -599,7 +601,9 @@ def launch_bwd_gluon(
         descs = (kg._desc(k_x, DK_KEYS), kg._desc(q_x, block), kg._desc(k_y, DK_KEYS), kg._desc(q_y, block))
         groups = (H // k_x.shape[1],)
     grid, section = program_grid(blocks, heads, streamed)
-    kernel[grid](
+    launch(
+        kernel,
+        grid,
         *descs,
         *lse,
         kl,

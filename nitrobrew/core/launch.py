@@ -4,8 +4,9 @@ Triton's JIT launch works out the kernel's specialization from every argument on
 the 40-odd arguments of the attention kernels that is 30-80 us of Python per launch, more than
 the kernel itself takes on small problems. ``launch(kernel, grid, *args, **constexprs)`` keys
 the compiled kernel on exactly what Triton specializes on (each tensor's dtype and 16-byte
-alignment; whether each int is 1, a multiple of 16, or needs 64 bits) plus the constexprs and
-launch options, and after the first (JIT) launch of a key calls the compiled binary directly.
+alignment; whether each int is 1, a multiple of 16, or needs 64 bits; each TMA descriptor's
+element type, block shape and layout) plus the constexprs and launch options, and after the
+first (JIT) launch of a key calls the compiled binary directly.
 
 The direct path is used on CUDA with Triton 3.x and no launch hooks installed (profilers such as
 proton install them); everything else, the interpreter included, goes through the JIT launch unchanged.
@@ -26,6 +27,7 @@ except Exception:  # pragma: no cover - the PyTorch paths never import this modu
 
 _I32 = (-(2**31), 2**31 - 1)
 _CACHE: Dict[Tuple, Any] = {}
+_TENSOR = torch.Tensor
 
 
 def cdiv(a: int, b: int) -> int:
@@ -54,11 +56,45 @@ def _spec(v) -> Any:
     """What Triton specializes a launch argument on (see triton.runtime.jit's specialize_impl)."""
     if isinstance(v, torch.Tensor):
         return v.dtype, v.data_ptr() % 16 == 0
+    if hasattr(v, "block_shape") and hasattr(v, "layout"):
+        return getattr(v, _SPEC_ATTR, None) or _descriptor_spec(v)
     if isinstance(v, bool) or v is None or isinstance(v, float):
         return type(v)
     if isinstance(v, int):
         return v == 1, v % 16 == 0, _I32[0] <= v <= _I32[1], v >= 2**63
     return v  # anything else: by value
+
+
+def _descriptor_spec(v) -> Tuple:
+    # a host TMA descriptor (Gluon's TensorDescriptor): its type is the element type, the block shape
+    # and the shared layout; the base, shape and strides are runtime values (the launcher builds the
+    # tensor map from them on every launch)
+    return "desc", v.base.dtype, tuple(v.block_shape), repr(v.layout), getattr(v, "padding", None)
+
+
+_SPEC_ATTR = "_nitrobrew_launch_spec"
+
+
+def remember_spec(descriptor) -> None:
+    """Work out a TMA descriptor's specialization once and keep it on the descriptor (for descriptors
+    built once and launched many times; it must not change afterwards)."""
+    setattr(descriptor, _SPEC_ATTR, _descriptor_spec(descriptor))
+
+
+def _arg_key(args) -> Tuple:
+    """tuple(map(_spec, args)) with the common types inline: ints (most of the arguments) and tensors
+    cost a call each otherwise, ~0.3 us an argument on the host."""
+    lo, hi = _I32
+    return tuple(
+        [
+            (v == 1, v % 16 == 0, lo <= v <= hi, v >= 2**63)
+            if type(v) is int
+            else (v.dtype, v.data_ptr() % 16 == 0)
+            if type(v) is _TENSOR
+            else _spec(v)
+            for v in args
+        ]
+    )
 
 
 def _hook_active(hook) -> bool:
@@ -74,8 +110,8 @@ def _hooks_installed() -> bool:
     return _hook_active(rt.launch_enter_hook) or _hook_active(rt.launch_exit_hook)
 
 
-def _direct_ok(first_arg) -> bool:
-    return _ENABLED and first_arg.is_cuda and not _hooks_installed()
+def _direct_ok(first: torch.Tensor) -> bool:
+    return _ENABLED and first.is_cuda and not _hooks_installed()
 
 
 def _stream(device_index: int) -> int:
@@ -85,13 +121,15 @@ def _stream(device_index: int) -> int:
 def launch(kernel, grid: Tuple[int, ...], *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), through the compiled binary when it is already known.
 
-    Positional arguments are the kernel's leading parameters (the first one a tensor); every later
-    parameter is passed by keyword, as the callers in nitrobrew do."""
-    if not _direct_ok(args[0]):
+    Positional arguments are the kernel's leading parameters (one of them a tensor: its device is the
+    launch's); every later parameter is passed by keyword, as the callers in nitrobrew do."""
+    first = args[0] if type(args[0]) is _TENSOR else next((a for a in args if isinstance(a, _TENSOR)), None)
+    if first is None or not _direct_ok(first):
         kernel[grid](*args, **kwargs)
         return
-    device = args[0].device.index
-    key = (id(kernel), device, tuple(map(_spec, args)), tuple(sorted(kwargs.items())))
+    device = first.device.index
+    # keyword order is fixed at each call site: unsorted, another order only costs another entry
+    key = (id(kernel), device, _arg_key(args), tuple(kwargs.items()))
     entry = _CACHE.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **kwargs)
