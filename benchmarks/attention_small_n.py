@@ -187,6 +187,66 @@ def host_breakdown(n: int, dev, steps: int = 100) -> None:
     print()
 
 
+CASES = [
+    # (name, kv heads student / teacher, Ds, Dt, direction)
+    ("GQA 32/8 both sides", 8, 8, 128, 128, "forward"),
+    ("GQA 32/8 (s) 32/4 (t)", 8, 4, 128, 128, "forward"),
+    ("Ds=64, Dt=128", 32, 32, 64, 128, "forward"),
+    ("reverse KL", 32, 32, 128, 128, "reverse"),
+]
+
+
+def case_table(dev, ns, rounds: int, reps: int) -> None:
+    """The API's fwd+bwd on other cases (grouped-query attention, head dims, reverse KL): the default
+    kernels against the Triton and the Gluon ones; SDPA's default on the student's shapes beside them."""
+    print("## Other cases: API fwd+bwd (ms: wall / kernels / loop)\n")
+    print(
+        "| case | N | default | Triton fwd + bwd | Gluon fwd + bwd | SDPA default "
+        "| default ÷ Triton: wall / kernels / loop |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for n in ns:
+        for name, hs, ht, ds, dt, direction in CASES:
+
+            def r(*shape):
+                return (torch.randn(*shape, generator=g) * 1.5).to(dev, torch.bfloat16)
+
+            q_s, k_s, q_t, k_t = r(1, 32, n, ds), r(1, hs, n, ds), r(1, 32, n, dt), r(1, ht, n, dt)
+            qs, ks = q_s.clone().requires_grad_(True), k_s.clone().requires_grad_(True)
+            qv, kv, vv = (t.clone().requires_grad_(True) for t in (q_s, k_s, torch.randn_like(k_s)))
+
+            def step(cfg):
+                return lambda: nb.attention_kl(
+                    qs, ks, q_t, k_t, is_causal=True, direction=direction, block_config=cfg
+                ).backward()
+
+            fns = {
+                "default": step(None),
+                "triton": step({"fwd_kernel": "triton", "bwd_kernel": "triton"}),
+                "gluon": step({"fwd_kernel": "gluon", "bwd_kernel": "gluon"}),
+                "sdpa": lambda: (
+                    F.scaled_dot_product_attention(qv, kv, vv, is_causal=True, enable_gqa=hs != 32).sum().backward()
+                ),
+            }
+            res = {k: {"wall": [], "kernels": [], "loop": []} for k in fns}
+            for fn in fns.values():
+                fn(), fn()
+            for _ in range(rounds):
+                for k, fn in fns.items():
+                    res[k]["wall"].append(time_ms(fn, dev, warmup=1, reps=reps))
+                    res[k]["kernels"].append(kernel_ms(fn))
+                    res[k]["loop"].append(loop_ms(fn, calls=10))
+            m = {k: {c: statistics.median(x) for c, x in r.items()} for k, r in res.items()}
+            cell = {k: f"{v['wall']:.3f} / {v['kernels']:.3f} / {v['loop']:.3f}" for k, v in m.items()}
+            ratio = " / ".join(f"{m['default'][c] / m['triton'][c]:.2f}" for c in ("wall", "kernels", "loop"))
+            print(
+                f"| {name} | {n} | {cell['default']} | {cell['triton']} | {cell['gluon']} | {cell['sdpa']} | {ratio} |"
+            )
+            sys.stdout.flush()
+    print()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ns", type=int, nargs="+", default=[2048, 3072, 4096, 6144, 8192])
@@ -194,6 +254,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--host-profile", action="store_true", help="cProfile of the forwards at the first N, then stop")
     p.add_argument("--host-breakdown", action="store_true", help="host time of a fwd+bwd step by function, first")
+    p.add_argument("--cases", action="store_true", help="only the other cases (GQA, head dims, reverse KL) at --ns")
     args = p.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("needs an sm90 GPU (the Gluon kernels); nothing measured")
@@ -201,6 +262,9 @@ def main() -> int:
     dev = torch.device("cuda")
 
     print(f"# attention-KL forward at small N\n\n{environment()}\n")
+    if args.cases:
+        case_table(dev, args.ns, args.rounds, args.reps)
+        return 0
     if args.host_breakdown:
         for n in args.ns[:2]:
             host_breakdown(n, dev)
