@@ -72,7 +72,7 @@ def main():
     args = p.parse_args()
     dev = torch.device("cuda")
 
-    xs, ws, ids, lp, _ = topk_inputs(4096, 152064, 3584, 64, torch.bfloat16, dev)
+    xs, ws, ids, lp, _, _ = topk_inputs(4096, 152064, 3584, 64, torch.bfloat16, dev)
 
     def topk_step():
         x = xs.detach().requires_grad_()
