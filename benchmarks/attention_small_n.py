@@ -38,20 +38,9 @@ from nitrobrew.attention import kernels_gluon as kg
 from nitrobrew.attention import kernels_gluon_bwd as kgb
 from nitrobrew.attention.common import AttnSpec
 from nitrobrew.attention.triton_function import Side, triton_forward
-from nitrobrew.bench.common import time_ms
+from nitrobrew.bench.common import host_ms, time_ms
 from nitrobrew.core import launch as launch_mod
 from nitrobrew.environment import environment
-
-
-def host_ms(fn, reps: int) -> float:
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(out)
 
 
 def kernel_ms(fn, calls: int = 5) -> float:
@@ -74,6 +63,38 @@ def loop_ms(fn, calls: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / calls
+
+
+def measure(fns: dict, rounds: int, reps: int, loop_calls: int, host: bool = True) -> dict:
+    """Medians over rounds (the variants alternate within each) of wall, host (if asked), kernels and
+    loop time of each variant, in ms."""
+    parts = ("wall", "host", "kernels", "loop") if host else ("wall", "kernels", "loop")
+    res = {k: {c: [] for c in parts} for k in fns}
+    for fn in fns.values():
+        fn(), fn()
+    dev = torch.device("cuda")
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            res[k]["wall"].append(time_ms(fn, dev, warmup=1, reps=reps))
+            if host:
+                res[k]["host"].append(host_ms(fn, reps))
+            res[k]["kernels"].append(kernel_ms(fn))
+            res[k]["loop"].append(loop_ms(fn, calls=loop_calls))
+    return {k: {c: statistics.median(x) for c, x in r.items()} for k, r in res.items()}
+
+
+def print_ratios(title: str, what: str, med: dict, ref: str) -> None:
+    """A table of measure()'s medians, wall and loop time also as ratios to variant `ref`."""
+    sd, sl = med[ref]["wall"], med[ref]["loop"]
+    print(f"## {title}\n")
+    print(f"| {what} | wall | ÷ SDPA wall | host | kernels | loop, per call | ÷ SDPA loop |")
+    print("|---|---|---|---|---|---|---|")
+    for k, m in med.items():
+        print(
+            f"| {k} | {m['wall']:.3f} | {m['wall'] / sd:.2f} | {m['host']:.3f} | {m['kernels']:.3f} "
+            f"| {m['loop']:.3f} | {m['loop'] / sl:.2f} |"
+        )
+    sys.stdout.flush()
 
 
 def host_profile(name: str, fn, calls: int = 200) -> None:
@@ -229,15 +250,7 @@ def case_table(dev, ns, rounds: int, reps: int) -> None:
                     F.scaled_dot_product_attention(qv, kv, vv, is_causal=True, enable_gqa=hs != 32).sum().backward()
                 ),
             }
-            res = {k: {"wall": [], "kernels": [], "loop": []} for k in fns}
-            for fn in fns.values():
-                fn(), fn()
-            for _ in range(rounds):
-                for k, fn in fns.items():
-                    res[k]["wall"].append(time_ms(fn, dev, warmup=1, reps=reps))
-                    res[k]["kernels"].append(kernel_ms(fn))
-                    res[k]["loop"].append(loop_ms(fn, calls=10))
-            m = {k: {c: statistics.median(x) for c, x in r.items()} for k, r in res.items()}
+            m = measure(fns, rounds, reps, loop_calls=10, host=False)
             cell = {k: f"{v['wall']:.3f} / {v['kernels']:.3f} / {v['loop']:.3f}" for k, v in m.items()}
             ratio = " / ".join(f"{m['default'][c] / m['triton'][c]:.2f}" for c in ("wall", "kernels", "loop"))
             print(
@@ -305,26 +318,8 @@ def main() -> int:
                 for _ in range(2):  # the first direct call of a key goes through the JIT launch
                     b = launched("now", lambda: triton_forward(X, Y, None, spec, cfg=cfg))()
                 same[name] = all(torch.equal(x, y) for x, y in zip(a, b))
-        res = {k: {"wall": [], "host": [], "kernels": [], "loop": []} for k in fns}
-        for fn in fns.values():
-            fn(), fn()
-        for _ in range(args.rounds):
-            for k, fn in fns.items():
-                res[k]["wall"].append(time_ms(fn, dev, warmup=1, reps=args.reps))
-                res[k]["host"].append(host_ms(fn, args.reps))
-                res[k]["kernels"].append(kernel_ms(fn))
-                res[k]["loop"].append(loop_ms(fn))
-        sd = statistics.median(res["SDPA default"]["wall"])
-        print(f"## N = {n}: forward (ms, medians over {args.rounds} rounds)\n")
-        sl = statistics.median(res["SDPA default"]["loop"])
-        print("| forward | wall | ÷ SDPA wall | host enqueue | kernels | loop, per call | ÷ SDPA loop |")
-        print("|---|---|---|---|---|---|---|")
-        for k, r in res.items():
-            m = {c: statistics.median(x) for c, x in r.items()}
-            print(
-                f"| {k} | {m['wall']:.3f} | {m['wall'] / sd:.2f} | {m['host']:.3f} | {m['kernels']:.3f} "
-                f"| {m['loop']:.3f} | {m['loop'] / sl:.2f} |"
-            )
+        med = measure(fns, args.rounds, args.reps, loop_calls=20)
+        print_ratios(f"N = {n}: forward (ms, medians over {args.rounds} rounds)", "forward", med, "SDPA default")
         print(f"\nthe launches now give the bits of the launches before: {same}\n")
         sys.stdout.flush()
 
@@ -347,28 +342,9 @@ def main() -> int:
         steps["SDPA default fwd+bwd"] = lambda: (
             F.scaled_dot_product_attention(qv, kv, vv, is_causal=True).sum().backward()
         )
-        sres = {k: {"wall": [], "host": [], "kernels": [], "loop": []} for k in steps}
-        for fn in steps.values():
-            fn(), fn()
-        for _ in range(args.rounds):
-            for k, fn in steps.items():
-                sres[k]["wall"].append(time_ms(fn, dev, warmup=1, reps=args.reps))
-                sres[k]["host"].append(host_ms(fn, args.reps))
-                sres[k]["kernels"].append(kernel_ms(fn))
-                sres[k]["loop"].append(loop_ms(fn, calls=10))
-        sd = statistics.median(sres["SDPA default fwd+bwd"]["wall"])
-        print(f"## N = {n}: fwd+bwd through the API (ms)\n")
-        sl = statistics.median(sres["SDPA default fwd+bwd"]["loop"])
-        print("| fwd+bwd | wall | ÷ SDPA wall | host | kernels | loop, per step | ÷ SDPA loop |")
-        print("|---|---|---|---|---|---|---|")
-        for k, r in sres.items():
-            m = {c: statistics.median(x) for c, x in r.items()}
-            print(
-                f"| {k} | {m['wall']:.3f} | {m['wall'] / sd:.2f} | {m['host']:.3f} | {m['kernels']:.3f} "
-                f"| {m['loop']:.3f} | {m['loop'] / sl:.2f} |"
-            )
+        med = measure(steps, args.rounds, args.reps, loop_calls=10)
+        print_ratios(f"N = {n}: fwd+bwd through the API (ms)", "fwd+bwd", med, "SDPA default fwd+bwd")
         print()
-        sys.stdout.flush()
         del q_s, k_s, q_t, k_t, v, qs, ks, qv, kv, vv
         torch.cuda.empty_cache()
     launched("now", lambda: None)()

@@ -14,27 +14,13 @@ import cProfile
 import io
 import os
 import pstats
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nitrobrew import attention_kl, topk_kl
-from nitrobrew.bench.common import time_ms
+from nitrobrew.bench.common import host_ms, time_ms
 from nitrobrew.bench.topk import make_inputs as topk_inputs
-
-
-def host_ms(fn, reps=20):
-    """Median host time of one call (the GPU is kept busy-free: synchronize before each)."""
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-    out.sort()
-    return out[len(out) // 2]
 
 
 def report(name, fn, out_dir):

@@ -87,6 +87,19 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int = 2, rep
     return statistics.median(times)
 
 
+def host_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median host time of one call of fn in ms (no synchronization inside it; the GPU is idle at each
+    call's start): the time to enqueue its work."""
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(out)
+
+
 def is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
