@@ -38,7 +38,7 @@ from nitrobrew.attention import kernels_gluon as kg
 from nitrobrew.attention import kernels_gluon_bwd as kgb
 from nitrobrew.attention.common import AttnSpec
 from nitrobrew.attention.triton_function import Side, triton_forward
-from nitrobrew.bench.common import host_ms, time_ms
+from nitrobrew.bench.common import host_ms, loop_ms, time_ms
 from nitrobrew.core import launch as launch_mod
 from nitrobrew.environment import environment
 
@@ -52,17 +52,6 @@ def kernel_ms(fn, calls: int = 5) -> float:
         torch.cuda.synchronize()
     total_us = sum(e.self_device_time_total for e in prof.key_averages())
     return total_us / calls / 1e3
-
-
-def loop_ms(fn, calls: int = 20) -> float:
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def measure(fns: dict, rounds: int, reps: int, loop_calls: int, host: bool = True) -> dict:

@@ -34,6 +34,7 @@ import torch
 
 import nitrobrew as nb
 from nitrobrew.bench import baselines as bl
+from nitrobrew.bench.common import time_ms
 from nitrobrew.environment import environment
 
 F32 = torch.float32
@@ -44,27 +45,6 @@ def sync(dev):
         torch.cuda.synchronize()
 
 
-def timed(fn, dev, warmup=2, reps=5):
-    """Median ms (CUDA events on GPU)."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
-
-
 def alternating(fns: dict, dev, rounds=3, reps=3) -> dict:
     """Medians of each fn, timed in alternating rounds (same-process A/B)."""
     res = defaultdict(list)
@@ -72,7 +52,7 @@ def alternating(fns: dict, dev, rounds=3, reps=3) -> dict:
         f()
     for _ in range(rounds):
         for k, f in fns.items():
-            res[k].append(timed(f, dev, warmup=1, reps=reps))
+            res[k].append(time_ms(f, dev, warmup=1, reps=reps))
     return {k: statistics.median(v) for k, v in res.items()}
 
 
@@ -232,7 +212,10 @@ def bandwidth_refs(n_rows, v, dev) -> dict:
     def read_write():
         torch.sub(z, t, out=gb)  # reads 8 bytes, writes 2 per pair
 
-    out = {"read 8 B/pair (row sums)": timed(read, dev, 2, 5), "read 8 + write 2 B/pair": timed(read_write, dev, 2, 5)}
+    out = {
+        "read 8 B/pair (row sums)": time_ms(read, dev, 2, 5),
+        "read 8 + write 2 B/pair": time_ms(read_write, dev, 2, 5),
+    }
     del z, t, gb
     return out
 

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nitrobrew.bench.common import loop_ms
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -254,17 +256,7 @@ def gluon_slab(a, b, out, config, stats: int, parts=None, other=None):
 def time_ms(fn, reps=20, rounds=5):
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    meds = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        meds.append(a.elapsed_time(b) / reps)
-    return statistics.median(meds)
+    return statistics.median(loop_ms(fn, calls=reps) for _ in range(rounds))
 
 
 def main() -> int:

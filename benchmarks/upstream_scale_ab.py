@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from confident_rows_gpu import load_old  # noqa: E402
 
 import nitrobrew as nb  # noqa: E402
-from nitrobrew.bench.common import peak_mib, time_ms  # noqa: E402
+from nitrobrew.bench.common import loop_ms, peak_mib, time_ms  # noqa: E402
 from nitrobrew.environment import environment  # noqa: E402
 
 V, DS, DT = 152064, 3584, 5120
@@ -60,14 +60,7 @@ class Case:
 def loop(case, pkg, div, scale=None, k=10) -> float:
     for _ in range(2):
         case.step(pkg, div, scale)
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(k):
-        case.step(pkg, div, scale)
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / k
+    return loop_ms(lambda: case.step(pkg, div, scale), calls=k)
 
 
 def step_peak_mib(case, pkg, div, scale) -> float:
