@@ -279,3 +279,23 @@ def test_the_gluon_forward_compiles_for_sm90_with_the_installed_triton():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "cubin bytes" in done.stdout
     assert "dk cubin bytes" in done.stdout
+
+
+@needs_sm90
+def test_the_gluon_launches_keep_their_tensor_maps_on_this_triton(monkeypatch):
+    """On the Triton the kernels were tested with, core.launch recognizes the launcher's descriptor wrapper
+    (else every launch encodes its tensor maps again: correct, but the host time this avoids comes back)."""
+    from nitrobrew.core import launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "_CACHE", {})
+    monkeypatch.setattr(launch_mod, "KEEP_TENSOR_MAPS", True)
+    q_s, k_s, q_t, k_t = _cuda_inputs(CASES[0], seed=7)
+    cfg = {"fwd_kernel": "gluon", "bwd_kernel": "gluon"}
+    ins = [t.clone().requires_grad_(True) for t in (q_s, k_s)]
+    for _ in range(2):
+        attention_kl(*ins, q_t, k_t, is_causal=True, block_config=cfg).backward()
+    runs = [entry[0] for entry in launch_mod._CACHE.values()]
+    kept = [r for r in runs if isinstance(r, launch_mod._KeptMapsRun)]
+    if not kg.TRITON_VERSION.startswith(kg.TESTED_TRITON):
+        pytest.skip("another Triton: its launcher may have another form")
+    assert len(kept) >= 3  # the forward, dq and dk kernels

@@ -159,3 +159,137 @@ def test_inline_key_matches_the_per_argument_rule():
         assert _launch._arg_key(args) == tuple(map(_launch._spec, args))
 
     check()
+
+
+# A launcher of Triton 3.6's form (triton/backends/nvidia/driver.py): a C launch behind a wrapper that
+# expands each descriptor argument with the module's make_tensordesc_arg. Its module is registered so that
+# core.launch finds the driver by the launcher's __module__.
+_DRIVER_36 = "nitrobrew_test_driver_36"
+
+
+def _driver_36():
+    import types
+
+    mod = types.ModuleType(_DRIVER_36)
+    mod._BASE_ARGS_FORMAT_LEN = 13
+    mod.fills = []
+
+    def make_tensordesc_arg(arg, metadata):
+        mod.fills.append((arg.name, metadata["block_size"]))
+        return [("map", arg.name, tuple(metadata["block_size"])), *arg.shape, *arg.strides]
+
+    mod.make_tensordesc_arg = make_tensordesc_arg
+
+    def wrap(launcher, tensordesc_indices, tensordesc_meta):
+        def inner(*args):  # the 3.6 wrapper, as written there
+            final_args = list(args[: mod._BASE_ARGS_FORMAT_LEN])
+            tensordesc_idx = 0
+            for i, arg in enumerate(args[mod._BASE_ARGS_FORMAT_LEN :]):
+                if i in tensordesc_indices:
+                    final_args.extend(mod.make_tensordesc_arg(arg, tensordesc_meta[tensordesc_idx]))
+                    tensordesc_idx += 1
+                else:
+                    final_args.append(arg)
+            return launcher(*final_args)
+
+        return inner
+
+    class CudaLauncher:
+        global_scratch_size = 0
+        profile_scratch_size = 0
+        launch_cooperative_grid = False
+        launch_pdl = False
+
+        def __init__(self, c_calls, indices, metas):
+            self.launch = wrap(lambda *a: c_calls.append(a), indices, metas)
+
+        def __call__(self, gx, gy, gz, stream, function, *args):
+            self.launch(gx, gy, gz, stream, function, False, False, None, None, *args)
+
+    CudaLauncher.__module__ = _DRIVER_36
+    mod.CudaLauncher = CudaLauncher
+    return mod
+
+
+class FakeDesc:
+    def __init__(self, name, shape=(256, 64), strides=(64, 1)):
+        self.name, self.shape, self.strides = name, list(shape), list(strides)
+        self.block_shape, self.layout = [64, 64], "nvmma"
+        self.base = torch.zeros(1)
+
+
+class DescKernel:
+    arg_names = ["a_desc", "b_desc", "out", "n", "BLOCK"]
+
+    def __init__(self, launcher):
+        self.launcher, self.jit_calls = launcher, 0
+
+    def __getitem__(self, grid):
+        def jit(*args, **kwargs):
+            self.jit_calls += 1
+            compiled = type("Compiled", (), {})()
+            compiled.run, compiled.function, compiled.packed_metadata = self.launcher, "fn", "meta"
+            return compiled
+
+        return jit
+
+
+@pytest.fixture
+def driver_36(direct, monkeypatch):
+    import sys
+
+    mod = _driver_36()
+    monkeypatch.setitem(sys.modules, _DRIVER_36, mod)
+    return mod
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_kept_tensor_maps_reach_the_c_launch_as_the_wrapper_builds_them(driver_36, monkeypatch, keep):
+    monkeypatch.setattr(_launch, "KEEP_TENSOR_MAPS", keep)
+    metas = [{"block_size": [64, 64], "swizzle": 128}, {"block_size": [128, 64], "swizzle": 128}]
+    c_calls: list = []
+    kernel = DescKernel(driver_36.CudaLauncher(c_calls, {0, 1}, metas))
+    a, b, out = FakeDesc("a"), FakeDesc("b", shape=(512, 64)), torch.zeros(4)
+    _launch.launch(kernel, (2,), a, b, out, 7, BLOCK=64)  # the JIT launch makes the entry
+    for _ in range(3):
+        _launch.launch(kernel, (2, 3), a, b, out, 7, BLOCK=64)
+    assert kernel.jit_calls == 1 and len(c_calls) == 3
+    expected = (2, 3, 1, 7, "fn", False, False, None, None, "meta", None, None, None)
+    expected += (("map", "a", (64, 64)), 256, 64, 64, 1, ("map", "b", (128, 64)), 512, 64, 64, 1, out, 7, 64)
+    assert all(call == expected for call in c_calls)
+    # kept: each descriptor's map is encoded once for this kernel's metadata; else on every launch
+    assert len(driver_36.fills) == (2 if keep else 6)
+    assert isinstance(_launch._CACHE and next(iter(_launch._CACHE.values()))[0], _launch._KeptMapsRun) == keep
+
+
+def test_kept_tensor_maps_are_per_kernel_metadata(driver_36):
+    metas_a, metas_b = [{"block_size": [64, 64]}], [{"block_size": [128, 64]}]
+    calls_a: list = []
+    calls_b: list = []
+    k_a = DescKernel(driver_36.CudaLauncher(calls_a, {0}, metas_a))
+    k_b = DescKernel(driver_36.CudaLauncher(calls_b, {0}, metas_b))
+    d = FakeDesc("d")
+    for k in (k_a, k_b, k_a, k_b):
+        _launch.launch(k, (1,), d, FakeDesc("other"), torch.zeros(1), 3, BLOCK=64)
+        _launch.launch(k, (1,), d, FakeDesc("other"), torch.zeros(1), 3, BLOCK=64)
+    assert calls_a[0][13] == ("map", "d", (64, 64)) and calls_b[0][13] == ("map", "d", (128, 64))
+    assert all(c[13] == calls_a[0][13] for c in calls_a) and all(c[13] == calls_b[0][13] for c in calls_b)
+    assert [f for f in driver_36.fills if f[0] == "d"] == [("d", [64, 64]), ("d", [128, 64])]
+
+
+@pytest.mark.parametrize("unlike", ["scratch", "base_len", "no_meta", "keyword_desc", "no_descs"])
+def test_a_launcher_of_another_form_keeps_tritons_wrapper(driver_36, unlike):
+    metas = [{"block_size": [64, 64]}]
+    c_calls: list = []
+    launcher = driver_36.CudaLauncher(c_calls, {0}, metas)
+    if unlike == "scratch":
+        launcher.global_scratch_size = 128
+    elif unlike == "base_len":
+        driver_36._BASE_ARGS_FORMAT_LEN = 14
+    elif unlike == "no_meta":
+        launcher = driver_36.CudaLauncher(c_calls, {0}, [None])
+    elif unlike == "keyword_desc":
+        launcher = driver_36.CudaLauncher(c_calls, {3}, metas)
+    else:
+        launcher.launch = print  # a builtin: Triton returns the C launch itself when nothing is a descriptor
+    assert _launch._kept_maps_run(launcher, n_positional=3) is None

@@ -11,12 +11,21 @@ first (JIT) launch of a key calls the compiled binary directly.
 The direct path is used on CUDA with Triton 3.x and no launch hooks installed (profilers such as
 proton install them); everything else, the interpreter included, goes through the JIT launch unchanged.
 ``NITROBREW_DIRECT_LAUNCH=0`` turns it off.
+
+TMA descriptors: Triton's launcher encodes a tensor map (``fill_tma_descriptor``) from every host
+descriptor on every launch. Where its launcher has the form this was written against (Triton 3.6's:
+a wrapper around the C launcher that expands descriptors, checked when a kernel's entry is made), the
+expanded arguments are kept on the descriptor, keyed on the kernel's descriptor metadata, and the C
+launcher is called with them; a descriptor must then not be changed after its first launch (those of
+``attention.kernels_gluon._desc`` are not). Any other form keeps Triton's own wrapper.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
-from typing import Any, Dict, Tuple
+import sys
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -50,6 +59,9 @@ def _enabled() -> bool:
 
 
 _ENABLED = _enabled()
+# Whether entries made from now on keep the tensor maps of TMA descriptors (see the module's docstring).
+KEEP_TENSOR_MAPS = os.environ.get("NITROBREW_KEEP_TENSOR_MAPS", "1") not in ("0", "")
+_MAPS_ATTR = "_nitrobrew_tensor_maps"
 
 
 def _spec(v) -> Any:
@@ -118,6 +130,66 @@ def _stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
+class _KeptMapsRun:
+    """A compiled kernel's launcher (Triton 3.6's ``CudaLauncher``) called with the tensor maps of its
+    descriptor arguments kept on the descriptors: the C launcher behind Triton's expanding wrapper,
+    given what the wrapper would have built."""
+
+    __slots__ = ("c_launch", "cooperative", "pdl", "positions", "expand")
+
+    def __init__(self, c_launch, cooperative, pdl, positions, expand):
+        self.c_launch, self.cooperative, self.pdl = c_launch, cooperative, pdl
+        self.positions = positions  # (argument index, metadata key, metadata) of each descriptor
+        self.expand = expand  # the driver's make_tensordesc_arg
+
+    def __call__(self, gx, gy, gz, stream, function, metadata, launch_meta, enter, exit_, *args):
+        expanded = list(args)
+        for index, key, meta in reversed(self.positions):
+            desc = args[index]
+            maps = getattr(desc, _MAPS_ATTR, None)
+            if maps is None:
+                maps = {}
+                setattr(desc, _MAPS_ATTR, maps)
+            values = maps.get(key)
+            if values is None:
+                values = maps[key] = self.expand(desc, meta)
+            expanded[index : index + 1] = values
+        self.c_launch(
+            gx, gy, gz, stream, function, self.cooperative, self.pdl, None, None, metadata, launch_meta, enter, exit_,
+            *expanded,
+        )  # fmt: skip
+
+
+def _kept_maps_run(run, n_positional: int) -> Optional[_KeptMapsRun]:
+    """run wrapped to keep its descriptors' tensor maps, or None where its launcher is not of the known form
+    (no descriptors; scratch memory; another Triton's wrapper; a descriptor passed by keyword)."""
+    if not KEEP_TENSOR_MAPS:
+        return None
+    wrapper = getattr(run, "launch", None)
+    driver = sys.modules.get(getattr(type(run), "__module__", ""), None)
+    if wrapper is None or driver is None or getattr(driver, "_BASE_ARGS_FORMAT_LEN", None) != 13:
+        return None
+    expand = getattr(driver, "make_tensordesc_arg", None)
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1) or expand is None:
+        return None
+    if not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl"):
+        return None
+    try:
+        captured = inspect.getclosurevars(wrapper).nonlocals
+    except TypeError:  # a builtin: no descriptors, nothing to expand
+        return None
+    indices, metas, c_launch = (captured.get(k) for k in ("tensordesc_indices", "tensordesc_meta", "launcher"))
+    if not isinstance(indices, set) or not isinstance(metas, list) or c_launch is None or len(indices) != len(metas):
+        return None
+    if any(m is None or not isinstance(m, dict) for m in metas) or not indices or max(indices) >= n_positional:
+        return None
+    positions = tuple(
+        (index, tuple(sorted((k, repr(v)) for k, v in meta.items())), meta)
+        for index, meta in zip(sorted(indices), metas)
+    )
+    return _KeptMapsRun(c_launch, run.launch_cooperative_grid, run.launch_pdl, positions, expand)
+
+
 def launch(kernel, grid: Tuple[int, ...], *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), through the compiled binary when it is already known.
 
@@ -141,6 +213,7 @@ def launch(kernel, grid: Tuple[int, ...], *args, **kwargs) -> None:
             and hasattr(compiled, "function")
             and hasattr(compiled, "packed_metadata")
         ):
+            run = _kept_maps_run(run, len(args)) or run
             _CACHE[key] = (run, compiled.function, compiled.packed_metadata, tuple(kwargs[n] for n in names))
         return
     run, function, metadata, tail = entry
