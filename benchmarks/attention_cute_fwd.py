@@ -17,7 +17,7 @@ Needs an sm90 GPU and ``nvidia-cutlass-dsl`` with its CUDA libraries (``nvidia-c
 
     python benchmarks/attention_cute_fwd.py [--configs 128,128,2,1,1 128,64,4,1,1] [--ns 2048 4096 8192 16384]
 
-A config is BM,BN,stages,pingpong,late_refill.
+A config is BM,BN,stages,pingpong,late_refill[,producer].
 """
 
 import math
@@ -46,11 +46,13 @@ class KLForwardSm90:
         causal: bool = True,
         pingpong: bool = True,
         late_refill: bool = True,
+        producer: bool = False,
     ):
         self.d, self.bm, self.bn, self.stages, self.causal = head_dim, bm, bn, stages, causal
-        self.pingpong, self.late_refill = pingpong, late_refill
+        self.pingpong, self.late_refill, self.producer = pingpong, late_refill, producer
         self.wgs = bm // 64
-        self.threads = 128 * self.wgs
+        # with `producer`, warpgroup 0 only loads (24 registers a thread) and the consumers take 240
+        self.threads = 128 * (self.wgs + (1 if producer else 0))
 
     @cute.jit
     def __call__(
@@ -141,13 +143,13 @@ class KLForwardSm90:
         q_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.q_bar.data_ptr(), num_stages=1,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.wgs * 4),
             tx_count=self.q_bytes, defer_sync=True,
         )  # fmt: skip
         k_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.k_bar.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.wgs * 4),
             tx_count=self.k_bytes, defer_sync=True,
         )  # fmt: skip
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
@@ -171,6 +173,32 @@ class KLForwardSm90:
         tKy_s, tKy_g = cpasync.tma_partition(tma_ky, 0, one, cute.group_modes(sKy, 0, 2), cute.group_modes(gKy, 0, 2))
 
         wg = cute.arch.make_warp_uniform(tidx // 128)
+        if const_expr(self.producer):
+            n_blocks_p = (m_blk + 1) * (bm // bn) if const_expr(self.causal) else n // bn
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(24)
+                pipeline_init_wait(cluster_shape_mn=(1, 1))
+                if warp_idx == 0:
+                    qs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                    q_pipe.producer_acquire(qs)
+                    bar_q = q_pipe.producer_get_barrier(qs)
+                    cute.copy(tma_qx, tQx_g[(None, q_tile)], tQx_s[(None, 0)], tma_bar_ptr=bar_q)
+                    cute.copy(tma_qy, tQy_g[(None, q_tile)], tQy_s[(None, 0)], tma_bar_ptr=bar_q)
+                    ps = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                    for _ in cutlass.range(n_blocks_p, unroll=1):
+                        k_pipe.producer_acquire(ps)
+                        bar = k_pipe.producer_get_barrier(ps)
+                        cute.copy(tma_kx, tKx_g[(None, k_tile0 + ps.count)], tKx_s[(None, ps.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_ky, tKy_g[(None, k_tile0 + ps.count)], tKy_s[(None, ps.index)], tma_bar_ptr=bar)
+                        k_pipe.producer_commit(ps)
+                        ps.advance()
+            else:
+                cute.arch.setmaxregister_increase(240)
+                self._consume(
+                    tiled_mma, sQx, sQy, sKx, sKy, q_pipe, k_pipe, mKL, mLx, mLy,
+                    scale_x, scale_y, n, head, m_blk, n_blocks_p, tidx, wg - 1,
+                )  # fmt: skip
+            return
         thr_mma = tiled_mma.get_slice(cute.make_layout(self.wgs, stride=128)(wg))
         rQx = tiled_mma.make_fragment_A(thr_mma.partition_A(sQx))
         rQy = tiled_mma.make_fragment_A(thr_mma.partition_A(sQy))
@@ -408,6 +436,186 @@ class KLForwardSm90:
             prod.advance()
         return prod
 
+    @cute.jit
+    def _consume(
+        self,
+        tiled_mma: cute.TiledMma,
+        sQx: cute.Tensor,
+        sQy: cute.Tensor,
+        sKx: cute.Tensor,
+        sKy: cute.Tensor,
+        q_pipe,
+        k_pipe,
+        mKL: cute.Tensor,
+        mLx: cute.Tensor,
+        mLy: cute.Tensor,
+        scale_x: Float32,
+        scale_y: Float32,
+        n: Int32,
+        head: Int32,
+        m_blk: Int32,
+        n_blocks: Int32,
+        tidx: Int32,
+        cwg: Int32,
+    ):
+        """Consumer warpgroup cwg (0 or 1) of a CTA whose warpgroup 0 loads: the y side's update first (t_y kept
+        in its accumulator), then the x side's with the KL term, so no probabilities are stored (240 registers)."""
+        bm, bn = self.bm, self.bn
+        thr_mma = tiled_mma.get_slice(cute.make_layout(self.wgs, stride=128)(cwg))
+        rQx = tiled_mma.make_fragment_A(thr_mma.partition_A(sQx))
+        rQy = tiled_mma.make_fragment_A(thr_mma.partition_A(sQy))
+        rKx = tiled_mma.make_fragment_B(thr_mma.partition_B(sKx))
+        rKy = tiled_mma.make_fragment_B(thr_mma.partition_B(sKy))
+        acc_shape = thr_mma.partition_C(cute.make_identity_tensor((bm, bn))).shape
+        mx = cute.make_rmem_tensor((2,), Float32)
+        my = cute.make_rmem_tensor((2,), Float32)
+        lx = cute.make_rmem_tensor((2,), Float32)
+        ly = cute.make_rmem_tensor((2,), Float32)
+        cc = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            mx[r] = -Float32.inf
+            my[r] = -Float32.inf
+            lx[r] = 0.0
+            ly[r] = 0.0
+            cc[r] = 0.0
+        lane = tidx % 32
+        warp_in_wg = (tidx % 128) // 32
+        row_t = cwg * 64 + warp_in_wg * 16 + lane // 4
+        col_t = 2 * (lane % 4)
+        row0 = m_blk * bm
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+        q_pipe.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        if const_expr(self.pingpong):
+            if cwg == 0:
+                cute.arch.barrier_arrive(barrier_id=1, number_of_threads=256)
+        for j in cutlass.range(n_blocks, unroll=1):
+            k_pipe.consumer_wait(read)
+            if const_expr(self.pingpong):
+                cute.arch.barrier(barrier_id=1 + cwg, number_of_threads=256)
+            acc_x = cute.make_rmem_tensor(acc_shape, Float32)
+            acc_y = cute.make_rmem_tensor(acc_shape, Float32)
+            self._issue(tiled_mma, acc_y, rQy, rKy, read.index)
+            self._issue(tiled_mma, acc_x, rQx, rKx, read.index)
+            if const_expr(self.pingpong):
+                cute.arch.barrier_arrive(barrier_id=2 - cwg, number_of_threads=256)
+            warpgroup.wait_group(1)
+            masked = const_expr(self.causal) and j * bn + bn > row0 + cwg * 64
+            ny_s = cute.make_rmem_tensor((2,), Float32)
+            if masked:
+                self._first_y(acc_y, ny_s, my, ly, j, row0, row_t, col_t, scale_y, True)
+            else:
+                self._first_y(acc_y, ny_s, my, ly, j, row0, row_t, col_t, scale_y, False)
+            warpgroup.wait_group(0)
+            k_pipe.consumer_release(read)
+            read.advance()
+            if masked:
+                self._then_x(acc_x, acc_y, ny_s, mx, lx, cc, j, row0, row_t, col_t, scale_x, True)
+            else:
+                self._then_x(acc_x, acc_y, ny_s, mx, lx, cc, j, row0, row_t, col_t, scale_x, False)
+        for r in cutlass.range_constexpr(2):
+            sx = lx[r]
+            sy = ly[r]
+            sc = cc[r]
+            for off in cutlass.range_constexpr(2):
+                sx += cute.arch.shuffle_sync_bfly(sx, offset=1 << off)
+                sy += cute.arch.shuffle_sync_bfly(sy, offset=1 << off)
+                sc += cute.arch.shuffle_sync_bfly(sc, offset=1 << off)
+            if lane % 4 == 0:
+                row = head * n + row0 + row_t + 8 * r
+                lse_x = mx[r] + cute.math.log2(sx, fastmath=False)
+                lse_y = my[r] + cute.math.log2(sy, fastmath=False)
+                mKL[row] = Float32(LN2) * (sc / sx - lse_x + lse_y)
+                mLx[row] = lse_x
+                mLy[row] = lse_y
+
+    @cute.jit
+    def _first_y(
+        self,
+        acc_y: cute.Tensor,
+        ny_s: cute.Tensor,
+        my: cute.Tensor,
+        ly: cute.Tensor,
+        j: Int32,
+        row0: Int32,
+        row_t: Int32,
+        col_t: Int32,
+        scale_y: Float32,
+        masked: cutlass.Constexpr,
+    ):
+        """y side of block j: masks, maxima, ly; acc_y <- t_y = s_y - m_y (log2 units); ny_s the shift used."""
+        per_row = cute.size(acc_y) // 2
+        col0 = j * self.bn
+        for r in cutlass.range_constexpr(2):
+            by = -Float32.inf
+            for e in cutlass.range_constexpr(per_row):
+                i = (e % 2) + 2 * r + 4 * (e // 2)
+                if const_expr(masked):
+                    if col0 + col_t + (e % 2) + 8 * (e // 2) > row0 + row_t + 8 * r:
+                        acc_y[i] = -Float32.inf
+                by = cute.arch.fmax(by, acc_y[i])
+            for off in cutlass.range_constexpr(2):
+                by = cute.arch.fmax(by, cute.arch.shuffle_sync_bfly(by, offset=1 << off))
+            ny = cute.arch.fmax(my[r], by * scale_y)
+            ny_safe = ny if ny != -Float32.inf else Float32(0.0)
+            ay = cute.math.exp2(my[r] - ny_safe, fastmath=True)
+            sum_y = Float32(0.0)
+            for e in cutlass.range_constexpr(per_row):
+                i = (e % 2) + 2 * r + 4 * (e // 2)
+                ty = acc_y[i] * scale_y - ny_safe
+                sum_y += cute.math.exp2(ty, fastmath=True)
+                acc_y[i] = ty
+            ly[r] = ly[r] * ay + sum_y
+            my[r] = ny
+            ny_s[r] = ny_safe
+
+    @cute.jit
+    def _then_x(
+        self,
+        acc_x: cute.Tensor,
+        acc_y: cute.Tensor,
+        ny_s: cute.Tensor,
+        mx: cute.Tensor,
+        lx: cute.Tensor,
+        cc: cute.Tensor,
+        j: Int32,
+        row0: Int32,
+        row_t: Int32,
+        col_t: Int32,
+        scale_x: Float32,
+        masked: cutlass.Constexpr,
+    ):
+        """x side of block j and the KL term c = sum 2^(s_x - m_x) (s_x - s_y), from t_x and t_y."""
+        per_row = cute.size(acc_x) // 2
+        col0 = j * self.bn
+        for r in cutlass.range_constexpr(2):
+            bx = -Float32.inf
+            for e in cutlass.range_constexpr(per_row):
+                i = (e % 2) + 2 * r + 4 * (e // 2)
+                if const_expr(masked):
+                    if col0 + col_t + (e % 2) + 8 * (e // 2) > row0 + row_t + 8 * r:
+                        acc_x[i] = -Float32.inf
+                bx = cute.arch.fmax(bx, acc_x[i])
+            for off in cutlass.range_constexpr(2):
+                bx = cute.arch.fmax(bx, cute.arch.shuffle_sync_bfly(bx, offset=1 << off))
+            nx = cute.arch.fmax(mx[r], bx * scale_x)
+            nx_safe = nx if nx != -Float32.inf else Float32(0.0)
+            ax = cute.math.exp2(mx[r] - nx_safe, fastmath=True)
+            sum_x = Float32(0.0)
+            sum_c = Float32(0.0)
+            for e in cutlass.range_constexpr(per_row):
+                i = (e % 2) + 2 * r + 4 * (e // 2)
+                tx = acc_x[i] * scale_x - nx_safe
+                px = cute.math.exp2(tx, fastmath=True)
+                sum_x += px
+                if const_expr(masked):
+                    sum_c += px * (tx - acc_y[i]) if px > Float32(0.0) else Float32(0.0)
+                else:
+                    sum_c += px * (tx - acc_y[i])
+            lx[r] = lx[r] * ax + sum_x
+            mx[r] = nx
+            cc[r] = cc[r] * ax + sum_c + (nx_safe - ny_s[r]) * sum_x
+
 
 def reference(qx, kx, qy, ky):
     """float64 forward KL(P_x || P_y) per row, causal, and both log-sum-exps (natural log)."""
@@ -444,8 +652,10 @@ class CuteForward:
         stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
         key = (n, b * h)
         if key not in self.compiled:
-            bm, bn, stages, pingpong, late = self.config
-            kernel = KLForwardSm90(bm=bm, bn=bn, stages=stages, pingpong=bool(pingpong), late_refill=bool(late))
+            bm, bn, stages, pingpong, late, producer = (*self.config, 0)[:6]
+            kernel = KLForwardSm90(
+                bm=bm, bn=bn, stages=stages, pingpong=bool(pingpong), late_refill=bool(late), producer=bool(producer)
+            )
             self.compiled[key] = cute.compile(kernel, *args, *scalars, stream)
         fn = self.compiled[key]
 
@@ -467,7 +677,18 @@ def main() -> int:
     from nitrobrew.bench.common import loop_ms
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", nargs="+", default=["128,128,2,1,1", "128,128,2,0,1", "128,128,2,1,0", "128,64,4,1,1"])
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=[
+            "128,128,2,1,1,0",
+            "128,128,2,1,1,1",
+            "128,128,2,0,1,1",
+            "128,128,2,0,1,0",
+            "128,128,2,1,0,0",
+            "128,64,4,1,1,0",
+        ],
+    )
     p.add_argument("--ns", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
