@@ -286,22 +286,7 @@ class KLForwardSm90:
                     k_pipe, prod, warp_idx, n_blocks, k_tile0, tma_kx, tma_ky, tKx_g, tKy_g, tKx_s, tKy_s
                 )
 
-        # quad sums, then one thread of each quad writes its two rows
-        for r in cutlass.range_constexpr(2):
-            sx = lx[r]
-            sy = ly[r]
-            sc = cc[r]
-            for off in cutlass.range_constexpr(2):
-                sx += cute.arch.shuffle_sync_bfly(sx, offset=1 << off)
-                sy += cute.arch.shuffle_sync_bfly(sy, offset=1 << off)
-                sc += cute.arch.shuffle_sync_bfly(sc, offset=1 << off)
-            if lane % 4 == 0:
-                row = head * n + row0 + row_t + 8 * r
-                lse_x = mx[r] + cute.math.log2(sx, fastmath=False)
-                lse_y = my[r] + cute.math.log2(sy, fastmath=False)
-                mKL[row] = Float32(LN2) * (sc / sx - lse_x + lse_y)
-                mLx[row] = lse_x
-                mLy[row] = lse_y
+        self._store_rows(mx, my, lx, ly, cc, mKL, mLx, mLy, head * n + row0 + row_t, lane)
 
     @cute.jit
     def _issue(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, rQ: cute.Tensor, rK: cute.Tensor, stage: Int32):
@@ -313,6 +298,67 @@ class KLForwardSm90:
             cute.gemm(atom, acc, rQ[None, None, k, 0], rK[None, None, k, stage], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
+
+    @cute.jit
+    def _block_max(
+        self,
+        acc: cute.Tensor,
+        m_old: Float32,
+        r: cutlass.Constexpr,
+        col0: Int32,
+        row0: Int32,
+        row_t: Int32,
+        col_t: Int32,
+        scale: Float32,
+        masked: cutlass.Constexpr,
+    ):
+        """One side's row r (of this thread's two) in a block: masks the scores past the diagonal to -inf (when
+        masked), and returns the row's new maximum (log2 units), the shift to use (0 while every key so far is
+        masked: the maximum stays -inf) and the rescale 2^(m_old - shift) of the row's earlier sums."""
+        b = -Float32.inf
+        for e in cutlass.range_constexpr(cute.size(acc) // 2):
+            i = (e % 2) + 2 * r + 4 * (e // 2)
+            if const_expr(masked):
+                if col0 + col_t + (e % 2) + 8 * (e // 2) > row0 + row_t + 8 * r:
+                    acc[i] = -Float32.inf
+            b = cute.arch.fmax(b, acc[i])
+        for off in cutlass.range_constexpr(2):  # the row's four threads
+            b = cute.arch.fmax(b, cute.arch.shuffle_sync_bfly(b, offset=1 << off))
+        m_new = cute.arch.fmax(m_old, b * scale)
+        shift = m_new if m_new != -Float32.inf else Float32(0.0)
+        return m_new, shift, cute.math.exp2(m_old - shift, fastmath=True)
+
+    @cute.jit
+    def _store_rows(
+        self,
+        mx: cute.Tensor,
+        my: cute.Tensor,
+        lx: cute.Tensor,
+        ly: cute.Tensor,
+        cc: cute.Tensor,
+        mKL: cute.Tensor,
+        mLx: cute.Tensor,
+        mLy: cute.Tensor,
+        first_row: Int32,
+        lane: Int32,
+    ):
+        """Sums over each row's four threads, then one thread of each four writes the rows first_row and
+        first_row + 8: kl (nats), lse_x and lse_y (log2 units)."""
+        for r in cutlass.range_constexpr(2):
+            sx = lx[r]
+            sy = ly[r]
+            sc = cc[r]
+            for off in cutlass.range_constexpr(2):
+                sx += cute.arch.shuffle_sync_bfly(sx, offset=1 << off)
+                sy += cute.arch.shuffle_sync_bfly(sy, offset=1 << off)
+                sc += cute.arch.shuffle_sync_bfly(sc, offset=1 << off)
+            if lane % 4 == 0:
+                row = first_row + 8 * r
+                lse_x = mx[r] + cute.math.log2(sx, fastmath=False)
+                lse_y = my[r] + cute.math.log2(sy, fastmath=False)
+                mKL[row] = Float32(LN2) * (sc / sx - lse_x + lse_y)
+                mLx[row] = lse_x
+                mLy[row] = lse_y
 
     @cute.jit
     def _update_x(
@@ -336,19 +382,7 @@ class KLForwardSm90:
         per_row = cute.size(acc_x) // 2
         col0 = j * self.bn
         for r in cutlass.range_constexpr(2):
-            bx = -Float32.inf
-            for e in cutlass.range_constexpr(per_row):
-                i = (e % 2) + 2 * r + 4 * (e // 2)
-                if const_expr(masked):
-                    if col0 + col_t + (e % 2) + 8 * (e // 2) > row0 + row_t + 8 * r:
-                        acc_x[i] = -Float32.inf
-                bx = cute.arch.fmax(bx, acc_x[i])
-            for off in cutlass.range_constexpr(2):
-                bx = cute.arch.fmax(bx, cute.arch.shuffle_sync_bfly(bx, offset=1 << off))
-            nx = cute.arch.fmax(mx[r], bx * scale_x)
-            # a row whose keys are all masked so far keeps -inf: shift by 0 there
-            nx_safe = nx if nx != -Float32.inf else Float32(0.0)
-            ax[r] = cute.math.exp2(mx[r] - nx_safe, fastmath=True)
+            nx, nx_safe, ax[r] = self._block_max(acc_x, mx[r], r, col0, row0, row_t, col_t, scale_x, masked)
             sum_x = Float32(0.0)
             for e in cutlass.range_constexpr(per_row):
                 i = (e % 2) + 2 * r + 4 * (e // 2)
@@ -385,18 +419,7 @@ class KLForwardSm90:
         per_row = cute.size(acc_y) // 2
         col0 = j * self.bn
         for r in cutlass.range_constexpr(2):
-            by = -Float32.inf
-            for e in cutlass.range_constexpr(per_row):
-                i = (e % 2) + 2 * r + 4 * (e // 2)
-                if const_expr(masked):
-                    if col0 + col_t + (e % 2) + 8 * (e // 2) > row0 + row_t + 8 * r:
-                        acc_y[i] = -Float32.inf
-                by = cute.arch.fmax(by, acc_y[i])
-            for off in cutlass.range_constexpr(2):
-                by = cute.arch.fmax(by, cute.arch.shuffle_sync_bfly(by, offset=1 << off))
-            ny = cute.arch.fmax(my[r], by * scale_y)
-            ny_safe = ny if ny != -Float32.inf else Float32(0.0)
-            ay = cute.math.exp2(my[r] - ny_safe, fastmath=True)
+            ny, ny_safe, ay = self._block_max(acc_y, my[r], r, col0, row0, row_t, col_t, scale_y, masked)
             sum_y = Float32(0.0)
             sum_c = Float32(0.0)
             for e in cutlass.range_constexpr(per_row):
@@ -513,21 +536,7 @@ class KLForwardSm90:
                 self._then_x(acc_x, acc_y, ny_s, mx, lx, cc, j, row0, row_t, col_t, scale_x, True)
             else:
                 self._then_x(acc_x, acc_y, ny_s, mx, lx, cc, j, row0, row_t, col_t, scale_x, False)
-        for r in cutlass.range_constexpr(2):
-            sx = lx[r]
-            sy = ly[r]
-            sc = cc[r]
-            for off in cutlass.range_constexpr(2):
-                sx += cute.arch.shuffle_sync_bfly(sx, offset=1 << off)
-                sy += cute.arch.shuffle_sync_bfly(sy, offset=1 << off)
-                sc += cute.arch.shuffle_sync_bfly(sc, offset=1 << off)
-            if lane % 4 == 0:
-                row = head * n + row0 + row_t + 8 * r
-                lse_x = mx[r] + cute.math.log2(sx, fastmath=False)
-                lse_y = my[r] + cute.math.log2(sy, fastmath=False)
-                mKL[row] = Float32(LN2) * (sc / sx - lse_x + lse_y)
-                mLx[row] = lse_x
-                mLy[row] = lse_y
+        self._store_rows(mx, my, lx, ly, cc, mKL, mLx, mLy, head * n + row0 + row_t, lane)
 
     @cute.jit
     def _first_y(
@@ -547,18 +556,7 @@ class KLForwardSm90:
         per_row = cute.size(acc_y) // 2
         col0 = j * self.bn
         for r in cutlass.range_constexpr(2):
-            by = -Float32.inf
-            for e in cutlass.range_constexpr(per_row):
-                i = (e % 2) + 2 * r + 4 * (e // 2)
-                if const_expr(masked):
-                    if col0 + col_t + (e % 2) + 8 * (e // 2) > row0 + row_t + 8 * r:
-                        acc_y[i] = -Float32.inf
-                by = cute.arch.fmax(by, acc_y[i])
-            for off in cutlass.range_constexpr(2):
-                by = cute.arch.fmax(by, cute.arch.shuffle_sync_bfly(by, offset=1 << off))
-            ny = cute.arch.fmax(my[r], by * scale_y)
-            ny_safe = ny if ny != -Float32.inf else Float32(0.0)
-            ay = cute.math.exp2(my[r] - ny_safe, fastmath=True)
+            ny, ny_safe, ay = self._block_max(acc_y, my[r], r, col0, row0, row_t, col_t, scale_y, masked)
             sum_y = Float32(0.0)
             for e in cutlass.range_constexpr(per_row):
                 i = (e % 2) + 2 * r + 4 * (e // 2)
@@ -589,18 +587,7 @@ class KLForwardSm90:
         per_row = cute.size(acc_x) // 2
         col0 = j * self.bn
         for r in cutlass.range_constexpr(2):
-            bx = -Float32.inf
-            for e in cutlass.range_constexpr(per_row):
-                i = (e % 2) + 2 * r + 4 * (e // 2)
-                if const_expr(masked):
-                    if col0 + col_t + (e % 2) + 8 * (e // 2) > row0 + row_t + 8 * r:
-                        acc_x[i] = -Float32.inf
-                bx = cute.arch.fmax(bx, acc_x[i])
-            for off in cutlass.range_constexpr(2):
-                bx = cute.arch.fmax(bx, cute.arch.shuffle_sync_bfly(bx, offset=1 << off))
-            nx = cute.arch.fmax(mx[r], bx * scale_x)
-            nx_safe = nx if nx != -Float32.inf else Float32(0.0)
-            ax = cute.math.exp2(mx[r] - nx_safe, fastmath=True)
+            nx, nx_safe, ax = self._block_max(acc_x, mx[r], r, col0, row0, row_t, col_t, scale_x, masked)
             sum_x = Float32(0.0)
             sum_c = Float32(0.0)
             for e in cutlass.range_constexpr(per_row):
