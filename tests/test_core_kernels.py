@@ -118,3 +118,24 @@ def test_scale_by_upstream_scales_a_permuted_gradient_in_place():
     gap = torch.ones(8, 10, device=KERNEL_DEVICE)[:, ::2]  # not dense: the host path, still in place
     (got,) = slabs.scale_by_upstream((gap,), torch.tensor(3.0, device=KERNEL_DEVICE))
     assert got is gap and torch.equal(got.cpu(), torch.full((8, 5), 3.0))
+
+
+@needs_triton
+def test_scale_kernel_scales_several_tensors_in_one_launch(monkeypatch):
+    from nitrobrew.core import kernels
+
+    launches = []
+    real = kernels.launch
+    monkeypatch.setattr(kernels, "launch", lambda *a, **k: (launches.append(1), real(*a, **k)))
+    sizes = [5, kernels.SCALE_BLOCK * 3 + 1, 3, 7]
+    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.float16]
+    xs = [_grad(n, d).to(KERNEL_DEVICE) for n, d in zip(sizes, dtypes)]
+    xs[2] = xs[2][:0]  # an empty one among them
+    for up in (1.0, -0.3):
+        wants = [_expected(x.cpu(), up) for x in xs]
+        kernels.launch_scale_all(xs, torch.tensor([up], device=KERNEL_DEVICE))
+        for x, want in zip(xs, wants):
+            assert _same(x.cpu(), want, interpreted=INTERPRETED)
+    assert len(launches) == 2
+    with pytest.raises(ValueError, match="1 to 4"):
+        kernels.launch_scale_all(xs + xs, torch.tensor([2.0], device=KERNEL_DEVICE))

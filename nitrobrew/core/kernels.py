@@ -1,13 +1,14 @@
 """Triton kernels shared by the loss families.
 
-``core_scale_kernel`` multiplies a gradient formed in the forward by the upstream gradient, in place,
-reading that scalar on the device: when it is exactly 1 (``loss.backward()``) every program returns at
-once, so the backward neither waits for the device to answer nor makes a pass over dW.
+``core_scale_kernel`` multiplies gradients formed in the forward (up to four a launch) by the upstream
+gradient, in place, reading that scalar on the device: when it is exactly 1 (``loss.backward()``) every
+program returns at once, so the backward neither waits for the device to answer nor makes a pass over dW.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 import triton
@@ -20,18 +21,35 @@ SCALE_PROGRAMS_PER_SM = 4  # a grid-strided loop: few programs, each leaving at 
 SCALE_PROGRAMS_OFF_GPU = 4
 
 
+MAX_SCALED = 4  # tensors one launch scales
+
+
 @triton.jit
-def core_scale_kernel(x_ptr, g_ptr, n, ACC: tl.constexpr, BLOCK: tl.constexpr):
+def _scale_segment(x_ptr, n, g, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    cols = tl.arange(0, BLOCK)
+    for s in range(start, n, step):
+        offs = s + cols
+        inside = offs < n
+        x = tl.load(x_ptr + offs, mask=inside)
+        tl.store(x_ptr + offs, (x.to(ACC) * g).to(x.dtype), mask=inside)
+
+
+@triton.jit
+def core_scale_kernel(
+    g_ptr, x0_ptr, n0, x1_ptr, n1, x2_ptr, n2, x3_ptr, n3, COUNT: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr
+):
+    """x_i *= g for the first COUNT tensors, unless g == 1."""
     g = tl.load(g_ptr).to(ACC)
     if g != 1.0:  # NaN included: it spreads as a multiply would spread it
-        start = tl.program_id(0).to(tl.int64) * BLOCK
-        step = tl.num_programs(0).to(tl.int64) * BLOCK
-        cols = tl.arange(0, BLOCK)
-        for s in range(start, n, step):
-            offs = s + cols
-            inside = offs < n
-            x = tl.load(x_ptr + offs, mask=inside)
-            tl.store(x_ptr + offs, (x.to(ACC) * g).to(x.dtype), mask=inside)
+        _scale_segment(x0_ptr, n0, g, ACC=ACC, BLOCK=BLOCK)
+        if COUNT > 1:
+            _scale_segment(x1_ptr, n1, g, ACC=ACC, BLOCK=BLOCK)
+        if COUNT > 2:
+            _scale_segment(x2_ptr, n2, g, ACC=ACC, BLOCK=BLOCK)
+        if COUNT > 3:
+            _scale_segment(x3_ptr, n3, g, ACC=ACC, BLOCK=BLOCK)
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,13 +67,26 @@ def _programs(t: torch.Tensor) -> int:
 def launch_scale(t: torch.Tensor, upstream: torch.Tensor) -> None:
     """t *= upstream in place (the product in fp32, fp64 for fp64, rounded once to t's dtype), skipped on the device
     when upstream == 1. t: contiguous; upstream: a one-element tensor on t's device."""
-    if not t.is_contiguous():
-        raise ValueError("launch_scale needs a contiguous tensor")
-    if upstream.numel() != 1 or upstream.device != t.device:
-        raise ValueError("launch_scale needs a one-element upstream gradient on the tensor's device")
-    n = t.numel()
-    if n == 0:
+    launch_scale_all([t], upstream)
+
+
+def launch_scale_all(tensors: Sequence[torch.Tensor], upstream: torch.Tensor) -> None:
+    """``launch_scale`` of each tensor (at most MAX_SCALED, on one device), in one launch."""
+    if not 1 <= len(tensors) <= MAX_SCALED:
+        raise ValueError(f"launch_scale_all takes 1 to {MAX_SCALED} tensors, got {len(tensors)}")
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError("launch_scale needs a contiguous tensor")
+        if upstream.numel() != 1 or upstream.device != t.device:
+            raise ValueError("launch_scale needs a one-element upstream gradient on the tensor's device")
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
         return
-    acc = tl.float64 if t.dtype == torch.float64 else tl.float32
-    grid = (min(cdiv(n, SCALE_BLOCK), _programs(t)),)
-    launch(core_scale_kernel, grid, t, upstream, n, ACC=acc, BLOCK=SCALE_BLOCK)
+    acc = tl.float64 if any(t.dtype == torch.float64 for t in tensors) else tl.float32
+    n_max = max(t.numel() for t in tensors)
+    grid = (min(cdiv(n_max, SCALE_BLOCK), _programs(tensors[0])),)
+    slots = []
+    for k in range(MAX_SCALED):  # unused slots: the first tensor, no elements
+        t = tensors[k] if k < len(tensors) else tensors[0]
+        slots += [t, t.numel() if k < len(tensors) else 0]
+    launch(core_scale_kernel, grid, upstream, *slots, COUNT=len(tensors), ACC=acc, BLOCK=SCALE_BLOCK)

@@ -66,19 +66,17 @@ def keep_for_backward(ctx, cfg, plan, grads, state, saved) -> None:
 def scale_by_upstream(grads, upstream: torch.Tensor):
     """Each gradient in `grads` (None kept) times the upstream gradient, unless that is exactly 1
     (``loss.backward()``): in place, as the buffers are the loss's own (a copy of dW would add [V, Ds]
-    to the peak). On CUDA (and under Triton's interpreter) a kernel reads the upstream gradient on the
-    device and returns at once when it is 1, so the backward does not wait for the device; on the CPU
-    the host reads it. Under compilation the product is always taken, out of place."""
+    to the peak). On CUDA (and under Triton's interpreter) one kernel launch for all of them reads the
+    upstream gradient on the device and returns at once when it is 1, so the backward does not wait for
+    the device; on the CPU the host reads it. Under compilation the product is always taken, out of place."""
     if torch.compiler.is_compiling():
         return tuple(None if g is None else g * _factor(upstream, g) for g in grads)
     one = None
-    out = []
+    by_kernel = []
     for g in grads:
         flat = None if g is None else _storage_span(g)
         if flat is not None and (g.is_cuda or ck.interpreter_enabled()) and ck.triton_available():
-            from . import kernels  # Triton is optional: imported only where a kernel runs
-
-            kernels.launch_scale(flat, upstream.detach().reshape(1).to(device=g.device))
+            by_kernel.append(flat)
         elif g is not None:
             if g.is_cuda and torch.cuda.is_current_stream_capturing():
                 g.mul_(_factor(upstream, g))
@@ -86,8 +84,15 @@ def scale_by_upstream(grads, upstream: torch.Tensor):
                 one = bool(upstream == 1) if one is None else one
                 if not one:
                     g.mul_(_factor(upstream, g))
-        out.append(g)
-    return tuple(out)
+    if by_kernel:
+        from . import kernels  # Triton is optional: imported only where a kernel runs
+
+        for device in dict.fromkeys(t.device for t in by_kernel):  # one launch a device (and four tensors)
+            on_device = [t for t in by_kernel if t.device == device]
+            up = upstream.detach().reshape(1).to(device=device)
+            for k in range(0, len(on_device), kernels.MAX_SCALED):
+                kernels.launch_scale_all(on_device[k : k + kernels.MAX_SCALED], up)
+    return tuple(grads)
 
 
 def _storage_span(g: torch.Tensor) -> Optional[torch.Tensor]:
