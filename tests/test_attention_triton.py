@@ -188,3 +188,92 @@ def test_results_do_not_depend_on_the_launch_order(section_bytes, monkeypatch):
     monkeypatch.setattr(kt, "L2_SECTION_BYTES", section_bytes)
     for a, b in zip(base, run()):
         assert torch.equal(a, b)
+
+
+def _grads(ins, upstream, cfg, *, reduction="mean", teacher_grad=False, calls=1, **kw):
+    """Gradients of upstream * attention_kl (backward `calls` times through one graph), of every input that
+    requires grad."""
+    xs = [t.clone().requires_grad_(i < 2 or teacher_grad) for i, t in enumerate(ins)]
+    loss = attention_kl(*xs, backend="triton", is_causal=True, reduction=reduction, block_config=cfg, **kw)
+    out = []
+    for c in range(calls):
+        out.append(torch.autograd.grad(loss * upstream, [t for t in xs if t.requires_grad], retain_graph=c < calls - 1))
+    return loss, out
+
+
+def _count_backward_launches(monkeypatch):
+    from nitrobrew.attention import triton_function as tfn
+
+    calls = []
+    real = tfn.triton_backward
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(tfn, "triton_backward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("teacher_grad", [False, True])
+def test_grads_formed_in_the_forward_match_the_backward(reduction, teacher_grad):
+    # the backward's kernels for an upstream gradient of 1, then one product: the same bits as the backward
+    # at 1 and 0.5 (exact products); elsewhere as close to float64 (the backward rounds g * dS to bf16 before
+    # its GEMMs, the forward's path dS, so the two differ by bf16 roundings); a NaN upstream spreads either way
+    from nitrobrew.attention import reference_attention_kl
+
+    ins = make_inputs(B=1, H=2, Nq=21, Ds=16, Dt=24, hkv_t=1, dtype=torch.bfloat16, seed=11)
+    kw = dict(reduction=reduction, teacher_grad=teacher_grad)
+    for upstream in (1.0, 0.5, 0.3, float("nan")):
+        loss_now, (now,) = _grads(ins, upstream, {"grads_in_forward": True}, **kw)
+        loss_later, (later,) = _grads(ins, upstream, {"grads_in_forward": False}, **kw)
+        assert torch.equal(loss_now, loss_later)
+        assert len(now) == (4 if teacher_grad else 2)
+        if upstream != upstream:
+            assert all(torch.isnan(t).all() for t in now + later)
+        elif upstream in (1.0, 0.5):
+            assert all(torch.equal(a, b) for a, b in zip(now, later))
+        else:
+            xs = [t.double().requires_grad_(i < 2 or teacher_grad) for i, t in enumerate(ins)]
+            ref = reference_attention_kl(*xs, is_causal=True, reduction=reduction)
+            exact = torch.autograd.grad(ref * upstream, [t for t in xs if t.requires_grad])
+            for a, b, r in zip(now, later, exact):
+                assert rel(a, r) < 2e-2 and rel(b, r) < 2e-2
+
+
+def test_grads_formed_in_the_forward_second_backward_and_double_backward(monkeypatch):
+    ins = make_inputs(B=1, H=2, Nq=17, Ds=16, Dt=16, seed=12)
+    calls = _count_backward_launches(monkeypatch)
+    _, (first, second) = _grads(ins, 0.7, {"grads_in_forward": True}, calls=2)
+    assert len(calls) == 2  # the forward's, then the second backward's (retain_graph) runs the kernels again
+    for a, b in zip(first, second):
+        assert rel(a, b) < 1e-5  # float32: the product before or after the GEMMs
+    xs = [t.clone().requires_grad_(i < 2) for i, t in enumerate(ins)]
+    loss = attention_kl(*xs, backend="triton", is_causal=True, block_config={"grads_in_forward": True})
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, xs[:2], create_graph=True)
+
+
+def test_grads_formed_in_the_forward_only_where_a_backward_can_come(monkeypatch):
+    from nitrobrew.attention import triton_function as tfn
+
+    ins = make_inputs(B=1, H=2, Nq=17, Ds=16, Dt=16, seed=13)
+    calls = _count_backward_launches(monkeypatch)
+    xs = [t.clone().requires_grad_(i < 2) for i, t in enumerate(ins)]
+    with torch.no_grad():
+        attention_kl(*xs, backend="triton", is_causal=True)
+    with torch.inference_mode():
+        attention_kl(*xs, backend="triton", is_causal=True)
+    attention_kl(*ins, backend="triton", is_causal=True)  # nothing requires grad
+    attention_kl(*xs, backend="triton", is_causal=True, reduction="none")  # per-row upstream gradients
+    assert calls == []
+    loss = attention_kl(*xs, backend="triton", is_causal=True)  # the default, at this size: in the forward
+    assert len(calls) == 1
+    loss.backward()
+    assert len(calls) == 1 and xs[0].grad is not None and xs[2].grad is None
+    monkeypatch.setattr(tfn, "GRADS_IN_FORWARD_MAX_PAIRS", 2 * 17 * 17 - 1)  # one pair past the bound
+    loss = attention_kl(*xs, backend="triton", is_causal=True)
+    assert len(calls) == 1
+    loss.backward()
+    assert len(calls) == 2

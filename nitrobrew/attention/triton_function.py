@@ -9,6 +9,7 @@ import torch
 from ..core import checks as ck
 from ..core.checks import interpreter_enabled
 from ..core.launch import cdiv
+from ..core.slabs import scale_by_upstream
 from .common import AttnSpec
 from .kernels_bwd import launch_bwd_dk, launch_bwd_dq
 from .kernels_fwd import DEFAULT_CONFIGS, LOG2E, launch_fwd, next_pow2_dim
@@ -371,24 +372,86 @@ def triton_backward(X: Side, Y: Side, kpm, spec: AttnSpec, lsx, lsy, kl, g, need
     return out
 
 
+# Forming the gradients in the forward (scalar reductions, a small score grid): the backward kernels are
+# queued right behind the forward's instead of after the host's trip through the loss's return, the caller's
+# code and the autograd engine, which at small N costs more than the kernels (docs/attention.md, "Gradients
+# formed in the forward"). The gradients are then held from the forward to the backward, so only where
+# that memory is small: up to this many (batch * query head * query * key) score pairs.
+GRADS_IN_FORWARD_MAX_PAIRS = 32 * 4096 * 4096
+_UNIT: dict = {}
+
+
+def grads_in_forward(cfg: Optional[dict], pairs: int) -> bool:
+    """Whether the scalar-reduction Function forms the input gradients in its forward: block_config's
+    "grads_in_forward" (True / False) decides, else up to GRADS_IN_FORWARD_MAX_PAIRS score pairs."""
+    choice = (cfg or {}).get("grads_in_forward")
+    if choice is not None:
+        return bool(choice)
+    return pairs <= GRADS_IN_FORWARD_MAX_PAIRS
+
+
+def _unit_gradient(device: torch.device) -> torch.Tensor:
+    """A 0-dim float32 1 on the device (the upstream gradient the forward's gradients are formed for),
+    made once per device."""
+    one = _UNIT.get(device)
+    if one is None:
+        one = _UNIT[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
+
+
+def _input_grads(S: Side, T: Side, *, kpm, spec: AttnSpec, rows: tuple, g, need4, cfg, g_mult):
+    """(dq_s, dk_s, dq_t, dk_t) (None where not needed) from the forward's rows = (lse_x, lse_y, kl)."""
+    lsx, lsy, kl = rows
+    if spec.teacher_is_x:
+        X, Y, need = T, S, dict(qx=need4[2], kx=need4[3], qy=need4[0], ky=need4[1])
+    else:
+        X, Y, need = S, T, dict(qx=need4[0], kx=need4[1], qy=need4[2], ky=need4[3])
+    out = triton_backward(X=X, Y=Y, kpm=kpm, spec=spec, lsx=lsx, lsy=lsy, kl=kl, g=g, need=need, cfg=cfg, g_mult=g_mult)
+    if spec.teacher_is_x:
+        return out["qy"], out["ky"], out["qx"], out["kx"]
+    return out["qx"], out["kx"], out["qy"], out["ky"]
+
+
+def _forward(q_s, k_s, q_t, k_t, *, lse_t, kpm, spec: AttnSpec, cfg):
+    """The sides and the forward kernel's (kl, lse_x, lse_y)."""
+    S = Side(_last_contig(q_s), _last_contig(k_s), spec.scale_s)
+    T = Side(_last_contig(q_t), _last_contig(k_t), spec.scale_t)
+    if spec.teacher_is_x:
+        return S, T, triton_forward(T, S, kpm, spec, lse_x=lse_t, cfg=cfg)
+    return S, T, triton_forward(S, T, kpm, spec, lse_y=lse_t, cfg=cfg)
+
+
+def _graph_needed(q_s, k_s, q_t, k_t) -> bool:
+    return torch.is_grad_enabled() and (
+        q_s.requires_grad or k_s.requires_grad or q_t.requires_grad or k_t.requires_grad
+    )
+
+
 class TritonAttentionKL(torch.autograd.Function):
     """Per-row KL [B, H, Nq] float32 (0 at rows with no visible key), or with ``reduce`` ("sum" or
     "mean") the scalar sum or mean of the rows: one autograd node and no host-side ops around the
     kernels (their host work is the dominant cost of small problems); the backward kernels read
-    the scalar upstream gradient themselves."""
+    the scalar upstream gradient themselves. With ``grads_now`` (a scalar reduction) the forward also
+    runs the backward kernels for an upstream gradient of 1 and the backward multiplies their results
+    by the real one on the device, in one launch that returns at once when it is 1
+    (``core.slabs.scale_by_upstream``); a second backward through the graph (retain_graph=True) runs the
+    backward kernels again."""
 
     @staticmethod
-    def forward(ctx, q_s, k_s, q_t, k_t, lse_t, kpm, spec: AttnSpec, cfg, reduce: Optional[str] = None):
-        q_s, k_s, q_t, k_t = (_last_contig(t) for t in (q_s, k_s, q_t, k_t))
-        S = Side(q_s, k_s, spec.scale_s)
-        T = Side(q_t, k_t, spec.scale_t)
-        if spec.teacher_is_x:
-            kl, lsx, lsy = triton_forward(T, S, kpm, spec, lse_x=lse_t, cfg=cfg)
-        else:
-            kl, lsx, lsy = triton_forward(S, T, kpm, spec, lse_y=lse_t, cfg=cfg)
-        ctx.save_for_backward(q_s, k_s, q_t, k_t, kpm, lsx, lsy, kl)
+    def forward(
+        ctx, q_s, k_s, q_t, k_t, lse_t, kpm, spec: AttnSpec, cfg, reduce: Optional[str] = None, grads_now=False
+    ):
+        S, T, (kl, lsx, lsy) = _forward(q_s, k_s, q_t, k_t, lse_t=lse_t, kpm=kpm, spec=spec, cfg=cfg)
+        ctx.save_for_backward(S.q, S.k, T.q, T.k, kpm, lsx, lsy, kl)
         ctx.spec, ctx.cfg = spec, cfg
         ctx.g_mult = None if reduce is None else (1.0 if reduce == "sum" else 1.0 / kl.numel())
+        ctx.grads = None
+        if grads_now and reduce is not None:
+            g = _unit_gradient(kl.device)
+            need4 = ctx.needs_input_grad[:4]
+            ctx.grads = _input_grads(
+                S, T, kpm=kpm, spec=spec, rows=(lsx, lsy, kl), g=g, need4=need4, cfg=cfg, g_mult=ctx.g_mult
+            )
         if reduce is None:
             return kl
         return kl.sum() if reduce == "sum" else kl.mean()
@@ -396,32 +459,36 @@ class TritonAttentionKL(torch.autograd.Function):
     @staticmethod
     @ck.no_double_backward
     def backward(ctx, grad_rows):
+        if ctx.grads is not None:  # formed in the forward; handed out once (autograd may keep them as .grad)
+            grads, ctx.grads = ctx.grads, None
+            return (*scale_by_upstream(grads, grad_rows), None, None, None, None, None, None)
         q_s, k_s, q_t, k_t, kpm, lsx, lsy, kl = ctx.saved_tensors
         spec = ctx.spec
-        n = ctx.needs_input_grad
         S = Side(q_s, k_s, spec.scale_s)
         T = Side(q_t, k_t, spec.scale_t)
         g = grad_rows if grad_rows.dtype == torch.float32 else grad_rows.float()
         if ctx.g_mult is None:
             g = g.contiguous()
-        if spec.teacher_is_x:
-            X, Y, need = T, S, dict(qx=n[2], kx=n[3], qy=n[0], ky=n[1])
-        else:
-            X, Y, need = S, T, dict(qx=n[0], kx=n[1], qy=n[2], ky=n[3])
-        out = triton_backward(
-            X=X, Y=Y, kpm=kpm, spec=spec, lsx=lsx, lsy=lsy, kl=kl, g=g, need=need, cfg=ctx.cfg, g_mult=ctx.g_mult
+        need4 = ctx.needs_input_grad[:4]
+        grads = _input_grads(
+            S, T, kpm=kpm, spec=spec, rows=(lsx, lsy, kl), g=g, need4=need4, cfg=ctx.cfg, g_mult=ctx.g_mult
         )
-        if spec.teacher_is_x:
-            dq_t, dk_t, dq_s, dk_s = out["qx"], out["kx"], out["qy"], out["ky"]
-        else:
-            dq_s, dk_s, dq_t, dk_t = out["qx"], out["kx"], out["qy"], out["ky"]
-        return dq_s, dk_s, dq_t, dk_t, None, None, None, None, None
+        return (*grads, None, None, None, None, None, None)
 
 
 def attention_rows(q_s, k_s, q_t, k_t, lse_t, kpm, spec: AttnSpec, cfg: Optional[dict] = None):
+    if not _graph_needed(q_s, k_s, q_t, k_t):  # no autograd node to build (no_grad, inference, frozen inputs)
+        return _forward(q_s, k_s, q_t, k_t, lse_t=lse_t, kpm=kpm, spec=spec, cfg=cfg)[2][0]
     return TritonAttentionKL.apply(q_s, k_s, q_t, k_t, lse_t, kpm, spec, cfg)
 
 
 def triton_total(q_s, k_s, q_t, k_t, lse_t, spec: AttnSpec, cfg: Optional[dict], reduce: str):
-    """Sum or mean of the per-row KL (every row counts: no masks)."""
-    return TritonAttentionKL.apply(q_s, k_s, q_t, k_t, lse_t, None, spec, cfg, reduce)
+    """Sum or mean of the per-row KL (every row counts: no masks). Under grad mode, with an input that
+    requires grad and a small score grid (``grads_in_forward``), the gradients are formed in the forward."""
+    if not _graph_needed(q_s, k_s, q_t, k_t):
+        kl = _forward(q_s, k_s, q_t, k_t, lse_t=lse_t, kpm=None, spec=spec, cfg=cfg)[2][0]
+        return kl.sum() if reduce == "sum" else kl.mean()
+    grads_now = not torch.compiler.is_compiling() and grads_in_forward(
+        cfg, q_s.shape[0] * q_s.shape[1] * q_s.shape[2] * k_s.shape[2]
+    )
+    return TritonAttentionKL.apply(q_s, k_s, q_t, k_t, lse_t, None, spec, cfg, reduce, grads_now)
