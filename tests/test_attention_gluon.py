@@ -299,3 +299,54 @@ def test_the_gluon_launches_keep_their_tensor_maps_on_this_triton(monkeypatch):
     if not kg.TRITON_VERSION.startswith(kg.TESTED_TRITON):
         pytest.skip("another Triton: its launcher may have another form")
     assert len(kept) >= 3  # the forward, dq and dk kernels
+
+
+@needs_sm90
+@pytest.mark.parametrize("kernels", ["gluon", "triton"])
+@pytest.mark.parametrize("case", [(32, 32, 128, 128), (32, 8, 128, 128), (32, 32, 64, 128)])
+def test_grads_formed_in_the_forward_give_the_backwards_bits(kernels, case):
+    H, hkv, Ds, Dt = case
+    ins = [t.cuda() for t in make_inputs(B=1, H=H, Nq=1000, Ds=Ds, Dt=Dt, hkv_s=hkv, hkv_t=hkv, dtype=torch.bfloat16)]
+    got = {}
+    for now in (True, False):
+        for upstream in (1.0, 0.5):
+            qs, ks = (t.clone().requires_grad_() for t in ins[:2])
+            cfg = {"fwd_kernel": kernels, "bwd_kernel": kernels, "grads_in_forward": now}
+            loss = attention_kl(qs, ks, *ins[2:], is_causal=True, block_config=cfg)
+            (loss * upstream).backward()
+            got[now, upstream] = (loss.detach(), qs.grad, ks.grad)
+    for upstream in (1.0, 0.5):
+        assert all(torch.equal(a, b) for a, b in zip(got[True, upstream], got[False, upstream]))
+
+
+@needs_sm90
+def test_grads_formed_in_the_forward_under_cuda_graph_capture(monkeypatch):
+    # the unit upstream gradient made inside a capture is filled only on replay: it must not be kept for
+    # calls outside the graph
+    from nitrobrew.attention import triton_function as tfn
+
+    ins = [t.cuda() for t in make_inputs(B=1, H=4, Nq=700, Ds=64, Dt=64, dtype=torch.bfloat16, seed=5)]
+    qs, ks = (t.clone().requires_grad_() for t in ins[:2])
+    cfg = {"fwd_kernel": "gluon", "bwd_kernel": "gluon", "grads_in_forward": True}
+
+    def step():
+        qs.grad = ks.grad = None
+        attention_kl(qs, ks, *ins[2:], is_causal=True, block_config=cfg).backward()
+        return qs.grad, ks.grad
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        want = [g.clone() for g in step()]
+    torch.cuda.current_stream().wait_stream(side)
+    monkeypatch.setattr(tfn, "_UNIT", {})
+    graph = torch.cuda.CUDAGraph()
+    qs.grad = ks.grad = None
+    with torch.cuda.graph(graph):
+        attention_kl(qs, ks, *ins[2:], is_causal=True, block_config=cfg).backward()
+    assert tfn._UNIT == {}
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(qs.grad, want[0]) and torch.equal(ks.grad, want[1])
+    again = step()  # eager, after the capture
+    assert torch.equal(again[0], want[0]) and torch.equal(again[1], want[1])

@@ -392,10 +392,13 @@ def grads_in_forward(cfg: Optional[dict], pairs: int) -> bool:
 
 def _unit_gradient(device: torch.device) -> torch.Tensor:
     """A 0-dim float32 1 on the device (the upstream gradient the forward's gradients are formed for),
-    made once per device."""
+    made once per device (outside CUDA graph captures)."""
     one = _UNIT.get(device)
     if one is None:
-        one = _UNIT[device] = torch.ones((), dtype=torch.float32, device=device)
+        one = torch.ones((), dtype=torch.float32, device=device)
+        # made inside a CUDA graph capture, its fill runs only on replay: not kept for calls outside it
+        if not (one.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _UNIT[device] = one
     return one
 
 
