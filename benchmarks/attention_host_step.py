@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import cProfile
-import io
-import pstats
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
-from attention_small_n import measure, print_ratios
+from attention_small_n import host_profile, measure, print_ratios
 
 import nitrobrew as nb
 from nitrobrew.attention import api
@@ -99,20 +96,6 @@ def breakdown(step, steps: int = 200) -> dict:
     out = {k: v / steps * 1e6 for k, v in acc.items()}
     out["step"] = total / steps * 1e6
     return out
-
-
-def own_time_profile(name: str, step, calls: int = 200) -> None:
-    step(), step()
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    for _ in range(calls):
-        prof.enable()
-        step()
-        prof.disable()
-        torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
-    print(f"### cProfile: {name}, {calls} steps\n\n```\n{buf.getvalue().strip()}\n```\n")
 
 
 def main() -> int:
@@ -195,7 +178,7 @@ def main() -> int:
             print(f"| {label} | " + " | ".join(f"{us.get(c, 0.0):.0f}" for c in cols) + " |")
         print()
         if args.profile:
-            own_time_profile(f"Gluon, grads in forward, N = {n}", steps["Gluon, grads in forward"])
+            host_profile(f"Gluon, grads in forward, N = {n}", steps["Gluon, grads in forward"])
         sys.stdout.flush()
         del q_s, k_s, q_t, k_t, v, qs, ks, qv, kv, vv
         torch.cuda.empty_cache()
