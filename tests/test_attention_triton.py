@@ -255,25 +255,23 @@ def test_grads_formed_in_the_forward_second_backward_and_double_backward(monkeyp
         torch.autograd.grad(loss, xs[:2], create_graph=True)
 
 
-def test_grads_formed_in_the_forward_only_where_a_backward_can_come(monkeypatch):
-    from nitrobrew.attention import triton_function as tfn
-
+def test_grads_formed_in_the_forward_only_when_asked_and_a_backward_can_come(monkeypatch):
     ins = make_inputs(B=1, H=2, Nq=17, Ds=16, Dt=16, seed=13)
     calls = _count_backward_launches(monkeypatch)
     xs = [t.clone().requires_grad_(i < 2) for i, t in enumerate(ins)]
+    now = {"grads_in_forward": True}
     with torch.no_grad():
-        attention_kl(*xs, backend="triton", is_causal=True)
+        attention_kl(*xs, backend="triton", is_causal=True, block_config=now)
     with torch.inference_mode():
-        attention_kl(*xs, backend="triton", is_causal=True)
-    attention_kl(*ins, backend="triton", is_causal=True)  # nothing requires grad
-    attention_kl(*xs, backend="triton", is_causal=True, reduction="none")  # per-row upstream gradients
+        attention_kl(*xs, backend="triton", is_causal=True, block_config=now)
+    attention_kl(*ins, backend="triton", is_causal=True, block_config=now)  # nothing requires grad
+    attention_kl(*xs, backend="triton", is_causal=True, reduction="none", block_config=now)  # per-row upstream
+    loss = attention_kl(*xs, backend="triton", is_causal=True)  # the default: in the backward
     assert calls == []
-    loss = attention_kl(*xs, backend="triton", is_causal=True)  # the default, at this size: in the forward
-    assert len(calls) == 1
     loss.backward()
-    assert len(calls) == 1 and xs[0].grad is not None and xs[2].grad is None
-    monkeypatch.setattr(tfn, "GRADS_IN_FORWARD_MAX_PAIRS", 2 * 17 * 17 - 1)  # one pair past the bound
-    loss = attention_kl(*xs, backend="triton", is_causal=True)
     assert len(calls) == 1
-    loss.backward()
+    xs[0].grad = xs[1].grad = None
+    loss = attention_kl(*xs, backend="triton", is_causal=True, block_config=now)
     assert len(calls) == 2
+    loss.backward()
+    assert len(calls) == 2 and xs[0].grad is not None and xs[2].grad is None
