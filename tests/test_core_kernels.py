@@ -139,3 +139,20 @@ def test_scale_kernel_scales_several_tensors_in_one_launch(monkeypatch):
     assert len(launches) == 2
     with pytest.raises(ValueError, match="1 to 4"):
         kernels.launch_scale_all(xs + xs, torch.tensor([2.0], device=KERNEL_DEVICE))
+
+
+@needs_triton
+def test_scale_by_upstream_launches_once_per_precision(monkeypatch):
+    from nitrobrew.core import kernels
+
+    launches = []
+    real = kernels.launch
+    monkeypatch.setattr(kernels, "launch", lambda *a, **k: (launches.append(1), real(*a, **k)))
+    grads = [_grad(n, d).to(KERNEL_DEVICE) for n, d in ((9, torch.bfloat16), (11, torch.float64), (13, torch.float32))]
+    up = torch.tensor(1 / 3, device=KERNEL_DEVICE)
+    wants = [_expected(g.cpu(), float(up)) for g in grads]  # fp32 products for the 16/32-bit ones, fp64 for fp64
+    out = slabs.scale_by_upstream([grads[0], None, grads[1], grads[2]], up)
+    assert out[1] is None and [t is g for t, g in zip([out[0], out[2], out[3]], grads)] == [True] * 3
+    for g, want in zip(grads, wants):
+        assert _same(g.cpu(), want, interpreted=INTERPRETED)
+    assert len(launches) == 2

@@ -71,7 +71,8 @@ def launch_scale(t: torch.Tensor, upstream: torch.Tensor) -> None:
 
 
 def launch_scale_all(tensors: Sequence[torch.Tensor], upstream: torch.Tensor) -> None:
-    """``launch_scale`` of each tensor (at most MAX_SCALED, on one device), in one launch."""
+    """``launch_scale`` of each tensor (at most MAX_SCALED, on one device), in one launch; the product in fp64
+    for all of them when one is fp64."""
     if not 1 <= len(tensors) <= MAX_SCALED:
         raise ValueError(f"launch_scale_all takes 1 to {MAX_SCALED} tensors, got {len(tensors)}")
     for t in tensors:

@@ -87,11 +87,12 @@ def scale_by_upstream(grads, upstream: torch.Tensor):
     if by_kernel:
         from . import kernels  # Triton is optional: imported only where a kernel runs
 
-        for device in dict.fromkeys(t.device for t in by_kernel):  # one launch a device (and four tensors)
-            on_device = [t for t in by_kernel if t.device == device]
+        # one launch a device and precision (the product in fp64 for fp64 gradients only), four tensors a launch
+        for device, fp64 in dict.fromkeys((t.device, t.dtype == torch.float64) for t in by_kernel):
+            group = [t for t in by_kernel if t.device == device and (t.dtype == torch.float64) == fp64]
             up = upstream.detach().reshape(1).to(device=device)
-            for k in range(0, len(on_device), kernels.MAX_SCALED):
-                kernels.launch_scale_all(on_device[k : k + kernels.MAX_SCALED], up)
+            for k in range(0, len(group), kernels.MAX_SCALED):
+                kernels.launch_scale_all(group[k : k + kernels.MAX_SCALED], up)
     return tuple(grads)
 
 
