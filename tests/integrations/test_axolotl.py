@@ -229,8 +229,8 @@ def test_loss_equals_axolotls_on_its_collated_batch(work, kd_alpha, kd_ce_alpha,
         # Axolotl's backward leaves out the T^2 its loss value carries: its gradient is that of
         # kd_alpha * KD + kd_ce_alpha * CE. nitrobrew's is the gradient of the value it returns.
         _, grads = ours(kd_alpha / temperature**2)
-    for a, b in zip(grads, ref_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for a, b in zip(grads, ref_grads):  # fp32 rounding of the tensor's largest terms (as test_trl.py's)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * max(1.0, b.abs().max().item()))
 
 
 def test_two_training_steps_through_axolotl(work):

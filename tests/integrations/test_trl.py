@@ -26,6 +26,13 @@ from nitrobrew.integrations import trl as nbtrl  # noqa: E402
 WORDS = ["<pad>", "<eos>", "<unk>", "user", "assistant", ":", "\n"] + [f"w{i}" for i in range(40)]
 
 
+def _assert_grads_close(a, b):
+    """Gradients equal to fp32 rounding: an entry far below its tensor's largest one comes out of fp32 sums of
+    terms of that size, so its rounding is of that size (the tied head's 5e-3 beside 22), and how large
+    depends on the CPU's BLAS kernels."""
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * max(1.0, b.abs().max().item()))
+
+
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     return _tokenizer(tmp_path_factory.mktemp("tok"))
@@ -175,7 +182,7 @@ def test_gkd_loss_equals_trls(tmp_path, tok):
             grads.append([p.grad.clone() for p in tr.model.parameters()])
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
         for a, b in zip(grads[1], grads[0]):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+            _assert_grads_close(a, b)
 
 
 def test_gkd_two_steps_on_and_off_policy(tmp_path, tok):
@@ -280,7 +287,7 @@ def test_distillation_loss_equals_trls(tmp_path, tok):
             torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
         assert len(grads[0]) == len(grads[1])
         for a, b in zip(grads[1], grads[0]):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+            _assert_grads_close(a, b)
 
 
 def test_distillation_two_steps(tmp_path, tok):
@@ -388,7 +395,7 @@ def test_distillation_loss_equals_trls_function_with_bias_scale_softcap():
         for a, b in zip(outs[1], outs[0]):  # loss, entropy sum, counted positions
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         for a, b in zip(grads[1], grads[0]):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+            _assert_grads_close(a, b)
 
 
 def test_peft_lora_inside_both_trainers(tmp_path, tok):
@@ -417,6 +424,6 @@ def test_peft_lora_inside_both_trainers(tmp_path, tok):
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
         assert grads[0].keys() == grads[1].keys() and all("lora_" in n for n in grads[1])
         for name in grads[0]:
-            torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6)
+            _assert_grads_close(grads[1][name], grads[0][name])
         ours.train()
         assert ours.state.global_step == 2
