@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
-from attention_small_n import host_profile, measure, print_ratios
+from attention_small_n import host_profile, host_us_per_step, measure, print_ratios, timer
 
 import nitrobrew as nb
 from nitrobrew.attention import api
@@ -63,38 +62,18 @@ def breakdown(step, steps: int = 200) -> dict:
     """us per step of each function in PARTS while running step() (synchronized between steps)."""
     acc: dict = collections.defaultdict(float)
     saved = [(owner, name, owner.__dict__[name]) for owner, name in PARTS]
-
-    def timed(label, f):
-        def w(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                acc[label] += time.perf_counter() - t0
-
-        return w
-
+    timed = timer(acc)
     for owner, name, f in saved:
         inner = f.__func__ if isinstance(f, staticmethod) else f
         wrapped = timed(name, inner)
         setattr(owner, name, staticmethod(wrapped) if isinstance(f, staticmethod) else wrapped)
     try:
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        acc.clear()
-        total = 0.0
-        for _ in range(steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step()
-            total += time.perf_counter() - t0
-        torch.cuda.synchronize()
+        step_us = host_us_per_step(step, acc, steps, warmup=5)
     finally:
         for owner, name, f in saved:
             setattr(owner, name, f)
     out = {k: v / steps * 1e6 for k, v in acc.items()}
-    out["step"] = total / steps * 1e6
+    out["step"] = step_us
     return out
 
 

@@ -135,13 +135,8 @@ def launched(mode: str, fn):
     return run
 
 
-def host_breakdown(n: int, dev, steps: int = 100) -> None:
-    """Host time of one API fwd+bwd step by the functions it goes through (perf_counter wrappers around
-    them; nested: a function's time includes its callees'), at N = n, both ways and for both kernel sets."""
-    from nitrobrew.attention import api, kernels_bwd, kernels_fwd
-    from nitrobrew.attention import triton_function as tfn
-
-    acc: dict = collections.defaultdict(float)
+def timer(acc: dict):
+    """timed(label, f): f wrapped to add its host time (perf_counter) to acc[label]."""
 
     def timed(label, f):
         def w(*a, **k):
@@ -152,6 +147,35 @@ def host_breakdown(n: int, dev, steps: int = 100) -> None:
                 acc[label] += time.perf_counter() - t0
 
         return w
+
+    return timed
+
+
+def host_us_per_step(step, acc: dict, steps: int, warmup: int = 3) -> float:
+    """Host time of step() in us, from synchronized starts after warm-up; acc (the timers') is cleared after
+    the warm-up, so it holds the timed steps' totals."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    acc.clear()
+    total = 0.0
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        total += time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return total / steps * 1e6
+
+
+def host_breakdown(n: int, dev, steps: int = 100) -> None:
+    """Host time of one API fwd+bwd step by the functions it goes through (perf_counter wrappers around
+    them; nested: a function's time includes its callees'), at N = n, both ways and for both kernel sets."""
+    from nitrobrew.attention import api, kernels_bwd, kernels_fwd
+    from nitrobrew.attention import triton_function as tfn
+
+    acc: dict = collections.defaultdict(float)
+    timed = timer(acc)
 
     g = torch.Generator(device="cpu").manual_seed(0)
     q_s, k_s, q_t, k_t = ((torch.randn(1, 32, n, 128, generator=g) * 1.5).to(dev, torch.bfloat16) for _ in range(4))
@@ -175,22 +199,12 @@ def host_breakdown(n: int, dev, steps: int = 100) -> None:
 
             launched(mode, lambda: None)()  # the mode's launch functions, then timers around two of them
             kg._desc, launch_mod._arg_key = timed("desc", kg._desc), timed("key", launch_mod._arg_key)
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            acc.clear()
-            total = 0.0
-            for _ in range(steps):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step()
-                total += time.perf_counter() - t0
-            torch.cuda.synchronize()
+            step_us = host_us_per_step(step, acc, steps)
             us = {k: v / steps * 1e6 for k, v in acc.items()}
             cols = ["_validate", "triton_forward", "triton_backward", "launch_fwd_gluon", "launch_bwd_gluon", "desc",
                     "key", "launch (Triton kernels)"]  # fmt: skip
             cells = " | ".join(f"{us.get(c, 0):.0f}" for c in cols)
-            print(f"| {name}, {mode} | {total / steps * 1e6:.0f} | {cells} |")
+            print(f"| {name}, {mode} | {step_us:.0f} | {cells} |")
     for m, name, f in saved:
         setattr(m, name, f)
     launched("now", lambda: None)()
