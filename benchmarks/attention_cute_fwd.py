@@ -223,23 +223,8 @@ class KLForwardSm90:
                 k_pipe.producer_commit(prod)
                 prod.advance()
 
-        # per row (two rows a thread): maxima, sums, and the KL accumulator
-        mx = cute.make_rmem_tensor((2,), Float32)
-        my = cute.make_rmem_tensor((2,), Float32)
-        lx = cute.make_rmem_tensor((2,), Float32)
-        ly = cute.make_rmem_tensor((2,), Float32)
-        cc = cute.make_rmem_tensor((2,), Float32)
-        for r in cutlass.range_constexpr(2):
-            mx[r] = -Float32.inf
-            my[r] = -Float32.inf
-            lx[r] = 0.0
-            ly[r] = 0.0
-            cc[r] = 0.0
-        lane = tidx % 32
-        warp_in_wg = (tidx % 128) // 32
-        # this thread's rows in the tile (two: + 8 * r) and its first column in a block (+ c0 + 8 g)
-        row_t = wg * 64 + warp_in_wg * 16 + lane // 4
-        col_t = 2 * (lane % 4)
+        mx, my, lx, ly, cc = self._row_state()
+        lane, row_t, col_t = self._thread_rows(tidx, wg)
         row0 = m_blk * bm
 
         q_pipe.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
@@ -298,6 +283,25 @@ class KLForwardSm90:
             cute.gemm(atom, acc, rQ[None, None, k, 0], rK[None, None, k, stage], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
+
+    @cute.jit
+    def _row_state(self):
+        """Per row (two rows a thread): the maxima, sums of both sides and the KL accumulator, (mx, my, lx, ly, cc)."""
+        state = [cute.make_rmem_tensor((2,), Float32) for _ in range(5)]
+        for r in cutlass.range_constexpr(2):
+            state[0][r] = -Float32.inf
+            state[1][r] = -Float32.inf
+            for t in state[2:]:
+                t[r] = 0.0
+        return tuple(state)
+
+    @cute.jit
+    def _thread_rows(self, tidx: Int32, wg: Int32):
+        """(lane, this thread's first row in the tile (the second: + 8), its first column in a block (+ c0 + 8 g))
+        for a thread of consumer warpgroup wg."""
+        lane = tidx % 32
+        warp_in_wg = (tidx % 128) // 32
+        return lane, wg * 64 + warp_in_wg * 16 + lane // 4, 2 * (lane % 4)
 
     @cute.jit
     def _block_max(
@@ -490,21 +494,8 @@ class KLForwardSm90:
         rKx = tiled_mma.make_fragment_B(thr_mma.partition_B(sKx))
         rKy = tiled_mma.make_fragment_B(thr_mma.partition_B(sKy))
         acc_shape = thr_mma.partition_C(cute.make_identity_tensor((bm, bn))).shape
-        mx = cute.make_rmem_tensor((2,), Float32)
-        my = cute.make_rmem_tensor((2,), Float32)
-        lx = cute.make_rmem_tensor((2,), Float32)
-        ly = cute.make_rmem_tensor((2,), Float32)
-        cc = cute.make_rmem_tensor((2,), Float32)
-        for r in cutlass.range_constexpr(2):
-            mx[r] = -Float32.inf
-            my[r] = -Float32.inf
-            lx[r] = 0.0
-            ly[r] = 0.0
-            cc[r] = 0.0
-        lane = tidx % 32
-        warp_in_wg = (tidx % 128) // 32
-        row_t = cwg * 64 + warp_in_wg * 16 + lane // 4
-        col_t = 2 * (lane % 4)
+        mx, my, lx, ly, cc = self._row_state()
+        lane, row_t, col_t = self._thread_rows(tidx, cwg)
         row0 = m_blk * bm
         pipeline_init_wait(cluster_shape_mn=(1, 1))
         q_pipe.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
