@@ -56,7 +56,7 @@ def test_scale_kernel_multiplies_in_place_and_rounds_once(dtype, up):
     up_t = torch.tensor([up], dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=KERNEL_DEVICE)
     want = _expected(x.cpu(), float(up_t))
     ptr = x.data_ptr()
-    kernels.launch_scale(x, up_t)
+    kernels.launch_scale_all([x], up_t)
     assert x.data_ptr() == ptr
     assert _same(x.cpu(), want, interpreted=INTERPRETED)
 
@@ -67,10 +67,10 @@ def test_scale_kernel_refuses_what_it_cannot_scale():
 
     x = torch.ones(4, 6, device=KERNEL_DEVICE)
     with pytest.raises(ValueError, match="contiguous"):
-        kernels.launch_scale(x.t(), torch.tensor(2.0, device=KERNEL_DEVICE))
+        kernels.launch_scale_all([x.t()], torch.tensor(2.0, device=KERNEL_DEVICE))
     with pytest.raises(ValueError, match="one-element"):
-        kernels.launch_scale(x, torch.tensor([2.0, 3.0], device=KERNEL_DEVICE))
-    kernels.launch_scale(torch.empty(0, device=KERNEL_DEVICE), torch.tensor(2.0, device=KERNEL_DEVICE))
+        kernels.launch_scale_all([x], torch.tensor([2.0, 3.0], device=KERNEL_DEVICE))
+    kernels.launch_scale_all([torch.empty(0, device=KERNEL_DEVICE)], torch.tensor(2.0, device=KERNEL_DEVICE))
 
 
 @pytest.mark.parametrize("kernel_path", [True, False])

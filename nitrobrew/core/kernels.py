@@ -64,22 +64,17 @@ def _programs(t: torch.Tensor) -> int:
     return SCALE_PROGRAMS_OFF_GPU
 
 
-def launch_scale(t: torch.Tensor, upstream: torch.Tensor) -> None:
-    """t *= upstream in place (the product in fp32, fp64 for fp64, rounded once to t's dtype), skipped on the device
-    when upstream == 1. t: contiguous; upstream: a one-element tensor on t's device."""
-    launch_scale_all([t], upstream)
-
-
 def launch_scale_all(tensors: Sequence[torch.Tensor], upstream: torch.Tensor) -> None:
-    """``launch_scale`` of each tensor (at most MAX_SCALED, on one device), in one launch; the product in fp64
-    for all of them when one is fp64."""
+    """Each tensor *= upstream in place, in one launch (the product in fp32, fp64 for all of them when one is
+    fp64, rounded once to each tensor's dtype), skipped on the device when upstream == 1. tensors: 1 to
+    MAX_SCALED contiguous tensors on one device; upstream: a one-element tensor on that device."""
     if not 1 <= len(tensors) <= MAX_SCALED:
         raise ValueError(f"launch_scale_all takes 1 to {MAX_SCALED} tensors, got {len(tensors)}")
     for t in tensors:
         if not t.is_contiguous():
-            raise ValueError("launch_scale needs a contiguous tensor")
+            raise ValueError("launch_scale_all needs contiguous tensors")
         if upstream.numel() != 1 or upstream.device != t.device:
-            raise ValueError("launch_scale needs a one-element upstream gradient on the tensor's device")
+            raise ValueError("launch_scale_all needs a one-element upstream gradient on the tensors' device")
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return
