@@ -3,7 +3,8 @@
 Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args)``, named in
 ``COMMANDS`` below; a module is imported only when its command runs (optional extras stay
 optional, and ``nitrobrew --version`` / ``--help`` import no torch). Argument errors are one line
-and exit status 2 (``OneLineParser``), for every command.
+and exit status 2 for every command: the parser's (``OneLineParser``), and a command's own checks that
+end it with ``SystemExit("...")``.
 """
 
 from __future__ import annotations
@@ -98,7 +99,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the command they were given to
         parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    return int(importlib.import_module(args._module).run(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except SystemExit as err:
+        if not isinstance(err.code, str):
+            raise
+        # a command's check of its arguments or set-up (`raise SystemExit("...")`, which Python would end
+        # with status 1): one line named by the command, and status 2 like the parser's errors
+        message = " ".join(err.code.split())
+        if not message.startswith("nitrobrew"):
+            spelled = {cmd: f"bench {mode}" for mode, cmd in BENCH_MODES.items() if cmd != "bench"}
+            message = f"nitrobrew {spelled.get(args.command, args.command)}: {message}"
+        print(message, file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -6,16 +6,8 @@ import sys
 
 import pytest
 
-from nitrobrew.cli import COMMANDS, main
-
-
-def one_line_exit_2(argv, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "usage:" not in err, err
-    return err.strip()
+from cli_helpers import one_line_exit_2
+from nitrobrew.cli import COMMANDS
 
 
 @pytest.mark.parametrize(
