@@ -420,10 +420,11 @@ if HAVE_GLUON:
         j_hi,
     ):
         """The producer warp of the warp-specialized kernels: each consumer's fixed tiles of both sides (rows
-        fixed_row0 + i * rows), then blocks [j_lo, j_hi) of both sides' streamed rows into the ring, for each
-        of `heads` heads head_rows apart, each as soon as every consumer has released its buffer. Forward and
-        dq: fixed query tiles, streamed key blocks of one head; dk: fixed key tiles, streamed query blocks of
-        every query head sharing the kv head."""
+        fixed_row0 + i * rows), then blocks [j_lo, j_hi) of both sides' streamed rows into the ring, block by
+        block and within a block for each of `heads` heads head_rows apart, each as soon as every consumer has
+        released its buffer. Forward and dq: fixed query tiles, streamed key blocks of one head; dk: fixed key
+        tiles, streamed query blocks of every query head sharing the kv head (block-major, so that the programs
+        running at once read the same query blocks while they are in L2)."""
         STAGES: gl.constexpr = sx_smem.shape[0]
         BS: gl.constexpr = sx_smem.shape[1]
         PARTS: gl.constexpr = fx_smem.shape[0]
@@ -433,8 +434,8 @@ if HAVE_GLUON:
             tma_load(fx_desc, [fixed_row0 + i * ROWS, 0], fixed_bar, fx_smem.index(i))
             tma_load(fy_desc, [fixed_row0 + i * ROWS, 0], fixed_bar, fy_smem.index(i))
         t = 0
-        for h in range(heads):
-            for j in range(j_lo, j_hi):
+        for j in range(j_lo, j_hi):
+            for h in range(heads):
                 stage = t % STAGES
                 # a fresh barrier passes a wait on the parity before its first phase: the first round is free
                 mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)

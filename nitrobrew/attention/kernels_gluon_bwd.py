@@ -429,8 +429,9 @@ if kg.HAVE_GLUON:
         G_SCALAR: gl.constexpr,
     ):
         """A consumer warpgroup of attention_bwd_dk_gluon_ws_kernel: dk of its 64 keys over the query blocks
-        of every query head sharing the kv head (the program's stream starts at block j_lo of each head;
-        blocks before this warpgroup's first visible one are only released)."""
+        of every query head sharing the kv head, block by block and within a block head by head, as the
+        producer streams them from block j_lo on (blocks before this warpgroup's first visible one are only
+        released)."""
         BN: gl.constexpr = kx_smem.shape[1]
         BQ: gl.constexpr = qx_smem.shape[1]
         DG: gl.constexpr = kx_smem.shape[2] if GRAD_X else ky_smem.shape[2]
@@ -442,35 +443,35 @@ if kg.HAVE_GLUON:
         )
         start_n = start_n0 + part * BN
         vis, full, tail, n_q = _dk_query_blocks(start_n, BN, Nq, causal_offset, BQ, CAUSAL)
-        per_head = n_q - j_lo
         ds = ds_smem.index(part)
         zero = gl.zeros([BQ, BN], gl.float32, s_layout)
         acc = gl.zeros([BN, DG], gl.float32, acc_layout)
         kx = kx_smem.index(part)
         ky = ky_smem.index(part)
         mbarrier.wait(k_bar, 0)
-        for hl in range(heads):
-            q_flat0 = (bh_q0 + hl).to(gl.int64) * Nq
-            t0 = hl * per_head - j_lo
-            for j in range(j_lo, vis):  # invisible to these keys
-                _ws_release(ready, empty, t0 + j)
-            for j in range(vis, full):
+        for j in range(j_lo, vis):  # invisible to these keys
+            for hl in range(heads):
+                _ws_release(ready, empty, (j - j_lo) * heads + hl)
+        for j in range(vis, full):
+            for hl in range(heads):
                 acc = _dk_block(
-                    kx, ky, qx_smem, qy_smem, ds, ready, empty, t0 + j, acc, zero, LSEX, LSEY, KL, G, q_flat0,
-                    start_n, j * BQ, Nq, Nk, causal_offset, scale_x, scale_y, s_layout, True, CAUSAL, GRAD_X,
-                    G_SCALAR,
+                    kx, ky, qx_smem, qy_smem, ds, ready, empty, (j - j_lo) * heads + hl, acc, zero, LSEX, LSEY, KL,
+                    G, (bh_q0 + hl).to(gl.int64) * Nq, start_n, j * BQ, Nq, Nk, causal_offset, scale_x, scale_y,
+                    s_layout, True, CAUSAL, GRAD_X, G_SCALAR,
                 )  # fmt: skip
-            for j in range(full, tail):
+        for j in range(full, tail):
+            for hl in range(heads):
                 acc = _dk_block(
-                    kx, ky, qx_smem, qy_smem, ds, ready, empty, t0 + j, acc, zero, LSEX, LSEY, KL, G, q_flat0,
-                    start_n, j * BQ, Nq, Nk, causal_offset, scale_x, scale_y, s_layout, False, CAUSAL, GRAD_X,
-                    G_SCALAR,
+                    kx, ky, qx_smem, qy_smem, ds, ready, empty, (j - j_lo) * heads + hl, acc, zero, LSEX, LSEY, KL,
+                    G, (bh_q0 + hl).to(gl.int64) * Nq, start_n, j * BQ, Nq, Nk, causal_offset, scale_x, scale_y,
+                    s_layout, False, CAUSAL, GRAD_X, G_SCALAR,
                 )  # fmt: skip
-            for j in range(tail, n_q):
+        for j in range(tail, n_q):
+            for hl in range(heads):
                 acc = _dk_block(
-                    kx, ky, qx_smem, qy_smem, ds, ready, empty, t0 + j, acc, zero, LSEX, LSEY, KL, G, q_flat0,
-                    start_n, j * BQ, Nq, Nk, causal_offset, scale_x, scale_y, s_layout, True, CAUSAL, GRAD_X,
-                    G_SCALAR,
+                    kx, ky, qx_smem, qy_smem, ds, ready, empty, (j - j_lo) * heads + hl, acc, zero, LSEX, LSEY, KL,
+                    G, (bh_q0 + hl).to(gl.int64) * Nq, start_n, j * BQ, Nq, Nk, causal_offset, scale_x, scale_y,
+                    s_layout, True, CAUSAL, GRAD_X, G_SCALAR,
                 )  # fmt: skip
         keys = start_n + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
         cols = gl.arange(0, DG, layout=gl.SliceLayout(0, acc_layout))
