@@ -14,7 +14,8 @@ grouped unlike on the two sides (dk), key padding masks.
   with a third MMA whose A operand comes from registers.
 - ``attention_bwd_dk_gluon_ws_kernel``: program = (3 x 64 keys, batch * kv head). The same producer
   loads the key tiles and streams 64-row query blocks of every query head
-  sharing the kv head; each consumer (``_ws_dk_partition``) computes [query rows, keys] score tiles (the
+  sharing the kv head, block-major (each block for every head of the group); each consumer
+  (``_ws_dk_partition``) computes [query rows, keys] score tiles (the
   row statistics stay per row of the tile: along its columns they cost 16 registers a vector and
   spilled), writes dS to shared memory and reads it back transposed as the A operand of dk += dS^T q
   (FlashAttention-3's dV step).
