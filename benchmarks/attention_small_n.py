@@ -54,10 +54,10 @@ def kernel_ms(fn, calls: int = 5) -> float:
     return total_us / calls / 1e3
 
 
-def measure(fns: dict, rounds: int, reps: int, loop_calls: int, host: bool = True) -> dict:
-    """Medians over rounds (the variants alternate within each) of wall, host (if asked), kernels and
-    loop time of each variant, in ms."""
-    parts = ("wall", "host", "kernels", "loop") if host else ("wall", "kernels", "loop")
+def measure(fns: dict, rounds: int, reps: int, loop_calls: int, host: bool = True, kernels: bool = True) -> dict:
+    """Medians over rounds (the variants alternate within each) of wall, host (if asked), kernels (if asked:
+    a profiled pass of 5 calls) and loop time of each variant, in ms."""
+    parts = ("wall",) + (("host",) if host else ()) + (("kernels",) if kernels else ()) + ("loop",)
     res = {k: {c: [] for c in parts} for k in fns}
     for fn in fns.values():
         fn(), fn()
@@ -67,7 +67,8 @@ def measure(fns: dict, rounds: int, reps: int, loop_calls: int, host: bool = Tru
             res[k]["wall"].append(time_ms(fn, dev, warmup=1, reps=reps))
             if host:
                 res[k]["host"].append(host_ms(fn, reps))
-            res[k]["kernels"].append(kernel_ms(fn))
+            if kernels:
+                res[k]["kernels"].append(kernel_ms(fn))
             res[k]["loop"].append(loop_ms(fn, calls=loop_calls))
     return {k: {c: statistics.median(x) for c, x in r.items()} for k, r in res.items()}
 

@@ -24,15 +24,14 @@ printed next to FlashAttention-3's published forward rate. Needs a CUDA GPU:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from attention_small_n import measure
 
 import nitrobrew as nb
-from nitrobrew.bench.common import loop_ms, time_ms
 from nitrobrew.environment import environment
 
 FA3_FWD = "600-650 TFLOP/s (H100, head dim 128, causal, FlashAttention-3's paper)"
@@ -53,19 +52,6 @@ def reps_for(n: int) -> tuple:
     if n <= 32768:
         return 3, 4, 5
     return 3, 2, 2
-
-
-def measure(fns: dict, n: int) -> dict:
-    rounds, reps, calls = reps_for(n)
-    res = {k: {"wall": [], "loop": []} for k in fns}
-    for fn in fns.values():
-        fn()
-    dev = torch.device("cuda")
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            res[k]["wall"].append(time_ms(fn, dev, warmup=1, reps=reps))
-            res[k]["loop"].append(loop_ms(fn, calls=calls))
-    return {k: {c: statistics.median(x) for c, x in r.items()} for k, r in res.items()}
 
 
 def run_case(case: str, n: int, dev) -> list:
@@ -105,7 +91,8 @@ def run_case(case: str, n: int, dev) -> list:
     if case == "mha" and n <= 8192:
         step["KL, grads in forward"] = lambda: kl_step(IN_FORWARD)
     rows = []
-    mf, mb = measure(fwd, n), measure(step, n)
+    rounds, reps, calls = reps_for(n)
+    mf, mb = (measure(f, rounds, reps, loop_calls=calls, host=False, kernels=False) for f in (fwd, step))
     flop = 2 * n * n * H * (ds + dt) / 2
     for what, med in (("forward", mf), ("fwd+bwd", mb)):
         base = med["SDPA"]
