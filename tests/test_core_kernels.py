@@ -120,13 +120,21 @@ def test_scale_by_upstream_scales_a_permuted_gradient_in_place():
     assert got is gap and torch.equal(got.cpu(), torch.full((8, 5), 3.0))
 
 
-@needs_triton
-def test_scale_kernel_scales_several_tensors_in_one_launch(monkeypatch):
+def _count_launches(monkeypatch) -> list:
+    """A list that gets one entry per kernel launch of nitrobrew.core.kernels."""
     from nitrobrew.core import kernels
 
     launches = []
     real = kernels.launch
     monkeypatch.setattr(kernels, "launch", lambda *a, **k: (launches.append(1), real(*a, **k)))
+    return launches
+
+
+@needs_triton
+def test_scale_kernel_scales_several_tensors_in_one_launch(monkeypatch):
+    from nitrobrew.core import kernels
+
+    launches = _count_launches(monkeypatch)
     sizes = [5, kernels.SCALE_BLOCK * 3 + 1, 3, 7]
     dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.float16]
     xs = [_grad(n, d).to(KERNEL_DEVICE) for n, d in zip(sizes, dtypes)]
@@ -143,11 +151,8 @@ def test_scale_kernel_scales_several_tensors_in_one_launch(monkeypatch):
 
 @needs_triton
 def test_scale_by_upstream_launches_once_per_precision(monkeypatch):
-    from nitrobrew.core import kernels
 
-    launches = []
-    real = kernels.launch
-    monkeypatch.setattr(kernels, "launch", lambda *a, **k: (launches.append(1), real(*a, **k)))
+    launches = _count_launches(monkeypatch)
     grads = [_grad(n, d).to(KERNEL_DEVICE) for n, d in ((9, torch.bfloat16), (11, torch.float64), (13, torch.float32))]
     up = torch.tensor(1 / 3, device=KERNEL_DEVICE)
     wants = [_expected(g.cpu(), float(up)) for g in grads]  # fp32 products for the 16/32-bit ones, fp64 for fp64
